@@ -1,0 +1,280 @@
+"""The GRPO objective as pure functions: advantages, token log-probs, clipped loss.
+
+Everything here is jit/vmap/grad-able and imports nothing else from podsjax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+StdScaling = Literal["group", "batch", "none"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+STD_SCALINGS = ("group", "batch", "none")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def group_advantages(
+    rewards_PM: jax.Array,
+    *,
+    eps: float = 1e-4,
+    std_scaling: StdScaling = "group",
+    ddof: int = 1,
+) -> jax.Array:
+    """Group-relative advantages a_i = (r_i - mean_group) / (std + eps).
+
+    Call it on the rewards of the *selected* rollouts, so PODS normalizes over
+    the subset it trains on.
+
+    Args:
+      rewards_PM: [..., M] rewards; the last axis is one group.
+      eps: added to the std (the PODS reference code uses 1e-4).
+      std_scaling: "group" divides by each group's std, "batch" by the std of
+        all rewards, "none" only subtracts the group mean (Dr. GRPO).
+      ddof: delta degrees of freedom of the std; 1 matches ``torch.std``,
+        which TRL-style GRPO code uses, 0 gives the population std.
+
+    Returns:
+      [..., M] float32 advantages. A group whose rewards are all equal gets
+      exactly zero.
+    """
+    if std_scaling not in STD_SCALINGS:
+        raise ValueError(f"std_scaling must be one of {STD_SCALINGS}; got {std_scaling!r}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0; got {eps}")
+    rewards = jnp.asarray(rewards_PM, dtype=jnp.float32)
+    if rewards.ndim < 1:
+        raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
+    centered = rewards - jnp.mean(rewards, axis=-1, keepdims=True)
+    if std_scaling == "none":
+        return centered
+    if std_scaling == "group":
+        size = rewards.shape[-1]
+        std = jnp.std(rewards, axis=-1, keepdims=True, ddof=ddof if size > ddof else 0)
+    else:
+        std = jnp.std(rewards, ddof=ddof if rewards.size > ddof else 0)
+    return centered / (std + eps)
+
+
+def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature: float = 1.0) -> jax.Array:
+    """Log-probability of each target token under softmax(logits / temperature).
+
+    Computed as the target's scaled logit minus a logsumexp, in float32. Under
+    jit the scaling and the upcast fuse into the logsumexp reduction, so no
+    [B, L, V] softmax or log-softmax copy is materialized.
+
+    Args:
+      logits_BLV: [..., L, V] logits of any float dtype.
+      targets_BL: [..., L] int token ids.
+      temperature: > 0; the sampler's temperature, so the ratio compares the
+        same distribution the rollouts came from.
+
+    Returns:
+      [..., L] float32 log-probs.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs; got {temperature}")
+    if logits_BLV.shape[:-1] != targets_BL.shape:
+        raise ValueError(f"logits {logits_BLV.shape} and targets {targets_BL.shape} disagree on the leading axes")
+    scaled = logits_BLV.astype(jnp.float32) / temperature
+    picked = jnp.take_along_axis(scaled, targets_BL[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
+def token_entropy(logits_BLV: jax.Array, *, temperature: float = 1.0) -> jax.Array:
+    """Entropy of softmax(logits / temperature) per position, [..., L] float32.
+
+    H = logsumexp(x) - sum softmax(x) * x, written as reductions so XLA fuses it.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    scaled = logits_BLV.astype(jnp.float32) / temperature
+    lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    return lse[..., 0] - jnp.sum(jnp.exp(scaled - lse) * scaled, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Hyperparameters of the clipped GRPO loss (hashable, so jit can take it static).
+
+    Attributes:
+      epsilon: lower clip, the ratio is kept >= 1 - epsilon for negative advantages.
+      epsilon_high: upper clip (DAPO's clip-higher); None means epsilon.
+      beta: weight of the k3 KL to the reference policy; 0 needs no reference.
+      aggregation: "token-mean" averages all tokens of the batch,
+        "seq-mean-token-mean" averages per sequence then over sequences
+        (the original GRPO), "seq-mean-token-sum-norm" sums tokens and divides
+        by a constant B * norm_length (Dr. GRPO).
+      norm_length: the constant length of Dr. GRPO's normalizer; None uses the
+        padded completion length L of the batch.
+    """
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    aggregation: Aggregation = "token-mean"
+    norm_length: int | None = None
+
+    def __post_init__(self):
+        if not self.epsilon >= 0:
+            raise ValueError(f"epsilon must be >= 0; got {self.epsilon}")
+        if self.epsilon_high is not None and not self.epsilon_high >= 0:
+            raise ValueError(f"epsilon_high must be >= 0; got {self.epsilon_high}")
+        if not self.beta >= 0:
+            raise ValueError(f"beta must be >= 0; got {self.beta}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {self.aggregation!r}")
+        if self.norm_length is not None and self.norm_length < 1:
+            raise ValueError(f"norm_length must be >= 1; got {self.norm_length}")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@flax.struct.dataclass
+class LossTerms:
+    """What the loss reduces, kept apart so micro-batches can share one normalizer.
+
+    ``loss = numerator / denominator``; summing numerators over micro-batches and
+    dividing by the whole batch's denominator gives the big-batch loss exactly.
+    """
+
+    numerator: jax.Array
+    denominator: jax.Array
+
+
+@flax.struct.dataclass
+class LossMetrics:
+    """Masked-token statistics of one loss evaluation (all scalars)."""
+
+    clip_frac_low: jax.Array  # ratio < 1 - eps with a negative advantage
+    clip_frac_high: jax.Array  # ratio > 1 + eps_high with a positive advantage
+    kl_mean: jax.Array
+    advantage_mean: jax.Array
+    ratio_mean: jax.Array
+    num_tokens: jax.Array
+
+
+def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:
+    """The normalizer the aggregation mode divides by, for a batch's mask."""
+    mask = mask_BL.astype(jnp.float32)
+    if config.aggregation == "token-mean":
+        return jnp.maximum(jnp.sum(mask), 1.0)
+    num_seqs = jnp.asarray(mask.shape[0] if mask.ndim > 1 else 1, jnp.float32)
+    if config.aggregation == "seq-mean-token-mean":
+        return num_seqs
+    length = config.norm_length or mask.shape[-1]
+    return num_seqs * length
+
+
+def grpo_loss_terms(
+    logprobs_BL: jax.Array,
+    advantages_B: jax.Array,
+    mask_BL: jax.Array,
+    config: LossConfig,
+    *,
+    old_logprobs_BL: jax.Array | None = None,
+    ref_logprobs_BL: jax.Array | None = None,
+) -> tuple[LossTerms, LossMetrics]:
+    """The clipped surrogate with k3 KL, as (numerator, denominator) plus metrics.
+
+    Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
+    + beta * (exp(ref - logp) - (ref - logp) - 1), with ratio = exp(logp - old).
+
+    Args:
+      logprobs_BL: [B, L] log-probs of the completion tokens under the policy
+        being trained (differentiate through these).
+      advantages_B: [B] one advantage per sequence.
+      mask_BL: [B, L] 1 for completion tokens that count, 0 for padding.
+      config: the loss hyperparameters.
+      old_logprobs_BL: [B, L] log-probs of the policy that sampled; None means
+        the current policy (one update per batch, ratio 1 with the gradient
+        of logp).
+      ref_logprobs_BL: [B, L] reference log-probs; required iff beta > 0.
+
+    Returns:
+      (LossTerms, LossMetrics). Masked positions get exactly zero gradient,
+      whatever values they hold.
+    """
+    if logprobs_BL.ndim != 2:
+        raise ValueError(f"logprobs must be [B, L]; got shape {logprobs_BL.shape}")
+    if mask_BL.shape != logprobs_BL.shape:
+        raise ValueError(f"mask {mask_BL.shape} must match logprobs {logprobs_BL.shape}")
+    if advantages_B.shape != logprobs_BL.shape[:1]:
+        raise ValueError(f"advantages must be [B]={logprobs_BL.shape[:1]}; got {advantages_B.shape}")
+    for name, other in (("old_logprobs", old_logprobs_BL), ("ref_logprobs", ref_logprobs_BL)):
+        if other is not None and other.shape != logprobs_BL.shape:
+            raise ValueError(f"{name} {other.shape} must match logprobs {logprobs_BL.shape}")
+    if config.beta > 0 and ref_logprobs_BL is None:
+        raise ValueError(f"beta={config.beta} > 0 needs ref_logprobs_BL")
+
+    valid = mask_BL.astype(bool)
+    weight = valid.astype(jnp.float32)
+    # Padding may hold anything (even inf); zero it *before* the arithmetic so
+    # neither the loss nor the gradient ever sees it.
+    logp = jnp.where(valid, logprobs_BL.astype(jnp.float32), 0.0)
+    old = jax.lax.stop_gradient(logp) if old_logprobs_BL is None else jnp.where(valid, old_logprobs_BL, 0.0)
+    adv = advantages_B.astype(jnp.float32)[:, None]
+
+    ratio = jnp.exp(logp - old)
+    clipped = jnp.clip(ratio, 1.0 - config.epsilon, 1.0 + config.clip_high)
+    per_token = -jnp.minimum(ratio * adv, clipped * adv)
+
+    if ref_logprobs_BL is not None:
+        log_ref_ratio = jnp.where(valid, ref_logprobs_BL, 0.0) - logp
+        kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        if config.beta > 0:
+            per_token = per_token + config.beta * kl
+    else:
+        kl = jnp.zeros_like(logp)
+
+    per_token = jnp.where(valid, per_token, 0.0)
+    if config.aggregation == "seq-mean-token-mean":
+        lengths = jnp.maximum(jnp.sum(weight, axis=-1), 1.0)
+        numerator = jnp.sum(jnp.sum(per_token, axis=-1) / lengths)
+    else:
+        numerator = jnp.sum(per_token)
+
+    num_tokens = jnp.sum(weight)
+    denom_tokens = jnp.maximum(num_tokens, 1.0)
+
+    def token_mean(x):
+        return jax.lax.stop_gradient(jnp.sum(jnp.where(valid, x, 0.0)) / denom_tokens)
+
+    low = (ratio < 1.0 - config.epsilon) & (adv < 0)
+    high = (ratio > 1.0 + config.clip_high) & (adv > 0)
+    metrics = LossMetrics(
+        clip_frac_low=token_mean(low.astype(jnp.float32)),
+        clip_frac_high=token_mean(high.astype(jnp.float32)),
+        kl_mean=token_mean(kl),
+        advantage_mean=jnp.mean(advantages_B.astype(jnp.float32)),
+        ratio_mean=token_mean(ratio),
+        num_tokens=num_tokens,
+    )
+    return LossTerms(numerator=numerator, denominator=loss_denominator(mask_BL, config)), metrics
+
+
+def grpo_loss(
+    logprobs_BL: jax.Array,
+    advantages_B: jax.Array,
+    mask_BL: jax.Array,
+    config: LossConfig = LossConfig(),
+    *,
+    old_logprobs_BL: jax.Array | None = None,
+    ref_logprobs_BL: jax.Array | None = None,
+) -> tuple[jax.Array, LossMetrics]:
+    """The scalar clipped GRPO loss and its metrics; see ``grpo_loss_terms``."""
+    terms, metrics = grpo_loss_terms(
+        logprobs_BL,
+        advantages_B,
+        mask_BL,
+        config,
+        old_logprobs_BL=old_logprobs_BL,
+        ref_logprobs_BL=ref_logprobs_BL,
+    )
+    return terms.numerator / terms.denominator, metrics

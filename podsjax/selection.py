@@ -1,0 +1,353 @@
+"""Down-sampling rules: pick M of the N rollouts of each group.
+
+Every rule is a pure function ``rule(rewards, m, *, key=None) -> indices`` with
+``rewards`` of shape [..., N] and int32 ``indices`` of shape [..., M] into the
+last axis. Rules trace under ``jax.jit`` (``m`` static), ``jax.vmap`` and
+``shard_map``, for any number of leading batch axes.
+
+Shared conventions:
+
+* Order. Rollouts are ranked by the total order (reward, index): equal rewards
+  rank by position, so every rule is deterministic and ties never make a
+  rule pick the same rollout twice.
+* Non-finite rewards (NaN, +-inf) mean "no valid reward" and rank after every
+  finite one. A rule chooses among the finite rewards of a group and uses
+  non-finite ones only when fewer than M rewards are finite; they then fill
+  the remaining slots in index order. Callers can spot them with
+  ``~jnp.isfinite(jnp.take_along_axis(rewards, indices, -1))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Above this size a compare-exchange network costs more than XLA's sort.
+_NETWORK_MAX_N = 1024
+
+
+class Rule(Protocol):
+    def __call__(self, rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _RegisteredRule:
+    fn: Callable[..., jax.Array]
+    needs_key: bool
+
+
+_RULES: dict[str, _RegisteredRule] = {}
+
+
+def _canonical_name(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+def _validate(rewards, m) -> tuple[jax.Array, int]:
+    """Returns float rewards and N; raises one-line errors at trace time."""
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim < 1:
+        raise ValueError(f"rewards must have a last axis of rollouts [..., N]; got a scalar of shape {rewards.shape}")
+    if not jnp.issubdtype(rewards.dtype, jnp.floating):
+        rewards = rewards.astype(jnp.float32)
+    n = rewards.shape[-1]
+    try:
+        m = operator.index(m)
+    except TypeError:
+        raise TypeError(f"m must be a static Python int (mark it static under jit); got {type(m).__name__}") from None
+    if not 1 <= m <= n:
+        raise ValueError(f"m must satisfy 1 <= m <= N={n} (rollouts per group); got m={m}")
+    return rewards, m
+
+
+def _lex_greater(va, ia, vb, ib):
+    return (va > vb) | ((va == vb) & (ia > ib))
+
+
+def _compare_exchange(v4, i4, mirror: bool):
+    """Orders the pairs of [..., blocks, 2, width] views ascending.
+
+    With ``mirror`` the second half is compared back to front (the first step
+    of a bitonic merge), so every step sorts in the same direction.
+    """
+    vl, vh, il, ih = v4[..., 0, :], v4[..., 1, :], i4[..., 0, :], i4[..., 1, :]
+    if mirror:
+        vh, ih = vh[..., ::-1], ih[..., ::-1]
+    swap = _lex_greater(vl, il, vh, ih)
+    new_vl, new_vh = jnp.where(swap, vh, vl), jnp.where(swap, vl, vh)
+    new_il, new_ih = jnp.where(swap, ih, il), jnp.where(swap, il, ih)
+    if mirror:
+        new_vh, new_ih = new_vh[..., ::-1], new_ih[..., ::-1]
+    return jnp.stack([new_vl, new_vh], axis=-2), jnp.stack([new_il, new_ih], axis=-2)
+
+
+def _network_sort(values, idx):
+    """Bitonic sort of (values, idx) pairs along the last axis, N a power of two.
+
+    Pure elementwise jnp, so XLA fuses it; on CPU it runs several times faster
+    than ``lax.sort`` for the small N of RL groups.
+    """
+    lead, n = values.shape[:-1], values.shape[-1]
+
+    def step(values, idx, width, mirror):
+        shape = (*lead, n // (2 * width), 2, width)
+        values, idx = _compare_exchange(values.reshape(shape), idx.reshape(shape), mirror)
+        return values.reshape(*lead, n), idx.reshape(*lead, n)
+
+    size = 2
+    while size <= n:
+        values, idx = step(values, idx, size // 2, mirror=True)
+        width = size // 4
+        while width >= 1:
+            values, idx = step(values, idx, width, mirror=False)
+            width //= 2
+        size *= 2
+    return values, idx
+
+
+def sort_with_indices(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sorts the last axis by the total order (value, index).
+
+    Args:
+      values: [..., N] floats without NaN.
+
+    Returns:
+      (sorted_values [..., N], int32 sorted_indices [..., N]); equal values keep
+      their original order, exactly like a stable argsort.
+    """
+    # -0.0 and 0.0 must tie (then rank by index) in both sort paths.
+    values = jnp.where(values == 0, jnp.zeros_like(values), values)
+    n = values.shape[-1]
+    idx = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    if n <= 1:
+        return values, idx
+    if n > _NETWORK_MAX_N:
+        return lax.sort((values, idx), dimension=values.ndim - 1, num_keys=2)
+    padded = 1 << (n - 1).bit_length()
+    if padded != n:
+        # Padding ranks last: +inf ties with invalid rewards but has larger indices.
+        pad = [(0, 0)] * (values.ndim - 1) + [(0, padded - n)]
+        values = jnp.pad(values, pad, constant_values=jnp.inf)
+        idx = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    values, idx = _network_sort(values, idx)
+    return values[..., :n], idx[..., :n]
+
+
+def _sorted_valid(rewards):
+    """Sorted rewards with non-finite ones (as +inf) last, and the finite count."""
+    valid = jnp.isfinite(rewards)
+    keys = jnp.where(valid, rewards, jnp.inf)
+    sorted_vals, sorted_idx = sort_with_indices(keys)
+    num_valid = jnp.sum(valid, axis=-1, dtype=jnp.int32)
+    return sorted_vals, sorted_idx, num_valid
+
+
+def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
+    """The size-M subset of each group with the largest population variance.
+
+    By Theorem 1 of the PODS paper the best subset is the k highest plus the
+    M-k lowest rewards for some k in [0, M]. One sort, prefix sums of r and
+    r^2 from both ends, and all M+1 candidates scored at once: O(N log^2 N)
+    on the small network sort, O(M) after it.
+
+    Ties: candidates are scored by M * sum(r^2) - sum(r)^2 (M^2 times the
+    variance); among equal scores the smallest k (fewest top rewards) wins,
+    so binary rewards with M odd keep floor(M/2) ones when both kinds are
+    plentiful. Within equal rewards the (reward, index) order applies: the
+    bottom block takes the lowest indices, the top block the highest.
+
+    Numerics: rewards are shifted by the group's smallest finite reward
+    before squaring, so a large common offset (1e6 + small differences)
+    costs no precision, and integer-valued rewards score exactly.
+
+    Args:
+      rewards: [..., N] rewards (any float dtype; ints are cast to float32).
+      m: static number of rollouts to keep, 1 <= m <= N.
+      key: unused; accepted so all rules share one signature.
+
+    Returns:
+      int32 [..., M] indices into the last axis, in ascending (reward, index)
+      order. Non-finite rewards: see the module docstring.
+    """
+    del key
+    rewards, m = _validate(rewards, m)
+    sorted_vals, sorted_idx, num_valid = _sorted_valid(rewards)
+    nv = num_valid[..., None]
+    center = jnp.where(nv > 0, sorted_vals[..., :1], jnp.zeros_like(sorted_vals[..., :1]))
+
+    ranks_M = jnp.arange(m, dtype=jnp.int32)
+    bottom_M = sorted_vals[..., :m] - center
+    # The k-th highest finite reward sits at rank nv-1-k.
+    top_ranks_M = jnp.clip(nv - 1 - ranks_M, 0, None)
+    top_M = jnp.take_along_axis(sorted_vals, top_ranks_M, axis=-1) - center
+    # Rows with fewer than M finite rewards never use these scores; zero them
+    # so inf never meets the arithmetic below.
+    enough = nv >= m
+    bottom_M = jnp.where(enough, bottom_M, 0)
+    top_M = jnp.where(enough, top_M, 0)
+
+    def prefix(x):
+        zero = jnp.zeros_like(x[..., :1])
+        return jnp.concatenate([zero, jnp.cumsum(x, axis=-1)], axis=-1)
+
+    top_s1, top_s2 = prefix(top_M), prefix(top_M * top_M)  # [..., M+1], index k
+    bot_s1, bot_s2 = prefix(bottom_M), prefix(bottom_M * bottom_M)  # index m-k
+    s1 = top_s1 + bot_s1[..., ::-1]
+    s2 = top_s2 + bot_s2[..., ::-1]
+    scores = m * s2 - s1 * s1
+    k = jnp.argmax(scores, axis=-1).astype(jnp.int32)[..., None]
+
+    # Slot j holds rank j for the bottom block, then ranks nv-m+j for the top.
+    ranks = jnp.where(ranks_M < m - k, ranks_M, nv - m + ranks_M)
+    ranks = jnp.where(enough, ranks, ranks_M)
+    return jnp.take_along_axis(sorted_idx, ranks, axis=-1)
+
+
+def max_reward(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
+    """The M highest rewards; among equal rewards the higher index wins.
+
+    Returns int32 [..., M] indices in descending (reward, index) order.
+    """
+    del key
+    rewards, m = _validate(rewards, m)
+    sorted_vals, sorted_idx, num_valid = _sorted_valid(rewards)
+    nv = num_valid[..., None]
+    ranks_M = jnp.arange(m, dtype=jnp.int32)
+    ranks = nv - 1 - ranks_M
+    # Fewer than M finite: keep all finite ones, then fill from the invalid tail.
+    ranks = jnp.where(ranks >= 0, ranks, ranks_M)
+    return jnp.take_along_axis(sorted_idx, ranks, axis=-1)
+
+
+def percentile(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
+    """M rollouts at evenly spaced ranks, the worst and the best included.
+
+    Rank j of M is round(j * (nv - 1) / (M - 1)) among the nv finite rewards;
+    M = 1 keeps the best. Returns int32 [..., M] indices in ascending order.
+    """
+    del key
+    rewards, m = _validate(rewards, m)
+    sorted_vals, sorted_idx, num_valid = _sorted_valid(rewards)
+    nv = num_valid[..., None]
+    if m == 1:
+        ranks = jnp.maximum(nv - 1, 0)
+    else:
+        j = jnp.arange(m, dtype=jnp.int32)
+        # Integer arithmetic: round-half-up of j*(nv-1)/(m-1), exact and distinct
+        # because the spacing (nv-1)/(m-1) is >= 1 whenever nv >= m.
+        ranks = (2 * j * (nv - 1) + (m - 1)) // (2 * (m - 1))
+        ranks = jnp.where(nv >= m, ranks, j)
+    return jnp.take_along_axis(sorted_idx, ranks, axis=-1)
+
+
+def random(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
+    """A uniformly random size-M subset of each group (rewards are ignored).
+
+    Args:
+      rewards: [..., N]; only the shape is used.
+      m: static subset size.
+      key: a PRNG key (required).
+
+    Returns:
+      int32 [..., M] indices, in random order.
+    """
+    rewards, m = _validate(rewards, m)
+    if key is None:
+        raise ValueError("selection rule 'random' needs a PRNG key: pass key=jax.random.key(...)")
+    # The ranks of i.i.d. uniforms form a uniform random permutation.
+    noise = jax.random.uniform(key, rewards.shape, dtype=jnp.float32)
+    _, idx = lax.top_k(noise, m)
+    return idx.astype(jnp.int32)
+
+
+def register_rule(name: str, fn: Callable[..., jax.Array], *, needs_key: bool = False, overwrite: bool = False) -> None:
+    """Makes ``fn(rewards, m, *, key=None) -> int32 [..., M]`` selectable by ``name``.
+
+    Names are case-insensitive and '-' equals '_' ("max-variance" works).
+    """
+    canonical = _canonical_name(name)
+    if not canonical:
+        raise ValueError("selection rule name must be non-empty")
+    if not callable(fn):
+        raise TypeError(f"selection rule {name!r} must be callable; got {type(fn).__name__}")
+    if canonical in _RULES and not overwrite:
+        raise ValueError(f"selection rule {name!r} is already registered; pass overwrite=True to replace it")
+    _RULES[canonical] = _RegisteredRule(fn=fn, needs_key=needs_key)
+
+
+def available_rules() -> tuple[str, ...]:
+    return tuple(sorted(_RULES))
+
+
+def get_rule(name: str) -> Callable[..., jax.Array]:
+    """The rule registered under ``name``; unknown names list the known ones."""
+    try:
+        return _RULES[_canonical_name(name)].fn
+    except KeyError:
+        raise ValueError(f"unknown selection rule {name!r}; known rules: {', '.join(available_rules())}") from None
+
+
+def rule_needs_key(name: str) -> bool:
+    get_rule(name)
+    return _RULES[_canonical_name(name)].needs_key
+
+
+def select(rule: str, rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
+    """Dispatches to a registered rule by name.
+
+    Args:
+      rule: "max_variance", "max_reward", "random", "percentile" or a name
+        added with ``register_rule``.
+      rewards: [..., N] rewards.
+      m: static number of rollouts to keep per group.
+      key: PRNG key, required by rules registered with ``needs_key``.
+
+    Returns:
+      int32 [..., M] indices into the last axis of ``rewards``.
+    """
+    fn = get_rule(rule)
+    if rule_needs_key(rule) and key is None:
+        raise ValueError(f"selection rule {rule!r} needs a PRNG key: pass key=jax.random.key(...)")
+    return fn(rewards, m, key=key)
+
+
+def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
+    """Boolean [..., N] mask that is True at the selected positions.
+
+    Args:
+      indices: int [..., M] positions in [0, N).
+      n: static group size N.
+    """
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"n must be a static Python int; got {type(n).__name__}") from None
+    if n < 1:
+        raise ValueError(f"n must be >= 1; got {n}")
+    indices = jnp.asarray(indices)
+    if indices.ndim < 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ValueError(f"indices must be an integer array [..., M]; got dtype {indices.dtype}, shape {indices.shape}")
+    positions_N = jnp.arange(n, dtype=indices.dtype)
+    return jnp.any(indices[..., :, None] == positions_N, axis=-2)
+
+
+def subset_variance(rewards: jax.Array, indices: jax.Array) -> jax.Array:
+    """Population variance of the selected rewards per group: [..., N], [..., M] -> [...]."""
+    chosen = jnp.take_along_axis(jnp.asarray(rewards), indices, axis=-1)
+    return jnp.var(chosen, axis=-1)
+
+
+for _name, _fn, _needs_key in (
+    ("max_variance", max_variance, False),
+    ("max_reward", max_reward, False),
+    ("random", random, True),
+    ("percentile", percentile, False),
+):
+    register_rule(_name, _fn, needs_key=_needs_key)
+
+del _name, _fn, _needs_key
