@@ -15,6 +15,7 @@ Shared conventions:
   non-finite ones only when fewer than M rewards are finite; they then fill
   the remaining slots in index order. Callers can spot them with
   ``~jnp.isfinite(jnp.take_along_axis(rewards, indices, -1))``.
+* Subnormal rewards compare equal to zero, because XLA flushes denormals.
 """
 
 from __future__ import annotations
@@ -200,7 +201,12 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     s1 = top_s1 + bot_s1[..., ::-1]
     s2 = top_s2 + bot_s2[..., ::-1]
     scores = m * s2 - s1 * s1
-    k = jnp.argmax(scores, axis=-1).astype(jnp.int32)[..., None]
+    if m == 1:
+        # Every candidate scores 0 in exact arithmetic, but an FMA in the score
+        # can leave rounding residue; pin the documented tie rule (k=0).
+        k = jnp.zeros_like(nv)
+    else:
+        k = jnp.argmax(scores, axis=-1).astype(jnp.int32)[..., None]
 
     # Slot j holds rank j for the bottom block, then ranks nv-m+j for the top.
     ranks = jnp.where(ranks_M < m - k, ranks_M, nv - m + ranks_M)
