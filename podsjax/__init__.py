@@ -9,10 +9,23 @@ Axis glossary used in names throughout the package (``rewards_PN``, ``logits_BLV
     K  key/value heads
 
 A trailing ``...`` in a docstring shape means any number of leading batch axes.
+
+Submodules load lazily, so host-side users (reward worker processes, data
+tools) do not pay for importing JAX.
 """
 
-from podsjax import grpo, selection
-from podsjax.selection import indices_to_mask, register_rule, select
+import importlib
 
-__all__ = ["grpo", "selection", "select", "register_rule", "indices_to_mask"]
 __version__ = "0.1.0"
+
+_SUBMODULES = ("data", "grpo", "mesh", "models", "prompts", "rewards", "selection")
+_SELECTION_NAMES = ("select", "register_rule", "indices_to_mask")
+__all__ = [*_SUBMODULES, *_SELECTION_NAMES]
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"podsjax.{name}")
+    if name in _SELECTION_NAMES:
+        return getattr(importlib.import_module("podsjax.selection"), name)
+    raise AttributeError(f"module 'podsjax' has no attribute {name!r}")

@@ -1,0 +1,327 @@
+"""Datasets for the PODS tasks: GSM8K and MATH, from the Hugging Face Hub or local files.
+
+``load_task(name, split, path=None)`` returns a ``Task``: a tuple of ``Example``
+rows, each a question (``prompt``), a gold ``answer`` and the row's other columns.
+With ``path`` it reads a local ``.jsonl``/``.json``/``.parquet`` file, or
+``<dir>/<split>.jsonl``/``.parquet`` in a directory; without it, the Hub:
+
+=====  =====  =================================================================
+task   split  Hub dataset
+=====  =====  =================================================================
+gsm8k  train  ``openai/gsm8k`` (config "main")
+gsm8k  test   ``openai/gsm8k`` (config "main")
+math   train  ``EleutherAI/hendrycks_math`` (its 7 subject configs, concatenated)
+math   test   ``HuggingFaceH4/MATH-500`` (the PRM800K 500-problem test subset)
+=====  =====  =================================================================
+
+Gold answers: GSM8K's is the number after ``####`` in its solution (commas
+removed; the full solution stays in the ``solution`` column). MATH's is the
+``answer`` field, else the last ``\\boxed{...}`` of ``solution`` (braces nested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from podsjax.rewards.gsm8k import GSM8K_MARKER
+from podsjax.rewards.text import find_numbers, last_boxed, normalize_number_text, parse_number
+
+MATH_TRAIN_SUBJECTS = (
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
+)
+_BAD_ROW_MODES = ("error", "skip")
+_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DataError(ValueError):
+    """A dataset cannot be loaded: missing file, malformed row, unknown task."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One problem.
+
+    Attributes:
+        prompt: the question text, before any chat template.
+        answer: the gold final answer as text ("18", "\\frac{14}{3}").
+        columns: the row's other fields (e.g. ``solution``, ``subject``, ``level``).
+        source: where the row came from, "file:line" or "hub:name/split:index".
+    """
+
+    prompt: str
+    answer: str
+    columns: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    source: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise DataError(f"{self.source or 'example'}: empty prompt")
+        if not isinstance(self.answer, str) or not self.answer.strip():
+            raise DataError(f"{self.source or 'example'}: empty answer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A loaded split: its examples, and what was skipped on the way.
+
+    Attributes:
+        name: "gsm8k" or "math".
+        split: the split name.
+        examples: the rows that loaded.
+        num_skipped: bad rows skipped (only with ``on_bad_row="skip"``).
+        skipped: the first few skip reasons, "file:line: reason".
+        origin: the file path or Hub name it came from.
+    """
+
+    name: str
+    split: str
+    examples: tuple[Example, ...]
+    num_skipped: int = 0
+    skipped: tuple[str, ...] = ()
+    origin: str = ""
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __iter__(self) -> Iterator[Example]:
+        return iter(self.examples)
+
+    def __getitem__(self, index):
+        return self.examples[index]
+
+    def reward_columns(self, indices: Sequence[int], num_samples: int = 1) -> dict[str, list[Any]]:
+        """Columns for a reward call on examples ``indices``, each repeated ``num_samples`` times.
+
+        Completions are laid out prompt-major ([P * N], the N samples of a prompt
+        adjacent), so this repeats each example's values N times in a row.
+        """
+        return reward_columns([self.examples[i] for i in indices], num_samples)
+
+
+def reward_columns(examples: Sequence[Example], num_samples: int = 1) -> dict[str, list[Any]]:
+    """Builds reward-function columns ([P * num_samples] lists) from examples.
+
+    Gives ``answer``, ``prompt`` and every column the examples share.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    shared = set.intersection(*(set(e.columns) for e in examples)) if examples else set()
+    columns: dict[str, list[Any]] = {"answer": [], "prompt": []}
+    columns.update({name: [] for name in sorted(shared - {"answer", "prompt"})})
+    for example in examples:
+        for name, values in columns.items():
+            value = getattr(example, name) if name in ("answer", "prompt") else example.columns[name]
+            values.extend([value] * num_samples)
+    return columns
+
+
+# --------------------------------------------------------------------- row rules
+
+
+def _text(row: Mapping[str, Any], field: str) -> str:
+    if field not in row:
+        raise DataError(f"missing field {field!r}")
+    value = row[field]
+    if not isinstance(value, str):
+        raise DataError(f"field {field!r} is {type(value).__name__}, not text")
+    if not value.strip():
+        raise DataError(f"field {field!r} is empty")
+    return value
+
+
+def _gsm8k_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    question = _text(row, "question")
+    solution = _text(row, "answer")
+    marker = solution.rfind(GSM8K_MARKER)
+    if marker < 0:
+        raise DataError("answer has no '####' final-answer marker")
+    final = solution[marker + len(GSM8K_MARKER):]
+    numbers = find_numbers(final)
+    if not numbers or parse_number(numbers[0]) is None:
+        raise DataError(f"no number after '####': {final.strip()[:40]!r}")
+    extra = {k: v for k, v in row.items() if k not in ("question", "answer")}
+    extra["solution"] = solution
+    return question, normalize_number_text(numbers[0]), extra
+
+
+def _math_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    problem = _text(row, "problem")
+    answer = row.get("answer")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not (isinstance(answer, str) and answer.strip()):
+        if "answer" in row and "solution" not in row:
+            raise DataError("field 'answer' is empty and there is no 'solution'")
+        boxed = last_boxed(_text(row, "solution")) if "solution" in row else None
+        if boxed is None or not boxed.strip():
+            raise DataError("no 'answer' field and no \\boxed{...} in 'solution'")
+        answer = boxed
+    extra = {k: v for k, v in row.items() if k not in ("problem", "answer")}
+    return problem, answer.strip(), extra
+
+
+_ROW_RULES: dict[str, Callable[[Mapping[str, Any]], tuple[str, str, dict[str, Any]]]] = {
+    "gsm8k": _gsm8k_row,
+    "math": _math_row,
+}
+
+
+# ----------------------------------------------------------------------- readers
+
+
+def _resolve(path: str, split: str) -> str:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        for suffix in (".jsonl", ".parquet", ".json"):
+            candidate = os.path.join(path, split + suffix)
+            if os.path.isfile(candidate):
+                return candidate
+        raise DataError(f"no {split}.jsonl or {split}.parquet in {path}")
+    if not os.path.exists(path):
+        raise DataError(f"dataset file not found: {path}")
+    if not path.endswith(_SUFFIXES):
+        raise DataError(f"unsupported dataset file {path}: expected .jsonl, .json or .parquet")
+    return path
+
+
+def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, DataError(f"invalid JSON ({exc.msg} at column {exc.colno})")
+
+
+def _read_json(path: str) -> Iterator[tuple[str, Any]]:
+    with open(path, encoding="utf-8") as handle:
+        try:
+            rows = json.load(handle)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: expected a JSON list of rows")
+    for index, row in enumerate(rows):
+        yield f"{path}[{index}]", row
+
+
+def _read_parquet(path: str) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types; report one line
+        raise DataError(f"{path}: cannot read parquet ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    for index, row in enumerate(table.to_pylist()):
+        yield f"{path}:row {index}", row
+
+
+def _read_hub(name: str, split: str, cache_dir: str | None) -> tuple[str, Iterator[tuple[str, Any]]]:
+    if name == "gsm8k":
+        parts = [("openai/gsm8k", "main")]
+    elif split == "test":
+        parts = [("HuggingFaceH4/MATH-500", None)]
+    else:
+        parts = [("EleutherAI/hendrycks_math", subject) for subject in MATH_TRAIN_SUBJECTS]
+    origin = parts[0][0]
+    try:
+        import datasets
+
+        loaded = [datasets.load_dataset(repo, config, split=split, cache_dir=cache_dir) for repo, config in parts]
+    except Exception as exc:  # noqa: BLE001 - offline, missing split, auth: one line with a way out
+        detail = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise DataError(
+            f"cannot load {origin} split {split!r} from the Hugging Face Hub ({type(exc).__name__}: {detail}); "
+            "pass path= to a local .jsonl or .parquet file"
+        ) from None
+
+    def rows():
+        for (repo, config), dataset in zip(parts, loaded):
+            label = repo if config is None else f"{repo}/{config}"
+            for index, row in enumerate(dataset):
+                yield f"hub:{label}/{split}:{index}", row
+
+    return origin, rows()
+
+
+# -------------------------------------------------------------------------- API
+
+
+def load_task(
+    name: str,
+    split: str,
+    path: str | os.PathLike | None = None,
+    *,
+    on_bad_row: str = "error",
+    limit: int | None = None,
+    cache_dir: str | None = None,
+    max_skipped_reasons: int = 20,
+) -> Task:
+    """Loads a split of GSM8K or MATH.
+
+    Args:
+        name: "gsm8k" or "math".
+        split: "train" or "test" (any split name for local files).
+        path: a local .jsonl/.json/.parquet file, or a directory holding
+            ``<split>.jsonl``/``<split>.parquet``. None loads from the Hub.
+        on_bad_row: "error" raises DataError naming the file and line of the first
+            bad row; "skip" drops bad rows and counts them in ``Task.num_skipped``.
+        limit: keep at most this many examples (the first ones).
+        cache_dir: the ``datasets`` cache directory for Hub loads.
+        max_skipped_reasons: how many skip reasons ``Task.skipped`` keeps.
+
+    Returns:
+        A Task.
+
+    Raises:
+        DataError: unknown task, missing path, or (with on_bad_row="error") a bad row.
+    """
+    if name not in _ROW_RULES:
+        raise DataError(f"unknown task {name!r}; expected one of {sorted(_ROW_RULES)}")
+    if on_bad_row not in _BAD_ROW_MODES:
+        raise DataError(f"on_bad_row must be one of {_BAD_ROW_MODES}, got {on_bad_row!r}")
+    if limit is not None and limit < 0:
+        raise DataError(f"limit must be >= 0, got {limit}")
+    if path is None:
+        if split not in ("train", "test"):
+            raise DataError(f"Hub split must be 'train' or 'test', got {split!r}")
+        origin, rows = _read_hub(name, split, cache_dir)
+    else:
+        origin = _resolve(path, split)
+        reader = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+        rows = reader[os.path.splitext(origin)[1]](origin)
+
+    rule = _ROW_RULES[name]
+    examples: list[Example] = []
+    skipped: list[str] = []
+    num_skipped = 0
+    for where, row in rows:
+        if limit is not None and len(examples) >= limit:
+            break
+        try:
+            if isinstance(row, Exception):
+                raise row
+            if not isinstance(row, Mapping):
+                raise DataError(f"row is a JSON {type(row).__name__}, not an object")
+            prompt, answer, extra = rule(row)
+            examples.append(Example(prompt, answer, extra, where))
+        except DataError as exc:
+            message = str(exc) if str(exc).startswith(where) else f"{where}: {exc}"
+            if on_bad_row == "error":
+                raise DataError(f"bad {name} row at {message}") from None
+            num_skipped += 1
+            if len(skipped) < max_skipped_reasons:
+                skipped.append(message)
+    return Task(name, split, tuple(examples), num_skipped, tuple(skipped), origin)

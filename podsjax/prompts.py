@@ -1,0 +1,231 @@
+"""Prompts: the tokenizer, the chat template, and left-padded, length-bucketed prompt ids.
+
+One PODS step starts here: questions [P] -> chat-template strings [P] -> left-padded
+int32 ids [P, Lp] + mask. ``Lp`` is rounded up to a bucket so that the jitted
+sampler sees few distinct shapes and does not recompile for every new length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant that solves problems. First think the problem through step by step "
+    "inside <think> </think> tags. Then write only the final answer inside <answer> </answer> tags. "
+    "Use exactly this format: <think> reasoning here </think><answer> final answer here </answer>"
+)
+# For base models, which have no chat template. ``{system}`` and ``{question}`` are filled in.
+PLAIN_TEMPLATE = "{system}\n\nUser: {question}\nAssistant:"
+
+
+class PromptError(ValueError):
+    """A tokenizer cannot be loaded or a prompt cannot be built."""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+def load_tokenizer(path: str | os.PathLike, **kwargs: Any):
+    """Loads the tokenizer saved in a checkpoint directory, from local files only.
+
+    Args:
+        path: a directory holding tokenizer.json / tokenizer_config.json.
+        **kwargs: passed to ``AutoTokenizer.from_pretrained``.
+
+    Raises:
+        PromptError: the directory is missing or holds no loadable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise PromptError(f"tokenizer directory not found: {path}")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError/ValueError/...; report one line
+        raise PromptError(f"cannot load a tokenizer from {path} ({_first_line(exc)})") from None
+
+
+def has_chat_template(tokenizer) -> bool:
+    """True when the tokenizer carries a chat template (instruct models do, base models do not)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_prompt(
+    tokenizer,
+    question: str,
+    *,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    use_chat_template: bool | None = None,
+    plain_template: str = PLAIN_TEMPLATE,
+) -> str:
+    """Turns a question into the prompt text the model continues.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        question: the problem text.
+        system_prompt: the instructions; None or "" for none. The default asks for
+            ``<think>...</think><answer>...</answer>``.
+        use_chat_template: None picks the chat template when the tokenizer has one
+            and ``plain_template`` otherwise (base models).
+        plain_template: a format string with ``{system}`` and ``{question}``.
+
+    Returns:
+        The prompt text, ending where the assistant's answer starts.
+    """
+    use_chat = has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
+    if use_chat and not has_chat_template(tokenizer):
+        raise PromptError("use_chat_template=True but the tokenizer has no chat template")
+    if not use_chat:
+        return plain_template.format(system=system_prompt or "", question=question).lstrip()
+    messages = [{"role": "user", "content": question}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - jinja raises TemplateError for templates without a system role
+        if not system_prompt:
+            raise PromptError(f"the chat template failed ({_first_line(exc)})") from None
+    # Some templates (e.g. Gemma's) reject a system turn: put the instructions in the user turn.
+    merged = [{"role": "user", "content": f"{system_prompt}\n\n{question}"}]
+    try:
+        return tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001
+        raise PromptError(f"the chat template failed ({_first_line(exc)})") from None
+
+
+def build_prompts(tokenizer, questions: Sequence[str], **kwargs: Any) -> list[str]:
+    """``build_prompt`` over a list of questions."""
+    return [build_prompt(tokenizer, question, **kwargs) for question in questions]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucketing:
+    """How prompt lengths round up to a few padded shapes.
+
+    Attributes:
+        mode: "multiple" rounds up to a multiple of ``multiple``; "pow2" rounds up
+            to a power of two.
+        multiple: the step of "multiple" mode.
+        min_length: the smallest bucket in either mode.
+    """
+
+    mode: str = "multiple"
+    multiple: int = 64
+    min_length: int = 64
+
+    def __post_init__(self):
+        if self.mode not in ("multiple", "pow2"):
+            raise ValueError(f"Bucketing.mode must be 'multiple' or 'pow2', got {self.mode!r}")
+        if self.multiple < 1:
+            raise ValueError(f"Bucketing.multiple must be >= 1, got {self.multiple}")
+        if self.min_length < 1:
+            raise ValueError(f"Bucketing.min_length must be >= 1, got {self.min_length}")
+
+    def __call__(self, length: int) -> int:
+        """The padded length for a longest prompt of ``length`` tokens."""
+        length = max(int(length), self.min_length)
+        if self.mode == "pow2":
+            return 1 << (length - 1).bit_length()
+        return -(-length // self.multiple) * self.multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """Left-padded prompt ids, ready for the sampler.
+
+    Attributes:
+        ids_PL: int32 [P, Lp], left-padded with ``pad_id``; P counts kept prompts.
+        mask_PL: int32 [P, Lp], 1 on prompt tokens, 0 on padding.
+        lengths_P: int32 [P], tokens per kept prompt.
+        kept_P: int64 [P], index of each kept prompt in the input list.
+        num_dropped: prompts dropped for being longer than ``max_prompt_length``.
+        pad_id: the padding token id.
+    """
+
+    ids_PL: np.ndarray
+    mask_PL: np.ndarray
+    lengths_P: np.ndarray
+    kept_P: np.ndarray
+    num_dropped: int
+    pad_id: int
+
+
+def pad_token_id(tokenizer) -> int:
+    """The pad id: the tokenizer's pad token, else its EOS (masked out anyway), else 0."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(candidate, (list, tuple)):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def tokenize_prompts(
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    max_prompt_length: int,
+    bucketing: Bucketing | None = None,
+    add_special_tokens: bool | None = None,
+) -> PromptBatch:
+    """Tokenizes prompt texts into left-padded, bucketed int32 arrays.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        prompts: [P] prompt texts (from ``build_prompts``).
+        max_prompt_length: longer prompts are dropped and counted, never truncated
+            (a cut question would reward the wrong answer).
+        bucketing: how the padded length Lp is chosen (default: multiples of 64).
+        add_special_tokens: None adds them only without a chat template, whose
+            rendered text already holds BOS and the like.
+
+    Returns:
+        A PromptBatch with one row per kept prompt, in input order.
+    """
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+    bucketing = bucketing or Bucketing()
+    if add_special_tokens is None:
+        add_special_tokens = not has_chat_template(tokenizer)
+    prompts = list(prompts)
+    encoded = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"] if prompts else []
+    kept = []
+    for index, ids in enumerate(encoded):
+        if not ids:
+            raise PromptError(f"prompt {index} tokenizes to no tokens")
+        if len(ids) <= max_prompt_length:
+            kept.append(index)
+    lengths = np.asarray([len(encoded[i]) for i in kept], np.int32)
+    width = bucketing(int(lengths.max()) if len(kept) else 0)
+    pad_id = pad_token_id(tokenizer)
+    ids_PL = np.full((len(kept), width), pad_id, np.int32)
+    mask_PL = np.zeros((len(kept), width), np.int32)
+    for row, index in enumerate(kept):
+        ids = encoded[index]
+        ids_PL[row, width - len(ids):] = ids
+        mask_PL[row, width - len(ids):] = 1
+    return PromptBatch(ids_PL, mask_PL, lengths, np.asarray(kept, np.int64), len(prompts) - len(kept), pad_id)
+
+
+def prepare_prompts(
+    tokenizer,
+    questions: Sequence[str],
+    *,
+    max_prompt_length: int,
+    bucketing: Bucketing | None = None,
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+    use_chat_template: bool | None = None,
+) -> PromptBatch:
+    """Questions -> templated prompts -> a PromptBatch (``build_prompts`` then ``tokenize_prompts``)."""
+    use_chat = has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
+    texts = build_prompts(tokenizer, questions, system_prompt=system_prompt, use_chat_template=use_chat)
+    return tokenize_prompts(
+        tokenizer, texts, max_prompt_length=max_prompt_length, bucketing=bucketing, add_special_tokens=not use_chat
+    )

@@ -1,0 +1,50 @@
+"""Verifiable rewards, scored on the host.
+
+Every reward function has one signature::
+
+    fn(completions: list[str], **columns) -> list[float]
+
+``completions`` holds B decoded completions and each dataset column arrives as a
+list of B values; the gold answer is in ``answer``. Functions ignore columns they
+do not use (``**_``). Combine them with weights through ``WeightedReward`` and
+score with ``score_rewards`` (in process) or ``RewardPool.score`` (worker
+processes, per-item timeouts, crash recovery).
+"""
+
+from podsjax.rewards.combine import (
+    RewardScores,
+    WeightedReward,
+    as_weighted,
+    default_rewards,
+    get_reward,
+    register_reward,
+    score_rewards,
+)
+from podsjax.rewards.format import follows_format, format_reward, tag_count_reward
+from podsjax.rewards.gsm8k import extract_gsm8k_answer, gsm8k_accuracy, parse_gsm8k_gold
+from podsjax.rewards.mathverify import math_accuracy, math_gold
+from podsjax.rewards.pool import PoolConfig, RewardPool, RewardPoolError
+from podsjax.rewards.text import extract_answer_tag, last_boxed
+
+__all__ = [
+    "PoolConfig",
+    "RewardPool",
+    "RewardPoolError",
+    "RewardScores",
+    "WeightedReward",
+    "as_weighted",
+    "default_rewards",
+    "extract_answer_tag",
+    "extract_gsm8k_answer",
+    "follows_format",
+    "format_reward",
+    "get_reward",
+    "gsm8k_accuracy",
+    "last_boxed",
+    "math_accuracy",
+    "math_gold",
+    "parse_gsm8k_gold",
+    "register_reward",
+    "score_rewards",
+    "tag_count_reward",
+]

@@ -1,0 +1,224 @@
+"""Weighted sums of reward functions, a name registry, and in-process scoring.
+
+Every reward function has one signature::
+
+    fn(completions: list[str], **columns) -> list[float]
+
+``completions`` holds B decoded completions; each dataset column arrives as a
+list of B values (the gold answer is in ``answer``). A function must accept
+(and may ignore) columns it does not use, so write it with ``**_``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import numpy as np
+
+from podsjax.rewards.format import format_reward, tag_count_reward
+from podsjax.rewards.gsm8k import gsm8k_accuracy
+from podsjax.rewards.mathverify import math_accuracy
+
+RewardFn = Callable[..., Sequence[float]]
+
+_REGISTRY: dict[str, RewardFn] = {
+    "gsm8k_accuracy": gsm8k_accuracy,
+    "math_accuracy": math_accuracy,
+    "format": format_reward,
+    "tag_count": tag_count_reward,
+}
+
+
+def register_reward(name: str, fn: RewardFn) -> None:
+    """Adds ``fn`` to the registry under ``name`` (replacing any previous entry).
+
+    A function used with ``RewardPool`` must be importable by its module and
+    name in a fresh process: define it at module level.
+    """
+    if not callable(fn):
+        raise TypeError(f"reward {name!r} is not callable: {fn!r}")
+    _REGISTRY[name] = fn
+
+
+def get_reward(name: str) -> RewardFn:
+    """Returns the registered reward function called ``name``."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown reward {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightedReward:
+    """One reward function, its weight in the total, and its name in the breakdown.
+
+    Attributes:
+        fn: a reward function (see the module docstring), or a registered name.
+        weight: its weight in the total reward; 0 keeps it as a logged metric only.
+        name: the key in breakdowns and metrics; defaults to the registered name
+            or the function's ``__name__``.
+    """
+
+    fn: RewardFn
+    weight: float = 1.0
+    name: str = ""
+
+    def __post_init__(self):
+        registered = self.fn if isinstance(self.fn, str) else ""
+        fn = get_reward(registered) if registered else self.fn
+        if not callable(fn):
+            raise TypeError(f"reward function must be callable, got {fn!r}")
+        object.__setattr__(self, "fn", fn)
+        weight = float(self.weight)
+        if not math.isfinite(weight):
+            raise ValueError(f"reward weight must be finite, got {self.weight!r}")
+        object.__setattr__(self, "weight", weight)
+        object.__setattr__(self, "name", self.name or registered or _fn_name(fn))
+
+
+RewardsLike = Union[
+    WeightedReward,
+    RewardFn,
+    str,
+    Sequence[Union[WeightedReward, RewardFn, str, tuple]],
+    Mapping[Union[str, RewardFn], float],
+]
+
+
+def as_weighted(rewards: RewardsLike) -> tuple[WeightedReward, ...]:
+    """Normalizes reward specs into a tuple of WeightedReward.
+
+    Accepts a WeightedReward, a function, a registered name, a ``(fn_or_name,
+    weight)`` pair, a list of any of these, or a mapping ``{fn_or_name: weight}``.
+    Names must be unique.
+    """
+    if isinstance(rewards, Mapping):
+        items = [WeightedReward(fn, weight) for fn, weight in rewards.items()]
+    elif isinstance(rewards, (WeightedReward, str)) or callable(rewards):
+        items = [rewards if isinstance(rewards, WeightedReward) else WeightedReward(rewards)]
+    elif isinstance(rewards, tuple) and len(rewards) == 2 and isinstance(rewards[1], (int, float)):
+        items = [WeightedReward(*rewards)]
+    else:
+        items = []
+        for spec in rewards:
+            if isinstance(spec, WeightedReward):
+                items.append(spec)
+            elif isinstance(spec, tuple):
+                items.append(WeightedReward(*spec))
+            else:
+                items.append(WeightedReward(spec))
+    if not items:
+        raise ValueError("no reward functions given")
+    names = [item.name for item in items]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"reward names must be unique; repeated: {duplicates} (set WeightedReward.name)")
+    return tuple(items)
+
+
+def default_rewards(task: str, *, accuracy: float = 1.0, format: float = 1.0, tag_count: float = 1.0):
+    """The paper's reward for a task: accuracy + format + tag count, weighted.
+
+    Args:
+        task: "gsm8k" or "math".
+        accuracy, format, tag_count: the weights.
+
+    Returns:
+        A tuple of WeightedReward for ``score_rewards`` or ``RewardPool.score``.
+    """
+    accuracy_fn = {"gsm8k": gsm8k_accuracy, "math": math_accuracy}.get(task)
+    if accuracy_fn is None:
+        raise ValueError(f"unknown task {task!r}; expected 'gsm8k' or 'math'")
+    return (
+        WeightedReward(accuracy_fn, accuracy, "accuracy"),
+        WeightedReward(format_reward, format, "format"),
+        WeightedReward(tag_count_reward, tag_count, "tag_count"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardScores:
+    """Rewards of one batch of completions, in input order.
+
+    Attributes:
+        total_B: float32 [B], the weighted sum over reward functions.
+        per_function: name -> float32 [B], each function's unweighted values.
+        failed_B: bool [B], items where some function timed out, crashed or raised
+            (their failing functions count as 0).
+        metrics: flat scalar metrics: ``reward/total``, ``reward/<name>`` (means),
+            and item counts ``reward/timeouts``, ``reward/crashes``, ``reward/memory_errors``,
+            ``reward/errors``, plus ``reward/restarts`` (workers replaced) and ``reward/seconds``.
+    """
+
+    total_B: np.ndarray
+    per_function: dict[str, np.ndarray]
+    failed_B: np.ndarray
+    metrics: dict[str, float]
+
+
+def check_columns(num_completions: int, columns: Mapping[str, Sequence[Any]]) -> None:
+    """Raises a one-line ValueError unless every column has one entry per completion."""
+    for name, column in columns.items():
+        try:
+            length = len(column)
+        except TypeError:
+            raise TypeError(f"column {name!r} must be a list with one entry per completion") from None
+        if length != num_completions:
+            raise ValueError(f"column {name!r} has {length} entries for {num_completions} completions")
+
+
+def summarize(
+    weighted: Sequence[WeightedReward], values_FB: np.ndarray, failed_B: np.ndarray, counts: Mapping[str, int],
+    seconds: float,
+) -> RewardScores:
+    """Builds RewardScores from a [F, B] value matrix; shared by the pool and the in-process path."""
+    weights_F = np.asarray([w.weight for w in weighted], np.float64)
+    total_B = (weights_F[:, None] * values_FB).sum(axis=0).astype(np.float32)
+    per_function = {w.name: values_FB[f].astype(np.float32) for f, w in enumerate(weighted)}
+    empty = values_FB.shape[1] == 0
+    metrics = {"reward/total": float("nan") if empty else float(total_B.mean())}
+    for name, values in per_function.items():
+        metrics[f"reward/{name}"] = float("nan") if empty else float(values.mean())
+    for key in ("timeouts", "crashes", "memory_errors", "errors", "restarts"):
+        metrics[f"reward/{key}"] = float(counts.get(key, 0))
+    metrics["reward/seconds"] = float(seconds)
+    return RewardScores(total_B, per_function, failed_B.astype(bool), metrics)
+
+
+def score_rewards(completions: Sequence[str], rewards: RewardsLike, **columns: Sequence[Any]) -> RewardScores:
+    """Scores in this process, whole batch per function, with no timeouts.
+
+    For tests, evaluation of trusted output, and cheap rewards. Exceptions
+    propagate; use ``RewardPool.score`` for model output in a training run.
+
+    Args:
+        completions: [B] decoded completions.
+        rewards: reward specs (see ``as_weighted``).
+        **columns: dataset columns, each a list of B values.
+
+    Returns:
+        RewardScores.
+    """
+    start = time.perf_counter()
+    weighted = as_weighted(rewards)
+    completions = list(completions)
+    check_columns(len(completions), columns)
+    columns = {name: list(column) for name, column in columns.items()}
+    values_FB = np.zeros((len(weighted), len(completions)), np.float64)
+    for f, w in enumerate(weighted):
+        values = list(w.fn(completions, **columns))
+        if len(values) != len(completions):
+            raise ValueError(f"reward {w.name!r} returned {len(values)} values for {len(completions)} completions")
+        values_FB[f] = np.asarray(values, np.float64)
+    failed_B = np.zeros(len(completions), bool)
+    return summarize(weighted, values_FB, failed_B, {}, time.perf_counter() - start)

@@ -1,0 +1,108 @@
+"""MATH accuracy through math-verify (symbolic and numeric equivalence of LaTeX answers)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Sequence
+
+from podsjax.rewards.text import extract_answer_tag, last_boxed
+
+# math-verify's own per-call budget, in whole seconds (it uses signal.alarm). The
+# pool's per-item timeout is the outer bound; this inner one lets a slow parse
+# fail alone instead of losing the whole item.
+DEFAULT_MATH_VERIFY_TIMEOUT_S = 3
+_LATEX_MARKERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
+
+
+def _signal_timeout(timeout_s: int) -> int | None:
+    # math-verify's timeouts use SIGALRM, which only the main thread may arm.
+    return timeout_s if threading.current_thread() is threading.main_thread() else None
+
+
+def math_gold(answer: Any = None, solution: Any = None) -> str:
+    r"""Returns the gold answer: the ``answer`` field, else the solution's last ``\boxed{...}``.
+
+    Raises:
+        ValueError: neither gives an answer.
+    """
+    if answer is not None and str(answer).strip():
+        return str(answer).strip()
+    if solution is not None:
+        boxed = last_boxed(str(solution))
+        if boxed is not None and boxed.strip():
+            return boxed.strip()
+    raise ValueError("MATH gold: no answer field and no \\boxed{...} in the solution")
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str, timeout_s: int | None) -> tuple:
+    from math_verify import parse
+
+    parsed = parse("\\boxed{" + gold + "}", parsing_timeout=timeout_s)
+    if not parsed:
+        raise ValueError(f"MATH gold does not parse: {gold[:80]!r}")
+    return tuple(parsed)
+
+
+def _parse_prediction(completion: str, timeout_s: int | None) -> list:
+    from math_verify import parse
+
+    tagged = extract_answer_tag(completion)
+    if tagged is None:
+        return parse(completion, parsing_timeout=timeout_s)
+    tagged = tagged.strip()
+    if not tagged:
+        return []
+    unescaped = tagged.replace("\\$", "")  # "\$36" is a dollar sign, not a math delimiter
+    if any(marker in unescaped for marker in _LATEX_MARKERS):
+        return parse(tagged, parsing_timeout=timeout_s)
+    # Bare LaTeX inside the tags ("\frac{1}{2}", "3, 5, 7", "p - q") is only read
+    # as math between delimiters; plain text such as "1/2" parses either way.
+    return parse("$" + tagged + "$", parsing_timeout=timeout_s) or parse(tagged, parsing_timeout=timeout_s)
+
+
+def math_accuracy(
+    completions: Sequence[str],
+    answer: Sequence[Any] | None = None,
+    solution: Sequence[Any] | None = None,
+    *,
+    timeout_s: int = DEFAULT_MATH_VERIFY_TIMEOUT_S,
+    **_: Any,
+) -> list[float]:
+    r"""1.0 where math-verify finds the completion's answer equivalent to the gold, else 0.0.
+
+    The prediction is the content of the last ``<answer>`` tag when there is
+    one, else whatever math-verify extracts from the whole completion (its last
+    ``\boxed{}`` or expression). ``verify`` is called gold first, as math-verify
+    requires (the comparison is not symmetric).
+
+    Args:
+        completions: [B] decoded completions.
+        answer: [B] gold answers in LaTeX (MATH-500's ``answer`` column).
+        solution: [B] reference solutions; their last ``\boxed{...}`` is the gold
+            where ``answer`` is missing or empty.
+        timeout_s: math-verify's own per-call timeout, in whole seconds.
+        **_: other dataset columns, ignored.
+
+    Returns:
+        [B] rewards in {0.0, 1.0}.
+    """
+    from math_verify import verify
+
+    n = len(completions)
+    for name, column in (("answer", answer), ("solution", solution)):
+        if column is not None and len(column) != n:
+            raise ValueError(f"math_accuracy: {n} completions but {len(column)} entries in {name!r}")
+    if answer is None and solution is None:
+        raise ValueError("math_accuracy needs an 'answer' or a 'solution' column")
+    timeout = _signal_timeout(int(timeout_s))
+    rewards = []
+    for i, completion in enumerate(completions):
+        gold = _parse_gold(
+            math_gold(None if answer is None else answer[i], None if solution is None else solution[i]), timeout
+        )
+        predicted = _parse_prediction(completion, timeout)
+        ok = bool(predicted) and verify(list(gold), predicted, timeout_seconds=timeout)
+        rewards.append(1.0 if ok else 0.0)
+    return rewards

@@ -1,0 +1,126 @@
+"""Text helpers shared by the reward functions: answer tags, boxed answers, numbers.
+
+Every helper runs in time linear in its input and never raises on odd text, so a
+reward built on them can be applied to arbitrary model output (1 MB strings,
+unbalanced braces, unicode) without a timeout doing the work.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+ANSWER_OPEN = "<answer>"
+ANSWER_CLOSE = "</answer>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+# A number token: an optional minus that is not a hyphen between words or digits
+# ("10-20" is two numbers, not 10 and -20), then either a thousands-grouped
+# integer or a plain one, then an optional decimal part. ASCII digits only: a
+# model that answers in other scripts does not match the gold's notation.
+_NUMBER = re.compile(
+    r"(?:(?<![0-9A-Za-z])-)?"
+    r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)"
+    r"(?:\.[0-9]+)?"
+)
+# Longer tokens are not answers; capping them keeps Fraction() cheap and clear of
+# Python's int-from-str digit limit.
+_MAX_NUMBER_CHARS = 64
+# Minus signs a model may emit in place of ASCII '-'.
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\ufe63": "-", "\uff0d": "-"})
+
+
+def extract_answer_tag(text: str) -> str | None:
+    """Returns the content of the last ``<answer>`` tag, or None without one.
+
+    A last ``<answer>`` that is never closed (a truncated completion) yields
+    the rest of the text.
+    """
+    start = text.rfind(ANSWER_OPEN)
+    if start < 0:
+        return None
+    body = text[start + len(ANSWER_OPEN):]
+    end = body.find(ANSWER_CLOSE)
+    return body if end < 0 else body[:end]
+
+
+def last_boxed(text: str) -> str | None:
+    r"""Returns the content of the last ``\boxed{...}`` (or ``\fbox{...}``) in ``text``.
+
+    Braces nest, so ``\boxed{\frac{1}{2}}`` gives ``\frac{1}{2}``; escaped
+    braces (``\{``, ``\}``) do not count towards nesting. ``\boxed 5`` (no
+    braces) gives ``5``. Returns None when there is no box or the last box is
+    never closed.
+    """
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
+    n = len(text)
+    if i < n and text[i] != "{" and not text[i].isspace():
+        return None  # a longer command such as \boxedx, not a box
+    while i < n and text[i] in " \t":
+        i += 1
+    if i >= n:
+        return None
+    if text[i] != "{":
+        # "\boxed 5$": the argument is one token, up to a space or the end of math.
+        match = re.match(r"[^\s$]+", text[i:])
+        return match.group(0) if match else None
+    depth = 0
+    j = i
+    while j < n:
+        ch = text[j]
+        if ch == "\\":
+            j += 2  # an escaped character, e.g. \{ or \}, never opens or closes a group
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+        j += 1
+    return None
+
+
+def normalize_number_text(text: str) -> str:
+    """Strips the decorations a numeric answer may carry: ``$``, ``,``, spaces, a final period."""
+    text = text.translate(_MINUS_SIGNS).strip()
+    text = text.replace("$", "").replace(",", "").replace(" ", "")
+    return text.rstrip(".")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """Parses one numeric token ("1,000", "$18.00", "-3.") exactly, or returns None."""
+    text = normalize_number_text(text)
+    if not text or len(text) > _MAX_NUMBER_CHARS:
+        return None
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def find_numbers(text: str) -> list[str]:
+    """Returns every number token in ``text``, in order, with its commas and sign."""
+    return _NUMBER.findall(text.translate(_MINUS_SIGNS))
+
+
+def last_number(text: str) -> Fraction | None:
+    """The value of the last number token in ``text`` that parses, or None."""
+    for token in reversed(find_numbers(text)):
+        value = parse_number(token)
+        if value is not None:
+            return value
+    return None
+
+
+def first_number(text: str) -> Fraction | None:
+    """The value of the first number token in ``text`` that parses, or None."""
+    for match in _NUMBER.finditer(text.translate(_MINUS_SIGNS)):
+        value = parse_number(match.group(0))
+        if value is not None:
+            return value
+    return None

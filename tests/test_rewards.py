@@ -1,0 +1,403 @@
+"""Rewards: answer extraction, math-verify, format rewards, weighting, and the process pool."""
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+import types
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from podsjax.rewards import (
+    RewardPool,
+    RewardPoolError,
+    WeightedReward,
+    as_weighted,
+    default_rewards,
+    extract_answer_tag,
+    extract_gsm8k_answer,
+    follows_format,
+    format_reward,
+    gsm8k_accuracy,
+    last_boxed,
+    math_accuracy,
+    math_gold,
+    parse_gsm8k_gold,
+    score_rewards,
+    tag_count_reward,
+)
+
+# ------------------------------------------------------------- pool test rewards
+# Module level so that worker processes can import them by name.
+
+
+def chaos_reward(completions, **_):
+    """Misbehaves on a marker word; otherwise returns the completion's last token as a float.
+
+    The pool calls it with one completion at a time.
+    """
+    (text,) = completions
+    if "HANG" in text:
+        time.sleep(60)  # blocked outside Python bytecode: only the parent's kill ends it
+    if "SPIN" in text:
+        while True:  # busy in Python: the worker's CPU-time alarm ends it
+            pass
+    if "EXIT" in text:
+        os._exit(7)
+    if "SEGV" in text:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if "HOG" in text:
+        blob = bytearray(64 * 2**30)  # far past max_memory_mb
+        return [float(len(blob))]
+    if "RAISE" in text:
+        raise RuntimeError("deliberate failure")
+    return [float(text.split()[-1])]
+
+
+def delayed_echo_reward(completions, index, **_):
+    """Returns the item's index after a delay that varies by item, so replies arrive out of order."""
+    for i in index:
+        time.sleep(0.002 * (int(i) % 5))
+    return [float(i) for i in index]
+
+
+def constant_reward(completions, **_):
+    return [0.5 for _ in completions]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    # One pool for the module: start-up costs seconds. Short timeouts keep the hang tests quick.
+    with RewardPool(max_workers=2, timeout_s=1.0, kill_grace_s=0.5, max_memory_mb=3072) as shared:
+        yield shared
+
+
+# ------------------------------------------------------------------- GSM8K
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<think>9 * 2 = 18</think><answer>18</answer>", 18),
+        ("<answer>18.00</answer>", 18),
+        ("<answer>$1,000.</answer>", 1000),
+        ("<answer> The total is 5 + 13 = 18 dollars. </answer>", 18),
+        ("<answer>-3</answer>", -3),
+        ("<answer>\u22123</answer>", -3),  # unicode minus sign
+        ("<answer>0.5</answer>", Fraction(1, 2)),
+        ("so she makes 18 dollars.\n#### 18\nThen 99 more words 7", 18),
+        ("She has 3 apples and eats 1, so 2 are left.", 2),
+        ("the range is 10-20", 20),  # a hyphen between numbers is not a minus sign
+        ("<answer>first</answer> 42 <answer>12</answer>", 12),  # the last answer tag wins
+        ("<think>reasoning</think><answer>14", 14),  # truncated inside the answer
+        ("<answer>1,234,567</answer>", 1234567),
+    ],
+)
+def test_extract_gsm8k_answer(text, expected):
+    assert extract_gsm8k_answer(text) == Fraction(expected)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "no digits here", "<answer></answer> 42", "<answer>unknown</answer> but it is 7", "١٨", "#### none"],
+)
+def test_extract_gsm8k_answer_none(text):
+    assert extract_gsm8k_answer(text) is None
+
+
+def test_gsm8k_accuracy_numeric_compare_and_gold_forms():
+    completions = ["<answer>18.00</answer>", "<answer>$1,000.</answer>", "<answer>17</answer>", "#### 72", "nothing"]
+    answers = ["18", "Long solution...\n#### 1,000", 18, 72.0, "5"]
+    assert gsm8k_accuracy(completions, answer=answers, question=["q"] * 5) == [1.0, 1.0, 0.0, 1.0, 0.0]
+
+
+def test_gsm8k_accuracy_errors():
+    with pytest.raises(ValueError, match="2 completions but 1 answers"):
+        gsm8k_accuracy(["a", "b"], answer=["1"])
+    with pytest.raises(ValueError, match="no number"):
+        parse_gsm8k_gold("#### seven")
+
+
+def _reference_gsm8k_gold(solution):
+    # The extraction in openai/grade-school-math's dataset.py: the regex, then drop commas.
+    return re.search(r"#### (\-?[0-9\.\,]+)", solution).group(1).strip().replace(",", "")
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_every_gsm8k_gold_extracts_to_the_right_number(shared_data_dir, split):
+    with open(os.path.join(shared_data_dir, "gsm8k", f"{split}.jsonl")) as handle:
+        solutions = [json.loads(line)["answer"] for line in handle]
+    references = [_reference_gsm8k_gold(s) for s in solutions]
+    assert [parse_gsm8k_gold(s) for s in solutions] == [Fraction(r) for r in references]
+    right = [f"<think>...</think><answer>{int(r):,}</answer>" for r in references]
+    wrong = [f"<think>...</think><answer>{int(r) + 1}</answer>" for r in references]
+    assert gsm8k_accuracy(right, answer=solutions) == [1.0] * len(solutions)
+    assert gsm8k_accuracy(wrong, answer=solutions) == [0.0] * len(solutions)
+
+
+_NO_DIGITS = st.text(alphabet=st.characters(blacklist_categories=("Nd",), blacklist_characters="<>#-.,$"), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    value=st.integers(min_value=-(10**12), max_value=10**12),
+    style=st.sampled_from(["plain", "commas", "dollar", "period", "decimals"]),
+    before=_NO_DIGITS,
+    after=_NO_DIGITS,
+)
+def test_fuzz_gsm8k_tagged_answer_round_trips(value, style, before, after):
+    text = {
+        "plain": f"{value}",
+        "commas": f"{value:,}",
+        "dollar": f"${value:,}" if value >= 0 else f"-${-value:,}",
+        "period": f"{value}.",
+        "decimals": f"{value}.00",
+    }[style]
+    if style == "dollar" and value < 0:
+        text = f"-{-value:,}"  # "-$5" is not a form models write; keep the sign on the digits
+    completion = f"<think>{before}</think><answer>{before} {text} {after}</answer>"
+    assert extract_gsm8k_answer(completion) == value
+    assert gsm8k_accuracy([completion], answer=[f"#### {value}"]) == [1.0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=300))
+def test_fuzz_gsm8k_extractor_never_raises(text):
+    result = extract_gsm8k_answer(text)
+    assert result is None or isinstance(result, Fraction)
+    assert gsm8k_accuracy([text], answer=["7"])[0] in (0.0, 1.0)
+
+
+# -------------------------------------------------------------------- MATH
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),  # the authors' first-'}' split gave "\\frac{1"
+        ("\\boxed{1} then \\boxed{\\sqrt{\\frac{a}{b}}}", "\\sqrt{\\frac{a}{b}}"),
+        ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces do not nest
+        ("answer: \\boxed 5$.", "5"),
+        ("\\fbox{3}", "3"),
+        ("\\boxed{\\frac{1}{2}", None),  # never closed
+        ("no box here", None),
+    ],
+)
+def test_last_boxed(text, expected):
+    assert last_boxed(text) == expected
+
+
+def test_math_gold_prefers_answer_then_last_boxed():
+    assert math_gold("  \\frac{14}{3} ", "ignored \\boxed{7}") == "\\frac{14}{3}"
+    assert math_gold("", "first \\boxed{2}, finally \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    with pytest.raises(ValueError, match="no answer field"):
+        math_gold(None, "no box")
+
+
+def test_math_accuracy_nested_boxed_gold_from_solution():
+    solution = ["We get $x = \\boxed{\\frac{1}{2}}$."] * 4
+    completions = [
+        "<think>...</think><answer>\\frac{1}{2}</answer>",
+        "<think>...</think><answer>0.5</answer>",
+        "The answer is $\\boxed{\\frac{2}{4}}$",
+        "<think>...</think><answer>1</answer>",  # what a gold cut to "\\frac{1" might accept
+    ]
+    assert math_accuracy(completions, solution=solution) == [1.0, 1.0, 1.0, 0.0]
+
+
+def test_math_accuracy_tags_and_edge_cases():
+    completions = [
+        "<answer>\\$36</answer>",  # an escaped dollar is not a math delimiter
+        "<answer>3, 5, 7</answer>",
+        "<answer>\\text{Evelyn}</answer>",
+        "<answer></answer> \\boxed{36}",  # empty tags: the box outside does not count
+        "",
+    ]
+    answers = ["\\$36", "3, 5, 7", "\\text{Evelyn}", "36", "36"]
+    assert math_accuracy(completions, answer=answers) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="needs an 'answer' or a 'solution'"):
+        math_accuracy(["x"])
+
+
+def test_every_math500_answer_verifies_and_a_perturbed_one_does_not(shared_data_dir):
+    with open(os.path.join(shared_data_dir, "math500", "test.jsonl")) as handle:
+        rows = [json.loads(line) for line in handle]
+    answers = [row["answer"] for row in rows]
+    # The reference solutions end in \boxed{answer}; math-verify must pick that box out of the prose.
+    assert math_accuracy([row["solution"] for row in rows], answer=answers) == [1.0] * len(rows)
+    tagged = [f"<think>...</think><answer>{a}</answer>" for a in answers]
+    assert math_accuracy(tagged, answer=answers) == [1.0] * len(rows)
+    perturbed = [f"\\boxed{{{a} + 1}}" for a in answers]
+    assert math_accuracy(perturbed, answer=answers) == [0.0] * len(rows)
+
+
+# ------------------------------------------------------------------ format
+
+
+@pytest.mark.parametrize(
+    "text, formatted, tag_count",
+    [
+        ("<think>x</think><answer>1</answer>", 1.0, 1.0),
+        ("  <think>\nx\n</think>\n<answer>\n1\n</answer>\n", 1.0, 1.0),
+        ("<think>x</think><answer> </answer>", 0.0, 1.0),  # blank answer
+        ("<think>x</think>chatter<answer>1</answer>", 0.0, 1.0),
+        ("<answer>1</answer><think>x</think>", 0.0, 1.0),  # wrong order
+        ("<think>x</think><answer>1</answer> trailing", 0.0, 1.0),
+        ("<think>x</think><think>y</think><answer>1</answer>", 0.0, 0.5),
+        ("<think>x</think>", 0.0, 0.5),
+        ("<answer>1</answer>", 0.0, 0.5),
+        ("plain text 42", 0.0, 0.0),
+        ("", 0.0, 0.0),
+    ],
+)
+def test_format_and_tag_count(text, formatted, tag_count):
+    assert format_reward([text]) == [formatted]
+    assert follows_format(text) is bool(formatted)
+    assert tag_count_reward([text]) == [tag_count]
+
+
+def test_extract_answer_tag():
+    assert extract_answer_tag("a <answer> 1 </answer> b") == " 1 "
+    assert extract_answer_tag("no tags") is None
+    assert extract_answer_tag("<answer>cut off") == "cut off"
+
+
+# ------------------------------------------------------------------ combine
+
+
+def test_weighted_total_and_breakdown():
+    completions = ["<think>a</think><answer>18</answer>", "<answer>17</answer>", "18"]
+    rewards = [
+        WeightedReward(gsm8k_accuracy, 2.0, "acc"),
+        WeightedReward(format_reward, 0.5),
+        ("tag_count", 0.25),  # a registered name
+    ]
+    scores = score_rewards(completions, rewards, answer=["18", "18", "18"])
+    np.testing.assert_array_equal(scores.per_function["acc"], [1.0, 0.0, 1.0])
+    np.testing.assert_array_equal(scores.per_function["format_reward"], [1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(scores.per_function["tag_count"], [1.0, 0.5, 0.0])
+    np.testing.assert_allclose(scores.total_B, [2.0 + 0.5 + 0.25, 0.125, 2.0], rtol=0, atol=1e-6)
+    assert scores.metrics["reward/acc"] == pytest.approx(2 / 3)
+    assert scores.metrics["reward/total"] == pytest.approx((2.75 + 0.125 + 2.0) / 3)
+
+
+def test_reward_spec_errors():
+    with pytest.raises(ValueError, match="unique"):
+        as_weighted([format_reward, format_reward])
+    with pytest.raises(KeyError, match="unknown reward"):
+        as_weighted("no_such_reward")
+    with pytest.raises(ValueError, match="finite"):
+        WeightedReward(format_reward, float("nan"))
+    with pytest.raises(ValueError, match="column 'answer' has 1 entries for 2"):
+        score_rewards(["a", "b"], gsm8k_accuracy, answer=["1"])
+    assert [w.name for w in as_weighted({"format": 1.0, constant_reward: 0.0})] == ["format", "constant_reward"]
+    assert [w.name for w in default_rewards("math")] == ["accuracy", "format", "tag_count"]
+
+
+# --------------------------------------------------------------------- pool
+
+
+def test_pool_matches_in_process_scoring_and_keeps_order(pool):
+    completions = [f"<think>t</think><answer>{i % 7}</answer>" for i in range(40)]
+    answers = [str(i % 5) for i in range(40)]
+    columns = {"answer": answers, "index": list(range(40))}
+    rewards = list(default_rewards("gsm8k")) + [WeightedReward(delayed_echo_reward, 0.0)]
+    pooled = pool.score(completions, rewards, **columns)
+    local = score_rewards(completions, rewards, **columns)
+    np.testing.assert_array_equal(pooled.per_function["delayed_echo_reward"], np.arange(40, dtype=np.float32))
+    for name in ("accuracy", "format", "tag_count"):
+        np.testing.assert_array_equal(pooled.per_function[name], local.per_function[name])
+    np.testing.assert_array_equal(pooled.total_B, local.total_B)
+    assert not pooled.failed_B.any()
+    assert pooled.metrics["reward/timeouts"] == pooled.metrics["reward/crashes"] == 0
+
+
+def test_pool_survives_hangs_crashes_and_memory_blowups(pool):
+    completions = ["ok 0", "HANG 1", "ok 2", "SPIN 3", "EXIT 4", "ok 5", "SEGV 6", "HOG 7", "RAISE 8", "ok 9"]
+    rewards = [WeightedReward(chaos_reward, 1.0), WeightedReward(constant_reward, 2.0)]
+    start = time.monotonic()
+    scores = pool.score(completions, rewards)
+    elapsed = time.monotonic() - start
+    # Two workers; the hang costs one item deadline (1 s x 2 functions + 0.5 s), the rest is quick.
+    assert elapsed < 10.0, elapsed
+    np.testing.assert_array_equal(scores.per_function["chaos_reward"], [0, 0, 2, 0, 0, 5, 0, 0, 0, 9])
+    # A killed or dead worker loses the whole item; a soft failure only the failing function.
+    np.testing.assert_array_equal(scores.per_function["constant_reward"], [0.5, 0, 0.5, 0.5, 0, 0.5, 0, 0.5, 0.5, 0.5])
+    np.testing.assert_array_equal(scores.failed_B, [False, True, False, True, True, False, True, True, True, False])
+    assert scores.metrics["reward/timeouts"] == 2  # HANG (killed) and SPIN (CPU alarm)
+    assert scores.metrics["reward/crashes"] == 2  # EXIT and SEGV
+    assert scores.metrics["reward/memory_errors"] == 1
+    assert scores.metrics["reward/errors"] == 1
+    assert scores.metrics["reward/restarts"] == 3  # HANG, EXIT, SEGV; SPIN and HOG keep their worker
+    # The pool recovered: full strength, and the next call is clean.
+    assert pool.num_workers == 2
+    again = pool.score(["ok 1", "ok 2", "ok 3"], chaos_reward)
+    np.testing.assert_array_equal(again.total_B, [1, 2, 3])
+    assert again.metrics["reward/restarts"] == 0
+
+
+def test_pool_replaces_a_worker_that_died_while_idle(pool):
+    victim = pool.worker_pids[0]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and pool._workers[0].process.is_alive():
+        time.sleep(0.01)
+    scores = pool.score([f"ok {i}" for i in range(6)], chaos_reward)
+    np.testing.assert_array_equal(scores.total_B, np.arange(6))
+    assert scores.metrics["reward/crashes"] == 0
+    assert victim not in pool.worker_pids
+
+
+def test_pool_adversarial_math_completions_return_numbers_within_the_timeout(pool):
+    completions = [
+        "<think>big</think><answer>5^{5^{5^{5}}}</answer>",
+        "$5^{5^{5^{5}}}$",
+        "1" * 1_000_000,
+        "{" * 1_000_000,
+        "<answer>" * 100_000,
+        "\\boxed{\\frac{1}{2}",
+        "}}}{{{\\left( \\right",
+        "<answer>١٨</answer>",
+        "",
+        "<think>ok</think><answer>5</answer>",
+    ]
+    rewards = list(default_rewards("math")) + [WeightedReward(gsm8k_accuracy, 0.0)]
+    start = time.monotonic()
+    scores = pool.score(completions, rewards, answer=["5"] * len(completions))
+    elapsed = time.monotonic() - start
+    # Worst case: every item uses its whole deadline (1 s x 4 functions + 0.5 s), two at a time.
+    assert elapsed < 5 * 4.5 + 5, elapsed
+    assert np.isfinite(scores.total_B).all()
+    assert scores.per_function["accuracy"][-1] == 1.0 and scores.total_B[-1] == 3.0
+    assert (scores.per_function["accuracy"][:-1] == 0.0).all()
+
+
+def test_pool_reports_a_reward_the_workers_cannot_import_and_recovers(pool):
+    # The function pickles here by reference to a module that exists only in this process.
+    ghost = types.ModuleType("podsjax_ghost_rewards")
+    exec("def ghost_reward(completions, **_):\n    return [1.0 for _ in completions]\n", ghost.__dict__)
+    sys.modules[ghost.__name__] = ghost
+    try:
+        with pytest.raises(RewardPoolError, match="cannot load the reward functions in a worker process"):
+            pool.score(["x"], ghost.ghost_reward)
+    finally:
+        del sys.modules[ghost.__name__]
+    scores = pool.score(["ok 4", "ok 5"], chaos_reward)
+    np.testing.assert_array_equal(scores.total_B, [4, 5])
+
+
+def test_pool_rejects_unpicklable_rewards_and_fork(pool):
+    with pytest.raises(TypeError, match="cannot be sent to a worker process"):
+        pool.score(["x"], WeightedReward(lambda completions, **_: [1.0], name="anonymous"))
+    with pytest.raises(ValueError, match="fork is unsafe"):
+        RewardPool(1, start_method="fork")
+    with pytest.raises(ValueError, match="max_workers"):
+        RewardPool(0)
+    empty = pool.score([], format_reward)
+    assert empty.total_B.shape == (0,)
