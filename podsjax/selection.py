@@ -66,49 +66,60 @@ def _validate(rewards, m) -> tuple[jax.Array, int]:
     return rewards, m
 
 
-def _lex_greater(va, ia, vb, ib):
-    return (va > vb) | ((va == vb) & (ia > ib))
+def _network_sort(values_N, idx_N):
+    """Bitonic sort by (value, index) along axis 0 of [N, ...] arrays, N a power of two.
 
-
-def _compare_exchange(v4, i4, mirror: bool):
-    """Orders the pairs of [..., blocks, 2, width] views ascending.
-
-    With ``mirror`` the second half is compared back to front (the first step
-    of a bitonic merge), so every step sorts in the same direction.
+    The sorted axis leads, so each compare-exchange works on two contiguous
+    slabs that vectorize along the batch; pure elementwise jnp that XLA fuses.
+    On CPU it runs 3-4x faster than ``lax.sort`` for the small N of RL groups.
     """
-    vl, vh, il, ih = v4[..., 0, :], v4[..., 1, :], i4[..., 0, :], i4[..., 1, :]
-    if mirror:
-        vh, ih = vh[..., ::-1], ih[..., ::-1]
-    swap = _lex_greater(vl, il, vh, ih)
-    new_vl, new_vh = jnp.where(swap, vh, vl), jnp.where(swap, vl, vh)
-    new_il, new_ih = jnp.where(swap, ih, il), jnp.where(swap, il, ih)
-    if mirror:
-        new_vh, new_ih = new_vh[..., ::-1], new_ih[..., ::-1]
-    return jnp.stack([new_vl, new_vh], axis=-2), jnp.stack([new_il, new_ih], axis=-2)
+    n, rest = values_N.shape[0], values_N.shape[1:]
 
+    def halves(x, width, mirror):
+        x4 = x.reshape(n // (2 * width), 2, width, *rest)
+        lo, hi = x4[:, 0], x4[:, 1]
+        return lo, (hi[:, ::-1] if mirror else hi)
 
-def _network_sort(values, idx):
-    """Bitonic sort of (values, idx) pairs along the last axis, N a power of two.
-
-    Pure elementwise jnp, so XLA fuses it; on CPU it runs several times faster
-    than ``lax.sort`` for the small N of RL groups.
-    """
-    lead, n = values.shape[:-1], values.shape[-1]
+    def join(lo, hi, mirror):
+        return jnp.stack([lo, hi[:, ::-1] if mirror else hi], axis=1).reshape(n, *rest)
 
     def step(values, idx, width, mirror):
-        shape = (*lead, n // (2 * width), 2, width)
-        values, idx = _compare_exchange(values.reshape(shape), idx.reshape(shape), mirror)
-        return values.reshape(*lead, n), idx.reshape(*lead, n)
+        # A mirrored first step per merge keeps every step sorting the same way.
+        vl, vh = halves(values, width, mirror)
+        il, ih = halves(idx, width, mirror)
+        swap = (vl > vh) | ((vl == vh) & (il > ih))
+        values = join(jnp.where(swap, vh, vl), jnp.where(swap, vl, vh), mirror)
+        idx = join(jnp.where(swap, ih, il), jnp.where(swap, il, ih), mirror)
+        return values, idx
 
     size = 2
     while size <= n:
-        values, idx = step(values, idx, size // 2, mirror=True)
+        values_N, idx_N = step(values_N, idx_N, size // 2, mirror=True)
         width = size // 4
         while width >= 1:
-            values, idx = step(values, idx, width, mirror=False)
+            values_N, idx_N = step(values_N, idx_N, width, mirror=False)
             width //= 2
         size *= 2
-    return values, idx
+    return values_N, idx_N
+
+
+def _canonical_keys(values):
+    # -0.0 and 0.0 must tie (then rank by index) on every sort path.
+    return jnp.where(values == 0, jnp.zeros_like(values), values)
+
+
+def _sort_last_axis(values):
+    n = values.shape[-1]
+    if n <= 1 or n > _NETWORK_MAX_N:
+        idx = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+        return lax.sort((values, idx), dimension=values.ndim - 1, num_keys=2)
+    padded = 1 << (n - 1).bit_length()
+    # Padding ranks last: +inf ties with invalid rewards but has larger indices.
+    values_N = jnp.moveaxis(values, -1, 0)
+    values_N = jnp.pad(values_N, [(0, padded - n)] + [(0, 0)] * (values.ndim - 1), constant_values=jnp.inf)
+    idx_N = lax.broadcasted_iota(jnp.int32, values_N.shape, 0)
+    values_N, idx_N = _network_sort(values_N, idx_N)
+    return jnp.moveaxis(values_N[:n], 0, -1), jnp.moveaxis(idx_N[:n], 0, -1)
 
 
 def sort_with_indices(values: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -121,31 +132,15 @@ def sort_with_indices(values: jax.Array) -> tuple[jax.Array, jax.Array]:
       (sorted_values [..., N], int32 sorted_indices [..., N]); equal values keep
       their original order, exactly like a stable argsort.
     """
-    # -0.0 and 0.0 must tie (then rank by index) in both sort paths.
-    values = jnp.where(values == 0, jnp.zeros_like(values), values)
-    n = values.shape[-1]
-    idx = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
-    if n <= 1:
-        return values, idx
-    if n > _NETWORK_MAX_N:
-        return lax.sort((values, idx), dimension=values.ndim - 1, num_keys=2)
-    padded = 1 << (n - 1).bit_length()
-    if padded != n:
-        # Padding ranks last: +inf ties with invalid rewards but has larger indices.
-        pad = [(0, 0)] * (values.ndim - 1) + [(0, padded - n)]
-        values = jnp.pad(values, pad, constant_values=jnp.inf)
-        idx = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
-    values, idx = _network_sort(values, idx)
-    return values[..., :n], idx[..., :n]
+    return _sort_last_axis(_canonical_keys(values))
 
 
 def _sorted_valid(rewards):
-    """Sorted rewards with non-finite ones (as +inf) last, and the finite count."""
+    """Sorted keys (non-finite rewards as +inf, so last), their indices, and the finite count."""
     valid = jnp.isfinite(rewards)
-    keys = jnp.where(valid, rewards, jnp.inf)
-    sorted_vals, sorted_idx = sort_with_indices(keys)
-    num_valid = jnp.sum(valid, axis=-1, dtype=jnp.int32)
-    return sorted_vals, sorted_idx, num_valid
+    keys = jnp.where(valid, _canonical_keys(rewards), jnp.inf)
+    sorted_vals, sorted_idx = _sort_last_axis(keys)
+    return sorted_vals, sorted_idx, jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
 def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
@@ -153,8 +148,9 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
 
     By Theorem 1 of the PODS paper the best subset is the k highest plus the
     M-k lowest rewards for some k in [0, M]. One sort, prefix sums of r and
-    r^2 from both ends, and all M+1 candidates scored at once: O(N log^2 N)
-    on the small network sort, O(M) after it.
+    r^2 from both ends, and all M+1 candidates scored at once. The sort is a
+    bitonic network over (reward, index) pairs, O(N log^2 N) work in
+    log^2 N fused steps; everything after it is O(M).
 
     Ties: candidates are scored by M * sum(r^2) - sum(r)^2 (M^2 times the
     variance); among equal scores the smallest k (fewest top rewards) wins,
@@ -179,16 +175,15 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     rewards, m = _validate(rewards, m)
     sorted_vals, sorted_idx, num_valid = _sorted_valid(rewards)
     nv = num_valid[..., None]
+    enough = nv >= m
     center = jnp.where(nv > 0, sorted_vals[..., :1], jnp.zeros_like(sorted_vals[..., :1]))
 
     ranks_M = jnp.arange(m, dtype=jnp.int32)
     bottom_M = sorted_vals[..., :m] - center
-    # The k-th highest finite reward sits at rank nv-1-k.
-    top_ranks_M = jnp.clip(nv - 1 - ranks_M, 0, None)
-    top_M = jnp.take_along_axis(sorted_vals, top_ranks_M, axis=-1) - center
+    # The j-th highest finite reward sits at rank nv-1-j.
+    top_M = jnp.take_along_axis(sorted_vals, jnp.clip(nv - 1 - ranks_M, 0, None), axis=-1) - center
     # Rows with fewer than M finite rewards never use these scores; zero them
     # so inf never meets the arithmetic below.
-    enough = nv >= m
     bottom_M = jnp.where(enough, bottom_M, 0)
     top_M = jnp.where(enough, top_M, 0)
 
