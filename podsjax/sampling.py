@@ -1,0 +1,261 @@
+"""Jit generation: prefill each prompt once, share its KV cache, decode in a while_loop.
+
+Example:
+    >>> rollouts = generate(model, params, ids_PL, mask_PL, jax.random.key(0),
+    ...                     num_samples=16, max_new_tokens=512, temperature=0.9,
+    ...                     eos_token_ids=(tokenizer.eos_token_id,))
+    >>> rollouts.tokens.shape  # [P * 16, 512], rows p*16 .. p*16+15 belong to prompt p
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from podsjax import mesh as mesh_lib
+from podsjax.models.cache import KVCache, decode_step, init_cache, prefill
+
+
+@flax.struct.dataclass
+class Rollouts:
+    """Sampled completions, row-major by prompt: row p*n + j is sample j of prompt p.
+
+    Attributes:
+      tokens: int32 [B*n, T]; positions after the first EOS hold the pad id.
+      logprobs: float32 [B*n, T] log-probs of the sampled tokens under
+        softmax(logits / temperature), before any top-p/top-k filtering (what
+        the train step recomputes); temperature 0 reports temperature 1.
+      mask: bool [B*n, T], valid completion tokens up to and including the first EOS.
+      lengths: int32 [B*n], number of valid tokens.
+      truncated: bool [B*n], no EOS within T tokens.
+    """
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    mask: jax.Array
+    lengths: jax.Array
+    truncated: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Static sampling settings (hashable: each distinct one compiles once)."""
+
+    num_samples: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1; got {self.num_samples}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1; got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy); got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off); got {self.top_k}")
+        if not self.eos_token_ids:
+            raise ValueError("eos_token_ids must name at least one token (e.g. tokenizer.eos_token_id)")
+
+
+def _filter_logits(logits_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Sets logits outside the top-k / nucleus to -inf (the highest one always survives)."""
+    if top_k > 0 and top_k < logits_BV.shape[-1]:
+        kth_B1 = lax.top_k(logits_BV, top_k)[0][..., -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    if top_p < 1.0:
+        sorted_BV = jnp.sort(logits_BV, axis=-1)[..., ::-1]
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        # Mass strictly before each token; a token stays while that is < top_p.
+        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        cutoff_B1 = jnp.min(jnp.where(before_BV < top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+        logits_BV = jnp.where(logits_BV < cutoff_B1, -jnp.inf, logits_BV)
+    return logits_BV
+
+
+def _sample(logits_BV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """One token per row and its log-prob under the unfiltered tempered policy."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    if cfg.temperature == 0:
+        tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        scaled_BV = logits_BV
+    else:
+        scaled_BV = logits_BV / cfg.temperature
+        filtered_BV = _filter_logits(scaled_BV, cfg.top_k, cfg.top_p)
+        tokens_B = jax.random.categorical(key, filtered_BV, axis=-1).astype(jnp.int32)
+    picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, picked_B - jax.nn.logsumexp(scaled_BV, axis=-1)
+
+
+@flax.struct.dataclass
+class _Carry:
+    step: jax.Array
+    logits_BV: jax.Array
+    tokens_BT: jax.Array
+    logprobs_BT: jax.Array
+    done_B: jax.Array
+    cache: KVCache
+
+
+def _prefill(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, prompt_mask_BL):
+    """Prefills each prompt once and shares its cache and last logits across its n samples."""
+    b, prompt_len = prompt_ids_BL.shape
+    cache = init_cache(model.config, b, prompt_len + cfg.max_new_tokens, dtype=model.dtype)
+    logits_BLV, cache = prefill(model, params, prompt_ids_BL, prompt_mask_BL, cache, lora=lora)
+    logits_BV = jnp.repeat(logits_BLV[:, -1], cfg.num_samples, axis=0)
+    return _constrain_rows(model, logits_BV), cache.repeat(cfg.num_samples)
+
+
+def _constrain_rows(model, x):
+    return mesh_lib.constrain(x, model.mesh, ("batch",) + (None,) * (x.ndim - 1))
+
+
+def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key) -> tuple[Rollouts, KVCache]:
+    """Samples up to T tokens per row in one while_loop.
+
+    The final cache is returned so the donated input cache aliases it and the
+    loop updates one buffer in place.
+    """
+    rows, t_max = logits_BV.shape[0], cfg.max_new_tokens
+    eos_E = jnp.asarray(cfg.eos_token_ids, jnp.int32)
+
+    def cond(c: _Carry):
+        return (c.step < t_max) & ~jnp.all(c.done_B)
+
+    def body(c: _Carry) -> _Carry:
+        token_B, logprob_B = _sample(c.logits_BV, jax.random.fold_in(key, c.step), cfg)
+        token_B = jnp.where(c.done_B, cfg.pad_token_id, token_B)
+        logprob_B = jnp.where(c.done_B, 0.0, logprob_B)
+        done_B = c.done_B | jnp.any(token_B[:, None] == eos_E, axis=-1)
+        tokens_BT = lax.dynamic_update_index_in_dim(c.tokens_BT, token_B, c.step, axis=1)
+        logprobs_BT = lax.dynamic_update_index_in_dim(c.logprobs_BT, logprob_B, c.step, axis=1)
+        # Finished rows still run (the batch is static) but write masked slots.
+        logits_BV, cache = decode_step(
+            model, params, token_B[:, None], c.cache, lora=lora, attention_mask_B1=~c.done_B[:, None]
+        )
+        return _Carry(c.step + 1, _constrain_rows(model, logits_BV), tokens_BT, logprobs_BT, done_B, cache)
+
+    init = _Carry(
+        step=jnp.int32(0),
+        logits_BV=logits_BV,
+        tokens_BT=_constrain_rows(model, jnp.full((rows, t_max), cfg.pad_token_id, jnp.int32)),
+        logprobs_BT=_constrain_rows(model, jnp.zeros((rows, t_max), jnp.float32)),
+        done_B=_constrain_rows(model, jnp.zeros((rows,), bool)),
+        cache=cache,
+    )
+    final = lax.while_loop(cond, body, init)
+    is_eos_BT = jnp.any(final.tokens_BT[..., None] == eos_E, axis=-1)
+    # Valid: every step up to and including the first EOS, within the steps run.
+    eos_before_BT = jnp.cumsum(is_eos_BT, axis=1) - is_eos_BT
+    mask_BT = (eos_before_BT == 0) & (jnp.arange(t_max) < final.step)
+    rollouts = Rollouts(
+        tokens=jnp.where(mask_BT, final.tokens_BT, cfg.pad_token_id),
+        logprobs=jnp.where(mask_BT, final.logprobs_BT, 0.0),
+        mask=mask_BT,
+        lengths=jnp.sum(mask_BT, axis=1, dtype=jnp.int32),
+        truncated=~jnp.any(is_eos_BT & mask_BT, axis=1),
+    )
+    return rollouts, final.cache
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(model, cfg: SamplingConfig):
+    """The two jitted stages for (model, settings); shapes are bucketed by the caller."""
+    prefill_fn = jax.jit(functools.partial(_prefill, model, cfg))
+    decode_fn = jax.jit(functools.partial(_decode, model, cfg), donate_argnums=3)
+    return prefill_fn, decode_fn
+
+
+def generate(
+    model,
+    params: Any,
+    prompt_ids_BL: jax.Array,
+    prompt_mask_BL: jax.Array,
+    key: jax.Array,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_token_ids,
+    pad_token_id: int = 0,
+    lora=None,
+) -> Rollouts:
+    """Samples ``num_samples`` completions per left-padded prompt.
+
+    Each prompt is prefilled once; its KV cache is repeated for its samples
+    and donated to the decode stage, which runs one ``lax.while_loop`` that stops when every row has
+    emitted an EOS or ``max_new_tokens`` are done. With ``model.mesh`` set the
+    prompt batch is sharded over the mesh's batch axes. The same key gives the
+    same rollouts; prompts of a new padded length compile once more, so bucket
+    lengths (``podsjax.prompts`` does).
+
+    Args:
+      model: a :class:`podsjax.models.Decoder`.
+      params: its params.
+      prompt_ids_BL: int [B, L] prompt tokens, left-padded.
+      prompt_mask_BL: [B, L], 1 for real prompt tokens.
+      key: PRNG key.
+      num_samples: n, completions per prompt.
+      max_new_tokens: T.
+      temperature: sampling temperature; 0 is greedy.
+      top_p: nucleus mass kept (1 = off).
+      top_k: keep the k most likely tokens (0 = off).
+      eos_token_ids: an int or ints that end a completion.
+      pad_token_id: fills positions after EOS.
+      lora: optional LoRA params to sample from the adapted policy.
+
+    Returns:
+      :class:`Rollouts` with B*n rows.
+    """
+    if isinstance(eos_token_ids, int):
+        eos_token_ids = (eos_token_ids,)
+    try:
+        eos = tuple(operator.index(t) for t in eos_token_ids)
+    except TypeError:
+        raise TypeError(f"eos_token_ids must be ints; got {eos_token_ids!r}") from None
+    cfg = SamplingConfig(
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        eos_token_ids=eos,
+        pad_token_id=int(pad_token_id),
+    )
+    prompt_ids_BL = jnp.asarray(prompt_ids_BL)
+    prompt_mask_BL = jnp.asarray(prompt_mask_BL)
+    if prompt_ids_BL.ndim != 2 or prompt_mask_BL.shape != prompt_ids_BL.shape:
+        raise ValueError(
+            f"prompt ids and mask must both be [B, L]; got {prompt_ids_BL.shape} and {prompt_mask_BL.shape}"
+        )
+    if not jnp.issubdtype(prompt_ids_BL.dtype, jnp.integer):
+        raise ValueError(f"prompt ids must be integers; got dtype {prompt_ids_BL.dtype}")
+    mesh: Mesh | None = model.mesh
+    if mesh is not None:
+        batch_shards = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+        rows = prompt_ids_BL.shape[0] * num_samples
+        if rows % batch_shards:
+            raise ValueError(
+                f"prompts x num_samples = {rows} rows must divide evenly over the mesh's "
+                f"{batch_shards} batch shards (data x fsdp)"
+            )
+    prefill_fn, decode_fn = _compiled(model, cfg)
+    logits_BV, cache = prefill_fn(params, lora, prompt_ids_BL.astype(jnp.int32), prompt_mask_BL.astype(jnp.int32))
+    rollouts, _ = decode_fn(params, lora, logits_BV, cache, key)
+    return rollouts

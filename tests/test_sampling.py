@@ -1,0 +1,198 @@
+"""The jit sampler: token-exact greedy parity with transformers, log-probs, EOS, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+from test_models import build_hf
+
+import podsjax.models as pm
+from podsjax import grpo, mesh as mesh_lib
+from podsjax.sampling import generate
+
+FAMILIES = ["qwen2_tied_gqa", "llama_untied_mqa_llama3"]
+EOS = 3
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family -> (HF torch model, podsjax model, params), built once."""
+    out = {}
+    for i, name in enumerate(FAMILIES):
+        path = tmp_path_factory.mktemp(f"sampling_{name}")
+        hf = build_hf(path, name, seed=10 + i)
+        model, params = pm.from_pretrained(path, dtype=jnp.float32)
+        out[name] = (hf, model, params)
+    return out
+
+
+def left_padded_prompts(seed=0):
+    rng = np.random.RandomState(seed)
+    lengths = [7, 4, 1]
+    ids = np.full((3, 8), PAD, np.int32)
+    mask = np.zeros((3, 8), np.int32)
+    for row, length in enumerate(lengths):
+        ids[row, 8 - length :] = rng.randint(4, 256, length)  # never the EOS or pad id
+        mask[row, 8 - length :] = 1
+    return ids, mask
+
+
+def hf_greedy(hf, ids, mask, max_new_tokens):
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+        )
+    return out[:, ids.shape[1] :].numpy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_is_token_exact_with_transformers_on_a_left_padded_batch(tiny, family):
+    hf, model, params = tiny[family]
+    ids, mask = left_padded_prompts()
+    ours = generate(model, params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=12,
+                    temperature=0.0, eos_token_ids=EOS, pad_token_id=PAD)
+    theirs = hf_greedy(hf, ids, mask, 12)
+    tokens = np.asarray(ours.tokens)
+    for row in range(len(ids)):
+        n_valid = int(ours.lengths[row])
+        assert tokens[row, :n_valid].tolist() == theirs[row, :n_valid].tolist(), row
+        # HF pads after EOS with pad_token_id too, or ran out of tokens.
+        assert theirs[row, n_valid:].tolist() == [PAD] * (theirs.shape[1] - n_valid)
+
+
+def test_top_k_one_equals_greedy(tiny):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(1)
+    greedy = generate(model, params, ids, mask, jax.random.key(0), num_samples=2, max_new_tokens=10,
+                      temperature=0.0, eos_token_ids=EOS)
+    top1 = generate(model, params, ids, mask, jax.random.key(5), num_samples=2, max_new_tokens=10,
+                    temperature=0.7, top_k=1, eos_token_ids=EOS)
+    assert np.array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
+    assert np.array_equal(np.asarray(top1.mask), np.asarray(greedy.mask))
+
+
+def completion_logprobs(model, params, prompt_ids, prompt_mask, rollouts, num_samples, temperature):
+    """Recomputes the sampled tokens' log-probs with one full forward pass, as the train step does."""
+    ids = np.concatenate([np.repeat(prompt_ids, num_samples, 0), np.asarray(rollouts.tokens)], axis=1)
+    mask = np.concatenate([np.repeat(prompt_mask, num_samples, 0), np.asarray(rollouts.mask)], axis=1)
+    logits = model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    lp = prompt_ids.shape[1]
+    return np.asarray(grpo.token_logprobs(logits[:, lp - 1 : -1], jnp.asarray(ids[:, lp:]), temperature=temperature))
+
+
+def test_sampled_logprobs_match_a_full_forward_pass(tiny):
+    _, model, params = tiny["llama_untied_mqa_llama3"]
+    ids, mask = left_padded_prompts(2)
+    n, temperature = 3, 0.8
+    rollouts = generate(model, params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
+                        temperature=temperature, top_p=0.9, eos_token_ids=EOS)
+    recomputed = completion_logprobs(model, params, ids, mask, rollouts, n, temperature)
+    valid = np.asarray(rollouts.mask)
+    np.testing.assert_allclose(np.asarray(rollouts.logprobs)[valid], recomputed[valid], atol=1e-4)
+    assert np.all(np.asarray(rollouts.logprobs)[~valid] == 0)
+
+
+def test_mask_lengths_and_truncation_follow_the_first_eos(tiny):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(3)
+    # Temperature 3 makes EOS likely early in some rows and absent in others.
+    r = generate(model, params, ids, mask, jax.random.key(2), num_samples=8, max_new_tokens=12,
+                 temperature=3.0, eos_token_ids=(EOS, 4), pad_token_id=PAD)
+    tokens, valid = np.asarray(r.tokens), np.asarray(r.mask)
+    saw_eos = saw_truncated = False
+    for row in range(tokens.shape[0]):
+        stops = np.flatnonzero(np.isin(tokens[row], [EOS, 4]))
+        if len(stops):
+            first = stops[0]
+            saw_eos = True
+            assert valid[row].tolist() == [True] * (first + 1) + [False] * (12 - first - 1)
+            assert not bool(r.truncated[row]) and int(r.lengths[row]) == first + 1
+            assert np.all(tokens[row, first + 1 :] == PAD)
+        else:
+            saw_truncated = True
+            assert valid[row].all() and bool(r.truncated[row]) and int(r.lengths[row]) == 12
+    assert saw_eos and saw_truncated, "the seed should give both kinds of rows"
+
+
+def test_same_key_same_rollouts_and_samples_differ(tiny):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(4)
+    kwargs = dict(num_samples=4, max_new_tokens=8, temperature=1.0, eos_token_ids=EOS)
+    a = generate(model, params, ids, mask, jax.random.key(3), **kwargs)
+    b = generate(model, params, ids, mask, jax.random.key(3), **kwargs)
+    c = generate(model, params, ids, mask, jax.random.key(4), **kwargs)
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    # The n samples of one prompt are not copies of each other.
+    first_prompt = np.asarray(a.tokens)[:4]
+    assert len({tuple(row) for row in first_prompt}) > 1
+
+
+def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
+    from podsjax import sampling
+
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(5)
+    cfg = sampling.SamplingConfig(num_samples=16, max_new_tokens=4, temperature=1.0, eos_token_ids=(EOS,))
+    jaxpr = jax.make_jaxpr(lambda p, i, m: sampling._prefill(model, cfg, p, None, i, m))(params, ids, mask)
+    shapes = [v.aval.shape for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars if eqn.primitive.name == "dot_general"]
+    prompt_len = ids.shape[1]
+    assert any(s[:2] == (3, prompt_len) for s in shapes)  # the model runs on the 3 prompts
+    assert not any(s[:2] == (48, prompt_len) for s in shapes)  # never on 3 x 16 copies
+
+
+def test_second_call_with_new_prompts_does_not_recompile(tiny):
+    from podsjax import sampling
+
+    _, model, params = tiny["qwen2_tied_gqa"]
+    kwargs = dict(num_samples=2, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
+    ids, mask = left_padded_prompts(6)
+    generate(model, params, ids, mask, jax.random.key(0), **kwargs)
+    prefill_fn, decode_fn = sampling._compiled(model, sampling.SamplingConfig(**{**kwargs, "eos_token_ids": (EOS,)}))
+    sizes = (prefill_fn._cache_size(), decode_fn._cache_size())
+    ids2, mask2 = left_padded_prompts(7)
+    generate(model, params, ids2, mask2, jax.random.key(1), **kwargs)
+    assert (prefill_fn._cache_size(), decode_fn._cache_size()) == sizes == (1, 1)
+
+
+def test_sharded_generation_matches_single_device(tmp_path):
+    path = tmp_path / "ckpt"
+    build_hf(path, "qwen2_tied_gqa", seed=20)
+    mesh = mesh_lib.make_mesh("data=2,fsdp=4")
+    model, params = pm.from_pretrained(path, dtype=jnp.float32)
+    sharded_model, sharded_params = pm.from_pretrained(path, dtype=jnp.float32, mesh=mesh)
+    ids, mask = left_padded_prompts(8)
+    ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # 4 prompts x 2 = 8 rows
+    kwargs = dict(num_samples=2, max_new_tokens=6, temperature=0.0, eos_token_ids=EOS)
+    ref = generate(model, params, ids, mask, jax.random.key(0), **kwargs)
+    out = generate(sharded_model, sharded_params, ids, mask, jax.random.key(0), **kwargs)
+    assert np.array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    expected = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    assert out.tokens.sharding.is_equivalent_to(expected, 2)
+
+
+def test_bad_arguments_raise_one_line_errors(tiny):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts()
+    base = dict(num_samples=1, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
+    cases = [
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(num_samples=0), "num_samples must be >= 1"),
+        (dict(eos_token_ids=()), "eos_token_ids must name at least one token"),
+        (dict(eos_token_ids=["</s>"]), "eos_token_ids must be ints"),
+    ]
+    for override, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            generate(model, params, ids, mask, jax.random.key(0), **{**base, **override})
+    with pytest.raises(ValueError, match=r"must both be \[B, L\]"):
+        generate(model, params, ids, mask[:, :3], jax.random.key(0), **base)
