@@ -12,6 +12,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI replays the same examples every run; locally hypothesis keeps exploring.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def pytest_configure(config):

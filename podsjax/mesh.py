@@ -1,0 +1,216 @@
+"""Device mesh from a spec string, and the one table of logical-axis rules.
+
+The mesh always has the three axes ``("data", "fsdp", "tensor")``; a spec names only the
+ones it uses and the rest get size 1, so every ``PartitionSpec`` in the package can name
+all three axes without caring which are in use.
+
+Every parameter and the main activations carry *logical* axis names (``vocab``, ``embed``,
+``mlp``, ``q_heads``, ``kv_heads``, ``head_dim``, ``batch`` ...). :data:`LOGICAL_AXIS_RULES`
+is the single place that says which mesh axes each logical name shards over.
+
+Example:
+    >>> mesh = make_mesh("fsdp=4,tensor=2")          # 8 devices
+    >>> sharding = logical_sharding(mesh, ("embed", "mlp"), shape=(896, 4864))
+    >>> sharding.spec
+    PartitionSpec('fsdp', 'tensor')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+
+# The one rules table. A logical name maps to a mesh axis, a tuple of mesh axes, or None
+# (replicated). Weights are sharded FSDP-style over their model width ("embed") and
+# Megatron-style over heads / MLP width / vocab ("tensor"); the batch of activations is
+# split over both data-parallel axes. "act_embed" is the model width of *activations*:
+# it stays replicated, since sharding it over fsdp would force a gather in every matmul.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("cache_slots", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("act_embed", None),
+    ("mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("lora_rank", None),
+)
+
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+def parse_mesh_spec(spec: str | int, num_devices: int) -> dict[str, int]:
+    """Parses a mesh spec into axis sizes.
+
+    Args:
+        spec: ``"8"`` (all devices on fsdp), or comma-separated ``axis=size`` pairs over
+            ``data``, ``fsdp`` and ``tensor`` such as ``"data=2,fsdp=4"``.
+        num_devices: how many devices the mesh must cover.
+
+    Returns:
+        Sizes of all three axes in :data:`MESH_AXES` order (missing axes get 1).
+
+    Raises:
+        ValueError: malformed spec, unknown or repeated axis, or a product of sizes that
+            differs from ``num_devices``.
+    """
+    text = str(spec).strip().replace(" ", "")
+    sizes = {axis: 1 for axis in MESH_AXES}
+    if text.isdigit():
+        sizes["fsdp"] = int(text)
+    else:
+        seen: set[str] = set()
+        for part in text.split(","):
+            name, eq, value = part.partition("=")
+            if not eq or not value.isdigit():
+                raise ValueError(
+                    f"mesh spec {spec!r}: expected 'N' or 'axis=size,...' over {MESH_AXES}, got {part!r}"
+                )
+            if name not in sizes:
+                raise ValueError(f"mesh spec {spec!r}: unknown axis {name!r}; known axes are {MESH_AXES}")
+            if name in seen:
+                raise ValueError(f"mesh spec {spec!r}: axis {name!r} given twice")
+            seen.add(name)
+            sizes[name] = int(value)
+    if any(size < 1 for size in sizes.values()):
+        raise ValueError(f"mesh spec {spec!r}: axis sizes must be >= 1, got {sizes}")
+    total = math.prod(sizes.values())
+    if total != num_devices:
+        raise ValueError(
+            f"mesh spec {spec!r} needs {total} devices ({sizes}) but {num_devices} are available"
+        )
+    return sizes
+
+
+def make_mesh(spec: str | int | None = None, devices: Sequence[Any] | None = None) -> Mesh:
+    """Builds the ``("data", "fsdp", "tensor")`` mesh described by ``spec``.
+
+    All axes are ``AxisType.Auto``: the package shards with ``jax.jit`` in/out shardings
+    plus ``with_sharding_constraint`` and lets the compiler propagate the rest. (jax 0.10+
+    defaults ``jax.make_mesh`` to Explicit axes, which would change the typing rules of
+    every op, so the choice is made here on purpose.)
+
+    Args:
+        spec: see :func:`parse_mesh_spec`; ``None`` puts every device on fsdp.
+        devices: devices to use; defaults to ``jax.devices()`` (all processes).
+
+    Returns:
+        A ``jax.sharding.Mesh`` with axis names :data:`MESH_AXES`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh_spec(len(devices) if spec is None else spec, len(devices))
+    shape = tuple(sizes[axis] for axis in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def _rule_for(name: str | None, rules: Rules) -> tuple[str, ...]:
+    if name is None:
+        return ()
+    for logical, mesh_axes in rules:
+        if logical == name:
+            if mesh_axes is None:
+                return ()
+            return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    raise KeyError(f"logical axis {name!r} has no rule; known: {[r[0] for r in rules]}")
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
+    rules: Rules = LOGICAL_AXIS_RULES,
+) -> PartitionSpec:
+    """Turns logical axis names into a mesh ``PartitionSpec``.
+
+    When ``mesh`` and ``shape`` are given, mesh axes that do not divide a dimension (for
+    example 2 kv heads over tensor=4) or that are already used by an earlier dimension
+    are dropped, so that dimension is replicated instead of failing: the same rules then
+    serve every model size on every mesh.
+
+    Args:
+        names: one logical name (or None) per array dimension.
+        mesh: the mesh the spec is for (needed for the divisibility check).
+        shape: the array shape, same length as ``names``.
+        rules: the rules table; defaults to :data:`LOGICAL_AXIS_RULES`.
+
+    Returns:
+        A ``PartitionSpec`` with one entry per dimension.
+    """
+    if shape is not None and len(shape) != len(names):
+        raise ValueError(f"logical names {tuple(names)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    entries: list[str | tuple[str, ...] | None] = []
+    for dim, name in enumerate(names):
+        kept: list[str] = []
+        for axis in _rule_for(name, rules):
+            if axis in used:
+                continue
+            if mesh is not None:
+                size = mesh.shape[axis]
+                if size == 1:
+                    continue
+                if shape is not None and shape[dim] % (size * math.prod(mesh.shape[a] for a in kept)) != 0:
+                    continue
+            kept.append(axis)
+        used.update(kept)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*entries)
+
+
+def logical_sharding(
+    mesh: Mesh, names: Sequence[str | None], shape: Sequence[int] | None = None, rules: Rules = LOGICAL_AXIS_RULES
+) -> NamedSharding:
+    """``NamedSharding`` on ``mesh`` for an array with the given logical axis names."""
+    return NamedSharding(mesh, logical_to_spec(names, mesh, shape, rules))
+
+
+def constrain(x: jax.Array, mesh: Mesh | None, names: Sequence[str | None]) -> jax.Array:
+    """``with_sharding_constraint`` by logical names; identity only when ``mesh`` is None.
+
+    The constraint is applied on every backend, CPU fake devices included, so sharded
+    tests exercise the same partitioning as a TPU run.
+    """
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_sharding(mesh, names, x.shape))
+
+
+def tree_shardings(mesh: Mesh, names_tree: Any, shapes_tree: Any, rules: Rules = LOGICAL_AXIS_RULES) -> Any:
+    """Maps a tree of logical-name tuples plus a matching tree of shapes to NamedShardings.
+
+    Args:
+        mesh: target mesh.
+        names_tree: pytree whose leaves are tuples of logical names (``PartitionSpec`` of
+            logical names also works, as ``flax.linen.get_partition_spec`` returns).
+        shapes_tree: pytree with the same structure whose leaves have ``.shape``.
+        rules: the rules table.
+
+    Returns:
+        Pytree of ``NamedSharding`` with the structure of ``shapes_tree``.
+    """
+    is_names = lambda x: isinstance(x, (tuple, PartitionSpec))  # noqa: E731
+    flat_names = jax.tree.leaves(names_tree, is_leaf=is_names)
+    flat_shapes, treedef = jax.tree.flatten(shapes_tree)
+    if len(flat_names) != len(flat_shapes):
+        raise ValueError(f"names tree has {len(flat_names)} leaves but shapes tree has {len(flat_shapes)}")
+    out = [
+        logical_sharding(mesh, tuple(n), np.shape(s) if not hasattr(s, "shape") else s.shape, rules)
+        for n, s in zip(flat_names, flat_shapes, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Sharding for a ``[B, ...]`` input: batch over ("data", "fsdp"), the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh))

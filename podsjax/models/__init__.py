@@ -1,0 +1,33 @@
+"""Qwen2 / Llama decoders in Flax Linen, loaded from and exported to HF checkpoints.
+
+Axis letters used in names here, beyond the package glossary: E head_dim, F MLP width,
+S KV-cache slots, Y layers.
+
+Example:
+    >>> model, params = podsjax.models.from_pretrained("/ckpt/Qwen2.5-0.5B-Instruct", mesh=mesh)
+    >>> logits_BLV = model.apply({"params": params}, ids_BL, attention_mask=mask_BL)
+    >>> lora = podsjax.models.init_lora(jax.random.key(0), model, LoraConfig(rank=64, alpha=64))
+    >>> podsjax.models.save_pretrained(model, params, "/out/merged", lora=lora)
+"""
+
+from podsjax.models.cache import KVCache, cache_shardings, decode_step, init_cache, prefill
+from podsjax.models.config import (
+    PRESETS,
+    SUPPORTED_ARCHITECTURES,
+    Llama3RopeScaling,
+    ModelConfig,
+    from_hf_config,
+    preset,
+)
+from podsjax.models.decoder import Decoder, apply_rope, rope_inv_freq
+from podsjax.models.hf_io import CheckpointError, from_pretrained, load_params, save_pretrained, tensor_specs
+from podsjax.models.lora import DEFAULT_TARGETS, LoraConfig, LoraParams, init_lora, lora_logical_axes, merge_lora
+from podsjax.models.params import abstract_params, init_params, param_logical_axes, param_shardings
+
+__all__ = [
+    "CheckpointError", "DEFAULT_TARGETS", "Decoder", "KVCache", "Llama3RopeScaling", "LoraConfig", "LoraParams",
+    "ModelConfig", "PRESETS", "SUPPORTED_ARCHITECTURES", "abstract_params", "apply_rope", "cache_shardings",
+    "decode_step", "from_hf_config", "from_pretrained", "init_cache", "init_lora", "init_params", "load_params",
+    "lora_logical_axes", "merge_lora", "param_logical_axes", "param_shardings", "prefill", "preset",
+    "rope_inv_freq", "save_pretrained", "tensor_specs",
+]

@@ -1,0 +1,142 @@
+"""Fixed-size KV cache as a pytree, plus the prefill and decode-step entry points.
+
+Intended use by a sampler (one prompt prefilled once, its cache shared by n samples)::
+
+    cache = init_cache(model.config, batch=P, max_len=Lp + Lc, dtype=jnp.bfloat16)
+    logits_PLV, cache = prefill(model, params, prompt_ids_PL, prompt_mask_PL, cache)
+    cache = cache.repeat(n)                      # rows p*n .. p*n+n-1 belong to prompt p
+    # inside lax.while_loop, with the cache in the carry (and donated to the outer jit):
+    logits_BV, cache = decode_step(model, params, token_B1, cache)
+
+Every row carries its own write slot (``index_B``) and RoPE position (``positions_B``),
+so left-padded prompts of different lengths, and rows that stop early, need no special
+casing. Slots past ``max_len`` are silently dropped by the scatter: size the cache for
+prompt + completion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from podsjax import mesh as mesh_lib
+
+# Logical names of each cache field, for shardings.
+CACHE_LOGICAL_AXES = {
+    "keys_YBSKE": ("layers", "batch", "cache_slots", "kv_heads", "head_dim"),
+    "values_YBSKE": ("layers", "batch", "cache_slots", "kv_heads", "head_dim"),
+    "mask_BS": ("batch", "cache_slots"),
+    "index_B": ("batch",),
+    "positions_B": ("batch",),
+}
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys/values in S fixed slots, with per-row bookkeeping.
+
+    Attributes:
+        keys_YBSKE: [num_layers, B, S, K, E] rotated keys.
+        values_YBSKE: [num_layers, B, S, K, E].
+        mask_BS: bool, slot holds a real (non-pad) token.
+        index_B: int32, next slot each row writes to.
+        positions_B: int32, RoPE position of each row's next real token.
+    """
+
+    keys_YBSKE: jax.Array
+    values_YBSKE: jax.Array
+    mask_BS: jax.Array
+    index_B: jax.Array
+    positions_B: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.mask_BS.shape[1]
+
+    def repeat(self, n: int) -> KVCache:
+        """Repeats every row ``n`` times in place order: row b becomes rows b*n .. b*n+n-1."""
+        return KVCache(
+            keys_YBSKE=jnp.repeat(self.keys_YBSKE, n, axis=1),
+            values_YBSKE=jnp.repeat(self.values_YBSKE, n, axis=1),
+            mask_BS=jnp.repeat(self.mask_BS, n, axis=0),
+            index_B=jnp.repeat(self.index_B, n, axis=0),
+            positions_B=jnp.repeat(self.positions_B, n, axis=0),
+        )
+
+
+def init_cache(config, batch: int, max_len: int, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KVCache:
+    """Empty cache for ``batch`` rows of up to ``max_len`` tokens (prompt + completion).
+
+    Args:
+        config: a :class:`~podsjax.models.ModelConfig`.
+        batch: B.
+        max_len: S, the number of slots.
+        dtype: storage dtype of keys/values.
+        mesh: when given, the cache is created directly in :func:`cache_shardings`.
+    """
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+
+    def make():
+        return KVCache(
+            keys_YBSKE=jnp.zeros(shape, dtype),
+            values_YBSKE=jnp.zeros(shape, dtype),
+            mask_BS=jnp.zeros((batch, max_len), bool),
+            index_B=jnp.zeros((batch,), jnp.int32),
+            positions_B=jnp.zeros((batch,), jnp.int32),
+        )
+
+    if mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), mesh))()
+
+
+def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
+    """A KVCache of NamedShardings (batch over data+fsdp, kv heads over tensor).
+
+    ``cache`` may be abstract (``jax.eval_shape``) or concrete; use the result as the
+    in/out shardings of the sampler's jit.
+    """
+    return KVCache(**{
+        name: mesh_lib.logical_sharding(mesh, names, getattr(cache, name).shape)
+        for name, names in CACHE_LOGICAL_AXES.items()
+    })
+
+
+def prefill(model, params, input_ids_BL: jax.Array, attention_mask_BL: jax.Array, cache: KVCache,
+            *, lora=None) -> tuple[jax.Array, KVCache]:
+    """Runs the prompt through the model and fills the cache.
+
+    Args:
+        model: the :class:`~podsjax.models.Decoder`.
+        params: its params.
+        input_ids_BL: prompt tokens, left-padded so every row's last token is real.
+        attention_mask_BL: 1 for real tokens.
+        cache: an empty cache from :func:`init_cache` (or one to append a chunk to).
+        lora: optional :class:`~podsjax.models.LoraParams`.
+
+    Returns:
+        ``(logits_BLV, cache)``; ``logits_BLV[:, -1]`` predicts each row's first new token.
+    """
+    return model.apply({"params": params}, input_ids_BL, attention_mask_BL, cache=cache, lora=lora)
+
+
+def decode_step(model, params, token_B1: jax.Array, cache: KVCache, *, lora=None,
+                attention_mask_B1: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """Feeds one token per row and returns the next-token logits.
+
+    Args:
+        token_B1: int tokens [B, 1] (a [B] vector is accepted).
+        cache: the cache after prefill / previous steps.
+        attention_mask_B1: 0 marks a token that later steps must not attend to (for
+            example rows already past EOS); default all ones.
+
+    Returns:
+        ``(logits_BV, cache)`` with fp32 logits.
+    """
+    token_B1 = token_B1.reshape(token_B1.shape[0], 1)
+    logits_B1V, cache = model.apply({"params": params}, token_B1, attention_mask_B1, cache=cache, lora=lora)
+    return logits_B1V[:, 0], cache

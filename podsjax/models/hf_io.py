@@ -1,0 +1,332 @@
+"""Hugging Face checkpoints <-> podsjax params: load (sharded) and export (LoRA merged).
+
+HF stores ``nn.Linear`` weights as ``[out, in]``; podsjax kernels are ``in_shape +
+out_shape`` with heads as their own axis, so every kernel is transposed and reshaped on
+the way in and back on the way out. Tensors are read from memory-mapped files and placed
+one at a time, so host memory peaks near the largest single tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from podsjax import mesh as mesh_lib
+from podsjax.models.config import from_hf_config
+from podsjax.models.decoder import Decoder
+from podsjax.models.lora import LoraParams, merged_kernel
+from podsjax.models.params import abstract_params, param_logical_axes
+from podsjax.models.safetensors_io import SafetensorsFile, write_safetensors
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Files copied by save_pretrained(tokenizer_from=...) so the export is servable as is.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: lists every missing/unexpected/mis-shaped tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """How one HF tensor maps onto one podsjax param.
+
+    Attributes:
+        hf_name: e.g. ``model.layers.0.self_attn.q_proj.weight``.
+        path: param path, e.g. ``("layers_0", "attn", "q", "kernel")``.
+        kind: "kernel" (transpose + reshape), "bias" (reshape) or "copy".
+        n_in: number of input dims of a kernel (2 for o_proj: heads x head_dim).
+        param_shape / hf_shape: shapes on each side.
+        names: logical axis names of the param.
+    """
+
+    hf_name: str
+    path: tuple[str, ...]
+    kind: str
+    n_in: int
+    param_shape: tuple[int, ...]
+    hf_shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+
+    def to_param(self, hf: np.ndarray, dtype: Any) -> np.ndarray:
+        if self.kind == "kernel":
+            # One C-ordered copy (with the dtype cast folded in); the reshape is then free.
+            return np.ascontiguousarray(hf.T, dtype=dtype).reshape(self.param_shape)
+        return np.array(hf, dtype=dtype).reshape(self.param_shape)
+
+    def to_hf(self, param: np.ndarray) -> np.ndarray:
+        if self.kind == "kernel":
+            n_in = math.prod(self.param_shape[:self.n_in])
+            return param.reshape(n_in, -1).T
+        return param.reshape(self.hf_shape)
+
+
+def _hf_name(path: tuple[str, ...]) -> tuple[str, str, int]:
+    """(HF name, kind, n_in) of a param path."""
+    head, *rest = path
+    if path == ("embed", "embedding"):
+        return "model.embed_tokens.weight", "copy", 0
+    if path == ("final_norm", "scale"):
+        return "model.norm.weight", "copy", 0
+    if path == ("lm_head", "kernel"):
+        return "lm_head.weight", "kernel", 1
+    if head.startswith("layers_"):
+        prefix = f"model.layers.{head.removeprefix('layers_')}"
+        if rest == ["attn_norm", "scale"]:
+            return f"{prefix}.input_layernorm.weight", "copy", 0
+        if rest == ["mlp_norm", "scale"]:
+            return f"{prefix}.post_attention_layernorm.weight", "copy", 0
+        group, proj, leaf = rest
+        hf_group = "self_attn" if group == "attn" else "mlp"
+        suffix = "weight" if leaf == "kernel" else "bias"
+        kind = "kernel" if leaf == "kernel" else "bias"
+        return f"{prefix}.{hf_group}.{proj}_proj.{suffix}", kind, 2 if proj == "o" else 1
+    raise KeyError(f"no Hugging Face name for param {'/'.join(path)}")
+
+
+def tensor_specs(model: Decoder) -> list[TensorSpec]:
+    """The HF tensors a model expects, in checkpoint order (embeddings, layers, norm, head)."""
+    shapes = abstract_params(model)
+    names = param_logical_axes(model)
+    flat_shapes = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    flat_names = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+    specs = []
+    for (key_path, leaf), leaf_names in zip(flat_shapes, flat_names, strict=True):
+        path = tuple(k.key for k in key_path)
+        hf_name, kind, n_in = _hf_name(path)
+        shape = tuple(leaf.shape)
+        if kind == "kernel":
+            hf_shape = (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+        elif kind == "bias":
+            hf_shape = (math.prod(shape),)
+        else:
+            hf_shape = shape
+        specs.append(TensorSpec(hf_name, path, kind, n_in, shape, hf_shape, leaf_names))
+
+    def order(spec: TensorSpec):
+        head = spec.path[0]
+        layer = int(head.removeprefix("layers_")) if head.startswith("layers_") else None
+        rank = {"embed": 0, "final_norm": 2, "lm_head": 3}.get(head, 1)
+        return rank, layer or 0, spec.hf_name
+
+    return sorted(specs, key=order)
+
+
+def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
+    """Maps every tensor name in the checkpoint dir to the (lazily mapped) file holding it."""
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        missing_files = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
+        if missing_files:
+            raise CheckpointError(f"{path}: {INDEX_FILE} names shard files that do not exist: {missing_files}")
+        files = {name: SafetensorsFile(os.path.join(path, name)) for name in sorted(set(weight_map.values()))}
+        # Trust the files' own headers, not only the index, so an index/shard mismatch
+        # surfaces as missing tensors rather than a crash mid-load.
+        return {name: files[file] for name, file in weight_map.items() if name in files[file].header}
+    paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not paths:
+        raise CheckpointError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
+    out: dict[str, SafetensorsFile] = {}
+    for file_path in paths:
+        st = SafetensorsFile(file_path)
+        out.update({name: st for name in st.header})
+    return out
+
+
+def _check(path: str, specs: list[TensorSpec], files: dict[str, SafetensorsFile], tied: bool) -> None:
+    expected = {s.hf_name: s for s in specs}
+    # Tied checkpoints sometimes still carry lm_head.weight; old ones carry RoPE buffers.
+    ignorable = {"lm_head.weight"} if tied else set()
+    missing = sorted(n for n in expected if n not in files)
+    unexpected = sorted(n for n in files
+                        if n not in expected and n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
+    misshaped = sorted(f"{n}: expected {list(s.hf_shape)}, found {list(files[n].shape(n))}"
+                       for n, s in expected.items() if n in files and files[n].shape(n) != s.hf_shape)
+    if missing or unexpected or misshaped:
+        lines = [f"checkpoint {path} does not match the model config:"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)):
+            if items:
+                lines.append(f"  {title} ({len(items)}): " + ", ".join(items))
+        raise CheckpointError("\n".join(lines))
+
+
+def _place(host: np.ndarray, sharding) -> jax.Array:
+    if sharding is None:
+        return jax.device_put(host)
+    # Each device (and, multi-host, each process) copies just its own shard.
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = None) -> dict[str, Any]:
+    """Reads HF safetensors (one file or a sharded index) into params for ``model``.
+
+    Args:
+        path: checkpoint directory.
+        model: the decoder (its config must match the checkpoint).
+        mesh: when given, each tensor goes straight into its NamedSharding.
+
+    Returns:
+        Params tree of ``model.param_dtype`` arrays.
+
+    Raises:
+        CheckpointError: lists all missing, unexpected and mis-shaped tensors at once,
+            before anything is loaded.
+    """
+    path = os.fspath(path)
+    files = _open_checkpoint(path)
+    specs = tensor_specs(model)
+    _check(path, specs, files, model.config.tie_word_embeddings)
+    dtype = np.dtype(model.param_dtype)
+    params: dict[str, Any] = {}
+    for spec in specs:
+        host = spec.to_param(files[spec.hf_name].get(spec.hf_name), dtype)
+        sharding = None if mesh is None else mesh_lib.logical_sharding(mesh, spec.names, spec.param_shape)
+        node = params
+        for part in spec.path[:-1]:
+            node = node.setdefault(part, {})
+        # Wait for the copy so the host tensor really dies here: async transfers would
+        # otherwise keep several converted tensors alive at once.
+        node[spec.path[-1]] = jax.block_until_ready(_place(host, sharding))
+        del host
+    return params
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    dtype: Any = jnp.float32,
+    mesh: Mesh | None = None,
+    *,
+    compute_dtype: Any = None,
+    remat: bool = False,
+) -> tuple[Decoder, dict[str, Any]]:
+    """Loads a local Qwen2 / Llama HF checkpoint directory.
+
+    Args:
+        path: directory with config.json and safetensors.
+        dtype: param dtype.
+        mesh: shard params (and constrain activations) on this mesh.
+        compute_dtype: activation dtype; defaults to ``dtype``.
+        remat: rematerialise each block in the backward pass.
+
+    Returns:
+        ``(model, params)``; run it as ``model.apply({"params": params}, ids_BL, attention_mask=mask_BL)``.
+    """
+    config = from_hf_config(path)
+    model = Decoder(config, dtype=compute_dtype or dtype, param_dtype=dtype, remat=remat, mesh=mesh)
+    return model, load_params(path, model, mesh)
+
+
+def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils  # collective: every process calls it
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+
+
+def save_pretrained(
+    model: Decoder,
+    params: dict[str, Any],
+    path: str | os.PathLike,
+    lora: LoraParams | None = None,
+    *,
+    overwrite: bool = False,
+    dtype: Any = None,
+    max_shard_bytes: int = 5 * 2**30,
+    tokenizer_from: str | os.PathLike | None = None,
+) -> None:
+    """Writes config.json + safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Args:
+        model: the decoder.
+        params: its params (may be sharded; gathered one tensor at a time).
+        path: output directory.
+        lora: adapters to merge into the exported kernels (one kernel at a time).
+        overwrite: allow writing into a non-empty directory (old weights are removed).
+        dtype: export dtype; defaults to each param's own dtype.
+        max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` + index above this.
+        tokenizer_from: a checkpoint dir whose tokenizer / generation files are copied.
+
+    Raises:
+        FileExistsError: ``path`` is a non-empty directory and ``overwrite`` is False.
+        CheckpointError: ``params`` lack tensors the model config needs.
+    """
+    path = os.fspath(path)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not overwrite:
+        raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to write into it")
+    specs = tensor_specs(model)
+    missing = [s.hf_name + " <- " + "/".join(s.path) for s in specs if _lookup(params, s.path) is None]
+    if missing:
+        raise CheckpointError(f"params lack {len(missing)} tensors: " + ", ".join(missing))
+    writer = jax.process_index() == 0
+    out_dtype = None if dtype is None else np.dtype(dtype)
+
+    def produce(spec: TensorSpec):
+        def run() -> np.ndarray:
+            leaf = _lookup(params, spec.path)
+            ab = _lookup(lora.weights, spec.path[:-1]) if lora is not None and spec.path[-1] == "kernel" else None
+            if ab is not None:
+                leaf = merged_kernel(leaf, ab, lora.scale)
+            host = spec.to_hf(_to_host(leaf))
+            return host.astype(out_dtype or host.dtype, copy=False)
+        return run
+
+    def entry_dtype(spec: TensorSpec):
+        return out_dtype or np.dtype(_lookup(params, spec.path).dtype)
+
+    entries = [(s.hf_name, s.hf_shape, entry_dtype(s), produce(s)) for s in specs]
+    shards: list[list[Any]] = [[]]
+    shard_bytes = 0
+    for entry in entries:
+        nbytes = math.prod(entry[1]) * entry[2].itemsize
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(entry)
+        shard_bytes += nbytes
+    if not writer:  # other processes only join the gathers
+        for entry in entries:
+            entry[3]()
+        return
+    os.makedirs(path, exist_ok=True)
+    for old in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, INDEX_FILE)):
+        os.remove(old)  # stale shards of an earlier export would shadow the new weights
+    names = [SINGLE_FILE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    total = sum(write_safetensors(os.path.join(path, name), shard) for name, shard in zip(names, shards, strict=True))
+    if len(shards) > 1:
+        weight_map = {entry[0]: name for name, shard in zip(names, shards, strict=True) for entry in shard}
+        with open(os.path.join(path, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    dtypes = {np.dtype(e[2]).name for e in entries}
+    dtype_name = "bfloat16" if "bfloat16" in dtypes else "float16" if "float16" in dtypes else "float32"
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config.to_hf_dict(dtype_name), f, indent=2)
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            source = os.path.join(os.fspath(tokenizer_from), name)
+            if os.path.isfile(source):
+                shutil.copyfile(source, os.path.join(path, name))

@@ -1,0 +1,172 @@
+"""Functional LoRA: a separate params tree that the decoder adds on the fly.
+
+The LoRA tree mirrors the paths of the base params (``layers_3/attn/q``) and holds
+``{"a": A, "b": B}`` per targeted projection. For a projection ``y = x @ W`` (``W`` of
+shape ``in_shape + out_shape``) the decoder computes ``x @ W + ((x @ A) @ B) * alpha / r``
+with ``A: in_shape + (r,)`` and ``B: (r,) + out_shape``; the merged ``W + A @ B * scale`` is
+never materialised. Calling the model without ``lora=`` is the base model, so the
+reference policy of GRPO's KL term costs no second copy of the weights.
+
+Example:
+    >>> lora = init_lora(jax.random.key(0), model, LoraConfig(rank=64, alpha=64.0))
+    >>> logits_BLV = model.apply({"params": params}, ids_BL, attention_mask=mask_BL, lora=lora)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from podsjax import mesh as mesh_lib
+
+# Projection name -> number of leading (input) kernel dims: o_proj contracts (H, E).
+PROJECTION_INPUT_DIMS: dict[str, int] = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+_PARENT = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp", "down": "mlp"}
+DEFAULT_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+# Logical names of each projection's (input dims, output dims), as in the decoder.
+_LOGICAL: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "q": (("embed",), ("q_heads", "head_dim")),
+    "k": (("embed",), ("kv_heads", "head_dim")),
+    "v": (("embed",), ("kv_heads", "head_dim")),
+    "o": (("q_heads", "head_dim"), ("embed",)),
+    "gate": (("embed",), ("mlp",)),
+    "up": (("embed",), ("mlp",)),
+    "down": (("mlp",), ("embed",)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Rank, alpha and targeted projections (names from :data:`DEFAULT_TARGETS`)."""
+
+    rank: int = 64
+    alpha: float = 64.0
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self):
+        if self.rank <= 0:
+            raise ValueError(f"LoRA rank must be positive, got {self.rank}")
+        unknown = set(self.targets) - set(PROJECTION_INPUT_DIMS)
+        if unknown or not self.targets:
+            raise ValueError(f"LoRA targets must be a non-empty subset of {DEFAULT_TARGETS}, got {self.targets}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+
+
+@flax.struct.dataclass
+class LoraParams:
+    """LoRA weights plus their (static) scale; a pytree optax and jit accept as is.
+
+    Attributes:
+        weights: ``{"layers_i": {"attn"|"mlp": {proj: {"a": A, "b": B}}}}``.
+        scale: ``alpha / rank``; static, so it is never trained.
+    """
+
+    weights: dict[str, Any]
+    scale: float = flax.struct.field(pytree_node=False, default=1.0)
+
+
+def lora_shapes(config, lora_config: LoraConfig) -> dict[str, Any]:
+    """Shapes and logical names of every A/B of ``lora_config`` for a ``ModelConfig``.
+
+    Returns:
+        ``{path: (a_shape, a_names, b_shape, b_names)}`` with ``path`` like
+        ``("layers_0", "attn", "q")``.
+    """
+    d, e, f = config.hidden_size, config.head_dim, config.intermediate_size
+    h, k = config.num_heads, config.num_kv_heads
+    dims = {"embed": d, "q_heads": h, "kv_heads": k, "head_dim": e, "mlp": f}
+    r = lora_config.rank
+    out = {}
+    for layer in range(config.num_layers):
+        for proj in lora_config.targets:
+            in_names, out_names = _LOGICAL[proj]
+            in_shape = tuple(dims[n] for n in in_names)
+            out_shape = tuple(dims[n] for n in out_names)
+            out[(f"layers_{layer}", _PARENT[proj], proj)] = (
+                in_shape + (r,), in_names + ("lora_rank",), (r,) + out_shape, ("lora_rank",) + out_names
+            )
+    return out
+
+
+def init_lora(rng: jax.Array, model, lora_config: LoraConfig, dtype=jnp.float32, mesh=None) -> LoraParams:
+    """Initialises LoRA weights: A uniform in +-1/sqrt(fan_in) (as PEFT), B zero.
+
+    With B = 0 the adapted model equals the base model exactly at step 0.
+
+    Args:
+        rng: PRNG key.
+        model: a :class:`~podsjax.models.Decoder` (only its config is read).
+        lora_config: rank, alpha, targets.
+        dtype: dtype of A and B (keep fp32 for training).
+        mesh: when given, A/B are created sharded like the kernels they adapt.
+
+    Returns:
+        :class:`LoraParams`.
+    """
+    shapes = lora_shapes(model.config, lora_config)
+
+    def make(rng):
+        weights: dict[str, Any] = {}
+        keys = jax.random.split(rng, len(shapes))
+        for key, (path, (a_shape, _, b_shape, _)) in zip(keys, shapes.items(), strict=True):
+            bound = 1.0 / math.sqrt(math.prod(a_shape[:-1]))
+            node = weights
+            for part in path:
+                node = node.setdefault(part, {})
+            node["a"] = jax.random.uniform(key, a_shape, dtype, -bound, bound)
+            node["b"] = jnp.zeros(b_shape, dtype)
+        return weights
+
+    out_shardings = None
+    if mesh is not None:  # born sharded like the kernels they adapt
+        out_shardings = {}
+        for path, (a_shape, a_names, b_shape, b_names) in shapes.items():
+            node = out_shardings
+            for part in path:
+                node = node.setdefault(part, {})
+            node["a"] = mesh_lib.logical_sharding(mesh, a_names, a_shape)
+            node["b"] = mesh_lib.logical_sharding(mesh, b_names, b_shape)
+    weights = jax.jit(make, out_shardings=out_shardings)(rng)
+    return LoraParams(weights=weights, scale=lora_config.alpha / lora_config.rank)
+
+
+def lora_logical_axes(lora: LoraParams) -> Any:
+    """Tree of logical-name tuples with the structure of ``lora.weights`` (for shardings)."""
+    def names(path, leaf):
+        proj, which = path[-2].key, path[-1].key
+        in_names, out_names = _LOGICAL[proj]
+        return in_names + ("lora_rank",) if which == "a" else ("lora_rank",) + out_names
+
+    return jax.tree_util.tree_map_with_path(names, lora.weights)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def merged_kernel(kernel: jax.Array, ab: dict[str, jax.Array], scale: float) -> jax.Array:
+    """``kernel + scale * A @ B`` in fp32, cast back to the kernel dtype."""
+    delta = jnp.tensordot(ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32), axes=1)
+    return (kernel.astype(jnp.float32) + scale * delta).astype(kernel.dtype)
+
+
+def merge_lora(params: dict[str, Any], lora: LoraParams) -> dict[str, Any]:
+    """Returns base params with every LoRA delta folded into its kernel (for export).
+
+    This materialises a full copy of the params; training and sampling never need it.
+    """
+    def merge(path, leaf):
+        keys = tuple(getattr(p, "key", p) for p in path)
+        if keys[-1] != "kernel":
+            return leaf
+        node: Any = lora.weights
+        for part in keys[:-1]:
+            if not isinstance(node, dict) or part not in node:
+                return leaf
+            node = node[part]
+        return merged_kernel(leaf, node, lora.scale)
+
+    return jax.tree_util.tree_map_with_path(merge, params)

@@ -1,0 +1,44 @@
+"""Abstract params, their logical axes and shardings, and sharded random init."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from podsjax import mesh as mesh_lib
+
+
+def _boxed_abstract(model) -> Any:
+    # One token is enough: no param shape depends on the sequence length.
+    dummy_ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(lambda ids: model.init(jax.random.key(0), ids), dummy_ids)["params"]
+
+
+def abstract_params(model) -> Any:
+    """Params as a tree of ``jax.ShapeDtypeStruct``; allocates nothing (works for 7B)."""
+    return nn.meta.unbox(_boxed_abstract(model))
+
+
+def param_logical_axes(model) -> Any:
+    """Tree of logical-name tuples, e.g. ``("embed", "q_heads", "head_dim")``, per param."""
+    specs = nn.get_partition_spec(_boxed_abstract(model))
+    return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def param_shardings(model, mesh: Mesh) -> Any:
+    """Tree of ``NamedSharding`` for the params on ``mesh`` under the logical rules."""
+    return mesh_lib.tree_shardings(mesh, param_logical_axes(model), abstract_params(model))
+
+
+def init_params(model, rng: jax.Array, mesh: Mesh | None = None) -> Any:
+    """Random params (HF-style N(0, 0.02) kernels, unit norms), born sharded on ``mesh``."""
+    def init(key):
+        return nn.meta.unbox(model.init(key, jnp.zeros((1, 1), jnp.int32))["params"])
+
+    if mesh is None:
+        return jax.jit(init)(rng)
+    return jax.jit(init, out_shardings=param_shardings(model, mesh))(rng)

@@ -1,0 +1,396 @@
+"""Decoder numerics: parity with transformers, padding, KV cache, LoRA, jit, presets.
+
+Tiny random HF models are built locally once per session. Their weights are re-drawn at
+a scale that makes logits O(1) (HF's default init gives logits near 0, where a 1e-4
+tolerance would prove little), and norms/biases are randomised too so a wrong mapping
+of any of them shows up.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import podsjax.models as pm
+
+VOCAB = 256
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+# Every family/feature combination the issue asks for: Qwen2 q/k/v bias, llama3 RoPE,
+# GQA (K < H, including K = 1), MHA, head_dim != D / H, tied and untied heads.
+CONFIGS = {
+    "qwen2_tied_gqa": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                           tie_word_embeddings=True)),
+    "qwen2_untied_mha": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4,
+                                                             tie_word_embeddings=False, rope_theta=1e6)),
+    "llama_untied_mqa_llama3": (LlamaConfig, LlamaForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False,
+        rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, rms_norm_eps=1e-5)),
+    "llama_tied_gqa_llama3": (LlamaConfig, LlamaForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, rms_norm_eps=1e-5)),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Redraws every weight so logits are O(1).
+
+    Embeddings ~ N(0, 0.25^2), other matrices ~ N(0, 1/fan_in), norms ~ U(0.5, 1.5),
+    biases ~ N(0, 0.3).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                std = 0.25 if "embed_tokens" in name else p.shape[1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+def build_hf(path, name: str, seed: int = 0):
+    config_cls, model_cls, extra = CONFIGS[name]
+    config = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        max_position_embeddings=256, **extra)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize_(model, seed)
+    model.save_pretrained(path)
+    return model_cls.from_pretrained(path, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """name -> (checkpoint dir, HF torch model, podsjax model, params), built once."""
+    out = {}
+    for i, name in enumerate(CONFIGS):
+        path = tmp_path_factory.mktemp(name)
+        hf = build_hf(path, name, seed=i)
+        model, params = pm.from_pretrained(path, dtype=jnp.float32)
+        out[name] = (path, hf, model, params)
+    return out
+
+
+@pytest.fixture(scope="session")
+def jit_apply():
+    """One jitted apply per model (Decoder is hashable, so it is a static arg)."""
+    return jax.jit(lambda model, params, ids, mask: model.apply({"params": params}, ids, attention_mask=mask),
+                   static_argnums=0)
+
+
+def hf_logits(hf, ids_BL, mask_BL=None, position_ids=None):
+    with torch.no_grad():
+        kwargs = {} if mask_BL is None else {"attention_mask": torch.tensor(mask_BL)}
+        if position_ids is not None:
+            kwargs["position_ids"] = torch.tensor(position_ids)
+        return hf(torch.tensor(ids_BL), **kwargs).logits.numpy()
+
+
+def random_ids(seed, *shape):
+    return np.random.RandomState(seed).randint(0, VOCAB, shape).astype(np.int32)
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_from_hf_config_reads_every_feature(hf_models):
+    qwen = pm.from_hf_config(hf_models["qwen2_tied_gqa"][0])
+    assert (qwen.arch, qwen.qkv_bias, qwen.tie_word_embeddings) == ("qwen2", True, True)
+    assert (qwen.num_heads, qwen.num_kv_heads, qwen.head_dim) == (4, 2, 16)
+    llama = pm.from_hf_config(hf_models["llama_untied_mqa_llama3"][0])
+    assert (llama.arch, llama.qkv_bias, llama.tie_word_embeddings) == ("llama", False, False)
+    assert (llama.num_kv_heads, llama.head_dim, llama.rms_norm_eps, llama.rope_theta) == (1, 32, 1e-5, 500000.0)
+    assert llama.rope_scaling == pm.Llama3RopeScaling(8.0, 1.0, 4.0, 64)
+
+
+def test_from_hf_config_accepts_legacy_hub_layout():
+    # Hub checkpoints (transformers 4.x) keep rope_theta at the top and "type" in rope_scaling.
+    hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+          "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+          "rope_scaling": {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}, "max_position_embeddings": 131072,
+          "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
+    config = pm.from_hf_config(hf)
+    assert config == pm.preset("meta-llama/Llama-3.2-1B-Instruct")
+    hash(config)  # usable as a jit static
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen2ForCausalLM"),
+        ({"architectures": ["MistralForCausalLM"]}, "supports"),
+        ({"use_sliding_window": True}, "sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
+    ],
+)
+def test_unsupported_configs_raise_clear_errors(override, message):
+    hf = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **override}
+    with pytest.raises(ValueError, match=message):
+        pm.from_hf_config(hf)
+
+
+def test_model_config_validation():
+    base = pm.preset("Qwen2.5-0.5B")
+    with pytest.raises(ValueError, match="hidden_size"):
+        pm.ModelConfig(**{**base.__dict__, "hidden_size": 0})
+    with pytest.raises(ValueError, match="arch"):
+        pm.ModelConfig(**{**base.__dict__, "arch": "gpt2"})
+    with pytest.raises(ValueError, match="unknown preset"):
+        pm.preset("Qwen2.5-14B")
+
+
+# Published parameter counts of the real checkpoints.
+PRESET_PARAMS = {"Qwen2.5-0.5B": 494_032_768, "Qwen2.5-1.5B": 1_543_714_304, "Qwen2.5-3B": 3_085_938_688,
+                 "Qwen2.5-7B": 7_615_616_512, "Llama-3.2-1B": 1_235_814_400, "Llama-3.2-3B": 3_212_749_824}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_PARAMS))
+def test_presets_build_abstractly_with_published_sizes(name):
+    model = pm.Decoder(pm.preset(name), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    shapes = pm.abstract_params(model)  # eval_shape: nothing is allocated
+    leaves = jax.tree.leaves(shapes)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) and x.dtype == jnp.bfloat16 for x in leaves)
+    assert sum(x.size for x in leaves) == PRESET_PARAMS[name] == model.config.num_params
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+def test_llama3_rope_frequencies_match_transformers(hf_models):
+    hf = hf_models["llama_untied_mqa_llama3"][1]
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+    ours = pm.rope_inv_freq(pm.from_hf_config(hf_models["llama_untied_mqa_llama3"][0]))
+    np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6, atol=0)
+    # The three llama3 bands are all exercised by this config (else the test proves little).
+    plain = pm.rope_inv_freq(pm.ModelConfig(**{**pm.from_hf_config(hf.config.to_dict()).__dict__,
+                                               "rope_scaling": None}))
+    ratio = plain / ours
+    assert np.isclose(ratio, 1.0).any() and np.isclose(ratio, 8.0).any()
+    assert ((ratio > 1.01) & (ratio < 7.99)).any()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers_fp32(hf_models, jit_apply, name):
+    _, hf, model, params = hf_models[name]
+    ids_BL = random_ids(1, 2, 48)
+    ref = hf_logits(hf, ids_BL)
+    ours = np.asarray(jit_apply(model, params, jnp.asarray(ids_BL), None))
+    assert ours.dtype == np.float32
+    assert ref.std() > 0.5  # logits at a scale where 1e-4 means something
+    assert np.abs(ours - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied_gqa", "llama_untied_mqa_llama3"])
+def test_left_padded_batch_matches_unpadded_sequences(hf_models, jit_apply, name):
+    _, hf, model, params = hf_models[name]
+    lengths, width = [40, 23, 7], 40
+    ids_BL = random_ids(2, len(lengths), width)  # pad slots hold random ids on purpose
+    mask_BL = np.zeros_like(ids_BL)
+    for row, n in enumerate(lengths):
+        mask_BL[row, width - n:] = 1
+    padded = np.asarray(jit_apply(model, params, jnp.asarray(ids_BL), jnp.asarray(mask_BL)))
+    for row, n in enumerate(lengths):
+        alone_hf = hf_logits(hf, ids_BL[row:row + 1, width - n:])[0]
+        assert np.abs(padded[row, width - n:] - alone_hf).max() <= 1e-4
+    assert np.isfinite(padded).all()  # fully masked pad queries must not produce NaN
+
+
+def test_positions_come_from_the_attention_mask(hf_models):
+    # RoPE is shift-invariant, so logits barely depend on a per-row position offset; check
+    # the default positions bit-for-bit against explicit mask-derived ones instead.
+    _, _, model, params = hf_models["llama_untied_mqa_llama3"]
+    ids_BL = jnp.asarray(random_ids(13, 2, 12))
+    mask_BL = jnp.ones((2, 12), jnp.int32).at[1, :5].set(0)
+    from_mask_BL = jnp.asarray([list(range(12)), [0] * 5 + list(range(7))])
+    run = jax.jit(lambda pos: model.apply({"params": params}, ids_BL, attention_mask=mask_BL, positions_BL=pos))
+    default = np.asarray(jax.jit(lambda: model.apply({"params": params}, ids_BL, attention_mask=mask_BL))())
+    np.testing.assert_array_equal(default, np.asarray(run(from_mask_BL)))
+    shifted = np.asarray(run(jnp.broadcast_to(jnp.arange(12), (2, 12))))
+    assert not np.array_equal(default[1, 5:], shifted[1, 5:])  # the check above can fail
+
+
+def test_jit_matches_no_jit_and_does_not_recompile(hf_models):
+    _, _, model, params = hf_models["qwen2_tied_gqa"]
+    traces = []
+
+    def forward(params, ids, mask):
+        traces.append(1)
+        return model.apply({"params": params}, ids, attention_mask=mask)
+
+    jitted = jax.jit(forward)
+    ids_BL, mask_BL = jnp.asarray(random_ids(3, 2, 16)), jnp.ones((2, 16), jnp.int32).at[0, :5].set(0)
+    eager = np.asarray(forward(params, ids_BL, mask_BL))
+    compiled = np.asarray(jitted(params, ids_BL, mask_BL))
+    assert np.abs(eager - compiled).max() <= 1e-5
+    new_params = jax.tree.map(lambda x: x * 1.01, params)
+    second = jitted(new_params, jnp.asarray(random_ids(4, 2, 16)), mask_BL.at[1, :3].set(0))
+    assert len(traces) == 2  # one eager run + one trace; new values reuse the executable
+    assert not np.allclose(np.asarray(second), compiled)
+
+
+def test_bf16_compute_with_fp32_params_stays_close_and_returns_fp32_logits(hf_models, jit_apply):
+    path, _, model, params = hf_models["llama_tied_gqa_llama3"]
+    bf16_model = pm.Decoder(model.config, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    ids_BL = jnp.asarray(random_ids(5, 2, 24))
+    low = np.asarray(jit_apply(bf16_model, params, ids_BL, None))
+    high = np.asarray(jit_apply(model, params, ids_BL, None))
+    assert low.dtype == np.float32
+    assert np.abs(low - high).max() < 0.25 * np.abs(high).max()  # bf16 noise, not a different model
+    assert np.abs(low - high).max() > 0  # and bf16 really was used
+
+
+def test_remat_gives_same_values_and_gradients(hf_models):
+    _, _, model, params = hf_models["qwen2_untied_mha"]
+    remat_model = model.clone(remat=True)
+    ids_BL = jnp.asarray(random_ids(6, 2, 12))
+
+    def loss(m):
+        return jax.jit(jax.value_and_grad(lambda p: jnp.mean(m.apply({"params": p}, ids_BL) ** 2)))(params)
+
+    (v0, g0), (v1, g1) = loss(model), loss(remat_model)
+    assert abs(float(v0) - float(v1)) <= 1e-6
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g0, g1))
+    assert max(diffs) <= 1e-6
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+@pytest.fixture(scope="session")
+def cached_fns():
+    prefill = jax.jit(lambda model, params, ids, mask, cache: pm.prefill(model, params, ids, mask, cache),
+                      static_argnums=0)
+    step = jax.jit(lambda model, params, tok, cache: pm.decode_step(model, params, tok, cache),
+                   static_argnums=0, donate_argnums=3)
+    return prefill, step
+
+
+@pytest.mark.parametrize("name", ["qwen2_tied_gqa", "llama_untied_mqa_llama3"])
+def test_prefill_then_decode_matches_full_forward(hf_models, jit_apply, cached_fns, name):
+    _, _, model, params = hf_models[name]
+    prefill, step = cached_fns
+    prompt_lengths, width, new = [10, 6, 3], 10, 8
+    ids_BT = random_ids(7, 3, width + new)
+    mask_BT = np.ones_like(ids_BT)
+    for row, n in enumerate(prompt_lengths):
+        mask_BT[row, :width - n] = 0
+    full = np.asarray(jit_apply(model, params, jnp.asarray(ids_BT), jnp.asarray(mask_BT)))
+
+    cache = pm.init_cache(model.config, batch=3, max_len=width + new, dtype=jnp.float32)
+    logits, cache = prefill(model, params, jnp.asarray(ids_BT[:, :width]), jnp.asarray(mask_BT[:, :width]), cache)
+    got = [np.asarray(logits[:, -1])]
+    for t in range(width, width + new - 1):
+        logits_BV, cache = step(model, params, jnp.asarray(ids_BT[:, t:t + 1]), cache)
+        got.append(np.asarray(logits_BV))
+    want = full[:, width - 1:width + new - 1]
+    assert np.abs(np.stack(got, axis=1) - want).max() <= 1e-5
+    np.testing.assert_array_equal(np.asarray(cache.index_B), [width + new - 1] * 3)
+    np.testing.assert_array_equal(np.asarray(cache.positions_B), np.array(prompt_lengths) + new - 1)
+
+
+def test_shared_prefill_repeated_over_samples_decodes_in_while_loop(hf_models, jit_apply, cached_fns):
+    """The sampler's pattern: prefill P prompts once, repeat n times, decode in a loop."""
+    _, _, model, params = hf_models["llama_tied_gqa_llama3"]
+    prefill, _ = cached_fns
+    num_prompts, n, width, new = 2, 3, 7, 5
+    prompts_PL = random_ids(8, num_prompts, width)
+    prompt_mask_PL = np.ones_like(prompts_PL)
+    prompt_mask_PL[1, :4] = 0
+    completions_BT = random_ids(9, num_prompts * n, new)
+
+    @jax.jit
+    def sample(params, prompts_PL, prompt_mask_PL, completions_BT):
+        cache = pm.init_cache(model.config, num_prompts, width + new, jnp.float32)
+        logits_PLV, cache = pm.prefill(model, params, prompts_PL, prompt_mask_PL, cache)
+        cache = cache.repeat(n)
+        first_BV = jnp.repeat(logits_PLV[:, -1], n, axis=0)
+
+        def body(t, carry):
+            cache, out_BTV = carry
+            logits_BV, cache = pm.decode_step(model, params, completions_BT[:, t][:, None], cache)
+            return cache, out_BTV.at[:, t + 1].set(logits_BV)
+
+        out_BTV = jnp.zeros((num_prompts * n, new, VOCAB), jnp.float32).at[:, 0].set(first_BV)
+        _, out_BTV = jax.lax.fori_loop(0, new - 1, body, (cache, out_BTV))
+        return out_BTV
+
+    got = np.asarray(sample(params, prompts_PL, prompt_mask_PL, completions_BT))
+    full_ids = np.concatenate([np.repeat(prompts_PL, n, 0), completions_BT], axis=1)
+    full_mask = np.concatenate([np.repeat(prompt_mask_PL, n, 0), np.ones_like(completions_BT)], axis=1)
+    full = np.asarray(jit_apply(model, params, jnp.asarray(full_ids), jnp.asarray(full_mask)))
+    assert np.abs(got - full[:, width - 1:width + new - 1]).max() <= 1e-5
+    # Rows of one prompt share the prompt but not the completion.
+    assert np.abs(got[0, 1:] - got[1, 1:]).max() > 1e-2
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+@jax.jit
+def with_random_b(lora, seed):
+    """A trained-looking adapter: B ~ N(0, 0.05^2) instead of its zero init."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(lora)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [
+        0.05 * jax.random.normal(key, x.shape) if path[-1].key == "b" else x
+        for key, (path, x) in zip(keys, leaves, strict=True)])
+
+
+def test_lora_with_zero_b_equals_base_exactly(hf_models, jit_apply):
+    _, _, model, params = hf_models["qwen2_tied_gqa"]
+    lora = pm.init_lora(jax.random.key(0), model, pm.LoraConfig(rank=4, alpha=8.0))
+    assert lora.scale == 2.0
+    ids_BL = jnp.asarray(random_ids(10, 2, 16))
+    mask_BL = jnp.ones((2, 16), jnp.int32).at[1, :4].set(0)
+    apply = jax.jit(lambda p, adapters: model.apply({"params": p}, ids_BL, attention_mask=mask_BL, lora=adapters))
+    base = np.asarray(jit_apply(model, params, ids_BL, mask_BL))
+    np.testing.assert_array_equal(np.asarray(apply(params, lora)), base)
+    assert all(float(jnp.abs(ab).max()) > 0 for ab in jax.tree.leaves(lora.weights)[::2])  # A is not zero
+
+
+@pytest.mark.parametrize("targets", [pm.DEFAULT_TARGETS, ("q", "v")])
+def test_lora_equals_merged_weights_and_base_is_lora_off(hf_models, jit_apply, targets):
+    _, _, model, params = hf_models["llama_untied_mqa_llama3"]
+    lora = pm.init_lora(jax.random.key(1), model, pm.LoraConfig(rank=4, alpha=16.0, targets=targets))
+    lora = with_random_b(lora, seed=2)
+    ids_BL = jnp.asarray(random_ids(11, 2, 20))
+    adapted = np.asarray(jax.jit(lambda adapters: model.apply({"params": params}, ids_BL, lora=adapters))(lora))
+    merged_params = pm.merge_lora(params, lora)
+    merged = np.asarray(jit_apply(model, merged_params, ids_BL, None))
+    base = np.asarray(jit_apply(model, params, ids_BL, None))
+    assert np.abs(adapted - base).max() > 1e-2  # the adapter really changes the model
+    assert np.abs(adapted - merged).max() <= 1e-4
+    if "down" not in targets:  # merge_lora leaves untargeted kernels alone
+        np.testing.assert_array_equal(merged_params["layers_0"]["mlp"]["down"]["kernel"],
+                                      params["layers_0"]["mlp"]["down"]["kernel"])
+
+
+def test_lora_gradients_flow_only_through_adapters(hf_models):
+    _, _, model, params = hf_models["qwen2_untied_mha"]
+    lora = pm.init_lora(jax.random.key(3), model, pm.LoraConfig(rank=2, alpha=2.0))
+    ids_BL = jnp.asarray(random_ids(12, 2, 8))
+    loss = lambda adapters: jnp.mean(model.apply({"params": params}, ids_BL, lora=adapters) ** 2)  # noqa: E731
+    grads = jax.jit(jax.grad(loss))(lora)
+    assert isinstance(grads, pm.LoraParams) and grads.scale == lora.scale
+    q = grads.weights["layers_1"]["attn"]["q"]
+    # With B = 0 the A-gradient is exactly zero and the B-gradient is not.
+    assert float(jnp.abs(q["a"]).max()) == 0.0 and float(jnp.abs(q["b"]).max()) > 0.0
+    names = pm.lora_logical_axes(lora)
+    assert names["layers_0"]["attn"]["o"] == {"a": ("q_heads", "head_dim", "lora_rank"), "b": ("lora_rank", "embed")}
+
+
+def test_lora_config_validation():
+    with pytest.raises(ValueError, match="rank"):
+        pm.LoraConfig(rank=0)
+    with pytest.raises(ValueError, match="targets"):
+        pm.LoraConfig(targets=("q", "w_in"))
