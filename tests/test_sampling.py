@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from scipy import stats as scipy_stats
 from jax.sharding import NamedSharding, PartitionSpec
 from test_models import build_hf
 
@@ -96,7 +97,7 @@ def test_sampled_logprobs_match_a_full_forward_pass(tiny):
                         temperature=temperature, top_p=0.9, eos_token_ids=EOS)
     recomputed = completion_logprobs(model, params, ids, mask, rollouts, n, temperature)
     valid = np.asarray(rollouts.mask)
-    np.testing.assert_allclose(np.asarray(rollouts.logprobs)[valid], recomputed[valid], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(rollouts.logprobs)[valid], recomputed[valid], atol=1e-5)
     assert np.all(np.asarray(rollouts.logprobs)[~valid] == 0)
 
 
@@ -196,3 +197,61 @@ def test_bad_arguments_raise_one_line_errors(tiny):
             generate(model, params, ids, mask, jax.random.key(0), **{**base, **override})
     with pytest.raises(ValueError, match=r"must both be \[B, L\]"):
         generate(model, params, ids, mask[:, :3], jax.random.key(0), **base)
+
+
+def first_token_distribution(model, params, ids, mask, temperature):
+    logits = model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask))[0, -1]
+    return np.asarray(jax.nn.softmax(logits.astype(jnp.float32) / temperature), np.float64)
+
+
+def chi_square_p_value(counts, expected_probs):
+    """Pearson chi-square test; bins expected below 5 counts are pooled into one."""
+    total = counts.sum()
+    expected = expected_probs * total
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    keep = expected > 0
+    stat = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return scipy_stats.chi2.sf(stat, keep.sum() - 1)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_token_frequencies_match_the_tempered_softmax(tiny, top_p):
+    # Significance level 0.001: with a fixed key the test is deterministic; a wrong
+    # temperature, filter or logit row shifts the counts far beyond that.
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(9)
+    ids, mask = ids[:1], mask[:1]
+    temperature, draws = 0.7, 6000
+    probs = first_token_distribution(model, params, ids, mask, temperature)
+    order = np.argsort(-probs)
+    before = np.cumsum(probs[order]) - probs[order]
+    nucleus = order[before < top_p]  # the smallest prefix whose mass reaches top_p
+    expected = np.zeros_like(probs)
+    expected[nucleus] = probs[nucleus] / probs[nucleus].sum()
+    r = generate(model, params, ids, mask, jax.random.key(11), num_samples=draws, max_new_tokens=1,
+                 temperature=temperature, top_p=top_p, eos_token_ids=EOS)
+    first = np.asarray(r.tokens)[:, 0]
+    assert set(first.tolist()) <= set(nucleus.tolist())
+    counts = np.bincount(first, minlength=len(probs)).astype(np.float64)
+    assert chi_square_p_value(counts, expected) > 1e-3
+    # The test has power: the untempered softmax is rejected on the same counts.
+    assert chi_square_p_value(counts, first_token_distribution(model, params, ids, mask, 1.0)) < 1e-3
+
+
+def test_filters_keep_exactly_the_top_k_and_the_nucleus():
+    from podsjax.sampling import _filter_logits
+
+    rng = np.random.default_rng(12)
+    logits = rng.normal(size=(5, 40)).astype(np.float32) * 2
+    kept_k = np.isfinite(np.asarray(_filter_logits(jnp.asarray(logits), 7, 1.0)))
+    assert np.array_equal(kept_k, logits >= np.sort(logits, -1)[:, -7:-6])
+    for top_p in (0.3, 0.9, 0.999):
+        kept = np.isfinite(np.asarray(_filter_logits(jnp.asarray(logits), 0, top_p)))
+        for row in range(5):
+            probs = np.exp(logits[row] - logits[row].max())
+            probs /= probs.sum()
+            order = np.argsort(-probs)
+            mass_before = np.cumsum(probs[order]) - probs[order]
+            assert set(np.flatnonzero(kept[row])) == set(order[mass_before < top_p]), (row, top_p)

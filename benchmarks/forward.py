@@ -1,0 +1,181 @@
+"""Full-sequence forward pass: jitted podsjax against transformers' PyTorch model.
+
+One random Qwen2-shaped model (default about 98M params: hidden 768, 12 layers,
+12 query / 2 kv heads, MLP 2048, vocab 32000, tied embeddings) is built with
+transformers, saved to a temporary directory and loaded into podsjax with
+``podsjax.models.from_pretrained``, so both sides run the same weights. Both
+run fp32 logits over the whole [B, L] batch (no padding) in one process:
+  (a) podsjax: ``jax.jit(model.apply)`` on the loaded params
+  (b) transformers: ``Qwen2ForCausalLM`` in eager PyTorch under ``torch.no_grad()``
+      with its default attention implementation (printed)
+The max abs difference of the two logits is printed so the race is between
+equal computations. Each contender runs once to warm up, then --repeats times;
+the table shows the median.
+
+Run: python -m benchmarks.forward [--batch 8 --seq 512 --layers 12 --repeats 3]
+Smoke: python -m benchmarks.forward --layers 2 --batch 2 --seq 64 --vocab 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+import podsjax.models
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def median_seconds(fn, repeats: int) -> tuple[float, list[float]]:
+    """Median wall time of fn() after one warm-up call, over ``repeats`` timed calls."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def build_hf_model(args) -> "transformers.Qwen2ForCausalLM":
+    config = transformers.Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(2048, args.seq),
+        tie_word_embeddings=args.tied,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(args.seed)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def run(args):
+    hf_model = build_hf_model(args)
+    num_params = sum(p.numel() for p in hf_model.parameters())  # tied weights counted once
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model.save_pretrained(tmp)
+        model, params = podsjax.models.from_pretrained(tmp, dtype=jnp.float32)
+
+    rng = np.random.default_rng(args.seed)
+    ids_np = rng.integers(0, args.vocab, (args.batch, args.seq), dtype=np.int64)
+    mask_np = np.ones((args.batch, args.seq), np.int64)
+
+    ids, mask = jnp.asarray(ids_np, jnp.int32), jnp.asarray(mask_np, jnp.int32)
+    forward = jax.jit(lambda p, ids, mask: model.apply({"params": p}, ids, attention_mask=mask))
+    t0 = time.perf_counter()
+    forward.lower(params, ids, mask).compile()
+    compile_s = time.perf_counter() - t0
+
+    ids_pt, mask_pt = torch.from_numpy(ids_np), torch.from_numpy(mask_np)
+
+    def torch_forward():
+        with torch.no_grad():
+            return hf_model(input_ids=ids_pt, attention_mask=mask_pt).logits
+
+    # Honesty check: same weights, same inputs, same logits.
+    logits_jax = np.asarray(forward(params, ids, mask))
+    logits_pt = torch_forward().numpy()
+    max_diff = float(np.max(np.abs(logits_jax - logits_pt)))
+    del logits_jax, logits_pt
+
+    t_jax, times_jax = median_seconds(lambda: forward(params, ids, mask).block_until_ready(), args.repeats)
+    t_pt, times_pt = median_seconds(torch_forward, args.repeats)
+    return dict(
+        num_params=num_params,
+        attn_impl=hf_model.config._attn_implementation,
+        max_diff=max_diff,
+        compile_s=compile_s,
+        t_jax=t_jax,
+        t_pt=t_pt,
+        times_jax=times_jax,
+        times_pt=times_pt,
+    )
+
+
+def format_table(args, r) -> str:
+    tokens = args.batch * args.seq
+    tps_jax, tps_pt = tokens / r["t_jax"], tokens / r["t_pt"]
+    lines = [
+        "| model | B x L | (a) podsjax jit | (b) transformers eager | a/b speed-up | max abs logit diff |",
+        "|---|---|---|---|---|---|",
+        f"| Qwen2-shaped {r['num_params'] / 1e6:.1f}M, fp32 | {args.batch} x {args.seq} "
+        f"| {tps_jax:,.0f} tok/s ({r['t_jax']:.2f} s) | {tps_pt:,.0f} tok/s ({r['t_pt']:.2f} s) "
+        f"| {tps_jax / tps_pt:.2f}x | {r['max_diff']:.1e} |",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8, help="B, sequences per forward")
+    parser.add_argument("--seq", type=int, default=512, help="L, tokens per sequence")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--untied", dest="tied", action="store_false", help="separate LM head (adds V x D params)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender after one warm-up")
+    parser.add_argument("--threads", type=int, default=usable_cores(), help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("error: --repeats must be >= 1")
+
+    torch.set_num_threads(args.threads)
+    device = jax.devices()[0]
+    print(
+        f"machine: {cpu_name()}, {usable_cores()} cores, {jax.device_count()} x {device.device_kind}, "
+        f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}"
+    )
+    start = time.perf_counter()
+    r = run(args)
+    print(
+        f"model: {r['num_params']:,} params, {args.layers} layers, hidden {args.hidden}, "
+        f"heads {args.heads}/{args.kv_heads} kv, mlp {args.intermediate}, vocab {args.vocab}, "
+        f"{'tied' if args.tied else 'untied'} head; transformers attention: {r['attn_impl']}; "
+        f"podsjax compile {r['compile_s']:.1f} s; median of {args.repeats} after 1 warm-up"
+    )
+    print(format_table(args, r))
+    print(
+        "runs (s): podsjax " + ", ".join(f"{t:.2f}" for t in r["times_jax"])
+        + "; transformers " + ", ".join(f"{t:.2f}" for t in r["times_pt"])
+        + f"; total {time.perf_counter() - start:.0f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()
