@@ -1,0 +1,419 @@
+"""The GRPO / GRPO-GA / GRPO-PODS update: config, state, batch assembly and the jit step.
+
+One PODS step after generation and scoring, as data:
+
+    rewards_PN --select--> idx_PM --gather--> TrainBatch [P*M rows]
+    TrainBatch --train_step--> new TrainState, StepMetrics
+
+GRPO is n = m (no selection); GRPO-GA trains all n rollouts, accumulated over
+n / m micro-batches; GRPO-PODS generates n and trains the m a rule selects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from podsjax import grpo, selection
+
+ALGORITHMS = ("grpo", "grpo-ga", "pods")
+# optax >= 0.2.6 moved the global norm; keep older optax working too.
+_tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """Everything that decides what one update does (validated, hashable).
+
+    Attributes:
+      n: rollouts generated per prompt.
+      m: rollouts trained per prompt (PODS), or the micro-batch group size (GA).
+      algorithm: "grpo" (n = m), "grpo-ga" (all n, n / m micro-batches), "pods".
+      rule: selection rule name for "pods".
+      grad_accum: micro-batches each update is split into (>= 1).
+      beta: k3 KL weight (0: no reference model is evaluated).
+      epsilon, epsilon_high: clip range of the ratio.
+      num_iterations: updates per generated batch (1: the ratio is 1).
+      aggregation: loss aggregation mode (see ``grpo.AGGREGATIONS``).
+      temperature: sampling temperature; log-probs are recomputed at it.
+      learning_rate, schedule, warmup_ratio, total_steps: optimizer schedule.
+      max_grad_norm, weight_decay, adam_b1, adam_b2: AdamW with clipping.
+      advantage_eps, std_scaling: group advantage normalization.
+    """
+
+    n: int = 16
+    m: int = 16
+    algorithm: str = "grpo"
+    rule: str = "max_variance"
+    grad_accum: int = 1
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    aggregation: str = "token-mean"
+    temperature: float = 0.9
+    learning_rate: float = 5e-6
+    schedule: str = "constant"
+    warmup_ratio: float = 0.0
+    total_steps: int = 1000
+    max_grad_norm: float = 0.1
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.99
+    advantage_eps: float = 1e-4
+    std_scaling: str = "group"
+
+    def __post_init__(self):
+        def bad(message):
+            raise ValueError(f"AlgorithmConfig: {message}")
+
+        if self.algorithm not in ALGORITHMS:
+            bad(f"algorithm must be one of {ALGORITHMS}; got {self.algorithm!r}")
+        if not 1 <= self.m <= self.n:
+            bad(f"need 1 <= m <= n; got n={self.n}, m={self.m}")
+        if self.algorithm == "grpo" and self.m != self.n:
+            bad(f"grpo trains every rollout, so m must equal n; got n={self.n}, m={self.m}")
+        if self.algorithm == "grpo-ga" and self.n % self.m:
+            bad(f"grpo-ga splits n={self.n} rollouts into micro-batches of m={self.m}; n must be a multiple of m")
+        if self.algorithm == "pods":
+            selection.get_rule(self.rule)  # unknown names raise, listing the known ones
+        if self.grad_accum < 1:
+            bad(f"grad_accum must be >= 1; got {self.grad_accum}")
+        if self.num_iterations < 1:
+            bad(f"num_iterations must be >= 1; got {self.num_iterations}")
+        if self.schedule not in SCHEDULES:
+            bad(f"schedule must be one of {SCHEDULES}; got {self.schedule!r}")
+        if not 0 <= self.warmup_ratio < 1:
+            bad(f"warmup_ratio must be in [0, 1); got {self.warmup_ratio}")
+        if self.total_steps < 1:
+            bad(f"total_steps must be >= 1; got {self.total_steps}")
+        if not self.learning_rate > 0:
+            bad(f"learning_rate must be > 0; got {self.learning_rate}")
+        if not self.temperature > 0:
+            bad(f"training temperature must be > 0; got {self.temperature}")
+        if not self.max_grad_norm > 0:
+            bad(f"max_grad_norm must be > 0; got {self.max_grad_norm}")
+        if self.std_scaling not in grpo.STD_SCALINGS:
+            bad(f"std_scaling must be one of {grpo.STD_SCALINGS}; got {self.std_scaling!r}")
+        self.loss_config  # validates epsilon, beta, aggregation
+
+    @property
+    def loss_config(self) -> grpo.LossConfig:
+        return grpo.LossConfig(
+            epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta, aggregation=self.aggregation
+        )
+
+    @property
+    def trained_per_prompt(self) -> int:
+        """Rows per prompt that enter the update."""
+        return self.n if self.algorithm == "grpo-ga" else self.m
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per update: n / m for GRPO-GA (times grad_accum), else grad_accum."""
+        per_group = self.n // self.m if self.algorithm == "grpo-ga" else 1
+        return per_group * self.grad_accum
+
+
+def preset(name: str, **overrides) -> AlgorithmConfig:
+    """The paper's three algorithms with its single-GPU settings (a-d); override any field.
+
+    "grpo": n = m = 16. "grpo-ga": n = 64 in micro-batches of 16. "pods": n = 64, m = 16,
+    max-variance selection.
+    """
+    base = {
+        "grpo": dict(algorithm="grpo", n=16, m=16),
+        "grpo-ga": dict(algorithm="grpo-ga", n=64, m=16),
+        "pods": dict(algorithm="pods", n=64, m=16, rule="max_variance"),
+    }
+    if name not in base:
+        raise ValueError(f"unknown algorithm preset {name!r}; choose one of {', '.join(base)}")
+    return AlgorithmConfig(**{**base[name], **overrides})
+
+
+def make_optimizer(config: AlgorithmConfig) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW on the configured schedule."""
+    return optax.chain(
+        optax.clip_by_global_norm(config.max_grad_norm),
+        optax.adamw(
+            learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2, weight_decay=config.weight_decay
+        ),
+    )
+
+
+def learning_rate_schedule(config: AlgorithmConfig) -> optax.Schedule:
+    if config.schedule == "constant":
+        return optax.constant_schedule(config.learning_rate)
+    warmup = int(config.warmup_ratio * config.total_steps)
+    if warmup == 0:
+        return optax.cosine_decay_schedule(config.learning_rate, config.total_steps)
+    return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup, config.total_steps)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """What the update changes. ``params`` is the trainable tree: full params or LoRA params."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+    skipped_updates: jax.Array
+
+
+def init_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=rng,
+        skipped_updates=jnp.zeros((), jnp.int32),
+    )
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """Rows that enter the update (B = P * rows per prompt).
+
+    Attributes:
+      input_ids: int32 [B, Lp + T], left-padded prompt followed by the completion.
+      attention_mask: int32 [B, Lp + T], 1 on prompt and valid completion tokens.
+      completion_mask: float32 [B, T], 1 on completion tokens that count in the loss.
+      advantages: float32 [B].
+    """
+
+    input_ids: jax.Array
+    attention_mask: jax.Array
+    completion_mask: jax.Array
+    advantages: jax.Array
+
+    @property
+    def completion_length(self) -> int:
+        return self.completion_mask.shape[1]
+
+
+def build_batch(
+    prompt_ids_PL: jax.Array,
+    prompt_mask_PL: jax.Array,
+    tokens_PNT: jax.Array,
+    mask_PNT: jax.Array,
+    rewards_PN: jax.Array,
+    config: AlgorithmConfig,
+    key: jax.Array | None = None,
+) -> tuple[TrainBatch, jax.Array]:
+    """Selects (PODS), computes group advantages and assembles the update batch.
+
+    Args:
+      prompt_ids_PL, prompt_mask_PL: the left-padded prompts [P, Lp].
+      tokens_PNT, mask_PNT: completions and their validity [P, N, T].
+      rewards_PN: total rewards.
+      config: the algorithm.
+      key: PRNG key for rules that need one.
+
+    Returns:
+      (TrainBatch with P * rows-per-prompt rows, prompt-major, and the selected
+      indices [P, M'] into the N rollouts; M' = N for GRPO and GRPO-GA).
+    """
+    p, n = rewards_PN.shape
+    if n != config.n:
+        raise ValueError(f"rewards have {n} rollouts per prompt but the config says n={config.n}")
+    if config.algorithm == "pods":
+        idx_PM = selection.select(config.rule, rewards_PN, config.m, key=key)
+    else:
+        idx_PM = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (p, n))
+    rows = idx_PM.shape[1]
+    chosen_PM = jnp.take_along_axis(rewards_PN, idx_PM, axis=1)
+    adv_PM = grpo.group_advantages(chosen_PM, eps=config.advantage_eps, std_scaling=config.std_scaling)
+    tokens_PMT = jnp.take_along_axis(tokens_PNT, idx_PM[..., None], axis=1)
+    mask_PMT = jnp.take_along_axis(mask_PNT, idx_PM[..., None], axis=1).astype(jnp.int32)
+    prompt_ids = jnp.repeat(prompt_ids_PL, rows, axis=0)
+    prompt_mask = jnp.repeat(prompt_mask_PL, rows, axis=0).astype(jnp.int32)
+    t = tokens_PNT.shape[-1]
+    batch = TrainBatch(
+        input_ids=jnp.concatenate([prompt_ids, tokens_PMT.reshape(p * rows, t)], axis=1).astype(jnp.int32),
+        attention_mask=jnp.concatenate([prompt_mask, mask_PMT.reshape(p * rows, t)], axis=1),
+        completion_mask=mask_PMT.reshape(p * rows, t).astype(jnp.float32),
+        advantages=adv_PM.reshape(p * rows),
+    )
+    return batch, idx_PM
+
+
+@flax.struct.dataclass
+class StepMetrics:
+    loss: jax.Array
+    grad_norm: jax.Array
+    learning_rate: jax.Array
+    skipped: jax.Array
+    entropy: jax.Array
+    clip_frac_low: jax.Array
+    clip_frac_high: jax.Array
+    kl_mean: jax.Array
+    advantage_mean: jax.Array
+    num_tokens: jax.Array
+
+
+def completion_logits(apply_fn: Callable, trainable, frozen, batch: TrainBatch) -> jax.Array:
+    """Logits [B, T, V] that predict each completion token."""
+    logits_BLV = apply_fn(trainable, frozen, batch.input_ids, batch.attention_mask)
+    t = batch.completion_length
+    return logits_BLV[:, -t - 1 : -1]
+
+
+def _split(batch: TrainBatch, k: int) -> TrainBatch:
+    """[B, ...] -> [k, B/k, ...], so micro-batch i is rows i*B/k .. (i+1)*B/k-1."""
+    return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+
+def make_train_step(
+    apply_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    config: AlgorithmConfig,
+    reference_fn: Callable | None = None,
+):
+    """Builds the pure update ``step(state, batch, frozen) -> (state, StepMetrics)``.
+
+    Args:
+      apply_fn: ``apply_fn(trainable, frozen, ids_BL, mask_BL) -> logits_BLV``: the
+        policy. For LoRA, ``trainable`` is the LoRA tree and ``frozen`` the base
+        params; for full fine-tuning ``trainable`` is the params.
+      optimizer: the optax transformation whose state is in ``TrainState``.
+      config: the algorithm.
+      reference_fn: ``reference_fn(frozen, ids_BL, mask_BL) -> logits_BLV`` of the
+        reference policy, needed iff ``config.beta > 0`` (for LoRA: the base with
+        LoRA off, so no second copy of the weights).
+
+    Returns:
+      The step; jit it at the call site with shardings and ``donate_argnums=0``.
+      Micro-batches run in a ``lax.scan``; each adds its loss numerator over the
+      whole batch's denominator, so accumulated gradients equal the big-batch
+      gradient. A non-finite loss or gradient skips the update and leaves
+      params and optimizer state untouched.
+    """
+    if config.beta > 0 and reference_fn is None:
+        raise ValueError(f"beta={config.beta} > 0 needs a reference_fn")
+    loss_config = config.loss_config
+    k = config.micro_batches
+    temperature = config.temperature
+
+    def logprobs_of(trainable, frozen, mb: TrainBatch):
+        logits = completion_logits(apply_fn, trainable, frozen, mb)
+        targets = mb.input_ids[:, -mb.completion_length :]
+        return grpo.token_logprobs(logits, targets, temperature=temperature), logits
+
+    def micro_loss(trainable, frozen, mb: TrainBatch, old_BT, ref_BT, denominator):
+        logp_BT, logits = logprobs_of(trainable, frozen, mb)
+        terms, metrics = grpo.grpo_loss_terms(
+            logp_BT, mb.advantages, mb.completion_mask, loss_config, old_logprobs_BL=old_BT, ref_logprobs_BL=ref_BT
+        )
+        entropy = jnp.sum(grpo.token_entropy(jax.lax.stop_gradient(logits), temperature=temperature) * mb.completion_mask)
+        return terms.numerator / denominator, (metrics, entropy)
+
+    def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator):
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def accumulate(carry, xs):
+            grads, loss, metric_sums = carry
+            mb, old_BT, ref_BT = xs
+            (mb_loss, (metrics, entropy)), mb_grads = grad_fn(state.params, frozen, mb, old_BT, ref_BT, denominator)
+            grads = jax.tree.map(jnp.add, grads, mb_grads)
+            tokens = metrics.num_tokens
+            sums = (
+                metric_sums[0] + metrics.clip_frac_low * tokens,
+                metric_sums[1] + metrics.clip_frac_high * tokens,
+                metric_sums[2] + metrics.kl_mean * tokens,
+                metric_sums[3] + entropy,
+                metric_sums[4] + tokens,
+            )
+            return (grads, loss + mb_loss, sums), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        init = (zeros, jnp.zeros((), jnp.float32), (jnp.zeros((), jnp.float32),) * 5)
+        (grads, loss, sums), _ = jax.lax.scan(accumulate, init, (batches, old_kBT, ref_kBT))
+        grad_norm = _tree_norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        state = state.replace(
+            params=jax.tree.map(keep, new_params, state.params),
+            opt_state=jax.tree.map(keep, new_opt, state.opt_state),
+            step=state.step + 1,
+            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
+        )
+        tokens = jnp.maximum(sums[4], 1.0)
+        metrics = StepMetrics(
+            loss=loss,
+            grad_norm=grad_norm,
+            learning_rate=jnp.zeros((), jnp.float32),
+            skipped=(~finite).astype(jnp.int32),
+            entropy=sums[3] / tokens,
+            clip_frac_low=sums[0] / tokens,
+            clip_frac_high=sums[1] / tokens,
+            kl_mean=sums[2] / tokens,
+            advantage_mean=jnp.mean(batches.advantages),
+            num_tokens=sums[4],
+        )
+        return state, metrics
+
+    schedule = learning_rate_schedule(config)
+
+    def step(state: TrainState, batch: TrainBatch, frozen) -> tuple[TrainState, StepMetrics]:
+        b = batch.advantages.shape[0]
+        if b % k:
+            raise ValueError(f"batch of {b} rows does not split into {k} micro-batches")
+        batches = _split(batch, k)
+        denominator = grpo.loss_denominator(batch.completion_mask, loss_config)
+
+        def per_micro(fn):
+            return jax.lax.map(lambda mb: jax.lax.stop_gradient(fn(mb)), batches)
+
+        # The policy that sampled, evaluated once before the first update.
+        old_kBT = None
+        if config.num_iterations > 1:
+            old_kBT = per_micro(lambda mb: logprobs_of(state.params, frozen, mb)[0])
+        ref_kBT = None
+        if config.beta > 0:
+            def ref_logprobs(mb):
+                logits_BLV = reference_fn(frozen, mb.input_ids, mb.attention_mask)
+                t = mb.completion_length
+                return grpo.token_logprobs(logits_BLV[:, -t - 1 : -1], mb.input_ids[:, -t:], temperature=temperature)
+
+            ref_kBT = per_micro(ref_logprobs)
+        lr = schedule(state.step)
+        metrics = None
+        for _ in range(config.num_iterations):
+            state, metrics = update_once(state, batches, frozen, old_kBT, ref_kBT, denominator)
+        return state, metrics.replace(learning_rate=jnp.asarray(lr, jnp.float32))
+
+    return step
+
+
+def lora_apply_fn(model) -> tuple[Callable, Callable]:
+    """(policy, reference) apply functions for LoRA training on a frozen base."""
+
+    def policy(lora, base, ids, mask):
+        return model.apply({"params": base}, ids, attention_mask=mask, lora=lora)
+
+    def reference(base, ids, mask):
+        return model.apply({"params": base}, ids, attention_mask=mask)
+
+    return policy, reference
+
+
+def full_apply_fn(model) -> tuple[Callable, Callable]:
+    """(policy, reference) apply functions for full fine-tuning; ``frozen`` holds the reference params."""
+
+    def policy(params, reference_params, ids, mask):
+        del reference_params
+        return model.apply({"params": params}, ids, attention_mask=mask)
+
+    def reference(reference_params, ids, mask):
+        return model.apply({"params": reference_params}, ids, attention_mask=mask)
+
+    return policy, reference

@@ -1,0 +1,156 @@
+"""The update step: GA equivalence, LoRA isolation, sharding, non-finite skips, batch assembly."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import podsjax.models as pm
+from podsjax import mesh as mesh_lib
+from podsjax import train
+
+CONFIG = pm.ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, tie_word_embeddings=True)
+P, N, M, LP, T = 2, 8, 4, 6, 5
+
+
+@pytest.fixture(scope="module")
+def model_and_params():
+    model = pm.Decoder(CONFIG)
+    return model, pm.init_params(model, jax.random.key(0))
+
+
+def random_rollouts(seed, p=P, n=N):
+    rng = np.random.default_rng(seed)
+    prompt_ids = rng.integers(1, 64, (p, LP)).astype(np.int32)
+    prompt_mask = np.ones((p, LP), np.int32)
+    prompt_mask[0, :2] = 0  # a left-padded prompt
+    tokens = rng.integers(1, 64, (p, n, T)).astype(np.int32)
+    lengths = rng.integers(1, T + 1, (p, n))
+    mask = np.arange(T) < lengths[..., None]
+    rewards = rng.integers(0, 2, (p, n)).astype(np.float32) + rng.normal(0, 0.1, (p, n)).astype(np.float32)
+    return prompt_ids, prompt_mask, tokens, mask, rewards
+
+
+def full_ft(model, config, params, seed=1):
+    policy, reference = train.full_apply_fn(model)
+    optimizer = train.make_optimizer(config)
+    state = train.init_state(params, optimizer, jax.random.key(seed))
+    return train.make_train_step(policy, optimizer, config, reference), state
+
+
+def tree_max_diff(a, b):
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_ga_micro_batches_equal_one_big_batch(model_and_params):
+    model, params = model_and_params
+    prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(0)
+    # Large max_grad_norm so clipping does not hide a wrong gradient scale; lr big enough to move.
+    common = dict(n=N, m=M, learning_rate=1e-2, max_grad_norm=1e6, aggregation="token-mean")
+    ga = train.AlgorithmConfig(algorithm="grpo-ga", **common)
+    big = train.AlgorithmConfig(algorithm="grpo", **{**common, "m": N})
+    assert ga.micro_batches == N // M and big.micro_batches == 1
+    batch, _ = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, ga)
+    batch_big, _ = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, big)
+    step_ga, state = full_ft(model, ga, params)
+    step_big, state_big = full_ft(model, big, params)
+    new_ga, m_ga = jax.jit(step_ga)(state, batch, None)
+    new_big, m_big = jax.jit(step_big)(state_big, batch_big, None)
+    assert float(m_ga.loss) == pytest.approx(float(m_big.loss), abs=1e-6)
+    assert float(m_ga.grad_norm) == pytest.approx(float(m_big.grad_norm), rel=1e-5)
+    assert tree_max_diff(new_ga.params, new_big.params) <= 1e-5
+    assert tree_max_diff(new_ga.params, params) > 1e-4  # the update really moved the params
+
+
+def test_lora_step_leaves_base_params_bit_identical(model_and_params):
+    model, params = model_and_params
+    config = train.preset("pods", n=N, m=M, learning_rate=1e-2, beta=0.04)
+    lora = pm.init_lora(jax.random.key(3), model, pm.LoraConfig(rank=4, alpha=8.0))
+    optimizer = train.make_optimizer(config)
+    policy, reference = train.lora_apply_fn(model)
+    step = jax.jit(train.make_train_step(policy, optimizer, config, reference))
+    state = train.init_state(lora, optimizer, jax.random.key(1))
+    base_before = jax.tree.map(np.asarray, params)
+    batch, idx = train.build_batch(*random_rollouts(1), config)
+    assert idx.shape == (P, M)
+    new_state, metrics = step(state, batch, params)
+    new_state, metrics = step(new_state, batch, params)  # B is non-zero now: KL and ratio move
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(params)))
+    # The optimizer holds LoRA moments only, and LoRA B moved away from zero.
+    assert {x.shape for x in jax.tree.leaves(new_state.opt_state)} <= {x.shape for x in jax.tree.leaves(lora)} | {()}
+    assert tree_max_diff(new_state.params, lora) > 0
+    assert float(metrics.kl_mean) > 0 and int(new_state.step) == 2
+
+
+def test_sharded_step_equals_single_device(model_and_params):
+    model, params = model_and_params
+    # Adam's first step is ~lr * g / |g|, which turns 1e-9 float noise in near-zero
+    # gradients into ~lr / 10 differences; lr 1e-3 keeps that under the 1e-5 bound
+    # while the loss and gradient norm are compared directly below.
+    config = train.preset("pods", n=N, m=M, learning_rate=1e-3, max_grad_norm=1e6)
+    batch, _ = train.build_batch(*random_rollouts(2), config)
+    step, state = full_ft(model, config, params)
+    ref_state, ref_metrics = jax.jit(step)(state, batch, None)
+
+    mesh = mesh_lib.make_mesh("data=2,fsdp=2,tensor=2")
+    sharded_model = pm.Decoder(CONFIG, mesh=mesh)
+    shardings = pm.param_shardings(sharded_model, mesh)
+    sharded_params = jax.device_put(params, shardings)
+    sharded_step, sharded_state = full_ft(sharded_model, config, sharded_params)
+    batch_sharded = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), batch)
+    out_state, out_metrics = jax.jit(sharded_step, donate_argnums=0)(sharded_state, batch_sharded, None)
+    assert tree_max_diff(out_state.params, ref_state.params) <= 1e-5
+    assert float(out_metrics.loss) == pytest.approx(float(ref_metrics.loss), abs=1e-5)
+    assert float(out_metrics.grad_norm) == pytest.approx(float(ref_metrics.grad_norm), rel=1e-5)
+    assert tree_max_diff(out_state.params, params) > 1e-4  # the update really moved the params
+    # Params stay sharded as the rules say (the embedding is split over vocab and embed).
+    embed = out_state.params["embed"]["embedding"]
+    assert embed.sharding.is_equivalent_to(shardings["embed"]["embedding"], embed.ndim)
+    assert not embed.sharding.is_fully_replicated
+
+
+def test_non_finite_loss_skips_the_update(model_and_params):
+    model, params = model_and_params
+    config = train.preset("grpo", n=N, m=N, learning_rate=1e-2)
+    batch, _ = train.build_batch(*random_rollouts(3), config)
+    step, state = full_ft(model, config, params)
+    bad = batch.replace(advantages=batch.advantages.at[0].set(jnp.nan))
+    new_state, metrics = jax.jit(step)(state, bad, None)
+    assert int(metrics.skipped) == 1 and int(new_state.skipped_updates) == 1
+    assert tree_max_diff(new_state.params, params) == 0.0
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(new_state.opt_state), jax.tree.leaves(state.opt_state)))
+    good_state, good = jax.jit(step)(new_state, batch, None)
+    assert int(good.skipped) == 0 and tree_max_diff(good_state.params, params) > 0
+
+
+def test_build_batch_selects_and_normalizes_over_the_subset():
+    prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(4)
+    config = train.preset("pods", n=N, m=M)
+    batch, idx = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, config)
+    idx = np.asarray(idx)
+    for p in range(P):
+        rows = slice(p * M, (p + 1) * M)
+        chosen = rewards[p, idx[p]]
+        expected = (chosen - chosen.mean()) / (chosen.std(ddof=1) + 1e-4)
+        np.testing.assert_allclose(np.asarray(batch.advantages[rows]), expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(batch.input_ids[rows, LP:]), tokens[p, idx[p]])
+        np.testing.assert_array_equal(np.asarray(batch.input_ids[rows, :LP]), np.repeat(prompt_ids[p : p + 1], M, 0))
+        np.testing.assert_array_equal(np.asarray(batch.completion_mask[rows]), mask[p, idx[p]].astype(np.float32))
+
+
+def test_config_validation_errors():
+    cases = [
+        (dict(algorithm="grpo", n=8, m=4), "m must equal n"),
+        (dict(algorithm="grpo-ga", n=10, m=4), "n must be a multiple of m"),
+        (dict(algorithm="pods", n=4, m=8), "1 <= m <= n"),
+        (dict(algorithm="pods", n=8, m=4, rule="best"), "unknown selection rule 'best'"),
+        (dict(algorithm="ppo"), "algorithm must be one of"),
+        (dict(aggregation="sum"), "aggregation must be one of"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            train.AlgorithmConfig(**kwargs)
+    with pytest.raises(ValueError, match="unknown algorithm preset"):
+        train.preset("dapo")
