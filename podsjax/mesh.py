@@ -214,3 +214,74 @@ def tree_shardings(mesh: Mesh, names_tree: Any, shapes_tree: Any, rules: Rules =
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Sharding for a ``[B, ...]`` input: batch over ("data", "fsdp"), the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh))
+
+
+# Environment variables read by `initialize_distributed` on GPU / CPU clusters
+# (TPU pods need none: jax finds its peers itself).
+DISTRIBUTED_ENV = ("PODSJAX_COORDINATOR", "PODSJAX_NUM_PROCESSES", "PODSJAX_PROCESS_ID")
+
+
+def initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Sequence[int] | None = None,
+) -> bool:
+    """Starts multi-host JAX, once, before any other JAX call of the run.
+
+    On TPU pods (and SLURM / Open MPI clusters jax recognises) call it with no
+    arguments. Elsewhere pass the coordinator ``host:port``, the number of
+    processes and this process's id, or set ``PODSJAX_COORDINATOR``,
+    ``PODSJAX_NUM_PROCESSES`` and ``PODSJAX_PROCESS_ID``. CPU processes talk
+    over gloo collectives.
+
+    Returns:
+      True when this is a multi-process run after the call.
+    """
+    import os
+
+    env = {name: os.environ.get(name) for name in DISTRIBUTED_ENV}
+    coordinator_address = coordinator_address or env["PODSJAX_COORDINATOR"]
+    try:
+        if num_processes is None and env["PODSJAX_NUM_PROCESSES"] is not None:
+            num_processes = int(env["PODSJAX_NUM_PROCESSES"])
+        if process_id is None and env["PODSJAX_PROCESS_ID"] is not None:
+            process_id = int(env["PODSJAX_PROCESS_ID"])
+    except ValueError:
+        raise ValueError(f"PODSJAX_NUM_PROCESSES and PODSJAX_PROCESS_ID must be integers; got {env}") from None
+    explicit = (coordinator_address, num_processes, process_id)
+    if any(v is not None for v in explicit) and not all(v is not None for v in explicit):
+        raise ValueError(
+            "multi-host start-up needs all of coordinator address, number of processes and process id "
+            f"(or none of them for TPU / SLURM auto-detection); got {explicit}"
+        )
+    if jax.config.jax_platforms in (None, "", "cpu") or jax.default_backend() == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+    )
+    return jax.process_count() > 1
+
+
+def host_batch_to_global(local_batch: Any, mesh: Mesh) -> Any:
+    """Turns each process's slice of the batch into one global, batch-sharded array tree.
+
+    Every process passes its own rows ``[B / num_processes, ...]`` (for example the
+    prompts its data loader read); the result is ``[B, ...]`` sharded over the
+    mesh's batch axes, ready for a jitted step.
+    """
+
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+
+    def globalize(x):
+        x = np.asarray(x)
+        rows = x.shape[0] * jax.process_count()
+        if rows % shards:
+            raise ValueError(f"global batch of {rows} rows does not split over {shards} batch shards (data x fsdp)")
+        return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x)
+
+    return jax.tree.map(globalize, local_batch)
