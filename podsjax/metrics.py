@@ -1,0 +1,439 @@
+"""Training metrics: JSONL + TensorBoard files, a progress bar, and phase timers.
+
+Files under ``out_dir`` (only ever appended to, so a resumed run never loses data):
+
+- ``metrics.jsonl``: one JSON object per :meth:`MetricsWriter.write` call,
+  ``{"step": s, "wall_time": t, "<name>": value, ...}``. Nested dicts are flattened with
+  ``/`` (``{"reward": {"mean": 1}}`` -> ``"reward/mean"``). Non-finite floats (NaN, +-inf)
+  are written as ``null`` so every line is strict JSON; TensorBoard gets the real value.
+- ``samples.jsonl`` (and ``samples/*.parquet`` with ``parquet=True``): completion samples.
+- ``events.out.tfevents.*``: TensorBoard scalars. The records are encoded here (TFRecord
+  framing + the few ``Event`` protobuf fields needed), so neither TensorFlow nor
+  tensorboardX is a runtime dependency.
+
+A writer opened with ``resume_step=S`` appends a marker ``{"event": "resume", "step": S}``;
+:func:`read_jsonl` then drops the earlier run's records with ``step > S`` (they were
+redone after the restore), and the TensorBoard file starts with the matching purge event.
+
+Time phases with :class:`PhaseTimer`; JAX dispatch is asynchronous, so block on a phase's
+outputs (``jax.block_until_ready``) inside the phase or it measures only the dispatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+# -- value conversion ------------------------------------------------------------------
+
+
+def flatten_metrics(tree: Mapping[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:
+    """Flattens nested dicts of metrics into ``{"a/b": value}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"metric names must be non-empty strings, got {key!r}")
+        name = f"{prefix}{sep}{key}" if prefix else key
+        if isinstance(value, Mapping):
+            out.update(flatten_metrics(value, sep, name))
+        else:
+            out[name] = value
+    return out
+
+
+def to_scalar(name: str, value: Any) -> int | float:
+    """A Python int/float from a Python, NumPy or JAX scalar (int kinds stay int)."""
+    if isinstance(value, (bool, np.bool_, int, np.integer)):
+        return int(value)
+    if isinstance(value, float):
+        return value
+    try:
+        arr = np.asarray(value)  # also fetches a jax.Array from its device
+    except Exception:  # noqa: BLE001 - any unconvertible object gets the same clear error
+        arr = np.asarray(None)
+    if arr.size != 1 or arr.dtype.kind not in "biuf":
+        raise ValueError(f"metric {name!r} must be a real scalar, got {type(value).__name__} {getattr(arr, 'shape', '')}")
+    return int(arr.item()) if arr.dtype.kind in "biu" else float(arr.item())
+
+
+def _finite_or_none(x: int | float) -> int | float | None:
+    return x if isinstance(x, int) or math.isfinite(x) else None
+
+
+def to_jsonable(value: Any, where: str = "value") -> Any:
+    """Recursively converts arrays/NumPy types to JSON types; non-finite floats -> None."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_jsonable(v, where) for v in value]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return _finite_or_none(to_scalar(where, value))
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        arr = np.asarray(value)
+        if arr.dtype.kind in "biuf":
+            return to_jsonable(arr.tolist(), where)
+    raise ValueError(f"{where}: cannot store a {type(value).__name__} in JSON")
+
+
+def read_jsonl(path: str | os.PathLike, *, apply_resumes: bool = True) -> list[dict[str, Any]]:
+    """Reads a metrics/samples JSONL file written by :class:`MetricsWriter`.
+
+    Args:
+        path: the file.
+        apply_resumes: drop records superseded by a resume (``step`` greater than a later
+            resume marker's) and the markers themselves; False returns every record.
+
+    Returns:
+        The records in file order. A torn last line from a killed process is skipped.
+    """
+    records: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if apply_resumes and record.get("event") == "resume":
+                records = [r for r in records if r.get("step", -1) <= record["step"]]
+                continue
+            records.append(record)
+    return records
+
+
+# -- TensorBoard event file ------------------------------------------------------------
+
+def _crc32c_of_byte(crc: int) -> int:
+    for _ in range(8):
+        crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+    return crc
+
+
+_CRC_TABLE = [_crc32c_of_byte(i) for i in range(256)]  # CRC-32C (Castagnoli), as TFRecord uses
+
+
+def _masked_crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    # TFRecord masks the CRC so that CRCs of data containing CRCs stay well distributed.
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # protobuf int64 encodes negatives as 10-byte two's complement
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:  # length-delimited field (wire type 2)
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _float32_le(value: float) -> bytes:
+    with np.errstate(over="ignore"):  # beyond float32 range becomes +-inf, like TF does
+        return np.asarray(value, dtype="<f4").tobytes()
+
+
+def _event(wall_time: float, step: int, body: bytes) -> bytes:
+    # Event: wall_time=1 (double), step=2 (int64), then one of file_version=3,
+    # summary=5, session_log=7 already encoded in `body`.
+    return b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step) + body
+
+
+class _EventFile:
+    """Appends scalar summaries to a fresh ``events.out.tfevents.*`` file."""
+
+    def __init__(self, logdir: str, purge_step: int | None):
+        # TensorBoard reads a directory's files in name order: seconds, then zero-padded ns.
+        secs, nanos = divmod(time.time_ns(), 10**9)
+        name = f"events.out.tfevents.{secs}.{socket.gethostname()}.{os.getpid()}.{nanos:09d}"
+        self.path = os.path.join(logdir, name)
+        self._f = open(self.path, "ab")
+        now = time.time()
+        self._record(_event(now, 0, _field(3, b"brain.Event:2")))
+        if purge_step is not None:
+            # SessionLog(status=START) at step S makes TensorBoard hide older events >= S.
+            self._record(_event(now, purge_step, _field(7, b"\x08\x01")))
+        self._f.flush()
+
+    def _record(self, data: bytes) -> None:
+        header = struct.pack("<Q", len(data))
+        self._f.write(header + struct.pack("<I", _masked_crc32c(header)) + data
+                      + struct.pack("<I", _masked_crc32c(data)))
+
+    def scalars(self, step: int, values: Mapping[str, float], wall_time: float) -> None:
+        # Summary.value=1 -> Value{tag=1 (string), simple_value=2 (float32)}.
+        summary = b"".join(
+            _field(1, _field(1, tag.encode("utf-8")) + b"\x15" + _float32_le(value))
+            for tag, value in values.items()
+        )
+        self._record(_event(wall_time, step, _field(5, summary)))
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+# -- writer ----------------------------------------------------------------------------
+
+
+class MetricsWriter:
+    """Appends per-step scalars to JSONL and TensorBoard, and samples to JSONL/parquet.
+
+    Args:
+        out_dir: directory for all files (created if missing).
+        tensorboard: also write a TensorBoard event file.
+        jsonl_name: metrics file name inside ``out_dir``.
+        samples_name: samples file name inside ``out_dir``.
+        parquet: also write each :meth:`write_samples` call to ``samples/*.parquet``.
+        resume_step: the checkpoint step a resumed run restarted from (see module doc).
+        enabled: False makes every method a no-op; pass ``jax.process_index() == 0`` so
+            only one host of a multi-host run writes.
+        clock: wall clock for the ``wall_time`` field.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, *, tensorboard: bool = True,
+                 jsonl_name: str = "metrics.jsonl", samples_name: str = "samples.jsonl",
+                 parquet: bool = False, resume_step: int | None = None, enabled: bool = True,
+                 clock: Callable[[], float] = time.time):
+        self.out_dir = os.fspath(out_dir)
+        self.enabled = enabled
+        self.parquet = parquet
+        self._clock = clock
+        self._files: dict[str, Any] = {}
+        self._events: _EventFile | None = None
+        self._closed = False
+        self.metrics_path = os.path.join(self.out_dir, jsonl_name)
+        self.samples_path = os.path.join(self.out_dir, samples_name)
+        if not enabled:
+            return
+        os.makedirs(self.out_dir, exist_ok=True)
+        if resume_step is not None:
+            marker = {"event": "resume", "step": int(resume_step), "wall_time": clock()}
+            for path in (self.metrics_path, self.samples_path):
+                if os.path.exists(path):
+                    self._append(path, marker)
+        if tensorboard:
+            self._events = _EventFile(self.out_dir, None if resume_step is None else int(resume_step) + 1)
+
+    def _append(self, path: str, record: Mapping[str, Any]) -> None:
+        if self._closed:
+            raise RuntimeError(f"MetricsWriter for {self.out_dir} is closed")
+        f = self._files.get(path)
+        if f is None:
+            # A process killed mid-line leaves a torn last line; start on a fresh line so
+            # that only the torn record is unreadable, never the next one.
+            torn = False
+            if os.path.exists(path) and os.path.getsize(path) > 0:
+                with open(path, "rb") as existing:
+                    existing.seek(-1, os.SEEK_END)
+                    torn = existing.read(1) != b"\n"
+            f = self._files[path] = open(path, "a", encoding="utf-8")
+            if torn:
+                f.write("\n")
+        f.write(json.dumps(record, allow_nan=False) + "\n")
+        f.flush()  # a SIGKILL later must not lose this step
+
+    def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
+        """Appends one step's scalars (nested dicts are flattened with ``/``).
+
+        Args:
+            step: training step.
+            scalars: name -> Python/NumPy/JAX scalar, possibly nested.
+
+        Returns:
+            The JSON record written (non-finite values as None).
+
+        Raises:
+            ValueError: a value is not a real scalar, or a name is ``step``/``wall_time``.
+        """
+        flat = {name: to_scalar(name, v) for name, v in flatten_metrics(scalars).items()}
+        for reserved in ("step", "wall_time", "event"):
+            if reserved in flat:
+                raise ValueError(f"metric name {reserved!r} is reserved")
+        wall_time = self._clock()
+        record = {"step": int(step), "wall_time": wall_time, **{k: _finite_or_none(v) for k, v in flat.items()}}
+        if self.enabled:
+            self._append(self.metrics_path, record)
+            if self._events is not None and flat:
+                self._events.scalars(int(step), {k: float(v) for k, v in flat.items()}, wall_time)
+        return record
+
+    def write_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """Appends completion samples (e.g. prompt, completion, rewards, selected).
+
+        Args:
+            step: training step the samples come from; added to every record.
+            records: dicts of JSON-able values, arrays or scalars.
+        """
+        rows = []
+        for i, r in enumerate(records):
+            if "step" in r:
+                raise ValueError(f"sample {i} has a 'step' field; the step is added by write_samples")
+            rows.append({"step": int(step), **to_jsonable(dict(r), f"sample {i}")})
+        if not self.enabled or not rows:
+            return
+        for row in rows:
+            self._append(self.samples_path, row)
+        if self.parquet:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            folder = os.path.join(self.out_dir, "samples")
+            os.makedirs(folder, exist_ok=True)
+            base = os.path.join(folder, f"step{int(step):09d}")
+            path, n = base + ".parquet", 1
+            while os.path.exists(path):  # a resumed run redoing a step keeps both files
+                path, n = f"{base}-{n}.parquet", n + 1
+            pq.write_table(pa.Table.from_pylist(rows), path + ".tmp")
+            os.replace(path + ".tmp", path)  # readers never see half a file
+
+    def close(self) -> None:
+        """Flushes and closes all files. Idempotent."""
+        self._closed = True
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+# -- progress and timing ---------------------------------------------------------------
+
+
+class Progress:
+    """A tqdm bar over training steps or seconds, with step/reward/accuracy and ETA.
+
+    Args:
+        total: steps (``unit="step"``) or training seconds (``unit="s"``) of the run.
+        unit: what ``position`` counts.
+        initial: starting position (a resumed run's step or elapsed seconds).
+        enabled: True/False forces the bar on/off; None shows it only on a TTY.
+        file: stream to draw on (default stderr).
+        desc: label at the left of the bar.
+        mininterval: least seconds between redraws.
+    """
+
+    def __init__(self, total: float, *, unit: str = "step", initial: float = 0, enabled: bool | None = None,
+                 file: Any = None, desc: str = "train", mininterval: float = 0.5):
+        from tqdm import tqdm
+
+        if not total > 0:
+            raise ValueError(f"Progress total must be > 0, got {total!r}")
+        fmt = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f}{unit} [{elapsed}<{remaining}{postfix}]"
+        self._bar = tqdm(total=total, initial=initial, unit=unit, desc=desc, file=file or sys.stderr,
+                         disable=None if enabled is None else not enabled, bar_format=fmt,
+                         mininterval=mininterval, dynamic_ncols=True)
+
+    @property
+    def enabled(self) -> bool:  # False when disabled by the caller or by having no TTY
+        return not self._bar.disable
+
+    def update(self, position: float, **postfix: Any) -> None:
+        """Moves the bar to ``position`` and shows ``postfix`` (e.g. step=, reward=, acc=)."""
+        if self._bar.disable:
+            return
+        shown = {}
+        for key, value in postfix.items():
+            try:
+                v = to_scalar(key, value)
+                shown[key] = v if isinstance(v, int) else f"{v:.4g}"
+            except ValueError:
+                shown[key] = str(value)
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(min(position, self._bar.total) - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class Stopwatch:
+    """Measures one interval: ``with Stopwatch() as sw: ...``, then ``sw.seconds``."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self._start: float | None = None
+        self._stop: float | None = None
+
+    def __enter__(self) -> Stopwatch:
+        self._start, self._stop = self._clock(), None
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop = self._clock()
+
+    @property
+    def seconds(self) -> float:
+        """Elapsed seconds (so far, if still running)."""
+        if self._start is None:
+            raise RuntimeError("Stopwatch was never started")
+        return (self._clock() if self._stop is None else self._stop) - self._start
+
+
+class PhaseTimer:
+    """Accumulates seconds per named phase (generation, scoring, selection, update)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self._seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Times the ``with`` body (also when it raises) and adds it to ``name``."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self.add(name, self._clock() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        self._seconds[name] = self._seconds.get(name, 0.0) + float(seconds)
+
+    def totals(self) -> dict[str, float]:
+        return dict(self._seconds)
+
+    def pop(self, prefix: str = "time/") -> dict[str, float]:
+        """Returns ``{prefix + phase: seconds}`` and resets, ready for the next step."""
+        out = {prefix + k: v for k, v in self._seconds.items()}
+        self._seconds.clear()
+        return out
+
+
+def tokens_per_second(num_tokens: Any, seconds: float) -> float:
+    """Throughput; NaN (written as null) when ``seconds`` is not positive."""
+    seconds = float(seconds)
+    return float(to_scalar("num_tokens", num_tokens)) / seconds if seconds > 0 else math.nan
