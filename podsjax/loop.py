@@ -1,0 +1,294 @@
+"""The RL loop: prompts -> generate -> score -> select -> update, with eval, checkpoints, metrics.
+
+The training clock counts generation, scoring, selection and update time only;
+evaluation and checkpoint writes are excluded, as in the paper's wall-clock plots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from podsjax import checkpoint as ckpt_lib
+from podsjax import data as data_lib
+from podsjax import metrics as metrics_lib
+from podsjax import prompts as prompts_lib
+from podsjax import rewards as rewards_lib
+from podsjax import train
+from podsjax.models import LoraConfig, init_lora
+from podsjax.sampling import generate
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """How long to train, how to sample, evaluate, checkpoint and log."""
+
+    out_dir: str
+    task: str = "gsm8k"
+    prompts_per_step: int = 1
+    max_prompt_length: int = 512
+    max_new_tokens: int = 512
+    top_p: float = 1.0
+    top_k: int = 0
+    time_budget_s: float | None = None
+    max_steps: int | None = None
+    eval_every_s: float | None = 120.0
+    eval_limit: int | None = None
+    eval_batch_size: int = 64
+    eval_repeats: int = 0
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_s: float | None = 1800.0
+    keep_last: int = 3
+    seed: int = 0
+    reward_workers: int = 2
+    reward_timeout_s: float = 10.0
+    log_samples: int = 8
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.time_budget_s is None and self.max_steps is None:
+            raise ValueError("RunConfig needs a time budget (time_budget_s) or a step limit (max_steps)")
+        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "eval_batch_size", "reward_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
+        if self.eval_repeats < 0:
+            raise ValueError(f"RunConfig.eval_repeats must be >= 0; got {self.eval_repeats}")
+
+
+class DataStream:
+    """An endless, seeded shuffle of examples; its position is all that resume needs."""
+
+    def __init__(self, examples: Sequence[data_lib.Example], seed: int, position: int = 0):
+        if not examples:
+            raise ValueError("the training set is empty")
+        self.examples, self.seed, self.position = list(examples), seed, position
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+
+    def take(self, count: int) -> list[data_lib.Example]:
+        out = []
+        for _ in range(count):
+            epoch, offset = divmod(self.position, len(self.examples))
+            out.append(self.examples[int(self._order(epoch)[offset])])
+            self.position += 1
+        return out
+
+
+class Trainer:
+    """Owns the state, the jitted step, the reward pool, checkpoints and metrics of one run."""
+
+    def __init__(self, model, base_params, tokenizer, train_examples, eval_examples,
+                 algo: train.AlgorithmConfig, run: RunConfig, lora: LoraConfig | None = None, rewards=None):
+        self.model, self.base_params, self.tokenizer = model, base_params, tokenizer
+        self.algo, self.run_config, self.lora_config = algo, run, lora
+        self.eval_examples = list(eval_examples)
+        self.rewards = rewards or rewards_lib.default_rewards(run.task)
+        self.eos_ids = _eos_ids(tokenizer)
+        self.optimizer = train.make_optimizer(algo)
+        key = jax.random.key(run.seed)
+        if lora is not None:
+            trainable = init_lora(jax.random.fold_in(key, 1), model, lora, mesh=model.mesh)
+            policy, reference = train.lora_apply_fn(model)
+            self.frozen = base_params
+        else:
+            trainable = base_params
+            policy, reference = train.full_apply_fn(model)
+            # The KL reference of a full fine-tune is a frozen copy of the start weights.
+            self.frozen = jax.tree.map(jnp.copy, base_params) if algo.beta > 0 else None
+        state = jax.jit(lambda p, k: train.init_state(p, self.optimizer, k))(trainable, key)
+        self.step_fn = jax.jit(train.make_train_step(policy, self.optimizer, algo, reference), donate_argnums=0)
+        self.batch_fn = jax.jit(train.build_batch, static_argnames="config")
+        os.makedirs(run.out_dir, exist_ok=True)
+        self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(
+            os.path.join(run.out_dir, "checkpoints"), save_every_steps=run.checkpoint_every_steps,
+            save_every_seconds=run.checkpoint_every_s, keep_last=run.keep_last),
+            clock=lambda: self.host["elapsed_train_s"])  # the training clock, eval excluded
+        host = {"data_position": 0, "elapsed_train_s": 0.0, "last_eval_s": None}
+        if self.checkpointer.latest_step() is not None:
+            state, host = self.checkpointer.restore(jax.tree.map(_abstract, state))
+        self.state, self.host = state, host
+        self.stream = DataStream(train_examples, run.seed, host["data_position"])
+        restored = self.checkpointer.latest_step()
+        self.writer = metrics_lib.MetricsWriter(run.out_dir, resume_step=restored)
+        self.pool = rewards_lib.RewardPool(run.reward_workers, timeout_s=run.reward_timeout_s)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def policy_params(self):
+        """(params, lora) to sample from: the current policy."""
+        if self.lora_config is not None:
+            return self.base_params, self.state.params
+        return self.state.params, None
+
+    def train_step(self) -> dict[str, float]:
+        run, algo = self.run_config, self.algo
+        timer = metrics_lib.PhaseTimer()
+        examples = self.stream.take(run.prompts_per_step)
+        with timer.phase("generation"):
+            prompts = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in examples],
+                                                  max_prompt_length=run.max_prompt_length)
+            if prompts.num_dropped:
+                examples = [examples[i] for i in prompts.kept_P]
+            params, lora = self.policy_params()
+            key = jax.random.fold_in(jax.random.key(run.seed + 1), int(self.state.step))
+            rollouts = generate(self.model, params, prompts.ids_PL, prompts.mask_PL, key, num_samples=algo.n,
+                                max_new_tokens=run.max_new_tokens, temperature=algo.temperature, top_p=run.top_p,
+                                top_k=run.top_k, eos_token_ids=self.eos_ids, pad_token_id=prompts.pad_id, lora=lora)
+            tokens, mask = np.asarray(rollouts.tokens), np.asarray(rollouts.mask)
+        with timer.phase("scoring"):
+            completions = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
+            scores = self.pool.score(completions, self.rewards, **data_lib.reward_columns(examples, algo.n))
+        p = len(examples)
+        rewards_PN = np.asarray(scores.total_B, np.float32).reshape(p, algo.n)
+        with timer.phase("selection"):
+            batch, idx_PM = self.batch_fn(prompts.ids_PL, prompts.mask_PL, tokens.reshape(p, algo.n, -1),
+                                          mask.reshape(p, algo.n, -1), rewards_PN, config=algo,
+                                          key=jax.random.fold_in(key, 7))
+            idx_PM = np.asarray(idx_PM)
+        with timer.phase("update"):
+            self.state, step_metrics = self.step_fn(self.state, batch, self.frozen)
+            step_metrics = jax.device_get(step_metrics)
+        phases = timer.totals()
+        self.host["elapsed_train_s"] += sum(phases.values())
+        self.host["data_position"] = self.stream.position
+        selected = np.zeros((p, algo.n), bool)
+        np.put_along_axis(selected, idx_PM, True, axis=1)
+        return {
+            **{f"train/{k}": float(v) for k, v in dataclasses.asdict(step_metrics).items()},
+            **_reward_stats(scores, rewards_PN, selected, p, algo.n),
+            "completion/length_mean": float(mask.sum(1).mean()),
+            "completion/truncated_frac": float(np.asarray(rollouts.truncated).mean()),
+            **{f"time/{k}": v for k, v in phases.items()},
+            "time/tokens_per_s": metrics_lib.tokens_per_second(int(mask.sum()), phases["generation"]),
+            "time/elapsed_train_s": self.host["elapsed_train_s"],
+        }
+
+    # -- evaluation -------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on the eval split (plus sampled repeats when configured)."""
+        run = self.run_config
+        examples = self.eval_examples[: run.eval_limit] if run.eval_limit else self.eval_examples
+        params, lora = self.policy_params()
+        correct, samples = [], []
+        for start in range(0, len(examples), run.eval_batch_size):
+            chunk = examples[start : start + run.eval_batch_size]
+            prompts = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in chunk],
+                                                  max_prompt_length=run.max_prompt_length)
+            chunk = [chunk[i] for i in prompts.kept_P]
+            r = generate(self.model, params, prompts.ids_PL, prompts.mask_PL, jax.random.key(0), num_samples=1,
+                         max_new_tokens=run.max_new_tokens, temperature=0.0, eos_token_ids=self.eos_ids,
+                         pad_token_id=prompts.pad_id, lora=lora)
+            tokens, mask = np.asarray(r.tokens), np.asarray(r.mask)
+            texts = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
+            scores = self.pool.score(texts, self.rewards, **data_lib.reward_columns(chunk, 1))
+            accuracy = np.asarray(scores.per_function["accuracy"])
+            correct.extend(accuracy.tolist())
+            samples.extend({"prompt": e.prompt, "completion": t, "answer": e.answer, "accuracy": float(a)}
+                           for e, t, a in zip(chunk, texts, accuracy))
+        step = int(self.state.step)
+        self.writer.write_samples(step, samples[: run.log_samples])
+        return {"eval/accuracy": float(np.mean(correct)) if correct else 0.0, "eval/examples": float(len(correct))}
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def done(self) -> bool:
+        run = self.run_config
+        if run.max_steps is not None and int(self.state.step) >= run.max_steps:
+            return True
+        return run.time_budget_s is not None and self.host["elapsed_train_s"] >= run.time_budget_s
+
+    def eval_due(self) -> bool:
+        every, last = self.run_config.eval_every_s, self.host["last_eval_s"]
+        return every is not None and (last is None or self.host["elapsed_train_s"] - last >= every)
+
+    def run(self) -> list[dict[str, float]]:
+        """Trains until the budget is spent; returns the eval history (one dict per eval)."""
+        history = _read_history(self.run_config.out_dir)
+        run = self.run_config
+        if run.max_steps is not None:
+            progress = metrics_lib.Progress(run.max_steps, unit="step", initial=int(self.state.step),
+                                            enabled=None if run.progress else False)
+        else:
+            progress = metrics_lib.Progress(run.time_budget_s, unit="s", initial=self.host["elapsed_train_s"],
+                                            enabled=None if run.progress else False)
+        try:
+            while True:
+                if self.eval_due():
+                    evaluation = {**self.evaluate(), "time/elapsed_train_s": self.host["elapsed_train_s"]}
+                    self.host["last_eval_s"] = self.host["elapsed_train_s"]
+                    self.writer.write(int(self.state.step), evaluation)
+                    evaluation["step"] = int(self.state.step)
+                    history.append(evaluation)
+                    _append_history(self.run_config.out_dir, evaluation)
+                if self.done():
+                    break
+                scalars = self.train_step()
+                step = int(self.state.step)
+                self.writer.write(step, scalars)
+                position = step if run.max_steps is not None else self.host["elapsed_train_s"]
+                accuracy = history[-1]["eval/accuracy"] if history else float("nan")
+                progress.update(position, step=step, reward=scalars["reward/mean"], acc=accuracy)
+                # Saved before the next step donates the state's buffers.
+                self.checkpointer.save(step, self.state, self.host)
+            self.checkpointer.save(int(self.state.step), self.state, self.host, force=True)
+        finally:
+            progress.close()
+            self.close()
+        return history
+
+    def close(self):
+        self.checkpointer.close()
+        self.writer.close()
+        self.pool.close()
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def _eos_ids(tokenizer) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>")
+                                       if t in tokenizer.get_vocab()}
+    ids.discard(None)
+    if not ids:
+        raise ValueError("the tokenizer has no EOS token; set tokenizer.eos_token")
+    return tuple(sorted(ids))
+
+
+def _reward_stats(scores, rewards_PN, selected_PN, p, n) -> dict[str, float]:
+    out = {"reward/mean": float(rewards_PN.mean()), "reward/std": float(rewards_PN.std()),
+           "reward/selected_mean": float(rewards_PN[selected_PN].mean()),
+           "reward/selected_std": float(rewards_PN[selected_PN].std()),
+           "reward/zero_std_groups": float(np.mean(rewards_PN.std(axis=1) == 0))}
+    for name, values in scores.per_function.items():
+        values_PN = np.asarray(values, np.float32).reshape(p, n)
+        out[f"reward/{name}"] = float(values_PN.mean())
+        out[f"reward/{name}_selected"] = float(values_PN[selected_PN].mean())
+    out.update({k: float(v) for k, v in scores.metrics.items() if k.endswith(("timeouts", "crashes", "errors"))})
+    return out
+
+
+def _history_path(out_dir):
+    return os.path.join(out_dir, "eval_history.jsonl")
+
+
+def _read_history(out_dir) -> list[dict[str, float]]:
+    path = _history_path(out_dir)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _append_history(out_dir, record):
+    with open(_history_path(out_dir), "a") as f:
+        f.write(json.dumps(record) + "\n")
