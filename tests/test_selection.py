@@ -283,8 +283,9 @@ def test_sharded_input_matches_unsharded_and_stays_sharded():
 
 def test_sort_with_indices_matches_stable_argsort():
     rng = np.random.default_rng(5)
-    for n in (1, 3, 16, 37, 1500):  # 1500 takes the lax.sort path
-        values = rng.integers(-3, 3, (3, n)).astype(np.float32)
+    # n=1500 takes the lax.sort path, the rest the bitonic network.
+    for rows, n in ((3, 1), (3, 16), (300, 16), (300, 37), (3, 1500)):
+        values = rng.integers(-3, 3, (rows, n)).astype(np.float32)
         values[0, : n // 2] = -0.0  # -0.0 ties with 0.0
         sorted_vals, idx = jax.jit(selection.sort_with_indices)(values)
         ref = np.argsort(values, axis=-1, kind="stable")
@@ -334,3 +335,19 @@ def test_traced_m_and_scalar_rewards_raise_clear_errors():
         jax.jit(selection.max_variance)(jnp.zeros(4), 2)
     with pytest.raises(ValueError, match="last axis of rollouts"):
         selection.max_variance(jnp.float32(1.0), 1)
+
+
+def test_theorem1_on_the_network_sort_path():
+    # Many rows at once, as the benchmark runs it; check every row against brute force.
+    rng = np.random.default_rng(6)
+    for n in (5, 8, 10):
+        rewards = np.where(rng.random((512, n)) < 0.3, rng.integers(0, 3, (512, n)), rng.normal(size=(512, n)))
+        rewards = rewards.astype(np.float32)
+        batch = np.tile(rewards, (2, 1))
+        for m in range(1, n + 1):
+            idx = np.asarray(MV(batch, m))[:512]
+            combos = np.array(list(itertools.combinations(range(n), m)))
+            best = np.var(rewards.astype(np.float64)[:, combos], axis=-1).max(axis=1)
+            got = np.var(np.take_along_axis(rewards, idx, 1).astype(np.float64), axis=1)
+            np.testing.assert_allclose(got, best, rtol=1e-5, atol=1e-7)
+            assert all(len(set(row)) == m for row in idx.tolist())
