@@ -1,0 +1,203 @@
+"""Shared command line of ``python -m experiments.gsm8k`` and ``python -m experiments.math``.
+
+It parses flags before JAX is imported, so ``--mesh 8`` can give a CPU-only
+machine 8 host devices; then it builds configs and calls ``podsjax.loop``.
+Bad flags or paths print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+TINY_HINT = ("no --model given: using the built-in tiny preset (a small Qwen2-architecture model warmed up "
+             "in-process). For a real run, download a checkpoint first and pass --model /path/to/Qwen2.5-3B-Instruct")
+
+
+class UsageError(Exception):
+    """A bad flag, path or combination; reported as one line with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise UsageError(message)
+
+
+def build_parser(task: str) -> argparse.ArgumentParser:
+    p = _Parser(prog=f"python -m experiments.{task}", description=f"GRPO / GRPO-GA / GRPO-PODS on {task}.")
+    p.add_argument("--model", help="local Hugging Face checkpoint directory (default: the built-in tiny preset)")
+    p.add_argument("--data", help="local .jsonl/.parquet file or directory for the train split (default: the Hub)")
+    p.add_argument("--eval-data", help="local file or directory for the test split (default: the Hub)")
+    p.add_argument("--setting", help="one of the paper's settings a-f (sets every hyperparameter below)")
+    p.add_argument("--method", choices=("grpo", "grpo-ga", "pods"), default="pods")
+    p.add_argument("--rule", help="selection rule for pods (max_variance, max_reward, random, percentile)")
+    p.add_argument("--n", type=int, help="rollouts generated per prompt")
+    p.add_argument("--m", type=int, help="rollouts trained per prompt (pods) or micro-batch size (grpo-ga)")
+    p.add_argument("--grad-accum", type=int, help="gradient-accumulation micro-batches")
+    p.add_argument("--prompts-per-step", type=int)
+    p.add_argument("--lora-rank", type=int)
+    p.add_argument("--lora-alpha", type=float)
+    p.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
+    p.add_argument("--beta", type=float, help="KL weight")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-completion-length", type=int)
+    p.add_argument("--max-prompt-length", type=int)
+    p.add_argument("--time-budget", type=float, help="seconds of training clock (evaluation excluded)")
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--eval-every", type=float, help="seconds of training clock between evaluations")
+    p.add_argument("--eval-limit", type=int, help="evaluate on the first N test examples")
+    p.add_argument("--mesh", default=None, help='"8" (all on fsdp), "data=2,fsdp=4", "fsdp=4,tensor=2"')
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="param dtype (default: the setting's, else float32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="run directory (default: runs/<task>-<method>-<date>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument("--overwrite", action="store_true", help="delete --out first")
+    p.add_argument("--reward-workers", type=int, default=2)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _positive(args, names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0; got {value}")
+
+
+def check_args(args) -> None:
+    """Everything checkable before JAX starts and before anything is written."""
+    _positive(args, ("n", "m", "grad_accum", "prompts_per_step", "lora_rank", "lora_alpha", "lr",
+                     "max_completion_length", "max_prompt_length", "time_budget", "max_steps", "eval_limit",
+                     "reward_workers"))
+    if args.temperature is not None and not args.temperature > 0:
+        raise UsageError(f"--temperature must be > 0; got {args.temperature}")
+    if args.full and args.lora_rank is not None:
+        raise UsageError("--full and --lora-rank exclude each other")
+    mesh_device_count(args.mesh)
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite exclude each other")
+    for flag in ("model", "data", "eval_data"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file or directory")
+    if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UsageError(f"--model {args.model}: not a Hugging Face checkpoint directory (no config.json)")
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} exists and is not a directory")
+    has_run = os.path.isfile(os.path.join(out, "config.json"))
+    if args.resume and not has_run:
+        raise UsageError(f"--resume: {out} holds no run to resume (no config.json)")
+    if os.path.isdir(out) and os.listdir(out) and not (args.resume or args.overwrite):
+        raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")
+
+
+def mesh_device_count(spec: str | None) -> int:
+    if spec is None:
+        return 1
+    try:
+        count = int(spec) if "=" not in spec else math.prod(int(part.split("=", 1)[1]) for part in spec.split(","))
+    except (ValueError, IndexError):
+        count = 0
+    if count < 1:
+        raise UsageError(f"--mesh {spec!r}: expected a count like 8 or axes like data=2,fsdp=4")
+    return count
+
+
+def prepare_devices(spec: str | None) -> None:
+    """Gives the CPU platform enough host devices for the mesh; must run before JAX starts."""
+    if "jax" in sys.modules:
+        return
+    count = mesh_device_count(spec)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if count > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def resolve_config(args, task: str) -> dict:
+    """Flags over the setting over the defaults, as one JSON-able dict."""
+    from podsjax import presets
+
+    algo: dict = {}
+    run: dict = {"prompts_per_step": 1, "max_prompt_length": 512, "max_new_tokens": 512, "eval_every_s": 120.0}
+    model = {"lora_rank": 64, "lora_alpha": 64.0, "dtype": "float32", "mesh": None}
+    if args.setting:
+        try:
+            setting = presets.get_setting(args.setting)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if setting.task != task:
+            raise UsageError(f"setting {setting.name} is a {setting.task} setting; run experiments.{setting.task}")
+        if args.method not in setting.algorithm:
+            raise UsageError(f"setting {setting.name} has no method {args.method!r}")
+        algo.update(setting.common, **setting.algorithm[args.method])
+        run.update(setting.run)
+        model.update(lora_rank=setting.lora_rank, dtype=setting.dtype, mesh=setting.mesh, hub_name=setting.model)
+    else:
+        from podsjax.train import preset
+
+        algo.update(dataclasses_asdict(preset(args.method)))
+    overrides = {"rule": args.rule, "n": args.n, "m": args.m, "grad_accum": args.grad_accum, "beta": args.beta,
+                 "learning_rate": args.lr, "temperature": args.temperature}
+    algo.update({k: v for k, v in overrides.items() if v is not None})
+    algo["algorithm"] = args.method
+    if args.method == "grpo" and args.n is not None and args.m is None:
+        algo["m"] = args.n
+    run_overrides = {"prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_completion_length,
+                     "max_prompt_length": args.max_prompt_length, "time_budget_s": args.time_budget,
+                     "max_steps": args.max_steps, "eval_every_s": args.eval_every, "eval_limit": args.eval_limit}
+    run.update({k: v for k, v in run_overrides.items() if v is not None})
+    run.update(seed=args.seed, reward_workers=args.reward_workers, progress=not args.no_progress)
+    if args.full:
+        model["lora_rank"] = None
+    if args.lora_rank is not None:
+        model["lora_rank"] = args.lora_rank
+    if args.lora_alpha is not None:
+        model["lora_alpha"] = args.lora_alpha
+    if args.dtype:
+        model["dtype"] = args.dtype
+    if args.mesh is not None:
+        model["mesh"] = args.mesh
+    return {"task": task, "model_path": args.model, "data": args.data, "eval_data": args.eval_data,
+            "algorithm": algo, "run": run, "model": model}
+
+
+def dataclasses_asdict(obj) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
+def main(task: str, argv=None) -> int:
+    try:
+        args = build_parser(task).parse_args(argv)
+        if args.out is None:
+            args.out = os.path.join("runs", f"{task}-{args.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+        check_args(args)
+        if args.resume:
+            with open(os.path.join(args.out, "config.json")) as f:
+                config = json.load(f)
+            if args.time_budget is not None:
+                config["run"]["time_budget_s"] = args.time_budget
+            if args.max_steps is not None:
+                config["run"]["max_steps"] = args.max_steps
+        else:
+            config = None
+        mesh_spec = args.mesh if config is None else config["model"]["mesh"]
+        prepare_devices(mesh_spec)
+        if config is None:
+            config = resolve_config(args, task)
+        from experiments import runner
+
+        return runner.run(config, args.out, overwrite=args.overwrite, resume=args.resume)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; resume with --resume", file=sys.stderr)
+        return 130

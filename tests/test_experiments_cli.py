@@ -1,0 +1,77 @@
+"""The experiment CLIs: a real-checkpoint run on 8 devices, bad flags, no clobbering, resume."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_tokenizer import save_tiny_tokenizer
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from experiments import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = save_tiny_tokenizer(tmp_path_factory.mktemp("cli_ckpt"))
+    torch.manual_seed(0)
+    vocab = len(__import__("podsjax.prompts", fromlist=["x"]).load_tokenizer(path))
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(path)
+    return path
+
+
+def run_cli(args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI must make its own devices
+    return subprocess.run([sys.executable, "-m", "experiments.gsm8k", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, shared_data_dir, tmp_path):
+    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    out = str(tmp_path / "run")
+    common = ["--model", checkpoint, "--data", os.path.join(gsm8k, "train.jsonl"),
+              "--eval-data", os.path.join(gsm8k, "test.jsonl"), "--eval-limit", "8", "--mesh", "8",
+              "--method", "pods", "--n", "8", "--m", "4", "--max-completion-length", "8", "--lora-rank", "2",
+              "--eval-every", "1000", "--no-progress", "--reward-workers", "1", "--out", out]
+    first = run_cli([*common, "--max-steps", "2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["algorithm"]["n"] == 8 and config["model"]["mesh"] == "8"
+    assert "peak accuracy" in first.stdout
+    assert os.path.isfile(os.path.join(out, "final_model", "config.json"))
+    assert os.path.isfile(os.path.join(out, "metrics.jsonl"))
+
+    # The same directory again without --resume is refused, and nothing changes.
+    before = sorted(os.listdir(out))
+    again = run_cli([*common, "--max-steps", "3"])
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "--resume" in again.stderr
+    assert sorted(os.listdir(out)) == before
+
+    resumed = run_cli(["--out", out, "--resume", "--max-steps", "3", "--no-progress"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))
+             if "train/loss" in line]
+    assert steps == [1, 2, 3]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n", "0"], "--n must be > 0"),
+    (["--model", "/no/such/dir"], "no such file or directory"),
+    (["--full", "--lora-rank", "4"], "exclude each other"),
+    (["--setting", "z"], "unknown setting 'z'"),
+    (["--setting", "b"], "is a math setting"),
+    (["--mesh", "eight"], "--mesh 'eight'"),
+    (["--method", "ppo"], "invalid choice"),
+    (["--resume"], "holds no run to resume"),
+])
+def test_bad_flags_give_one_line_and_exit_2(tmp_path, capsys, args, message):
+    out = tmp_path / "never"
+    assert cli.main("gsm8k", [*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()  # nothing written for a bad command
