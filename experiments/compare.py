@@ -1,0 +1,121 @@
+"""Methods side by side over seeds, or one of the paper's ablations, with a plot and a speed-up table.
+
+    python -m experiments.compare --methods grpo,pods --seeds 0,1,2 --time-budget 240 --out runs/compare
+    python -m experiments.compare --ablation rule --out runs/rules
+
+Every other flag (--model, --mesh, --max-completion-length, ...) goes to each run
+unchanged. Runs go to <out>/<label>-seed<s>/ and are skipped when already complete,
+so an interrupted comparison continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from experiments import cli
+
+ABLATIONS = {
+    # label -> extra flags; the paper's sweeps (n-sweep at m=16, m-sweep at n=64, rule ablation)
+    "n": {f"n={n}": ["--method", "pods", "--n", str(n), "--m", "16"] for n in (16, 32, 64, 128, 256)},
+    "m": {f"m={m}": ["--method", "pods", "--n", "64", "--m", str(m)] for m in (2, 4, 8, 16)},
+    "rule": {rule: ["--method", "pods", "--rule", rule]
+             for rule in ("max_variance", "max_reward", "random", "percentile")},
+}
+
+
+def parse(argv):
+    parser = cli._Parser(prog="python -m experiments.compare", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=("gsm8k", "math"), default="gsm8k")
+    parser.add_argument("--methods", default="grpo,pods", help="comma-separated methods (grpo, grpo-ga, pods)")
+    parser.add_argument("--ablation", choices=sorted(ABLATIONS), help="run a sweep instead of --methods")
+    parser.add_argument("--baseline", help="label whose peak sets the target (default: grpo, or the first)")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--out", required=True)
+    args, passthrough = parser.parse_known_args(argv)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        raise cli.UsageError(f"--seeds wants comma-separated integers; got {args.seeds!r}") from None
+    for flag in ("--out", "--seed", "--resume", "--overwrite", "--method"):
+        if flag in passthrough:
+            raise cli.UsageError(f"{flag} is set by compare itself; remove it")
+    return args, passthrough
+
+
+def variants(args) -> dict[str, list[str]]:
+    if args.ablation:
+        return ABLATIONS[args.ablation]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = set(methods) - {"grpo", "grpo-ga", "pods"}
+    if unknown or not methods:
+        raise cli.UsageError(f"--methods must name grpo, grpo-ga or pods; got {args.methods!r}")
+    return {m: ["--method", m] for m in methods}
+
+
+def run_one(task, flags, out) -> list[dict]:
+    history_path = os.path.join(out, "eval_history.jsonl")
+    done = os.path.isfile(os.path.join(out, "final_model", "config.json"))
+    if not done:
+        resume = ["--resume"] if os.path.isfile(os.path.join(out, "config.json")) else []
+        code = cli.main(task, [*flags, "--out", out, *resume])
+        if code != 0:
+            raise SystemExit(code)
+    with open(history_path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv=None) -> int:
+    try:
+        args, passthrough = parse(argv)
+        chosen = variants(args)
+        baseline = args.baseline or ("grpo" if "grpo" in chosen else next(iter(chosen)))
+        if baseline not in chosen:
+            raise cli.UsageError(f"--baseline {baseline!r} is not among {sorted(chosen)}")
+        cli.check_args(cli.build_parser(args.task).parse_args([*passthrough, "--out", os.path.join(args.out, "x")]))
+        mesh = passthrough[passthrough.index("--mesh") + 1] if "--mesh" in passthrough else None
+        cli.prepare_devices(mesh)
+    except cli.UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from podsjax import analysis
+
+    os.makedirs(args.out, exist_ok=True)
+    groups = {}
+    for label, flags in chosen.items():
+        curves = []
+        for seed in args.seeds:
+            history = run_one(args.task, [*passthrough, *flags, "--seed", str(seed)],
+                              os.path.join(args.out, f"{label}-seed{seed}"))
+            curves.append(analysis.Curve.from_history(history))
+        groups[label] = curves
+    title = f"{args.task}: {args.ablation + ' ablation' if args.ablation else ' vs '.join(chosen)}"
+    plot_path = os.path.join(args.out, "accuracy_vs_time.png")
+    analysis.plot(groups, plot_path, title)
+    rows = analysis.summarize(groups, baseline)
+    print(format_summary(rows, baseline, len(args.seeds)))
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"baseline": baseline, "seeds": args.seeds, "plot": plot_path,
+                   "methods": [r.__dict__ for r in rows]}, f, indent=2, default=str)
+    print(f"plot: {plot_path}")
+    return 0
+
+
+def format_summary(rows, baseline, seeds) -> str:
+    def seconds(t):
+        return "never" if not math.isfinite(t) else f"{t:.0f} s"
+
+    lines = [f"| method | peak accuracy (mean of {seeds} seeds) | time to 99% of {baseline}'s peak (median) "
+             f"| speed-up vs {baseline} |", "|---|---|---|---|"]
+    for r in rows:
+        speed = "-" if math.isnan(r.speedup) else f"{r.speedup:.2f}x"
+        lines.append(f"| {r.label} | {r.peak:.1%} | {seconds(r.time_to_target)} | {speed} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
