@@ -28,15 +28,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(task: str) -> argparse.ArgumentParser:
-    p = _Parser(prog=f"python -m experiments.{task}", description=f"GRPO / GRPO-GA / GRPO-PODS on {task}.")
+    p = _Parser(prog=f"python -m experiments.{task}", description=f"GRPO / GRPO-GA / GRPO-PODS on {task}.",
+                allow_abbrev=False)
     p.add_argument("--model", help="local Hugging Face checkpoint directory (default: the built-in tiny preset)")
     p.add_argument("--data", help="local .jsonl/.parquet file or directory for the train split (default: the Hub)")
     p.add_argument("--eval-data", help="local file or directory for the test split (default: the Hub)")
     p.add_argument("--setting", help="one of the paper's settings a-f (sets every hyperparameter below)")
     p.add_argument("--method", choices=("grpo", "grpo-ga", "pods"), default="pods")
     p.add_argument("--rule", help="selection rule for pods (max_variance, max_reward, random, percentile)")
-    p.add_argument("--n", type=int, help="rollouts generated per prompt")
-    p.add_argument("--m", type=int, help="rollouts trained per prompt (pods) or micro-batch size (grpo-ga)")
+    p.add_argument("--n", type=int, help="rollouts generated per prompt (grpo: n = m)")
+    p.add_argument("--m", type=int, help="rollouts trained per prompt (pods), micro-batch size (grpo-ga), "
+                                         "or both n and m (grpo)")
     p.add_argument("--grad-accum", type=int, help="gradient-accumulation micro-batches")
     p.add_argument("--prompts-per-step", type=int)
     p.add_argument("--lora-rank", type=int)
@@ -146,8 +148,10 @@ def resolve_config(args, task: str) -> dict:
                  "learning_rate": args.lr, "temperature": args.temperature}
     algo.update({k: v for k, v in overrides.items() if v is not None})
     algo["algorithm"] = args.method
-    if args.method == "grpo" and args.n is not None and args.m is None:
-        algo["m"] = args.n
+    if args.method == "grpo":
+        # GRPO trains every rollout: it generates as many as PODS trains (the paper's
+        # GRPO n=16 against PODS n=64, m=16), so --m wins over --n here.
+        algo["n"] = algo["m"] = args.m or args.n or algo["m"]
     run_overrides = {"prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_completion_length,
                      "max_prompt_length": args.max_prompt_length, "time_budget_s": args.time_budget,
                      "max_steps": args.max_steps, "eval_every_s": args.eval_every, "eval_limit": args.eval_limit}

@@ -28,7 +28,7 @@ ABLATIONS = {
 
 
 def parse(argv):
-    parser = cli._Parser(prog="python -m experiments.compare", description=__doc__,
+    parser = cli._Parser(prog="python -m experiments.compare", description=__doc__, allow_abbrev=False,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("gsm8k", "math"), default="gsm8k")
     parser.add_argument("--methods", default="grpo,pods", help="comma-separated methods (grpo, grpo-ga, pods)")

@@ -75,3 +75,26 @@ def test_bad_flags_give_one_line_and_exit_2(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not out.exists()  # nothing written for a bad command
+
+
+def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, shared_data_dir, tmp_path, capsys):
+    from experiments import compare
+
+    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    out = tmp_path / "cmp"
+    flags = ["--methods", "grpo,pods", "--seeds", "0,1", "--out", str(out), "--model", checkpoint,
+             "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data", os.path.join(gsm8k, "test.jsonl"),
+             "--eval-limit", "4", "--n", "4", "--m", "2", "--max-completion-length", "6", "--max-steps", "1",
+             "--eval-every", "0", "--lora-rank", "2", "--no-progress", "--reward-workers", "1"]
+    assert compare.main(flags) == 0
+    printed = capsys.readouterr().out
+    assert "| grpo |" in printed and "| pods |" in printed and "speed-up vs grpo" in printed
+    summary = json.load(open(out / "summary.json"))
+    assert [m["label"] for m in summary["methods"]] == ["grpo", "pods"]
+    assert (out / "accuracy_vs_time.png").read_bytes()[:4] == b"\x89PNG"
+    grpo_config = json.load(open(out / "grpo-seed0" / "config.json"))
+    assert (grpo_config["algorithm"]["n"], grpo_config["algorithm"]["m"]) == (2, 2)  # GRPO generates PODS's m
+    # A second invocation finds every run complete and only re-analyses.
+    mtime = os.path.getmtime(out / "pods-seed1" / "metrics.jsonl")
+    assert compare.main(flags) == 0
+    assert os.path.getmtime(out / "pods-seed1" / "metrics.jsonl") == mtime
