@@ -6,9 +6,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from tiny_tokenizer import save_tiny_tokenizer
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_checkpoint import save_tiny_checkpoint
 
 from experiments import cli
 
@@ -17,12 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = save_tiny_tokenizer(tmp_path_factory.mktemp("cli_ckpt"))
-    torch.manual_seed(0)
-    vocab = len(__import__("podsjax.prompts", fromlist=["x"]).load_tokenizer(path))
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("cli_ckpt"))
 
 
 def run_cli(args, timeout=300):

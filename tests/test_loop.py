@@ -5,9 +5,7 @@ import os
 
 import jax.numpy as jnp
 import pytest
-import torch
-from tiny_tokenizer import save_tiny_tokenizer
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
 from podsjax import data, loop, prompts, train
@@ -15,12 +13,8 @@ from podsjax import data, loop, prompts, train
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, shared_data_dir):
-    checkpoint = save_tiny_tokenizer(tmp_path_factory.mktemp("loop_ckpt"))
+    checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("loop_ckpt"))
     tokenizer = prompts.load_tokenizer(checkpoint)
-    torch.manual_seed(0)
-    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    hf.save_pretrained(checkpoint)
     model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
     gsm8k = os.path.join(shared_data_dir, "gsm8k")
     train_set = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=8).examples

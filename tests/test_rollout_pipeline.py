@@ -5,9 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
-from tiny_tokenizer import save_tiny_tokenizer
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
 from podsjax import data, grpo, prompts, rewards, selection
@@ -15,12 +13,8 @@ from podsjax.sampling import generate
 
 
 def test_prompts_to_selected_advantages_on_gsm8k(tmp_path, shared_data_dir):
-    checkpoint = save_tiny_tokenizer(tmp_path / "ckpt")
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt")
     tokenizer = prompts.load_tokenizer(checkpoint)
-    torch.manual_seed(0)
-    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    hf.save_pretrained(checkpoint)
     model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
 
     task = data.load_task("gsm8k", "test", path=os.path.join(shared_data_dir, "gsm8k", "test.jsonl"), limit=2)
