@@ -59,6 +59,8 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--out", help="run directory (default: runs/<task>-<method>-<date>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--overwrite", action="store_true", help="delete --out first")
+    p.add_argument("--warmup-dir", help="tiny preset only: where the warmed-up start checkpoint is cached "
+                                        "(default: <out>/tiny_warmup); runs that share it start identically")
     p.add_argument("--reward-workers", type=int, default=2)
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -87,6 +89,8 @@ def check_args(args) -> None:
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
             raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file or directory")
+    if args.model is not None and args.warmup_dir is not None:
+        raise UsageError("--warmup-dir belongs to the tiny preset; it has no meaning with --model")
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError(f"--model {args.model}: not a Hugging Face checkpoint directory (no config.json)")
     out = args.out
@@ -167,7 +171,7 @@ def resolve_config(args, task: str) -> dict:
         model["dtype"] = args.dtype
     if args.mesh is not None:
         model["mesh"] = args.mesh
-    return {"task": task, "model_path": args.model, "data": args.data, "eval_data": args.eval_data,
+    return {"task": task, "model_path": args.model, "warmup_dir": args.warmup_dir, "data": args.data, "eval_data": args.eval_data,
             "algorithm": algo, "run": run, "model": model}
 
 

@@ -41,7 +41,7 @@ def parse(argv):
         args.seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         raise cli.UsageError(f"--seeds wants comma-separated integers; got {args.seeds!r}") from None
-    for flag in ("--out", "--seed", "--resume", "--overwrite", "--method"):
+    for flag in ("--out", "--seed", "--resume", "--overwrite", "--method", "--warmup-dir"):
         if flag in passthrough:
             raise cli.UsageError(f"{flag} is set by compare itself; remove it")
     return args, passthrough
@@ -89,7 +89,10 @@ def main(argv=None) -> int:
     for label, flags in chosen.items():
         curves = []
         for seed in args.seeds:
-            history = run_one(args.task, [*passthrough, *flags, "--seed", str(seed)],
+            # Tiny preset: every method of a seed starts from the same warmed-up policy.
+            shared = [] if "--model" in passthrough else [
+                "--warmup-dir", os.path.join(args.out, f"tiny_warmup-seed{seed}")]
+            history = run_one(args.task, [*passthrough, *flags, *shared, "--seed", str(seed)],
                               os.path.join(args.out, f"{label}-seed{seed}"))
             curves.append(analysis.Curve.from_history(history))
         groups[label] = curves

@@ -44,7 +44,7 @@ def _tiny(config, out_dir):
     from podsjax import tiny
 
     print(TINY_HINT, flush=True)
-    directory = os.path.join(out_dir, "tiny_warmup")
+    directory = config.get("warmup_dir") or os.path.join(out_dir, "tiny_warmup")
     stats = tiny.prepare(directory, seed=config["run"]["seed"])
     print(f"tiny preset: warm-up accuracy {stats['accuracy']:.0%} ({stats['seconds']:.0f} s, cached in {directory})",
           flush=True)
