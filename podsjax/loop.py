@@ -18,6 +18,7 @@ import numpy as np
 
 from podsjax import checkpoint as ckpt_lib
 from podsjax import data as data_lib
+from podsjax import mesh as mesh_lib
 from podsjax import metrics as metrics_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
@@ -153,6 +154,7 @@ class Trainer:
                                           mask.reshape(p, algo.n, -1), rewards_PN, config=algo,
                                           key=jax.random.fold_in(key, 7))
             idx_PM = np.asarray(idx_PM)
+            batch = self._shard_batch(batch)
         with timer.phase("update"):
             self.state, step_metrics = self.step_fn(self.state, batch, self.frozen)
             step_metrics = jax.device_get(step_metrics)
@@ -170,6 +172,13 @@ class Trainer:
             "time/tokens_per_s": metrics_lib.tokens_per_second(int(mask.sum()), phases["generation"]),
             "time/elapsed_train_s": self.host["elapsed_train_s"],
         }
+
+    def _shard_batch(self, batch: train.TrainBatch) -> train.TrainBatch:
+        """Rows over the mesh's batch axes, when they split evenly (else replicated)."""
+        mesh = self.model.mesh
+        if mesh is None or batch.advantages.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
+            return batch
+        return jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), batch)
 
     # -- evaluation -------------------------------------------------------------------
 
