@@ -144,6 +144,8 @@ def resolve_config(args, task: str) -> dict:
         algo.update(setting.common, **setting.algorithm[args.method])
         run.update(setting.run)
         model.update(lora_rank=setting.lora_rank, dtype=setting.dtype, mesh=setting.mesh, hub_name=setting.model)
+    elif args.model is None:
+        algo.update(tiny_defaults(args.method, run, model))
     else:
         from podsjax.train import preset
 
@@ -173,6 +175,22 @@ def resolve_config(args, task: str) -> dict:
         model["mesh"] = args.mesh
     return {"task": task, "model_path": args.model, "warmup_dir": args.warmup_dir, "data": args.data, "eval_data": args.eval_data,
             "algorithm": algo, "run": run, "model": model}
+
+
+def tiny_defaults(method: str, run: dict, model: dict) -> dict:
+    """The tiny preset's settings (podsjax.tiny.TINY_RL_DEFAULTS); fills run and model, returns algo."""
+    from podsjax.tiny import TINY_RL_DEFAULTS as d
+
+    run.update(prompts_per_step=d["prompts_per_step"], max_new_tokens=d["max_new_tokens"],
+               max_prompt_length=d["max_prompt_length"], time_budget_s=d["time_budget_s"],
+               eval_every_s=d["eval_every_s"], eval_limit=d["eval_limit"], eval_batch_size=d["eval_batch_size"])
+    model.update(lora_rank=None if d["full_finetune"] else 64, dtype="float32")
+    from podsjax.train import preset
+
+    overrides = {"learning_rate": d["learning_rate"], "temperature": d["temperature"]}
+    if method == "grpo":
+        return dataclasses_asdict(preset(method, n=d["m"], m=d["m"], **overrides))
+    return dataclasses_asdict(preset(method, n=d["n"], m=d["m"], **overrides))
 
 
 def dataclasses_asdict(obj) -> dict:

@@ -44,12 +44,17 @@ def _tiny(config, out_dir):
     from podsjax import tiny
 
     print(TINY_HINT, flush=True)
-    directory = config.get("warmup_dir") or os.path.join(out_dir, "tiny_warmup")
-    stats = tiny.prepare(directory, seed=config["run"]["seed"])
-    print(f"tiny preset: warm-up accuracy {stats['accuracy']:.0%} ({stats['seconds']:.0f} s, cached in {directory})",
+    directory = config.get("warmup_dir") or os.path.join(out_dir, tiny.WARMUP_DIRNAME)
+    seed = config["run"]["seed"]
+    try:
+        stats = tiny.warm_up(directory, seed=seed, data_seed=seed, log=lambda line: print(line, flush=True))
+    except tiny.WarmupError as exc:
+        raise UsageError(str(exc)) from None
+    how = "reused" if stats.cached else f"trained in {stats.total_seconds:.0f} s"
+    print(f"tiny preset: warm-up test accuracy {stats.test_accuracy:.0%} ({how}; cached in {directory})",
           flush=True)
-    train_set, test_set = tiny.tiny_tasks(config["run"]["seed"])
-    return directory, train_set, test_set
+    train_set, test_set = tiny.tiny_tasks(seed)
+    return stats.path, train_set, test_set
 
 
 def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool) -> int:
