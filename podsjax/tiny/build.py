@@ -1,0 +1,162 @@
+"""The tiny preset's tokenizer and model, built in-process and saved as a HF checkpoint.
+
+The tokenizer is a byte-level BPE trained on the synthetic problems, the system
+prompt and the answer format. Digits are split one per token (as Qwen2's tokenizer
+does) so arithmetic stays learnable; everything between digits is merged without
+splitting on whitespace, so the fixed system prompt and the template phrases
+shrink to a handful of tokens. Short sequences are what make the warm-up and RL
+fast enough on a 2-core CPU. The chat template is ChatML (Qwen2's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from podsjax import prompts as prompts_lib
+from podsjax.models import Decoder, ModelConfig, init_params, save_pretrained
+from podsjax.tiny.problems import generate_problems, sft_completion
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (PAD, IM_START, IM_END)  # ids 0, 1, 2
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# Qwen2's split: single digits (so arithmetic stays learnable), words with their
+# leading space, punctuation runs, whitespace.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+# The tokenizer corpus: enough problems that every template, name and item is seen
+# many times; its own stream, so no split's questions are singled out.
+_CORPUS_PROBLEMS = 3000
+_CORPUS_SEED = 12345
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the tiny Qwen2 policy (random init; the vocabulary comes from the tokenizer).
+
+    Attributes:
+        vocab_size: upper bound on the BPE vocabulary.
+        hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim:
+            the Qwen2 shapes (GQA when num_kv_heads < num_heads).
+        tie_word_embeddings: share the embedding and LM head, as small Qwen2.5 models do.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.vocab_size < 260:
+            raise ValueError(f"TinyModelSpec.vocab_size must be >= 260 (256 bytes + 3 special tokens), "
+                             f"got {self.vocab_size}")
+        # ModelConfig validates the rest (positive ints, heads divisible by kv heads, even head_dim).
+        self.model_config(self.vocab_size)
+
+    def model_config(self, vocab_size: int) -> ModelConfig:
+        """The Qwen2 ModelConfig for a tokenizer of ``vocab_size`` entries (ids 0-2 special)."""
+        return ModelConfig(
+            arch="qwen2", vocab_size=vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=10000.0, qkv_bias=True,
+            tie_word_embeddings=self.tie_word_embeddings, max_position_embeddings=1024,
+            bos_token_id=None, eos_token_id=2, pad_token_id=0,
+        )
+
+
+def _corpus() -> list[str]:
+    """The texts BPE is trained on, cut where special tokens cut the real inputs.
+
+    A rendered prompt is ``<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{q}
+    <|im_end|>\\n<|im_start|>assistant\\n``; special tokens are split out before BPE runs,
+    so BPE only ever sees the pieces between them, and the completion is tokenized
+    on its own (the sampler emits it after the prompt ids).
+    """
+    texts = []
+    for example in generate_problems(_CORPUS_PROBLEMS, _CORPUS_SEED, "train"):
+        texts += [f"user\n{example.prompt}", sft_completion(example), "\n", "assistant\n"]
+    texts += [f"system\n{prompts_lib.DEFAULT_SYSTEM_PROMPT}"] * (_CORPUS_PROBLEMS // 10)
+    return texts
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """Trains the tiny byte-level BPE tokenizer (deterministic) and wraps it for transformers.
+
+    Args:
+        vocab_size: upper bound on the vocabulary; read the real size from ``len(tokenizer)``.
+
+    Returns:
+        A ``transformers.PreTrainedTokenizerFast`` with the ChatML template, EOS
+        ``<|im_end|>`` and pad ``<|endoftext|>``.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 260:
+        raise ValueError(f"vocab_size must be >= 260 (256 bytes + 3 special tokens), got {vocab_size}")
+    core = Tokenizer(models.BPE())
+    # Exactly Qwen2's pipeline: transformers rebuilds it for any qwen2 checkpoint
+    # (Qwen2Tokenizer ignores the pre-tokenizer in tokenizer.json), so merges must be
+    # learned under the same split to tokenize the same way after a reload.
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=IM_END, pad_token=PAD)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_checkpoint(directory: str | os.PathLike, seed: int = 0, spec: TinyModelSpec | None = None,
+                          *, overwrite: bool = False) -> str:
+    """Builds the tiny tokenizer and a randomly initialised Qwen2 model and saves both.
+
+    The directory then loads through the normal code paths:
+    ``podsjax.models.from_pretrained(directory)`` and ``podsjax.prompts.load_tokenizer(directory)``
+    (and transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer``).
+
+    Args:
+        directory: the checkpoint directory (created; must be empty unless ``overwrite``).
+        seed: the init seed of the weights (the tokenizer does not depend on it).
+        spec: the model shape; defaults to ``TinyModelSpec()``.
+        overwrite: write into a non-empty directory.
+
+    Returns:
+        The directory path.
+
+    Raises:
+        FileExistsError: ``directory`` is not empty and ``overwrite`` is False.
+    """
+    spec = spec or TinyModelSpec()
+    directory = os.fspath(directory)
+    if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
+        raise FileExistsError(f"{directory} exists and is not empty; pass overwrite=True to write into it")
+    tokenizer = build_tokenizer(spec.vocab_size)
+    model = Decoder(spec.model_config(len(tokenizer)), dtype=jnp.float32, param_dtype=jnp.float32)
+    params = init_params(model, jax.random.key(seed))
+    save_pretrained(model, params, directory, overwrite=True)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -1,0 +1,317 @@
+"""The tiny preset's warm-up: a short supervised fine-tune to a non-trivial starting accuracy.
+
+RL from a random policy never sees a reward, so the tiny policy is first taught the
+answer format and some arithmetic by next-token cross-entropy on
+``<chat-template prompt><think>steps</think><answer>N</answer><|im_end|>``, with the
+loss on the completion only. The prompt is rendered by ``podsjax.prompts`` exactly as
+the RL loop renders it (default system prompt, chat template, no extra special
+tokens), so the warm-up trains on the inputs RL will see.
+
+Training stops as soon as greedy accuracy on a validation split reaches
+``target_accuracy``, so the starting policy is right some of the time (10-60%) and
+RL has room to improve. The result is a normal HF checkpoint directory plus
+``warmup.json``; a second call with the same settings reuses it without training.
+
+The training pieces (SFT batches, loss, step, greedy evaluation) live in
+``podsjax.tiny.sft``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from podsjax import prompts as prompts_lib
+from podsjax.models import Decoder, from_pretrained, save_pretrained
+from podsjax.tiny.build import TinyModelSpec, build_tiny_checkpoint
+from podsjax.tiny.problems import generate_problems, make_splits
+from podsjax.tiny.sft import evaluate_greedy, make_sft_optimizer, make_sft_step, tokenize_sft
+
+MARKER_FILE = "warmup.json"
+WARMUP_DIRNAME = "tiny_warmup"
+_FORMAT_VERSION = 1
+
+
+class WarmupError(ValueError):
+    """A warm-up cache does not match the requested settings, or the directory is unusable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+    """Settings of the supervised warm-up (all of them key the cache).
+
+    Attributes:
+        steps: the most optimizer steps; training usually stops earlier, at the target.
+        batch_size: sequences per step.
+        lr: peak AdamW learning rate (linear warm-up, then cosine decay over ``steps``).
+        warmup_steps: steps of the linear warm-up.
+        weight_decay: AdamW weight decay.
+        seed: seeds the model init and the batch order.
+        data_seed: seeds the problems (the splits ``tiny_tasks(data_seed)`` returns).
+        max_seconds: wall-clock limit of the training phase; the warm-up stops there
+            with what it has.
+        eval_every: steps between validation evaluations.
+        validation_size: validation problems per evaluation (greedy decoding).
+        test_size: test problems scored at the end (the reported accuracy).
+        target_accuracy: stop once validation accuracy reaches this.
+        min_accuracy, max_accuracy: the band a usable starting policy must land in;
+            ``WarmupStats.in_range`` reports whether the test accuracy did.
+        max_new_tokens: the evaluation's completion budget.
+        eval_batch_size: prompts per generate call (one compiled shape).
+        pool_size: distinct training problems (tokenized once, reshuffled every epoch).
+        model: the tiny model's shape.
+    """
+
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    seed: int = 0
+    data_seed: int = 0
+    max_seconds: float = 150.0
+    eval_every: int = 20
+    validation_size: int = 64
+    test_size: int = 128
+    target_accuracy: float = 0.3
+    min_accuracy: float = 0.1
+    max_accuracy: float = 0.6
+    max_new_tokens: int = 40
+    eval_batch_size: int = 64
+    pool_size: int = 8192
+    model: TinyModelSpec = TinyModelSpec()
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_every", "validation_size", "test_size", "max_new_tokens",
+                     "eval_batch_size", "pool_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"WarmupConfig.{name} must be a positive int, got {value!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"WarmupConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not self.lr > 0:
+            raise ValueError(f"WarmupConfig.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"WarmupConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.max_seconds > 0:
+            raise ValueError(f"WarmupConfig.max_seconds must be > 0, got {self.max_seconds}")
+        if not 0 <= self.min_accuracy <= self.target_accuracy <= self.max_accuracy <= 1:
+            raise ValueError("WarmupConfig needs 0 <= min_accuracy <= target_accuracy <= max_accuracy <= 1, got "
+                             f"{self.min_accuracy}, {self.target_accuracy}, {self.max_accuracy}")
+        if not isinstance(self.model, TinyModelSpec):
+            raise ValueError(f"WarmupConfig.model must be a TinyModelSpec, got {type(self.model).__name__}")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> WarmupConfig:
+        return cls(**{**record, "model": TinyModelSpec(**record["model"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupStats:
+    """What a warm-up did; stored in ``<directory>/warmup.json``.
+
+    Attributes:
+        path: the warmed-up checkpoint directory.
+        config: the settings it ran with.
+        steps: optimizer steps taken.
+        stop_reason: "target" (validation reached the target), "steps" or "time".
+        train_seconds: wall-clock of the training phase (compiles and evaluations included).
+        total_seconds: the whole call that trained (build, train, test, save).
+        final_loss: the last step's mean completion cross-entropy.
+        validation_accuracy: greedy accuracy on the validation split at the stop.
+        test_accuracy: greedy accuracy on the first ``test_size`` test problems.
+        test_format: the fraction of those test completions in the exact think/answer format.
+        in_range: ``min_accuracy <= test_accuracy <= max_accuracy``.
+        history: one record per evaluation: step, seconds, loss, validation accuracy.
+        cached: True when this call reused an earlier warm-up instead of training.
+    """
+
+    path: str
+    config: WarmupConfig
+    steps: int
+    stop_reason: str
+    train_seconds: float
+    total_seconds: float
+    final_loss: float
+    validation_accuracy: float
+    test_accuracy: float
+    test_format: float
+    in_range: bool
+    history: tuple[dict[str, float], ...] = ()
+    cached: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(config=self.config.to_json(), history=list(self.history), version=_FORMAT_VERSION)
+        del out["cached"], out["path"]
+        return out
+
+    @classmethod
+    def from_json(cls, path: str, record: dict[str, Any]) -> WarmupStats:
+        fields = {f.name for f in dataclasses.fields(cls)} - {"path", "config", "history", "cached"}
+        return cls(path=path, config=WarmupConfig.from_json(record["config"]),
+                   history=tuple(record.get("history", ())), cached=True, **{k: record[k] for k in fields})
+
+
+# ------------------------------------------------------------------ the warm-up
+
+
+def _read_marker(directory: str) -> dict[str, Any] | None:
+    path = os.path.join(directory, MARKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise WarmupError(f"unreadable warm-up marker {path} ({exc}); delete the directory or pass overwrite=True") \
+            from None
+
+
+def load_cached(directory: str | os.PathLike, config: WarmupConfig | None = None) -> WarmupStats | None:
+    """The stats of a finished warm-up in ``directory``, or None when there is none.
+
+    Raises:
+        WarmupError: it was made with settings other than ``config``.
+    """
+    directory = os.fspath(directory)
+    record = _read_marker(directory)
+    if record is None:
+        return None
+    if record.get("version") != _FORMAT_VERSION:
+        raise WarmupError(f"{directory} holds a warm-up of format version {record.get('version')}, "
+                          f"expected {_FORMAT_VERSION}; pass overwrite=True to redo it")
+    try:
+        stats = WarmupStats.from_json(directory, record)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WarmupError(f"malformed warm-up marker in {directory} ({type(exc).__name__}: {exc}); "
+                          "pass overwrite=True to redo it") from None
+    if config is not None and stats.config != config:
+        changed = sorted(k for k, v in config.to_json().items() if stats.config.to_json().get(k) != v)
+        raise WarmupError(f"{directory} holds a warm-up made with other settings ({', '.join(changed)} differ); "
+                          "pass overwrite=True to redo it")
+    return stats
+
+
+def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *, overwrite: bool = False,
+            log: Callable[[str], None] | None = None, **overrides: Any) -> WarmupStats:
+    """Builds the tiny model, fine-tunes it to a non-trivial accuracy and caches the result.
+
+    Args:
+        directory: where the warmed-up checkpoint goes (e.g. ``<run_dir>/tiny_warmup``).
+            It then loads with ``podsjax.models.from_pretrained`` and
+            ``podsjax.prompts.load_tokenizer``.
+        config: the settings; defaults to ``WarmupConfig()``.
+        overwrite: redo a warm-up already in ``directory``, even with other settings.
+        log: called with one-line progress messages (e.g. ``print``); None is silent.
+        **overrides: ``WarmupConfig`` fields to replace (``steps=``, ``batch_size=``,
+            ``lr=``, ``seed=``, ``max_seconds=`` ...).
+
+    Returns:
+        The WarmupStats; ``cached`` is True when an earlier identical warm-up was reused.
+
+    Raises:
+        WarmupError: ``directory`` holds a warm-up with other settings (and not ``overwrite``),
+            or is a non-empty directory that is not a warm-up.
+    """
+    config = dataclasses.replace(config or WarmupConfig(), **overrides)
+    directory = os.path.abspath(os.fspath(directory))
+    say = log or (lambda message: None)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise WarmupError(f"{directory} exists and is not a directory")
+    if not overwrite:
+        cached = load_cached(directory, config)
+        if cached is not None:
+            say(f"tiny warm-up: reusing {directory} (test accuracy {cached.test_accuracy:.0%})")
+            return cached
+        if os.path.isdir(directory) and os.listdir(directory):
+            raise WarmupError(f"{directory} is not empty and holds no finished warm-up; "
+                              "pass overwrite=True to replace it")
+    started = time.perf_counter()
+    # Work in a sibling staging directory and rename at the end, so a killed warm-up
+    # never leaves a directory that looks finished.
+    staging = directory + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    build_tiny_checkpoint(staging, seed=config.seed, spec=config.model)
+    tokenizer = prompts_lib.load_tokenizer(staging)
+    model, params = from_pretrained(staging)
+    stats = _train(model, params, tokenizer, config, say)
+    save_pretrained(model, stats.pop("params"), staging, overwrite=True)
+    tokenizer.save_pretrained(staging)
+    result = WarmupStats(path=directory, config=config, total_seconds=time.perf_counter() - started, **stats)
+    with open(os.path.join(staging, MARKER_FILE), "w") as handle:
+        json.dump(result.to_json(), handle, indent=2)
+    if os.path.isdir(directory):
+        shutil.rmtree(directory)
+    os.replace(staging, directory)
+    if not result.in_range:
+        say(f"tiny warm-up: WARNING test accuracy {result.test_accuracy:.0%} is outside "
+            f"[{config.min_accuracy:.0%}, {config.max_accuracy:.0%}]; RL may start from a policy with "
+            "too little reward signal (or too little room); adjust steps/lr/target_accuracy")
+    say(f"tiny warm-up: {result.steps} steps in {result.train_seconds:.0f}s, test accuracy "
+        f"{result.test_accuracy:.0%} (format {result.test_format:.0%}), saved to {directory}")
+    return result
+
+
+def _train(model: Decoder, params: Any, tokenizer, config: WarmupConfig, say: Callable[[str], None]) -> dict:
+    splits = make_splits(config.data_seed, num_train=1, num_validation=config.validation_size,
+                         num_test=config.test_size)
+    examples = generate_problems(min(config.steps * config.batch_size, config.pool_size), config.data_seed, "train")
+    data = tokenize_sft(tokenizer, examples)
+    rng = np.random.default_rng(config.seed)
+    order = np.zeros((0,), np.int64)
+    prefix = jnp.asarray(data.prefix_ids)
+    optimizer = make_sft_optimizer(config.lr, config.steps, config.warmup_steps, config.weight_decay)
+    opt_state = optimizer.init(params)
+    step_fn = make_sft_step(model, optimizer)
+
+    def evaluate(examples):
+        return evaluate_greedy(model, params, tokenizer, examples, max_new_tokens=config.max_new_tokens,
+                               batch_size=config.eval_batch_size)
+
+    started = time.perf_counter()
+    history: list[dict[str, float]] = []
+    loss = float("nan")
+    validation = {"accuracy": 0.0}
+    stop_reason, step = "steps", 0
+    while step < config.steps:
+        if len(order) < config.batch_size:  # a new epoch over the pool, reshuffled
+            order = np.concatenate([order, rng.permutation(len(examples))])
+        rows, order = order[:config.batch_size], order[config.batch_size:]
+        params, opt_state, loss_value = step_fn(params, opt_state, prefix, data.suffix_ids[rows],
+                                                data.suffix_mask[rows], data.loss_mask[rows])
+        step += 1
+        out_of_time = time.perf_counter() - started >= config.max_seconds
+        if step % config.eval_every == 0 or step == config.steps or out_of_time:
+            loss = float(loss_value)
+            eval_started = time.perf_counter()
+            validation = evaluate(splits.validation)
+            elapsed = time.perf_counter() - started
+            history.append({"step": step, "seconds": round(elapsed, 2), "loss": loss,
+                            "eval_seconds": round(time.perf_counter() - eval_started, 2),
+                            "validation_accuracy": validation["accuracy"], "validation_format": validation["format"]})
+            say(f"tiny warm-up: step {step} loss {loss:.3f} validation accuracy {validation['accuracy']:.0%} "
+                f"format {validation['format']:.0%} ({elapsed:.0f}s, eval {history[-1]['eval_seconds']:.1f}s)")
+            if validation["accuracy"] >= config.target_accuracy:
+                stop_reason = "target"
+                break
+            if out_of_time:
+                stop_reason = "time"
+                break
+    train_seconds = time.perf_counter() - started
+    test = evaluate(splits.test)
+    return dict(
+        params=params, steps=step, stop_reason=stop_reason, train_seconds=train_seconds, final_loss=loss,
+        validation_accuracy=validation["accuracy"], test_accuracy=test["accuracy"], test_format=test["format"],
+        in_range=config.min_accuracy <= test["accuracy"] <= config.max_accuracy, history=tuple(history),
+    )
