@@ -61,6 +61,7 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="delete --out first")
     p.add_argument("--warmup-dir", help="tiny preset only: where the warmed-up start checkpoint is cached "
                                         "(default: <out>/tiny_warmup); runs that share it start identically")
+    p.add_argument("--warmup-steps", type=int, help="tiny preset only: cap the supervised warm-up's steps")
     p.add_argument("--reward-workers", type=int, default=2)
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -77,7 +78,7 @@ def check_args(args) -> None:
     """Everything checkable before JAX starts and before anything is written."""
     _positive(args, ("n", "m", "grad_accum", "prompts_per_step", "lora_rank", "lora_alpha", "lr",
                      "max_completion_length", "max_prompt_length", "time_budget", "max_steps", "eval_limit",
-                     "reward_workers"))
+                     "reward_workers", "warmup_steps"))
     if args.temperature is not None and not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0; got {args.temperature}")
     if args.full and args.lora_rank is not None:
@@ -89,8 +90,8 @@ def check_args(args) -> None:
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
             raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file or directory")
-    if args.model is not None and args.warmup_dir is not None:
-        raise UsageError("--warmup-dir belongs to the tiny preset; it has no meaning with --model")
+    if args.model is not None and (args.warmup_dir is not None or args.warmup_steps is not None):
+        raise UsageError("--warmup-dir and --warmup-steps belong to the tiny preset; they mean nothing with --model")
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError(f"--model {args.model}: not a Hugging Face checkpoint directory (no config.json)")
     out = args.out
@@ -173,7 +174,7 @@ def resolve_config(args, task: str) -> dict:
         model["dtype"] = args.dtype
     if args.mesh is not None:
         model["mesh"] = args.mesh
-    return {"task": task, "model_path": args.model, "warmup_dir": args.warmup_dir, "data": args.data, "eval_data": args.eval_data,
+    return {"task": task, "model_path": args.model, "warmup_dir": args.warmup_dir, "warmup_steps": args.warmup_steps, "data": args.data, "eval_data": args.eval_data,
             "algorithm": algo, "run": run, "model": model}
 
 

@@ -47,7 +47,8 @@ def _tiny(config, out_dir):
     directory = config.get("warmup_dir") or os.path.join(out_dir, tiny.WARMUP_DIRNAME)
     seed = config["run"]["seed"]
     try:
-        stats = tiny.warm_up(directory, seed=seed, data_seed=seed, log=lambda line: print(line, flush=True))
+        steps = {"steps": config["warmup_steps"]} if config.get("warmup_steps") else {}
+        stats = tiny.warm_up(directory, seed=seed, data_seed=seed, log=lambda line: print(line, flush=True), **steps)
     except tiny.WarmupError as exc:
         raise UsageError(str(exc)) from None
     how = "reused" if stats.cached else f"trained in {stats.total_seconds:.0f} s"

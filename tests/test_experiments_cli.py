@@ -91,3 +91,20 @@ def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, shared
     mtime = os.path.getmtime(out / "pods-seed1" / "metrics.jsonl")
     assert compare.main(flags) == 0
     assert os.path.getmtime(out / "pods-seed1" / "metrics.jsonl") == mtime
+
+
+def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path, capsys):
+    # One short, shared warm-up; then a few steps of every method on 8 devices.
+    warmup = str(tmp_path / "warmup")
+    for method in ("grpo", "grpo-ga", "pods"):
+        out = tmp_path / method
+        code = cli.main("gsm8k", ["--method", method, "--mesh", "8", "--max-steps", "2", "--eval-limit", "8",
+                                  "--warmup-dir", warmup, "--warmup-steps", "4", "--no-progress",
+                                  "--reward-workers", "1", "--out", str(out)])
+        printed = capsys.readouterr().out
+        assert code == 0, printed[-2000:]
+        assert "built-in tiny preset" in printed and f"method                 {method}" in printed
+        steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl") if "train/loss" in line]
+        assert steps == [1, 2]
+        assert (out / "final_model" / "config.json").is_file()
+        assert not (out / "tiny_warmup").exists()  # the shared warm-up was used

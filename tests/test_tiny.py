@@ -221,7 +221,7 @@ def test_short_warm_up_writes_a_cache_that_a_second_call_reuses(tmp_path, monkey
         patch.setattr(warmup_lib, "build_tiny_checkpoint", fail)
         again = tiny.warm_up(directory, **SHORT_WARMUP)
     assert again.cached and _digest(directory) == digest
-    assert dataclasses_equal(again, stats)
+    assert _same_stats(again, stats)
 
     with pytest.raises(tiny.WarmupError, match="steps differ"):
         tiny.warm_up(directory, **{**SHORT_WARMUP, "steps": 5})
@@ -231,7 +231,7 @@ def test_short_warm_up_writes_a_cache_that_a_second_call_reuses(tmp_path, monkey
     assert not redone.cached and _digest(directory) == digest
 
 
-def dataclasses_equal(cached, fresh):
+def _same_stats(cached, fresh):
     skip = {"cached", "history"}
     same = all(getattr(cached, f) == getattr(fresh, f) for f in cached.__dataclass_fields__ if f not in skip)
     return same and list(cached.history) == list(fresh.history)

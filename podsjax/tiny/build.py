@@ -1,11 +1,13 @@
 """The tiny preset's tokenizer and model, built in-process and saved as a HF checkpoint.
 
 The tokenizer is a byte-level BPE trained on the synthetic problems, the system
-prompt and the answer format. Digits are split one per token (as Qwen2's tokenizer
-does) so arithmetic stays learnable; everything between digits is merged without
-splitting on whitespace, so the fixed system prompt and the template phrases
-shrink to a handful of tokens. Short sequences are what make the warm-up and RL
-fast enough on a 2-core CPU. The chat template is ChatML (Qwen2's).
+prompt and the answer format, under exactly Qwen2's pre-tokenization: transformers
+loads every ``qwen2`` checkpoint's tokenizer as ``Qwen2Tokenizer``, which rebuilds
+the pre-tokenizer from its own regex, so merges learned under any other split would
+tokenize differently after a reload. That split also puts each digit in its own
+token, which keeps the arithmetic learnable. With a 512-entry vocabulary every word
+of the corpus is one token, so prompts are ~95-112 tokens (~70 of them the system
+turn). The chat template is ChatML, as Qwen2's.
 """
 
 from __future__ import annotations

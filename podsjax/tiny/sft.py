@@ -70,11 +70,11 @@ class SftData:
     """Tokenized warm-up sequences, split into the prefix every prompt shares and the rest.
 
     Attributes:
-        prefix_ids: int32 [P], the shared leading tokens (the system turn).
-        suffix_ids: int32 [R, S], each sequence's remaining prompt and completion,
+        prefix_ids: int32 [L0], the shared leading tokens (the system turn).
+        suffix_ids: int32 [B, L], each sequence's remaining prompt and completion,
             right-padded with the pad id.
-        suffix_mask: int32 [R, S], 1 on real tokens.
-        loss_mask: float32 [R, S], 1 where the *next* token is a completion token
+        suffix_mask: int32 [B, L], 1 on real tokens.
+        loss_mask: float32 [B, L], 1 where the *next* token is a completion token
             (the logit at position t predicts token t + 1).
     """
 
@@ -123,30 +123,30 @@ def tokenize_sft(tokenizer, examples: Sequence[Example], multiple: int = 8) -> S
     return SftData(np.asarray(first[:shared], np.int32), suffix_ids, suffix_mask, loss_mask)
 
 
-def sft_loss(model: Decoder, params: Any, prefix_ids_P: jax.Array, suffix_ids_BS: jax.Array,
-             suffix_mask_BS: jax.Array, loss_mask_BS: jax.Array) -> jax.Array:
+def sft_loss(model: Decoder, params: Any, prefix_ids_L0: jax.Array, suffix_ids_BL: jax.Array,
+             suffix_mask_BL: jax.Array, loss_mask_BL: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy over completion tokens.
 
     The shared prefix is run once (batch 1) into a KV cache that every row then
     continues from; gradients flow through the cache into the prefix's computation.
     """
-    b, s = suffix_ids_BS.shape
-    p = prefix_ids_P.shape[0]
-    cache = init_cache(model.config, 1, p + s, dtype=jnp.float32)
-    _, cache = prefill(model, params, prefix_ids_P[None], jnp.ones((1, p), jnp.int32), cache)
-    logits_BSV, _ = model.apply({"params": params}, suffix_ids_BS, suffix_mask_BS, cache=cache.repeat(b))
-    logprobs_BSV = jax.nn.log_softmax(logits_BSV[:, :-1].astype(jnp.float32), axis=-1)
-    nll_BS = -jnp.take_along_axis(logprobs_BSV, suffix_ids_BS[:, 1:, None], axis=-1)[..., 0]
-    weights_BS = loss_mask_BS[:, :-1]
-    return jnp.sum(nll_BS * weights_BS) / jnp.maximum(jnp.sum(weights_BS), 1.0)
+    b, length = suffix_ids_BL.shape
+    prefix_length = prefix_ids_L0.shape[0]
+    cache = init_cache(model.config, 1, prefix_length + length, dtype=jnp.float32)
+    _, cache = prefill(model, params, prefix_ids_L0[None], jnp.ones((1, prefix_length), jnp.int32), cache)
+    logits_BLV, _ = model.apply({"params": params}, suffix_ids_BL, suffix_mask_BL, cache=cache.repeat(b))
+    logprobs_BLV = jax.nn.log_softmax(logits_BLV[:, :-1].astype(jnp.float32), axis=-1)
+    nll_BL = -jnp.take_along_axis(logprobs_BLV, suffix_ids_BL[:, 1:, None], axis=-1)[..., 0]
+    weights_BL = loss_mask_BL[:, :-1]
+    return jnp.sum(nll_BL * weights_BL) / jnp.maximum(jnp.sum(weights_BL), 1.0)
 
 
 def make_sft_step(model: Decoder, optimizer: optax.GradientTransformation) -> Callable:
     """The jitted update ``step(params, opt_state, prefix, ids, mask, loss_mask) -> (params, opt_state, loss)``."""
 
-    def step(params, opt_state, prefix_ids_P, suffix_ids_BS, suffix_mask_BS, loss_mask_BS):
-        loss, grads = jax.value_and_grad(lambda p: sft_loss(model, p, prefix_ids_P, suffix_ids_BS, suffix_mask_BS,
-                                                             loss_mask_BS))(params)
+    def step(params, opt_state, prefix_ids_L0, suffix_ids_BL, suffix_mask_BL, loss_mask_BL):
+        loss, grads = jax.value_and_grad(lambda p: sft_loss(model, p, prefix_ids_L0, suffix_ids_BL, suffix_mask_BL,
+                                                             loss_mask_BL))(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -157,4 +157,5 @@ def make_sft_optimizer(lr: float, steps: int, warmup_steps: int, weight_decay: f
     """Clipped AdamW: linear warm-up to ``lr``, then cosine decay to ``lr / 10`` at ``steps``."""
     warmup = max(min(warmup_steps, steps - 1), 1)
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1)
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=weight_decay))
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=weight_decay))
