@@ -9,8 +9,13 @@ run fp32 logits over the whole [B, L] batch (no padding) in one process:
   (b) transformers: ``Qwen2ForCausalLM`` in eager PyTorch under ``torch.no_grad()``
       with its default attention implementation (printed)
 The max abs difference of the two logits is printed so the race is between
-equal computations. Each contender runs once to warm up, then --repeats times;
-the table shows the median.
+equal computations. After that check (which doubles as the warm-up) the two
+are timed --repeats times each, in alternation so that load from other processes
+falls on both alike; the table shows the medians. torch gets one intra-op
+thread per usable core (--threads), as XLA's CPU thread pool does. The machine
+line reports how many cores other processes kept busy before and after; on a
+busy machine torch's OpenMP threads stall far more than XLA's, so trust ratios
+from a quiet one.
 
 Run: python -m benchmarks.forward [--batch 8 --seq 512 --layers 12 --repeats 3]
 Smoke: python -m benchmarks.forward --layers 2 --batch 2 --seq 64 --vocab 4096
@@ -45,6 +50,51 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_snapshot() -> tuple[int, int, float, float] | None:
+    """(busy jiffies of all CPUs, all jiffies, this process's CPU seconds, wall seconds)."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as handle:
+            values = [int(v) for v in handle.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + values[4]  # idle + iowait
+    own = os.times()  # user + system of this process and of its reaped children (reward workers)
+    return sum(values) - idle, sum(values), own[0] + own[1] + own[2] + own[3], time.perf_counter()
+
+
+def others_busy(since) -> float | None:
+    """Average number of cores that other processes kept busy since a cpu_snapshot()."""
+    now = cpu_snapshot()
+    if since is None or now is None:
+        return None
+    everyone = usable_cores() * (now[0] - since[0]) / max(1, now[1] - since[1])
+    return max(0.0, everyone - (now[2] - since[2]) / max(1e-9, now[3] - since[3]))
+
+
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores kept busy by other processes, sampled while this one sleeps."""
+    since = cpu_snapshot()
+    time.sleep(seconds)
+    return others_busy(since)
+
+
+def busy_note(busy: float | None) -> str:
+    if busy is None:
+        return "other load n/a"
+    return f"{busy:.1f} of {usable_cores()} cores busy with other work"
+
+
+def busy_warning(busy: float | None) -> str | None:
+    """A warning line when other processes already load the cores this run will use."""
+    if busy is None or busy < 0.25:
+        return None
+    return (
+        f"warning: the machine is busy ({busy_note(busy)}). torch's OpenMP threads stall far more than "
+        "XLA's thread pool when they share cores, so the podsjax ratios below are inflated; rerun on a quiet "
+        "machine (or compare with --threads 1)."
+    )
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -52,15 +102,25 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def median_seconds(fn, repeats: int) -> tuple[float, list[float]]:
-    """Median wall time of fn() after one warm-up call, over ``repeats`` timed calls."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
+def interleaved_medians(fns, repeats: int, warm_up: bool = True) -> list[tuple[float, list[float]]]:
+    """Median wall times of several contenders timed in alternation.
+
+    Each runs once to warm up (unless the caller already ran it); then every
+    round times each of them once, in forward order on even rounds and reverse
+    order on odd ones, so that load from other processes on a shared machine
+    falls on all of them alike.
+    """
+    if warm_up:
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for round_ in range(repeats):
+        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
+    return [(statistics.median(t), t) for t in times]
 
 
 def build_hf_model(args) -> "transformers.Qwen2ForCausalLM":
@@ -109,8 +169,8 @@ def run(args):
     max_diff = float(np.max(np.abs(logits_jax - logits_pt)))
     del logits_jax, logits_pt
 
-    t_jax, times_jax = median_seconds(lambda: forward(params, ids, mask).block_until_ready(), args.repeats)
-    t_pt, times_pt = median_seconds(torch_forward, args.repeats)
+    (t_jax, times_jax), (t_pt, times_pt) = interleaved_medians(
+        [lambda: forward(params, ids, mask).block_until_ready(), torch_forward], args.repeats, warm_up=False)
     return dict(
         num_params=num_params,
         attn_impl=hf_model.config._attn_implementation,
@@ -156,25 +216,33 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     device = jax.devices()[0]
+    busy_before = busy_cores()
     print(
         f"machine: {cpu_name()}, {usable_cores()} cores, {jax.device_count()} x {device.device_kind}, "
         f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}"
+        f"transformers {transformers.__version__}; before the run {busy_note(busy_before)}"
     )
-    start = time.perf_counter()
+    warning = busy_warning(busy_before)
+    if warning:
+        print(warning)
+    start, since = time.perf_counter(), cpu_snapshot()
     r = run(args)
+    busy_during = others_busy(since)
     print(
         f"model: {r['num_params']:,} params, {args.layers} layers, hidden {args.hidden}, "
         f"heads {args.heads}/{args.kv_heads} kv, mlp {args.intermediate}, vocab {args.vocab}, "
         f"{'tied' if args.tied else 'untied'} head; transformers attention: {r['attn_impl']}; "
-        f"podsjax compile {r['compile_s']:.1f} s; median of {args.repeats} after 1 warm-up"
+        f"podsjax compile {r['compile_s']:.1f} s; median of {args.repeats} interleaved runs after 1 warm-up"
+        f" (the logit check)"
     )
     print(format_table(args, r))
     print(
         "runs (s): podsjax " + ", ".join(f"{t:.2f}" for t in r["times_jax"])
         + "; transformers " + ", ".join(f"{t:.2f}" for t in r["times_pt"])
-        + f"; total {time.perf_counter() - start:.0f} s"
+        + f"; total {time.perf_counter() - start:.0f} s; during the run {busy_note(busy_during)}"
     )
+    if not warning and busy_warning(busy_during):
+        print(busy_warning(busy_during))
 
 
 if __name__ == "__main__":

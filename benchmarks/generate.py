@@ -22,7 +22,12 @@ with the paper's rewards (``default_rewards``: accuracy + format + tag count),
 in process (``score_rewards``) and through ``RewardPool`` worker processes.
 Every completion is correct, so the mean accuracy must be 1.
 
-Each contender runs once to warm up, then --repeats times; tables show medians.
+Each contender runs once to warm up, then --repeats times in alternation with
+the other contender of its table (so that load from other processes falls on
+both alike); tables show medians. torch gets one intra-op thread per usable
+core (--threads), as XLA's CPU thread pool does. The machine line reports how
+many cores other processes kept busy before and after; on a busy machine
+torch's OpenMP threads stall far more than XLA's, so trust ratios from a quiet one.
 
 Run: python -m benchmarks.generate [--prompts 32 --prompt-len 64 --new-tokens 128]
 Smoke: python -m benchmarks.generate --layers 2 --prompts 4 --new-tokens 16 --vocab 4096 --reward-limit 50
@@ -54,6 +59,51 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_snapshot() -> tuple[int, int, float, float] | None:
+    """(busy jiffies of all CPUs, all jiffies, this process's CPU seconds, wall seconds)."""
+    try:
+        with open("/proc/stat", encoding="utf-8") as handle:
+            values = [int(v) for v in handle.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + values[4]  # idle + iowait
+    own = os.times()  # user + system of this process and of its reaped children (reward workers)
+    return sum(values) - idle, sum(values), own[0] + own[1] + own[2] + own[3], time.perf_counter()
+
+
+def others_busy(since) -> float | None:
+    """Average number of cores that other processes kept busy since a cpu_snapshot()."""
+    now = cpu_snapshot()
+    if since is None or now is None:
+        return None
+    everyone = usable_cores() * (now[0] - since[0]) / max(1, now[1] - since[1])
+    return max(0.0, everyone - (now[2] - since[2]) / max(1e-9, now[3] - since[3]))
+
+
+def busy_cores(seconds: float = 1.0) -> float | None:
+    """Cores kept busy by other processes, sampled while this one sleeps."""
+    since = cpu_snapshot()
+    time.sleep(seconds)
+    return others_busy(since)
+
+
+def busy_note(busy: float | None) -> str:
+    if busy is None:
+        return "other load n/a"
+    return f"{busy:.1f} of {usable_cores()} cores busy with other work"
+
+
+def busy_warning(busy: float | None) -> str | None:
+    """A warning line when other processes already load the cores this run will use."""
+    if busy is None or busy < 0.25:
+        return None
+    return (
+        f"warning: the machine is busy ({busy_note(busy)}). torch's OpenMP threads stall far more than "
+        "XLA's thread pool when they share cores, so the podsjax ratios below are inflated; rerun on a quiet "
+        "machine (or compare with --threads 1)."
+    )
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -61,15 +111,25 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def median_seconds(fn, repeats: int) -> tuple[float, list[float]]:
-    """Median wall time of fn() after one warm-up call, over ``repeats`` timed calls."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
+def interleaved_medians(fns, repeats: int, warm_up: bool = True) -> list[tuple[float, list[float]]]:
+    """Median wall times of several contenders timed in alternation.
+
+    Each runs once to warm up (unless the caller already ran it); then every
+    round times each of them once, in forward order on even rounds and reverse
+    order on odd ones, so that load from other processes on a shared machine
+    falls on all of them alike.
+    """
+    if warm_up:
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for round_ in range(repeats):
+        order = range(len(fns)) if round_ % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            t0 = time.perf_counter()
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
+    return [(statistics.median(t), t) for t in times]
 
 
 # ------------------------------------------------------------------ generation
@@ -160,8 +220,7 @@ def run_generate(args) -> dict:
     if tuple(out.shape) != (p, length + t_new):
         raise SystemExit(f"error: transformers returned {tuple(out.shape)}, expected {(p, length + t_new)}")
 
-    t_jax, times_jax = median_seconds(podsjax_generate, args.repeats)
-    t_pt, times_pt = median_seconds(torch_generate, args.repeats)
+    (t_jax, times_jax), (t_pt, times_pt) = interleaved_medians([podsjax_generate, torch_generate], args.repeats)
     return dict(
         num_params=num_params,
         attn_impl=hf_model.config._attn_implementation,
@@ -223,26 +282,27 @@ def run_rewards(args) -> list[tuple]:
             def pooled():
                 checks["pool"] = pool.score(completions, rewards, **columns)
 
-            t_in, _ = median_seconds(in_process, args.repeats)
-            t_pool, _ = median_seconds(pooled, args.repeats)
+            (t_in, _), (t_pool, _) = interleaved_medians([in_process, pooled], args.repeats)
             metrics = checks["pool"].metrics
             failures = sum(metrics[f"reward/{k}"] for k in ("timeouts", "crashes", "memory_errors", "errors"))
             acc_in = checks["in_process"].metrics["reward/accuracy"]
             acc_pool = metrics["reward/accuracy"]
-            rows.append((name, len(completions), t_in, t_pool, acc_in, acc_pool, int(failures)))
+            total_max = sum(w.weight for w in rewards)
+            rows.append((name, len(completions), t_in, t_pool, acc_in, acc_pool, metrics["reward/total"], total_max,
+                         int(failures)))
     return rows, startup_s
 
 
 def format_reward_table(args, rows) -> str:
     lines = [
         f"| task | completions | (c) in process | (d) RewardPool, {args.workers} workers | d/c "
-        "| accuracy (in process / pool) | pool failures |",
-        "|---|---|---|---|---|---|---|",
+        "| mean accuracy (in process / pool) | mean total reward | pool failures |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, n, t_in, t_pool, acc_in, acc_pool, failures in rows:
+    for name, n, t_in, t_pool, acc_in, acc_pool, total, total_max, failures in rows:
         lines.append(
             f"| {name} | {n} | {n / t_in:,.0f} /s ({t_in:.2f} s) | {n / t_pool:,.0f} /s ({t_pool:.2f} s) "
-            f"| {t_in / t_pool:.2f}x | {acc_in:.3f} / {acc_pool:.3f} | {failures} |"
+            f"| {t_in / t_pool:.2f}x | {acc_in:.3f} / {acc_pool:.3f} | {total:.3f} of {total_max:g} | {failures} |"
         )
     return "\n".join(lines)
 
@@ -285,32 +345,41 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     device = jax.devices()[0]
+    busy_before = busy_cores()
     print(
         f"machine: {cpu_name()}, {usable_cores()} cores, {jax.device_count()} x {device.device_kind}, "
         f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}"
+        f"transformers {transformers.__version__}; before the run {busy_note(busy_before)}"
     )
-    start = time.perf_counter()
+    warning = busy_warning(busy_before)
+    if warning:
+        print(warning)
+    start, since = time.perf_counter(), cpu_snapshot()
     if not args.skip_generate:
         r = run_generate(args)
+        busy_during = others_busy(since)
         print(
             f"model: {r['num_params']:,} params, {args.layers} layers, hidden {args.hidden}, "
             f"heads {args.heads}/{args.kv_heads} kv, mlp {args.intermediate}, vocab {args.vocab}, "
             f"{'tied' if args.tied else 'untied'} head; temperature 1, EOS off (all lengths checked == "
             f"{args.new_tokens}); transformers attention: {r['attn_impl']}, default dynamic cache; "
-            f"podsjax first call (compile + run) {r['first_call_s']:.1f} s; median of {args.repeats} after 1 warm-up"
+            f"podsjax first call (compile + run) {r['first_call_s']:.1f} s; "
+            f"median of {args.repeats} interleaved runs after 1 warm-up"
         )
         print(format_generate_table(args, r))
         print(
             "runs (s): podsjax " + ", ".join(f"{t:.2f}" for t in r["times_jax"])
             + "; transformers " + ", ".join(f"{t:.2f}" for t in r["times_pt"])
+            + f"; during generation {busy_note(busy_during)}"
         )
+        if not warning and busy_warning(busy_during):
+            print(busy_warning(busy_during))
     if args.tasks:
         rows, startup_s = run_rewards(args)
         print(
             f"rewards: gold solutions as <think>...</think><answer>...</answer>, default_rewards(task) "
             f"(accuracy + format + tag_count); pool start-up {startup_s:.1f} s (not timed); "
-            f"median of {args.repeats} after 1 warm-up"
+            f"median of {args.repeats} interleaved runs after 1 warm-up"
         )
         print(format_reward_table(args, rows))
     print(f"total {time.perf_counter() - start:.0f} s")
