@@ -57,6 +57,10 @@ class RunConfig:
     def __post_init__(self):
         if self.time_budget_s is None and self.max_steps is None:
             raise ValueError("RunConfig needs a time budget (time_budget_s) or a step limit (max_steps)")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"RunConfig.time_budget_s must be > 0 seconds; got {self.time_budget_s}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"RunConfig.max_steps must be >= 1; got {self.max_steps}")
         for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "eval_batch_size", "reward_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")

@@ -56,3 +56,14 @@ def test_steps_write_metrics_checkpoints_and_resume_exactly(setup, tmp_path):
     # Step 3 compiles in the new process (off the clock), step 4 counts.
     assert history[-1]["step"] == 4 and history[-1]["time/elapsed_train_s"] > elapsed
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(time_budget_s=0.0), "time_budget_s must be > 0"),
+    (dict(time_budget_s=None, max_steps=None), "needs a time budget"),
+    (dict(max_steps=0), "max_steps must be >= 1"),
+    (dict(max_steps=1, prompts_per_step=0), "prompts_per_step must be >= 1"),
+])
+def test_run_config_rejects_bad_budgets(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        loop.RunConfig(out_dir="unused", **kwargs)
