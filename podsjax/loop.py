@@ -109,7 +109,8 @@ class Trainer:
             policy, reference = train.full_apply_fn(model)
             # The KL reference of a full fine-tune is a frozen copy of the start weights.
             self.frozen = jax.tree.map(jnp.copy, base_params) if algo.beta > 0 else None
-        state = jax.jit(self._init_state)(trainable, key)
+        shardings = jax.tree.map(lambda x: x.sharding, trainable) if model.mesh is not None else None
+        state = jax.jit(lambda t, k: self._init_state(t, k, shardings))(trainable, key)
         self.step_fn = jax.jit(train.make_train_step(policy, self.optimizer, algo, reference), donate_argnums=0)
         self.batch_fn = jax.jit(train.build_batch, static_argnames="config")
         os.makedirs(run.out_dir, exist_ok=True)
@@ -127,16 +128,15 @@ class Trainer:
         self.pool = rewards_lib.RewardPool(run.reward_workers, timeout_s=run.reward_timeout_s)
         self._compiled_once = False
 
-    def _init_state(self, trainable, key) -> train.TrainState:
+    def _init_state(self, trainable, key, shardings) -> train.TrainState:
         """The first state, with optimizer moments born in their params' shardings.
 
         Without the constraint XLA creates the moments replicated; the first step
         then reshards them and compiles twice, and a big full fine-tune may not fit.
         """
         state = train.init_state(trainable, self.optimizer, key)
-        if self.model.mesh is None:
+        if shardings is None:
             return state
-        shardings = jax.tree.map(lambda x: x.sharding, trainable)
         opt_state = optax.tree_utils.tree_map_params(
             self.optimizer, lambda x, s: jax.lax.with_sharding_constraint(x, s), state.opt_state, shardings)
         return state.replace(opt_state=opt_state)
