@@ -97,7 +97,7 @@ def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool) -> int:
     return 0
 
 
-def print_summary(config, history, steps, train_seconds, wall_seconds, export_dir, file=sys.stdout):
+def print_summary(config, history, steps, train_seconds, wall_seconds, export_dir, file=None):
     accuracies = [h["eval/accuracy"] for h in history]
     peak = max(accuracies) if accuracies else float("nan")
     peak_at = history[accuracies.index(peak)]["time/elapsed_train_s"] if accuracies else float("nan")
@@ -111,4 +111,5 @@ def print_summary(config, history, steps, train_seconds, wall_seconds, export_di
         ("exported model", export_dir),
     ]
     width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), file=file, flush=True)
+    # sys.stdout is looked up per call: a default bound at import would outlive a redirect.
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), file=file or sys.stdout, flush=True)
