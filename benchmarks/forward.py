@@ -13,9 +13,9 @@ equal computations. After that check (which doubles as the warm-up) the two
 are timed --repeats times each, in alternation so that load from other processes
 falls on both alike; the table shows the medians. torch gets one intra-op
 thread per usable core (--threads), as XLA's CPU thread pool does. The machine
-line reports how many cores other processes kept busy before and after; on a
-busy machine torch's OpenMP threads stall far more than XLA's, so trust ratios
-from a quiet one.
+line reports how many cores other processes kept busy before the run, the runs
+line how many during it; on a busy machine torch's OpenMP threads stall far more
+than XLA's, so trust ratios from a quiet one.
 
 Run: python -m benchmarks.forward [--batch 8 --seq 512 --layers 12 --repeats 3]
 Smoke: python -m benchmarks.forward --layers 2 --batch 2 --seq 64 --vocab 4096

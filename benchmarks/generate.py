@@ -26,8 +26,9 @@ Each contender runs once to warm up, then --repeats times in alternation with
 the other contender of its table (so that load from other processes falls on
 both alike); tables show medians. torch gets one intra-op thread per usable
 core (--threads), as XLA's CPU thread pool does. The machine line reports how
-many cores other processes kept busy before and after; on a busy machine
-torch's OpenMP threads stall far more than XLA's, so trust ratios from a quiet one.
+many cores other processes kept busy before the run, the runs line how many
+during generation; on a busy machine torch's OpenMP threads stall far more than
+XLA's, so trust ratios from a quiet one.
 
 Run: python -m benchmarks.generate [--prompts 32 --prompt-len 64 --new-tokens 128]
 Smoke: python -m benchmarks.generate --layers 2 --prompts 4 --new-tokens 16 --vocab 4096 --reward-limit 50
