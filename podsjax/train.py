@@ -12,6 +12,7 @@ n / m micro-batches; GRPO-PODS generates n and trains the m a rule selects.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.struct
@@ -258,9 +259,9 @@ class StepMetrics:
     num_tokens: jax.Array
 
 
-def completion_logits(apply_fn: Callable, trainable, frozen, batch: TrainBatch) -> jax.Array:
-    """Logits [B, T, V] that predict each completion token."""
-    logits_BLV = apply_fn(trainable, frozen, batch.input_ids, batch.attention_mask)
+def completion_logits(logits_fn: Callable, batch: TrainBatch) -> jax.Array:
+    """Logits [B, T, V] that predict each completion token; ``logits_fn(ids, mask) -> [B, L, V]``."""
+    logits_BLV = logits_fn(batch.input_ids, batch.attention_mask)
     t = batch.completion_length
     return logits_BLV[:, -t - 1 : -1]
 
@@ -302,7 +303,7 @@ def make_train_step(
     temperature = config.temperature
 
     def logprobs_of(trainable, frozen, mb: TrainBatch):
-        logits = completion_logits(apply_fn, trainable, frozen, mb)
+        logits = completion_logits(functools.partial(apply_fn, trainable, frozen), mb)
         targets = mb.input_ids[:, -mb.completion_length :]
         return grpo.token_logprobs(logits, targets, temperature=temperature), logits
 
@@ -380,9 +381,8 @@ def make_train_step(
         ref_kBT = None
         if config.beta > 0:
             def ref_logprobs(mb):
-                logits_BLV = reference_fn(frozen, mb.input_ids, mb.attention_mask)
-                t = mb.completion_length
-                return grpo.token_logprobs(logits_BLV[:, -t - 1 : -1], mb.input_ids[:, -t:], temperature=temperature)
+                logits = completion_logits(functools.partial(reference_fn, frozen), mb)
+                return grpo.token_logprobs(logits, mb.input_ids[:, -mb.completion_length :], temperature=temperature)
 
             ref_kBT = per_micro(ref_logprobs)
         lr = schedule(state.step)
