@@ -8,6 +8,7 @@ Bad flags or paths print one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -150,7 +151,7 @@ def resolve_config(args, task: str) -> dict:
     else:
         from podsjax.train import preset
 
-        algo.update(dataclasses_asdict(preset(args.method)))
+        algo.update(dataclasses.asdict(preset(args.method)))
     overrides = {"rule": args.rule, "n": args.n, "m": args.m, "grad_accum": args.grad_accum, "beta": args.beta,
                  "learning_rate": args.lr, "temperature": args.temperature}
     algo.update({k: v for k, v in overrides.items() if v is not None})
@@ -190,14 +191,8 @@ def tiny_defaults(method: str, run: dict, model: dict) -> dict:
 
     overrides = {"learning_rate": d["learning_rate"], "temperature": d["temperature"]}
     if method == "grpo":
-        return dataclasses_asdict(preset(method, n=d["m"], m=d["m"], **overrides))
-    return dataclasses_asdict(preset(method, n=d["n"], m=d["m"], **overrides))
-
-
-def dataclasses_asdict(obj) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(obj)
+        return dataclasses.asdict(preset(method, n=d["m"], m=d["m"], **overrides))
+    return dataclasses.asdict(preset(method, n=d["n"], m=d["m"], **overrides))
 
 
 def main(task: str, argv=None) -> int:
