@@ -24,7 +24,6 @@ Smoke: python -m benchmarks.forward --layers 2 --batch 2 --seq 64 --vocab 4096
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 
 import jax
@@ -33,36 +32,14 @@ import numpy as np
 import torch
 import transformers
 
-from benchmarks.machine import (
-    cpu_name, cpu_snapshot, others_busy, busy_cores,
-    busy_note, busy_warning, usable_cores, interleaved_medians,
-)
-import podsjax.models
-
-
-def build_hf_model(args) -> "transformers.Qwen2ForCausalLM":
-    config = transformers.Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(2048, args.seq),
-        tie_word_embeddings=args.tied,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-    )
-    torch.manual_seed(args.seed)
-    return transformers.Qwen2ForCausalLM(config).eval()
+from benchmarks.machine import busy_note, busy_warning, cpu_snapshot, interleaved_medians, others_busy, print_machine
+from benchmarks.qwen_model import add_model_args, build_hf_model, describe, to_podsjax
 
 
 def run(args):
-    hf_model = build_hf_model(args)
+    hf_model = build_hf_model(args, args.seq)
     num_params = sum(p.numel() for p in hf_model.parameters())  # tied weights counted once
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_model.save_pretrained(tmp)
-        model, params = podsjax.models.from_pretrained(tmp, dtype=jnp.float32)
+    model, params = to_podsjax(hf_model)
 
     rng = np.random.default_rng(args.seed)
     ids_np = rng.integers(0, args.vocab, (args.batch, args.seq), dtype=np.int64)
@@ -117,38 +94,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8, help="B, sequences per forward")
     parser.add_argument("--seq", type=int, default=512, help="L, tokens per sequence")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--untied", dest="tied", action="store_false", help="separate LM head (adds V x D params)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender after one warm-up")
-    parser.add_argument("--threads", type=int, default=usable_cores(), help="torch intra-op threads")
-    parser.add_argument("--seed", type=int, default=0)
+    add_model_args(parser)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("error: --repeats must be >= 1")
 
     torch.set_num_threads(args.threads)
-    device = jax.devices()[0]
-    busy_before = busy_cores()
-    print(
-        f"machine: {cpu_name()}, {usable_cores()} cores, {jax.device_count()} x {device.device_kind}, "
-        f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}; before the run {busy_note(busy_before)}"
-    )
-    warning = busy_warning(busy_before)
-    if warning:
-        print(warning)
+    warning = busy_warning(print_machine(torch, transformers))
     start, since = time.perf_counter(), cpu_snapshot()
     r = run(args)
     busy_during = others_busy(since)
     print(
-        f"model: {r['num_params']:,} params, {args.layers} layers, hidden {args.hidden}, "
-        f"heads {args.heads}/{args.kv_heads} kv, mlp {args.intermediate}, vocab {args.vocab}, "
-        f"{'tied' if args.tied else 'untied'} head; transformers attention: {r['attn_impl']}; "
+        f"model: {describe(args, r['num_params'])}; transformers attention: {r['attn_impl']}; "
         f"podsjax compile {r['compile_s']:.1f} s; median of {args.repeats} interleaved runs after 1 warm-up"
         f" (the logit check)"
     )

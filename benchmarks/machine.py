@@ -91,3 +91,18 @@ def interleaved_medians(fns, repeats: int, warm_up: bool = True) -> list[tuple[f
             fns[i]()
             times[i].append(time.perf_counter() - t0)
     return [(statistics.median(t), t) for t in times]
+
+
+def print_machine(torch, transformers) -> float | None:
+    """Prints the machine line (and a warning when it is busy); returns the cores other work kept busy."""
+    import jax
+
+    busy = busy_cores()
+    print(
+        f"machine: {cpu_name()}, {usable_cores()} cores, {jax.device_count()} x {jax.devices()[0].device_kind}, "
+        f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}; before the run {busy_note(busy)}"
+    )
+    if busy_warning(busy):
+        print(busy_warning(busy))
+    return busy

@@ -31,3 +31,11 @@ def test_generate_benchmark_runs_both_contenders(shared_data_dir):
     printed = run("benchmarks.generate", "--prompts", "2", "--prompt-len", "8", "--new-tokens", "4", *TINY_MODEL,
                   "--data", shared_data_dir, "--reward-limit", "8", "--workers", "1")
     assert "a/b speed-up" in printed and "| gsm8k |" in printed
+
+
+def test_train_step_benchmark_checks_gradients_and_prints_a_ratio():
+    printed = run("benchmarks.train_step", "--batch", "2", "--prompt-len", "8", "--completion-len", "8", *TINY_MODEL)
+    row = next(line for line in printed.splitlines() if line.startswith("| Qwen2-shaped"))
+    # Same weights, same batch, same loss: the two first-step gradient norms must agree.
+    assert float(row.rstrip(" |").rsplit("|", 1)[1]) < 1e-4, row
+    assert "a/b speed-up" in printed
