@@ -54,6 +54,8 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int)
     p.add_argument("--eval-every", type=float, help="seconds of training clock between evaluations")
     p.add_argument("--eval-limit", type=int, help="evaluate on the first N test examples")
+    p.add_argument("--checkpoint-every-steps", type=int,
+                   help="also checkpoint every N steps (besides every 30 min of training clock)")
     p.add_argument("--mesh", default=None, help='"8" (all on fsdp), "data=2,fsdp=4", "fsdp=4,tensor=2"')
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="param dtype (default: the setting's, else float32)")
     p.add_argument("--seed", type=int, default=0)
@@ -79,7 +81,7 @@ def check_args(args) -> None:
     """Everything checkable before JAX starts and before anything is written."""
     _positive(args, ("n", "m", "grad_accum", "prompts_per_step", "lora_rank", "lora_alpha", "lr",
                      "max_completion_length", "max_prompt_length", "time_budget", "max_steps", "eval_limit",
-                     "reward_workers", "warmup_steps"))
+                     "checkpoint_every_steps", "reward_workers", "warmup_steps"))
     if args.temperature is not None and not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0; got {args.temperature}")
     if args.full and args.lora_rank is not None:
@@ -162,7 +164,8 @@ def resolve_config(args, task: str) -> dict:
         algo["n"] = algo["m"] = args.m or args.n or algo["m"]
     run_overrides = {"prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_completion_length,
                      "max_prompt_length": args.max_prompt_length, "time_budget_s": args.time_budget,
-                     "max_steps": args.max_steps, "eval_every_s": args.eval_every, "eval_limit": args.eval_limit}
+                     "max_steps": args.max_steps, "eval_every_s": args.eval_every, "eval_limit": args.eval_limit,
+                     "checkpoint_every_steps": args.checkpoint_every_steps}
     run.update({k: v for k, v in run_overrides.items() if v is not None})
     run.update(seed=args.seed, reward_workers=args.reward_workers, progress=not args.no_progress)
     if args.full:

@@ -2,6 +2,12 @@
 
 The training clock counts generation, scoring, selection and update time only;
 evaluation and checkpoint writes are excluded, as in the paper's wall-clock plots.
+
+Resume is exact: a run killed at any point and resumed from its newest checkpoint
+trains the same steps with the same data, RNG keys and optimizer state as a run that
+was never stopped. The logs (metrics, samples, eval history) are cut back to their
+sizes at that checkpoint, so the steps redone after the restore are logged once; the
+cut records are kept in ``<log>.superseded``.
 """
 
 from __future__ import annotations
@@ -121,6 +127,8 @@ class Trainer:
         host = {"data_position": 0, "elapsed_train_s": 0.0, "last_eval_s": None}
         if self.checkpointer.latest_step() is not None:
             state, host = self.checkpointer.restore(jax.tree.map(_abstract, state))
+            if "log_sizes" in host:  # absent in checkpoints from before log rewinding
+                _rewind_logs(run.out_dir, host["log_sizes"])
         self.state, self.host = state, host
         self.stream = DataStream(train_examples, run.seed, host["data_position"])
         restored = self.checkpointer.latest_step()
@@ -197,10 +205,14 @@ class Trainer:
             "time/elapsed_train_s": self.host["elapsed_train_s"],
         }
 
+    def _batch_shards(self) -> int:
+        mesh = self.model.mesh
+        return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
     def _shard_batch(self, batch: train.TrainBatch) -> train.TrainBatch:
         """Rows over the mesh's batch axes, when they split evenly (else replicated)."""
         mesh = self.model.mesh
-        if mesh is None or batch.advantages.shape[0] % (mesh.shape["data"] * mesh.shape["fsdp"]):
+        if mesh is None or batch.advantages.shape[0] % self._batch_shards():
             return batch
         return jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), batch)
 
@@ -217,10 +229,16 @@ class Trainer:
             prompts = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in chunk],
                                                   max_prompt_length=run.max_prompt_length)
             chunk = [chunk[i] for i in prompts.kept_P]
-            r = generate(self.model, params, prompts.ids_PL, prompts.mask_PL, jax.random.key(0), num_samples=1,
+            if not chunk:
+                continue
+            # Rows must split evenly over the mesh's batch shards: repeat the last prompt, drop its copies.
+            rows = self._batch_shards()
+            ids, prompt_mask = (np.concatenate([x, np.repeat(x[-1:], -len(x) % rows, axis=0)])
+                                for x in (prompts.ids_PL, prompts.mask_PL))
+            r = generate(self.model, params, ids, prompt_mask, jax.random.key(0), num_samples=1,
                          max_new_tokens=run.max_new_tokens, temperature=0.0, eos_token_ids=self.eos_ids,
                          pad_token_id=prompts.pad_id, lora=lora)
-            tokens, mask = np.asarray(r.tokens), np.asarray(r.mask)
+            tokens, mask = np.asarray(r.tokens)[: len(chunk)], np.asarray(r.mask)[: len(chunk)]
             texts = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
             scores = self.pool.score(texts, self.rewards, **data_lib.reward_columns(chunk, 1))
             accuracy = np.asarray(scores.per_function["accuracy"])
@@ -271,12 +289,17 @@ class Trainer:
                 accuracy = history[-1]["eval/accuracy"] if history else float("nan")
                 progress.update(position, step=step, reward=scalars["reward/mean"], acc=accuracy)
                 # Saved before the next step donates the state's buffers.
-                self.checkpointer.save(step, self.state, self.host)
-            self.checkpointer.save(int(self.state.step), self.state, self.host, force=True)
+                self.checkpointer.save(step, self.state, self._host_with_log_sizes())
+            self.checkpointer.save(int(self.state.step), self.state, self._host_with_log_sizes(), force=True)
         finally:
             progress.close()
             self.close()
         return history
+
+    def _host_with_log_sizes(self) -> dict[str, Any]:
+        """The host state plus each log's size now, which a resume from this checkpoint cuts back to."""
+        self.host["log_sizes"] = _log_sizes(self.run_config.out_dir)
+        return self.host
 
     def close(self):
         self.checkpointer.close()
@@ -308,6 +331,34 @@ def _reward_stats(scores, rewards_PN, selected_PN, p, n) -> dict[str, float]:
         out[f"reward/{name}_selected"] = float(values_PN[selected_PN].mean())
     out.update({k: float(v) for k, v in scores.metrics.items() if k.endswith(("timeouts", "crashes", "errors"))})
     return out
+
+
+_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_history.jsonl")
+
+
+def _log_sizes(out_dir) -> dict[str, int]:
+    paths = {name: os.path.join(out_dir, name) for name in _LOGS}
+    return {name: os.path.getsize(path) for name, path in paths.items() if os.path.exists(path)}
+
+
+def _rewind_logs(out_dir, sizes: dict[str, int]) -> None:
+    """Cuts each log back to its size at the restored checkpoint, keeping the cut tail.
+
+    Whatever a killed run logged after that checkpoint is redone by the resumed run;
+    leaving it in place would log those steps (and evaluations) twice.
+    """
+    for name in _LOGS:
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            continue
+        size = sizes.get(name, 0)  # a log born after the checkpoint is all tail
+        with open(path, "rb+") as f:
+            f.seek(size)
+            tail = f.read()
+            if tail:
+                with open(path + ".superseded", "ab") as kept:
+                    kept.write(tail if tail.endswith(b"\n") else tail + b"\n")  # a torn line stays one line
+                f.truncate(size)
 
 
 def _history_path(out_dir):

@@ -1,6 +1,8 @@
 """Training metrics: JSONL + TensorBoard files, a progress bar, and phase timers.
 
-Files under ``out_dir`` (only ever appended to, so a resumed run never loses data):
+Files under ``out_dir``, appended to. A resume cuts the JSONL logs back to their sizes at
+the restored checkpoint and moves the cut records to ``<log>.superseded``
+(``podsjax.loop``), so nothing is lost and no step is logged twice:
 
 - ``metrics.jsonl``: one JSON object per :meth:`MetricsWriter.write` call,
   ``{"step": s, "wall_time": t, "<name>": value, ...}``. Nested dicts are flattened with

@@ -61,6 +61,7 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, shared_data_dir, 
     (["--mesh", "eight"], "--mesh 'eight'"),
     (["--method", "ppo"], "invalid choice"),
     (["--resume"], "holds no run to resume"),
+    (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps must be > 0"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(tmp_path, capsys, args, message):
     out = tmp_path / "never"
@@ -93,13 +94,14 @@ def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, shared
     assert os.path.getmtime(out / "pods-seed1" / "metrics.jsonl") == mtime
 
 
-def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path, capsys):
-    # One short, shared warm-up; then a few steps of every method on 8 devices.
-    warmup = str(tmp_path / "warmup")
+def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, tmp_path, capsys):
+    # One short warm-up, shared with test_resume_killed (same seed and steps); then a few
+    # steps of every method on 8 devices.
+    warmup = str(tmp_path_factory.getbasetemp() / "tiny_warmup_seed0_steps30")
     for method in ("grpo", "grpo-ga", "pods"):
         out = tmp_path / method
         code = cli.main("gsm8k", ["--method", method, "--mesh", "8", "--max-steps", "2", "--eval-limit", "8",
-                                  "--warmup-dir", warmup, "--warmup-steps", "4", "--no-progress",
+                                  "--warmup-dir", warmup, "--warmup-steps", "30", "--no-progress",
                                   "--reward-workers", "1", "--out", str(out)])
         printed = capsys.readouterr().out
         assert code == 0, printed[-2000:]

@@ -67,3 +67,15 @@ def test_steps_write_metrics_checkpoints_and_resume_exactly(setup, tmp_path):
 def test_run_config_rejects_bad_budgets(kwargs, message):
     with pytest.raises(ValueError, match=message):
         loop.RunConfig(out_dir="unused", **kwargs)
+
+
+def test_resume_rewinds_logs_to_the_checkpoint_and_keeps_the_cut_tail(tmp_path):
+    # What a killed run logged after its checkpoint (here: one whole record and a torn
+    # line, plus a log born after it) moves to <log>.superseded; the redo logs it once.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')
+    (tmp_path / "samples.jsonl").write_text('{"step": 2}\n')
+    loop._rewind_logs(str(tmp_path), {"metrics.jsonl": len('{"step": 1}\n')})
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (tmp_path / "metrics.jsonl.superseded").read_text() == '{"step": 2}\n{"ste\n'
+    assert (tmp_path / "samples.jsonl").read_text() == ""
+    assert (tmp_path / "samples.jsonl.superseded").read_text() == '{"step": 2}\n'
