@@ -71,33 +71,43 @@ def common_grid(groups: Mapping[str, Sequence[Curve]], points: int = 200) -> np.
 class MethodSummary:
     label: str
     peak: float  # mean over seeds of each seed's peak accuracy
-    time_to_target: float  # median over seeds of the first time reaching the target; inf if never
-    speedup: float  # baseline's time_to_target / this one's
+    time_to_target: float  # median over seeds of the first time reaching that seed's target; inf if never
+    speedup: float  # median over seeds of baseline time / this method's time on the seed; 0 if never
+    seed_times: tuple[float, ...] = ()  # per seed, the first time reaching that seed's target
+    seed_speedups: tuple[float, ...] = ()  # per seed, baseline time / this time
 
 
 def summarize(groups: Mapping[str, Sequence[Curve]], baseline: str, fraction: float = 0.99) -> list[MethodSummary]:
-    """Peak accuracy and time to ``fraction`` of the baseline's peak, per method.
+    """Peak accuracy, time to ``fraction`` of the baseline's peak and speed-up, per method.
 
-    The target is ``fraction`` times the baseline's mean peak (the paper's 99%
-    of GRPO's peak); times are medians across seeds, and the speed-up divides
-    the baseline's time by each method's.
+    Seeds are paired by position: curve i of every method is seed i, and on the tiny
+    preset all methods of a seed start from the same warmed-up policy. Seed i's target
+    is ``fraction`` times the baseline's peak on seed i (the paper's 99% of GRPO's
+    peak), so one strong start does not set a bar that another seed never sees. The
+    speed-up on a seed is the baseline's time to the target over the method's (0 when
+    the method never reaches it); the summary reports the median over seeds.
     """
     if baseline not in groups:
         raise ValueError(f"baseline {baseline!r} is not among the methods {sorted(groups)}")
-    target = fraction * float(np.mean([c.accuracy.max() for c in groups[baseline]]))
-    times = {label: float(np.median([c.first_time_reaching(target) for c in curves]))
-             for label, curves in groups.items()}
-    base_time = times[baseline]
+    seeds = {label: len(curves) for label, curves in groups.items()}
+    if len(set(seeds.values())) != 1 or not seeds[baseline]:
+        raise ValueError(f"every method needs the same seeds, paired by position; got runs per method {seeds}")
+    targets = [fraction * float(c.accuracy.max()) for c in groups[baseline]]
+    base_times = [c.first_time_reaching(t) for c, t in zip(groups[baseline], targets)]
     out = []
     for label, curves in groups.items():
+        times = [c.first_time_reaching(t) for c, t in zip(curves, targets)]
+        ratios = [_speedup(b, t) for b, t in zip(base_times, times)]
         peak = float(np.mean([c.accuracy.max() for c in curves]))
-        out.append(MethodSummary(label, peak, times[label], _speedup(base_time, times[label])))
+        out.append(MethodSummary(label, peak, float(np.median(times)), float(np.median(ratios)),
+                                 tuple(times), tuple(ratios)))
     return out
 
 
 def _speedup(base_time: float, time: float) -> float:
-    if not (math.isfinite(base_time) and math.isfinite(time)):
-        return math.nan  # one of them never reached the target
+    """Baseline time over this time on one seed; the baseline always reaches its own peak."""
+    if not math.isfinite(time):
+        return 0.0
     if time == 0:
         return math.inf if base_time > 0 else 1.0
     return base_time / time

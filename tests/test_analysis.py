@@ -29,19 +29,24 @@ def test_band_is_mean_plus_minus_t_times_standard_error():
     assert (b.low[0], b.high[0]) == pytest.approx((0.3 - half, 0.3 + half), abs=1e-6)
 
 
-def test_speedup_to_99_percent_of_the_baseline_peak():
-    grpo = [curve([(0, 0.2), (100, 0.5), (200, 0.6)]), curve([(0, 0.2), (100, 0.6), (200, 0.6)])]
-    pods = [curve([(0, 0.2), (50, 0.6), (200, 0.7)]), curve([(0, 0.2), (40, 0.65), (200, 0.7)])]
-    never = [curve([(0, 0.2), (200, 0.3)])]
+def test_speedup_to_99_percent_of_the_baseline_peak_per_seed():
+    grpo = [curve([(0, 0.2), (100, 0.5), (200, 0.6)]), curve([(0, 0.1), (100, 0.3), (200, 0.3)])]
+    pods = [curve([(0, 0.2), (50, 0.6), (200, 0.7)]), curve([(0, 0.1), (40, 0.3), (200, 0.3)])]
+    never = [curve([(0, 0.2), (200, 0.3)]), curve([(0, 0.1), (200, 0.2)])]
     rows = {r.label: r for r in analysis.summarize({"grpo": grpo, "pods": pods, "slow": never}, "grpo")}
-    # GRPO's mean peak 0.6 -> target 0.594. GRPO reaches it at 200 and 100 s (median 150);
-    # PODS at 50 and 40 s (median 45): speed-up 150 / 45 = 3.33.
+    # Seed 0: GRPO's peak 0.6 -> target 0.594, reached by GRPO at 200 s and PODS at 50 s.
+    # Seed 1: GRPO's peak 0.3 -> target 0.297, reached by GRPO at 100 s and PODS at 40 s.
+    # Median times: GRPO 150 s, PODS 45 s. Speed-ups per seed 200/50 = 4 and 100/40 = 2.5,
+    # median 3.25. A shared target (mean peak 0.45) would never be reached on seed 1.
     assert rows["grpo"].time_to_target == 150 and rows["grpo"].speedup == 1.0
-    assert rows["pods"].time_to_target == 45 and rows["pods"].speedup == pytest.approx(150 / 45)
-    assert rows["pods"].peak == pytest.approx(0.7)
-    assert rows["slow"].time_to_target == math.inf and math.isnan(rows["slow"].speedup)
+    assert rows["pods"].time_to_target == 45 and rows["pods"].speedup == pytest.approx(3.25)
+    assert rows["pods"].peak == pytest.approx(0.5)
+    assert rows["pods"].seed_times == (50, 40) and rows["pods"].seed_speedups == (4.0, 2.5)
+    assert rows["slow"].time_to_target == math.inf and rows["slow"].speedup == 0.0
     with pytest.raises(ValueError, match="baseline 'ppo' is not among"):
         analysis.summarize({"grpo": grpo}, "ppo")
+    with pytest.raises(ValueError, match="same seeds"):
+        analysis.summarize({"grpo": grpo, "pods": pods[:1]}, "grpo")
 
 
 def test_plot_writes_a_png(tmp_path):
