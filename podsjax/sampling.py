@@ -87,16 +87,27 @@ def _filter_logits(logits_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits_BV
 
 
+def _argmax(x_BV: jax.Array) -> jax.Array:
+    """``jnp.argmax(x_BV, -1)`` (first index of the max, NaN counts as max) as two plain
+    reductions: XLA CPU fuses max + iota/where/min far better than argmax's variadic reduce."""
+    max_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
+    iota_BV = lax.broadcasted_iota(jnp.int32, x_BV.shape, x_BV.ndim - 1)
+    hit_BV = (x_BV == max_B1) | jnp.isnan(x_BV)
+    return jnp.min(jnp.where(hit_BV, iota_BV, x_BV.shape[-1]), axis=-1)
+
+
 def _sample(logits_BV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
     """One token per row and its log-prob under the unfiltered tempered policy."""
     logits_BV = logits_BV.astype(jnp.float32)
     if cfg.temperature == 0:
-        tokens_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        tokens_B = _argmax(logits_BV)
         scaled_BV = logits_BV
     else:
         scaled_BV = logits_BV / cfg.temperature
         filtered_BV = _filter_logits(scaled_BV, cfg.top_k, cfg.top_p)
-        tokens_B = jax.random.categorical(key, filtered_BV, axis=-1).astype(jnp.int32)
+        # Gumbel-max, i.e. jax.random.categorical without its slow argmax on CPU.
+        gumbel_BV = jax.random.gumbel(key, filtered_BV.shape, jnp.float32)
+        tokens_B = _argmax(filtered_BV + gumbel_BV)
     picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, picked_B - jax.nn.logsumexp(scaled_BV, axis=-1)
 
@@ -115,7 +126,7 @@ def _prefill(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, prompt_mas
     """Prefills each prompt once and shares its cache and last logits across its n samples."""
     b, prompt_len = prompt_ids_BL.shape
     cache = init_cache(model.config, b, prompt_len + cfg.max_new_tokens, dtype=model.dtype)
-    logits_BLV, cache = prefill(model, params, prompt_ids_BL, prompt_mask_BL, cache, lora=lora)
+    logits_BLV, cache = prefill(model, params, prompt_ids_BL, prompt_mask_BL, cache, lora=lora, last_only=True)
     logits_BV = jnp.repeat(logits_BLV[:, -1], cfg.num_samples, axis=0)
     return _constrain_rows(model, logits_BV), cache.repeat(cfg.num_samples)
 

@@ -298,6 +298,21 @@ def test_prefill_then_decode_matches_full_forward(hf_models, jit_apply, cached_f
     np.testing.assert_array_equal(np.asarray(cache.positions_B), np.array(prompt_lengths) + new - 1)
 
 
+def test_prefill_last_only_equals_the_last_position_of_the_full_logits(hf_models, jit_apply):
+    for name in ("qwen2_tied_gqa", "qwen2_untied_mha"):  # tied and untied heads
+        _, _, model, params = hf_models[name]
+        ids_BL = random_ids(15, 2, 9)
+        mask_BL = np.ones_like(ids_BL)
+        mask_BL[1, :5] = 0
+        full = np.asarray(jit_apply(model, params, jnp.asarray(ids_BL), jnp.asarray(mask_BL)))
+        cache = pm.init_cache(model.config, batch=2, max_len=12, dtype=jnp.float32)
+        last, cache = jax.jit(lambda p, i, m, c: pm.prefill(model, p, i, m, c, last_only=True))(
+            params, jnp.asarray(ids_BL), jnp.asarray(mask_BL), cache)
+        assert last.shape == (2, 1, VOCAB)
+        assert np.abs(np.asarray(last) - full[:, -1:]).max() <= 1e-5
+        np.testing.assert_array_equal(np.asarray(cache.index_B), [9, 9])
+
+
 def test_shared_prefill_repeated_over_samples_decodes_in_while_loop(hf_models, jit_apply, cached_fns):
     """The sampler's pattern: prefill P prompts once, repeat n times, decode in a loop."""
     _, _, model, params = hf_models["llama_tied_gqa_llama3"]

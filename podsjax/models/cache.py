@@ -25,10 +25,10 @@ from jax.sharding import Mesh
 
 from podsjax import mesh as mesh_lib
 
-# Logical names of each cache field, for shardings.
+# Logical names of each cache field (of each layer's array for keys/values), for shardings.
 CACHE_LOGICAL_AXES = {
-    "keys_YBSKE": ("layers", "batch", "cache_slots", "kv_heads", "head_dim"),
-    "values_YBSKE": ("layers", "batch", "cache_slots", "kv_heads", "head_dim"),
+    "keys_BKSE": ("batch", "kv_heads", "cache_slots", "head_dim"),
+    "values_BKSE": ("batch", "kv_heads", "cache_slots", "head_dim"),
     "mask_BS": ("batch", "cache_slots"),
     "index_B": ("batch",),
     "positions_B": ("batch",),
@@ -39,16 +39,20 @@ CACHE_LOGICAL_AXES = {
 class KVCache:
     """Per-layer keys/values in S fixed slots, with per-row bookkeeping.
 
+    Keys/values are one buffer per layer, heads before slots: a decode step then reads
+    each layer's [B, K, S, E] as it is, with no per-layer slice of a stacked cache and
+    no transpose (each would copy the layer's whole cache every step).
+
     Attributes:
-        keys_YBSKE: [num_layers, B, S, K, E] rotated keys.
-        values_YBSKE: [num_layers, B, S, K, E].
+        keys_BKSE: tuple of num_layers [B, K, S, E] rotated keys.
+        values_BKSE: tuple of num_layers [B, K, S, E].
         mask_BS: bool, slot holds a real (non-pad) token.
         index_B: int32, next slot each row writes to.
         positions_B: int32, RoPE position of each row's next real token.
     """
 
-    keys_YBSKE: jax.Array
-    values_YBSKE: jax.Array
+    keys_BKSE: tuple[jax.Array, ...]
+    values_BKSE: tuple[jax.Array, ...]
     mask_BS: jax.Array
     index_B: jax.Array
     positions_B: jax.Array
@@ -60,8 +64,8 @@ class KVCache:
     def repeat(self, n: int) -> KVCache:
         """Repeats every row ``n`` times in place order: row b becomes rows b*n .. b*n+n-1."""
         return KVCache(
-            keys_YBSKE=jnp.repeat(self.keys_YBSKE, n, axis=1),
-            values_YBSKE=jnp.repeat(self.values_YBSKE, n, axis=1),
+            keys_BKSE=tuple(jnp.repeat(k, n, axis=0) for k in self.keys_BKSE),
+            values_BKSE=tuple(jnp.repeat(v, n, axis=0) for v in self.values_BKSE),
             mask_BS=jnp.repeat(self.mask_BS, n, axis=0),
             index_B=jnp.repeat(self.index_B, n, axis=0),
             positions_B=jnp.repeat(self.positions_B, n, axis=0),
@@ -78,12 +82,13 @@ def init_cache(config, batch: int, max_len: int, dtype: Any = jnp.bfloat16, mesh
         dtype: storage dtype of keys/values.
         mesh: when given, the cache is created directly in :func:`cache_shardings`.
     """
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+    layers = range(config.num_layers)
 
     def make():
         return KVCache(
-            keys_YBSKE=jnp.zeros(shape, dtype),
-            values_YBSKE=jnp.zeros(shape, dtype),
+            keys_BKSE=tuple(jnp.zeros(shape, dtype) for _ in layers),
+            values_BKSE=tuple(jnp.zeros(shape, dtype) for _ in layers),
             mask_BS=jnp.zeros((batch, max_len), bool),
             index_B=jnp.zeros((batch,), jnp.int32),
             positions_B=jnp.zeros((batch,), jnp.int32),
@@ -101,13 +106,14 @@ def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     in/out shardings of the sampler's jit.
     """
     return KVCache(**{
-        name: mesh_lib.logical_sharding(mesh, names, getattr(cache, name).shape)
+        name: jax.tree.map(lambda x, names=names: mesh_lib.logical_sharding(mesh, names, x.shape),
+                           getattr(cache, name))
         for name, names in CACHE_LOGICAL_AXES.items()
     })
 
 
 def prefill(model, params, input_ids_BL: jax.Array, attention_mask_BL: jax.Array, cache: KVCache,
-            *, lora=None) -> tuple[jax.Array, KVCache]:
+            *, lora=None, last_only: bool = False) -> tuple[jax.Array, KVCache]:
     """Runs the prompt through the model and fills the cache.
 
     Args:
@@ -117,11 +123,14 @@ def prefill(model, params, input_ids_BL: jax.Array, attention_mask_BL: jax.Array
         attention_mask_BL: 1 for real tokens.
         cache: an empty cache from :func:`init_cache` (or one to append a chunk to).
         lora: optional :class:`~podsjax.models.LoraParams`.
+        last_only: return logits for the last position only ([B, 1, V]), skipping the
+            LM head on the rest of the prompt.
 
     Returns:
         ``(logits_BLV, cache)``; ``logits_BLV[:, -1]`` predicts each row's first new token.
     """
-    return model.apply({"params": params}, input_ids_BL, attention_mask_BL, cache=cache, lora=lora)
+    return model.apply({"params": params}, input_ids_BL, attention_mask_BL, cache=cache, lora=lora,
+                       last_only=last_only)
 
 
 def decode_step(model, params, token_B1: jax.Array, cache: KVCache, *, lora=None,

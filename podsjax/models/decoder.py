@@ -118,22 +118,45 @@ class Projection(nn.Module):
         return y
 
 
-def attend(q_BLHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BLS: jax.Array) -> jax.Array:
+def attend(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BLS: jax.Array) -> jax.Array:
     """Grouped-query softmax attention; query head h uses kv head ``h // (H // K)``.
 
-    Scores and softmax are fp32. Disallowed scores get the most negative finite value
-    instead of -inf so a fully masked row (a left-pad query) gives a uniform average,
-    not NaN.
+    Keys/values come head-major ([B, K, S, E], the cache layout) so both matmuls take
+    them as they are. Scores and softmax are fp32. Disallowed scores get the most
+    negative finite value instead of -inf so a fully masked row (a left-pad query)
+    gives a uniform average, not NaN.
     """
     b, length, h, e = q_BLHE.shape
-    k = k_BSKE.shape[2]
+    k = k_BKSE.shape[1]
+    if length == 1:
+        return _attend_one(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
     q_BLKGE = q_BLHE.reshape(b, length, k, h // k, e)
-    scores_BKGLS = jnp.einsum("blkge,bske->bkgls", q_BLKGE, k_BSKE.astype(q_BLHE.dtype),
+    scores_BKGLS = jnp.einsum("blkge,bkse->bkgls", q_BLKGE, k_BKSE.astype(q_BLHE.dtype),
                               preferred_element_type=jnp.float32) * (e ** -0.5)
     scores_BKGLS = jnp.where(allowed_BLS[:, None, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
     probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(q_BLHE.dtype)
-    out_BLKGE = jnp.einsum("bkgls,bske->blkge", probs_BKGLS, v_BSKE.astype(q_BLHE.dtype))
+    out_BLKGE = jnp.einsum("bkgls,bkse->blkge", probs_BKGLS, v_BKSE.astype(q_BLHE.dtype))
     return out_BLKGE.reshape(b, length, h, e)
+
+
+def _attend_one(q_B1HE, k_BKSE, v_BKSE, allowed_B1S):
+    """:func:`attend` for one query per row (a decode step), all in fp32.
+
+    Broadcast multiply + sum instead of two batched matmuls with G x E x S this small:
+    on CPU that is fewer kernels and no transposed copies of scores or outputs.
+    """
+    b, _, h, e = q_B1HE.shape
+    k = k_BKSE.shape[1]
+    q_BKG1E = q_B1HE.reshape(b, k, h // k, 1, e).astype(jnp.float32)
+    scores_BKGS = jnp.sum(q_BKG1E * k_BKSE[:, :, None].astype(jnp.float32), axis=-1) * (e ** -0.5)
+    scores_BKGS = jnp.where(allowed_B1S[:, None], scores_BKGS, jnp.finfo(jnp.float32).min)
+    probs_BKGS1 = jax.nn.softmax(scores_BKGS, axis=-1)[..., None]
+    out_BKGE = jnp.sum(probs_BKGS1 * v_BKSE[:, :, None].astype(jnp.float32), axis=3)
+    return out_BKGE.reshape(b, 1, h, e).astype(q_B1HE.dtype)
+
+
+def _replace_at(items: tuple, i: int, item) -> tuple:
+    return items[:i] + (item,) + items[i + 1:]
 
 
 class Attention(nn.Module):
@@ -163,18 +186,19 @@ class Attention(nn.Module):
         k_BLKE = apply_rope(k_BLKE, positions_BL, inv_freq)
 
         if cache is not None:
-            # Scatter the new keys/values into this layer's slots of the stacked cache
-            # (in place when the cache is donated); out-of-range slots are dropped.
-            rows_B1 = jnp.arange(x_BLD.shape[0])[:, None]
-            keys = cache.keys_YBSKE.at[self.layer, rows_B1, slots_BL].set(k_BLKE.astype(cache.keys_YBSKE.dtype))
-            values = cache.values_YBSKE.at[self.layer, rows_B1, slots_BL].set(
-                v_BLKE.astype(cache.values_YBSKE.dtype))
-            cache = cache.replace(keys_YBSKE=keys, values_YBSKE=values)
-            k_BSKE, v_BSKE = keys[self.layer], values[self.layer]
+            # Scatter the new keys/values into this layer's cache slots (in place when the
+            # cache is donated); out-of-range slots are dropped. The slice between the
+            # advanced indices makes the update [B, L, K, E], as k_BLKE is.
+            rows_B1, i = jnp.arange(x_BLD.shape[0])[:, None], self.layer
+            k_BKSE, v_BKSE = cache.keys_BKSE[i], cache.values_BKSE[i]
+            k_BKSE = k_BKSE.at[rows_B1, :, slots_BL].set(k_BLKE.astype(k_BKSE.dtype))
+            v_BKSE = v_BKSE.at[rows_B1, :, slots_BL].set(v_BLKE.astype(v_BKSE.dtype))
+            cache = cache.replace(keys_BKSE=_replace_at(cache.keys_BKSE, i, k_BKSE),
+                                  values_BKSE=_replace_at(cache.values_BKSE, i, v_BKSE))
         else:
-            k_BSKE, v_BSKE = k_BLKE, v_BLKE
+            k_BKSE, v_BKSE = k_BLKE.transpose(0, 2, 1, 3), v_BLKE.transpose(0, 2, 1, 3)
 
-        out_BLHE = attend(q_BLHE, k_BSKE, v_BSKE, allowed_BLS)
+        out_BLHE = attend(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
         return proj("o", (d,), ("q_heads", "head_dim"), ("embed",), False, out_BLHE), cache
 
 
@@ -289,6 +313,7 @@ class Decoder(nn.Module):
         positions_BL: jax.Array | None = None,
         cache: KVCache | None = None,
         lora: LoraParams | None = None,
+        last_only: bool = False,
     ):
         """Runs the decoder.
 
@@ -302,6 +327,8 @@ class Decoder(nn.Module):
                 ``cache.index_B`` and attend to every valid earlier slot; L may be the
                 whole prompt (prefill) or 1 (a decode step).
             lora: LoRA adapters; None runs the base model.
+            last_only: compute logits for the last position only, [B, 1, V] (prefill
+                needs just those; the LM head would otherwise cost L times as much).
 
         Returns:
             fp32 logits [B, L, V]; with a cache, ``(logits_BLV, updated_cache)``.
@@ -339,6 +366,8 @@ class Decoder(nn.Module):
             block = block_cls(cfg, i, self.dtype, self.param_dtype, self.mesh, name=f"layers_{i}")
             x_BLD, cache = block(x_BLD, positions_BL, allowed_BLS, cache, slots_BL,
                                  lora_weights.get(f"layers_{i}"), lora_scale)
+        if last_only:
+            x_BLD = x_BLD[:, -1:]
         x_BLD = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, name="final_norm")(x_BLD)
         if cfg.tie_word_embeddings:
             logits_BLV = embed.attend(x_BLD)
