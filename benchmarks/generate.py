@@ -42,10 +42,8 @@ import argparse
 import os
 import time
 
-from benchmarks.machine import (
-    cpu_name, cpu_snapshot, others_busy, busy_cores,
-    busy_note, busy_warning, usable_cores, interleaved_medians,
-)
+from benchmarks.machine import busy_note, busy_warning, cpu_snapshot, interleaved_medians, others_busy, print_machine
+from benchmarks.qwen_model import add_model_args, build_hf_model, describe, to_podsjax
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.join(REPO_ROOT, "..", "shared", "data")
@@ -55,45 +53,19 @@ TASK_DIRS = {"gsm8k": "gsm8k", "math": "math500"}
 # ------------------------------------------------------------------ generation
 
 
-def build_hf_model(args):
-    import torch
-    import transformers
-
-    config = transformers.Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(2048, args.prompt_len + args.new_tokens),
-        tie_word_embeddings=args.tied,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    torch.manual_seed(args.seed)
-    return transformers.Qwen2ForCausalLM(config).eval()
-
-
 def run_generate(args) -> dict:
-    import tempfile
-
     import jax
     import jax.numpy as jnp
     import numpy as np
     import torch
 
-    import podsjax.models
     from podsjax.sampling import generate
 
-    hf_model = build_hf_model(args)
+    # EOS off: no token id ends a transformers row early.
+    hf_model = build_hf_model(args, args.prompt_len + args.new_tokens, bos_token_id=None, eos_token_id=None,
+                              pad_token_id=0)
     num_params = sum(p.numel() for p in hf_model.parameters())  # tied weights counted once
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_model.save_pretrained(tmp)
-        model, params = podsjax.models.from_pretrained(tmp, dtype=jnp.float32)
+    model, params = to_podsjax(hf_model)
 
     p, length, t_new = args.prompts, args.prompt_len, args.new_tokens
     rng = np.random.default_rng(args.seed)
@@ -235,16 +207,7 @@ def main(argv=None):
     parser.add_argument("--prompts", type=int, default=32, help="P, prompts (one sample each)")
     parser.add_argument("--prompt-len", type=int, default=64, help="L, tokens per prompt")
     parser.add_argument("--new-tokens", type=int, default=128, help="T, tokens sampled per prompt")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--untied", dest="tied", action="store_false", help="separate LM head (adds V x D params)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender after one warm-up")
-    parser.add_argument("--threads", type=int, default=usable_cores(), help="torch intra-op threads")
-    parser.add_argument("--seed", type=int, default=0)
+    add_model_args(parser)
     parser.add_argument("--data", default=DEFAULT_DATA, help="folder holding gsm8k/test.jsonl and math500/test.jsonl")
     parser.add_argument("--tasks", type=lambda s: [t for t in s.split(",") if t], default=["gsm8k", "math"],
                         help="reward tasks, comma-separated (gsm8k, math); empty skips rewards")
@@ -259,29 +222,17 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"error: unknown --tasks {unknown}; expected gsm8k and/or math")
 
-    import jax
     import torch
     import transformers
 
     torch.set_num_threads(args.threads)
-    device = jax.devices()[0]
-    busy_before = busy_cores()
-    print(
-        f"machine: {cpu_name()}, {usable_cores()} cores, {jax.device_count()} x {device.device_kind}, "
-        f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}; before the run {busy_note(busy_before)}"
-    )
-    warning = busy_warning(busy_before)
-    if warning:
-        print(warning)
+    warning = busy_warning(print_machine(torch, transformers))
     start, since = time.perf_counter(), cpu_snapshot()
     if not args.skip_generate:
         r = run_generate(args)
         busy_during = others_busy(since)
         print(
-            f"model: {r['num_params']:,} params, {args.layers} layers, hidden {args.hidden}, "
-            f"heads {args.heads}/{args.kv_heads} kv, mlp {args.intermediate}, vocab {args.vocab}, "
-            f"{'tied' if args.tied else 'untied'} head; temperature 1, EOS off (all lengths checked == "
+            f"model: {describe(args, r['num_params'])}; temperature 1, EOS off (all lengths checked == "
             f"{args.new_tokens}); transformers attention: {r['attn_impl']}, default dynamic cache; "
             f"podsjax first call (compile + run) {r['first_call_s']:.1f} s; "
             f"median of {args.repeats} interleaved runs after 1 warm-up"
