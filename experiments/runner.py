@@ -66,6 +66,13 @@ def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool) -> int:
     if not resume:
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
+    try:
+        return _train_and_export(config, out_dir, mesh)
+    except (prompts.PromptError, pm.CheckpointError) as exc:  # a bad checkpoint or template: one line
+        raise UsageError(str(exc)) from None
+
+
+def _train_and_export(config: dict, out_dir: str, mesh) -> int:
     if config["model_path"] is None:
         checkpoint, train_set, test_set = _tiny(config, out_dir)
     else:

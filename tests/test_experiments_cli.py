@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,3 +111,23 @@ def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, t
         assert steps == [1, 2]
         assert (out / "final_model" / "config.json").is_file()
         assert not (out / "tiny_warmup").exists()  # the shared warm-up was used
+
+
+def test_a_chat_template_that_fails_gives_one_line_and_exit_2(checkpoint, shared_data_dir, tmp_path):
+    broken = tmp_path / "broken_ckpt"
+    shutil.copytree(checkpoint, broken)
+    jinja = broken / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text("{{ messages | no_such_filter }}")
+    else:
+        config_path = broken / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["chat_template"] = "{{ messages | no_such_filter }}"
+        config_path.write_text(json.dumps(config))
+    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    done = run_cli(["--model", str(broken), "--data", os.path.join(gsm8k, "train.jsonl"),
+                    "--eval-data", os.path.join(gsm8k, "test.jsonl"), "--max-steps", "1", "--no-progress",
+                    "--reward-workers", "1", "--out", str(tmp_path / "run")])
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().startswith("error: ") and "chat template" in done.stderr
+    assert "Traceback" not in done.stderr
