@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import transformers
 
-from benchmarks.machine import busy_note, busy_warning, cpu_snapshot, interleaved_medians, others_busy, print_machine
+from benchmarks.machine import busy_warning, cpu_snapshot, interleaved_medians, others_busy, print_machine, print_runs
 from benchmarks.qwen_model import add_model_args, build_hf_model, describe, to_podsjax
 
 
@@ -110,13 +110,8 @@ def main(argv=None):
         f" (the logit check)"
     )
     print(format_table(args, r))
-    print(
-        "runs (s): podsjax " + ", ".join(f"{t:.2f}" for t in r["times_jax"])
-        + "; transformers " + ", ".join(f"{t:.2f}" for t in r["times_pt"])
-        + f"; total {time.perf_counter() - start:.0f} s; during the run {busy_note(busy_during)}"
-    )
-    if not warning and busy_warning(busy_during):
-        print(busy_warning(busy_during))
+    print_runs({"podsjax": r["times_jax"], "transformers": r["times_pt"]}, busy_during, bool(warning),
+               during=f"total {time.perf_counter() - start:.0f} s; during the run")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import argparse
 import os
 import time
 
-from benchmarks.machine import busy_note, busy_warning, cpu_snapshot, interleaved_medians, others_busy, print_machine
+from benchmarks.machine import busy_warning, cpu_snapshot, interleaved_medians, others_busy, print_machine, print_runs
 from benchmarks.qwen_model import add_model_args, build_hf_model, describe, to_podsjax
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -238,13 +238,8 @@ def main(argv=None):
             f"median of {args.repeats} interleaved runs after 1 warm-up"
         )
         print(format_generate_table(args, r))
-        print(
-            "runs (s): podsjax " + ", ".join(f"{t:.2f}" for t in r["times_jax"])
-            + "; transformers " + ", ".join(f"{t:.2f}" for t in r["times_pt"])
-            + f"; during generation {busy_note(busy_during)}"
-        )
-        if not warning and busy_warning(busy_during):
-            print(busy_warning(busy_during))
+        print_runs({"podsjax": r["times_jax"], "transformers": r["times_pt"]}, busy_during, bool(warning),
+                   during="during generation")
     if args.tasks:
         rows, startup_s = run_rewards(args)
         print(

@@ -106,3 +106,11 @@ def print_machine(torch, transformers) -> float | None:
     if busy_warning(busy):
         print(busy_warning(busy))
     return busy
+
+
+def print_runs(times: dict, busy_during: float | None, already_warned: bool, during: str = "during the runs") -> None:
+    """The raw timings of each contender and the load they ran under (warning once if it was busy)."""
+    runs = "; ".join(f"{name} " + ", ".join(f"{t:.2f}" for t in ts) for name, ts in times.items())
+    print(f"runs (s): {runs}; {during} {busy_note(busy_during)}")
+    if not already_warned and busy_warning(busy_during):
+        print(busy_warning(busy_during))

@@ -40,7 +40,9 @@ import numpy as np
 import torch
 import transformers
 
-from benchmarks.machine import busy_note, busy_warning, cpu_snapshot, interleaved_medians, others_busy, print_machine
+from benchmarks.machine import (
+    busy_note, busy_warning, cpu_snapshot, interleaved_medians, others_busy, print_machine, print_runs,
+)
 from benchmarks.qwen_model import add_model_args, build_hf_model, describe, to_podsjax
 from podsjax import train
 
@@ -59,7 +61,7 @@ def make_batch(args) -> dict[str, np.ndarray]:
     return dict(ids=ids, attention_mask=attention_mask, completion_mask=completion_mask, advantages=advantages)
 
 
-def podsjax_step(args, model, params, batch, config):
+def podsjax_step(model, params, batch, config):
     optimizer = train.make_optimizer(config)
     policy, _ = train.full_apply_fn(model)
     step = jax.jit(train.make_train_step(policy, optimizer, config), donate_argnums=0)
@@ -113,7 +115,7 @@ def run_update(args):
     model, params = to_podsjax(hf_model)
     config = train.preset("grpo", n=args.batch, m=args.batch, learning_rate=1e-6, temperature=0.9)
     batch = make_batch(args)
-    jax_once, torch_once = podsjax_step(args, model, params, batch, config), torch_step(args, hf_model, batch, config)
+    jax_once, torch_once = podsjax_step(model, params, batch, config), torch_step(args, hf_model, batch, config)
     t0 = time.perf_counter()
     norm_jax = jax_once()  # compiles
     first_call_s = time.perf_counter() - t0
@@ -202,11 +204,7 @@ def main(argv=None):
               f"podsjax first call (compile + run) {r['first_call_s']:.1f} s; median of {args.repeats} "
               f"interleaved runs after 1 warm-up")
         print(format_update_table(args, r))
-        print("runs (s): podsjax " + ", ".join(f"{t:.2f}" for t in r["times_jax"])
-              + "; PyTorch " + ", ".join(f"{t:.2f}" for t in r["times_pt"])
-              + f"; during the runs {busy_note(busy_during)}")
-        if not warning and busy_warning(busy_during):
-            print(busy_warning(busy_during))
+        print_runs({"podsjax": r["times_jax"], "PyTorch": r["times_pt"]}, busy_during, bool(warning))
     if args.phases:
         since = cpu_snapshot()
         results = run_phases(args)

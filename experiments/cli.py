@@ -192,10 +192,9 @@ def tiny_defaults(method: str, run: dict, model: dict) -> dict:
     model.update(lora_rank=None if d["full_finetune"] else 64, dtype="float32")
     from podsjax.train import preset
 
-    overrides = {"learning_rate": d["learning_rate"], "temperature": d["temperature"]}
-    if method == "grpo":
-        return dataclasses.asdict(preset(method, n=d["m"], m=d["m"], **overrides))
-    return dataclasses.asdict(preset(method, n=d["n"], m=d["m"], **overrides))
+    n = d["m"] if method == "grpo" else d["n"]  # GRPO trains every rollout it generates
+    return dataclasses.asdict(preset(method, n=n, m=d["m"], learning_rate=d["learning_rate"],
+                                     temperature=d["temperature"]))
 
 
 def main(task: str, argv=None) -> int:
