@@ -260,10 +260,13 @@ class StepMetrics:
 
 
 def completion_logits(logits_fn: Callable, batch: TrainBatch) -> jax.Array:
-    """Logits [B, T, V] that predict each completion token; ``logits_fn(ids, mask) -> [B, L, V]``."""
-    logits_BLV = logits_fn(batch.input_ids, batch.attention_mask)
+    """Logits [B, T, V] that predict each completion token.
+
+    ``logits_fn(ids_BL, mask_BL, logits_slice)`` returns the logits of the positions in
+    ``logits_slice`` only, so the LM head never runs on prompt positions.
+    """
     t = batch.completion_length
-    return logits_BLV[:, -t - 1 : -1]
+    return logits_fn(batch.input_ids, batch.attention_mask, slice(-t - 1, -1))
 
 
 def _split(batch: TrainBatch, k: int) -> TrainBatch:
@@ -280,12 +283,13 @@ def make_train_step(
     """Builds the pure update ``step(state, batch, frozen) -> (state, StepMetrics)``.
 
     Args:
-      apply_fn: ``apply_fn(trainable, frozen, ids_BL, mask_BL) -> logits_BLV``: the
-        policy. For LoRA, ``trainable`` is the LoRA tree and ``frozen`` the base
-        params; for full fine-tuning ``trainable`` is the params.
+      apply_fn: ``apply_fn(trainable, frozen, ids_BL, mask_BL, logits_slice) -> logits``:
+        the policy, returning fp32 logits for the positions in the static slice
+        ``logits_slice`` of the length axis. For LoRA, ``trainable`` is the LoRA tree
+        and ``frozen`` the base params; for full fine-tuning ``trainable`` is the params.
       optimizer: the optax transformation whose state is in ``TrainState``.
       config: the algorithm.
-      reference_fn: ``reference_fn(frozen, ids_BL, mask_BL) -> logits_BLV`` of the
+      reference_fn: ``reference_fn(frozen, ids_BL, mask_BL, logits_slice) -> logits`` of the
         reference policy, needed iff ``config.beta > 0`` (for LoRA: the base with
         LoRA off, so no second copy of the weights).
 
@@ -322,7 +326,7 @@ def make_train_step(
             grads, loss, metric_sums = carry
             mb, old_BT, ref_BT = xs
             (mb_loss, (metrics, entropy)), mb_grads = grad_fn(state.params, frozen, mb, old_BT, ref_BT, denominator)
-            grads = jax.tree.map(jnp.add, grads, mb_grads)
+            grads = mb_grads if grads is None else jax.tree.map(jnp.add, grads, mb_grads)
             tokens = metrics.num_tokens
             sums = (
                 metric_sums[0] + metrics.clip_frac_low * tokens,
@@ -333,17 +337,28 @@ def make_train_step(
             )
             return (grads, loss + mb_loss, sums), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        init = (zeros, jnp.zeros((), jnp.float32), (jnp.zeros((), jnp.float32),) * 5)
-        (grads, loss, sums), _ = jax.lax.scan(accumulate, init, (batches, old_kBT, ref_kBT))
+        if k == 1:
+            # One micro-batch: no scan, so no zero-filled accumulator to add into.
+            one = jax.tree.map(lambda x: x[0], (batches, old_kBT, ref_kBT))
+            zero = jnp.zeros((), jnp.float32)
+            (grads, loss, sums), _ = accumulate((None, zero, (zero,) * 5), one)
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            init = (zeros, jnp.zeros((), jnp.float32), (jnp.zeros((), jnp.float32),) * 5)
+            (grads, loss, sums), _ = jax.lax.scan(accumulate, init, (batches, old_kBT, ref_kBT))
         grad_norm = _tree_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+
+        def apply_update(_):
+            updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), new_opt
+
+        # A cond, not a where over every leaf: the skip branch costs nothing and the
+        # update branch writes params and moments once.
+        new_params, new_opt = jax.lax.cond(finite, apply_update, lambda _: (state.params, state.opt_state), None)
         state = state.replace(
-            params=jax.tree.map(keep, new_params, state.params),
-            opt_state=jax.tree.map(keep, new_opt, state.opt_state),
+            params=new_params,
+            opt_state=new_opt,
             step=state.step + 1,
             skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
         )
@@ -397,11 +412,11 @@ def make_train_step(
 def lora_apply_fn(model) -> tuple[Callable, Callable]:
     """(policy, reference) apply functions for LoRA training on a frozen base."""
 
-    def policy(lora, base, ids, mask):
-        return model.apply({"params": base}, ids, attention_mask=mask, lora=lora)
+    def policy(lora, base, ids, mask, logits_slice=None):
+        return model.apply({"params": base}, ids, attention_mask=mask, lora=lora, logits_slice=logits_slice)
 
-    def reference(base, ids, mask):
-        return model.apply({"params": base}, ids, attention_mask=mask)
+    def reference(base, ids, mask, logits_slice=None):
+        return model.apply({"params": base}, ids, attention_mask=mask, logits_slice=logits_slice)
 
     return policy, reference
 
@@ -409,11 +424,11 @@ def lora_apply_fn(model) -> tuple[Callable, Callable]:
 def full_apply_fn(model) -> tuple[Callable, Callable]:
     """(policy, reference) apply functions for full fine-tuning; ``frozen`` holds the reference params."""
 
-    def policy(params, reference_params, ids, mask):
+    def policy(params, reference_params, ids, mask, logits_slice=None):
         del reference_params
-        return model.apply({"params": params}, ids, attention_mask=mask)
+        return model.apply({"params": params}, ids, attention_mask=mask, logits_slice=logits_slice)
 
-    def reference(reference_params, ids, mask):
-        return model.apply({"params": reference_params}, ids, attention_mask=mask)
+    def reference(reference_params, ids, mask, logits_slice=None):
+        return model.apply({"params": reference_params}, ids, attention_mask=mask, logits_slice=logits_slice)
 
     return policy, reference

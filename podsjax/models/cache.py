@@ -130,7 +130,7 @@ def prefill(model, params, input_ids_BL: jax.Array, attention_mask_BL: jax.Array
         ``(logits_BLV, cache)``; ``logits_BLV[:, -1]`` predicts each row's first new token.
     """
     return model.apply({"params": params}, input_ids_BL, attention_mask_BL, cache=cache, lora=lora,
-                       last_only=last_only)
+                       logits_slice=slice(-1, None) if last_only else None)
 
 
 def decode_step(model, params, token_B1: jax.Array, cache: KVCache, *, lora=None,
