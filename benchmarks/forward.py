@@ -100,7 +100,7 @@ def main(argv=None):
         raise SystemExit("error: --repeats must be >= 1")
 
     torch.set_num_threads(args.threads)
-    warning = busy_warning(print_machine(torch, transformers))
+    warning = busy_warning(print_machine(torch, transformers, args.retain_memory))
     start, since = time.perf_counter(), cpu_snapshot()
     r = run(args)
     busy_during = others_busy(since)

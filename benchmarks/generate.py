@@ -226,7 +226,7 @@ def main(argv=None):
     import transformers
 
     torch.set_num_threads(args.threads)
-    warning = busy_warning(print_machine(torch, transformers))
+    warning = busy_warning(print_machine(torch, transformers, args.retain_memory))
     start, since = time.perf_counter(), cpu_snapshot()
     if not args.skip_generate:
         r = run_generate(args)

@@ -93,15 +93,25 @@ def interleaved_medians(fns, repeats: int, warm_up: bool = True) -> list[tuple[f
     return [(statistics.median(t), t) for t in times]
 
 
-def print_machine(torch, transformers) -> float | None:
-    """Prints the machine line (and a warning when it is busy); returns the cores other work kept busy."""
+def print_machine(torch, transformers, retain_memory: bool = True) -> float | None:
+    """Prints the machine line (and a warning when it is busy); returns the cores other work kept busy.
+
+    Runs before JAX starts, so it also applies the host allocator settings the
+    podsjax CLI uses (``podsjax.host_memory``) unless ``retain_memory`` is False;
+    they are process-wide, so every contender runs under them.
+    """
+    from podsjax import host_memory
+
+    allocator = "glibc defaults"
+    if retain_memory and host_memory.retain_freed_memory():
+        allocator = "freed memory retained (podsjax.host_memory, for every contender)"
     import jax
 
     busy = busy_cores()
     print(
         f"machine: {cpu_name()}, {usable_cores()} cores, {jax.device_count()} x {jax.devices()[0].device_kind}, "
         f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}; before the run {busy_note(busy)}"
+        f"transformers {transformers.__version__}; host allocator: {allocator}; before the run {busy_note(busy)}"
     )
     if busy_warning(busy):
         print(busy_warning(busy))

@@ -20,6 +20,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender after one warm-up")
     parser.add_argument("--threads", type=int, default=usable_cores(), help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--glibc-defaults", dest="retain_memory", action="store_false",
+                        help="leave malloc as glibc sets it up (default: retain freed memory, as the CLI does)")
 
 
 def build_hf_model(args, max_positions: int, **config_overrides):

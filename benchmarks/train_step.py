@@ -194,7 +194,7 @@ def main(argv=None):
         raise SystemExit("error: --repeats must be >= 1 and --phase-steps >= 2")
 
     torch.set_num_threads(args.threads)
-    warning = busy_warning(print_machine(torch, transformers))
+    warning = busy_warning(print_machine(torch, transformers, args.retain_memory))
     start = time.perf_counter()
     if not args.skip_update:
         since = cpu_snapshot()

@@ -120,7 +120,11 @@ def mesh_device_count(spec: str | None) -> int:
 
 
 def prepare_devices(spec: str | None) -> None:
-    """Gives the CPU platform enough host devices for the mesh; must run before JAX starts."""
+    """Gives the CPU platform enough host devices for the mesh and keeps freed host
+    memory for reuse (``podsjax.host_memory``); must run before JAX starts."""
+    from podsjax import host_memory
+
+    host_memory.retain_freed_memory()
     if "jax" in sys.modules:
         return
     count = mesh_device_count(spec)

@@ -10,6 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# The CLI and the benchmarks keep freed host memory for reuse; tests run the same way.
+from podsjax import host_memory  # noqa: E402
+
+host_memory.retain_freed_memory()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
