@@ -125,6 +125,13 @@ def _rule_for(name: str | None, rules: Rules) -> tuple[str, ...]:
     raise KeyError(f"logical axis {name!r} has no rule; known: {[r[0] for r in rules]}")
 
 
+def shard_count(mesh: Mesh | None, name: str, rules: Rules = LOGICAL_AXIS_RULES) -> int:
+    """How many ways ``mesh`` splits a dimension with logical name ``name`` (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    return int(np.prod([mesh.shape[axis] for axis in _rule_for(name, rules)], dtype=np.int64))
+
+
 def logical_to_spec(
     names: Sequence[str | None],
     mesh: Mesh | None = None,

@@ -6,6 +6,8 @@ tolerance would prove little), and norms/biases are randomised too so a wrong ma
 of any of them shows up.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -203,6 +205,53 @@ def test_left_padded_batch_matches_unpadded_sequences(hf_models, jit_apply, name
         alone_hf = hf_logits(hf, ids_BL[row:row + 1, width - n:])[0]
         assert np.abs(padded[row, width - n:] - alone_hf).max() <= 1e-4
     assert np.isfinite(padded).all()  # fully masked pad queries must not produce NaN
+
+
+def test_long_batches_take_the_chunked_causal_attention_and_match_transformers(hf_models, monkeypatch):
+    from podsjax.models import decoder
+
+    _, hf, model, params = hf_models["qwen2_tied_gqa"]
+    lengths, width = [256, 200, 131, 64, 9], 256  # 5 x 4 heads x 256^2 scores: above CHUNK_MIN_SCORES
+    assert len(lengths) * 4 * width**2 >= decoder.CHUNK_MIN_SCORES
+    real, calls = decoder.causal_attend, []
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(decoder, "causal_attend", counting)
+    ids_BL = random_ids(5, len(lengths), width)
+    mask_BL = (np.arange(width)[None] >= width - np.asarray(lengths)[:, None]).astype(np.int32)
+    logits = np.asarray(jax.jit(lambda p, i, m: model.apply({"params": p}, i, attention_mask=m))(
+        params, jnp.asarray(ids_BL), jnp.asarray(mask_BL)))
+    assert len(calls) == model.config.num_layers  # every layer went through the chunked path
+    for row, n in enumerate(lengths):
+        alone_hf = hf_logits(hf, ids_BL[row:row + 1, width - n:])[0]
+        assert np.abs(logits[row, width - n:] - alone_hf).max() <= 1e-4
+    assert np.isfinite(logits).all()
+
+
+def test_causal_attend_chunks_give_attend_values_and_gradients():
+    from podsjax.models import decoder
+
+    b, length, h, k, e = 2, 200, 4, 2, 8  # 200 = 3 full chunks of 64 + one of 8
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, length, h, e))
+    kk = jax.random.normal(keys[1], (b, k, length, e))
+    v = jax.random.normal(keys[2], (b, k, length, e))
+    mask = jnp.ones((b, length), bool).at[1, :37].set(False)  # a left-padded row
+    allowed = jnp.tril(jnp.ones((length, length), bool))[None] & mask[:, None, :]
+    weights = jax.random.normal(keys[3], (b, length, h, e)) * mask[:, :, None, None]  # pad queries excluded
+
+    def loss(fn, q, kk, v):
+        return jnp.sum(fn(q, kk, v, allowed) * weights)
+
+    ref = jax.jit(jax.value_and_grad(functools.partial(loss, decoder.attend), argnums=(0, 1, 2)))(q, kk, v)
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, decoder.causal_attend), argnums=(0, 1, 2)))(q, kk, v)
+    assert abs(float(got[0]) - float(ref[0])) <= 1e-4 * max(1.0, abs(float(ref[0])))
+    for g, r in zip(got[1], ref[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5)
+    assert float(jnp.max(jnp.abs(ref[1][0]))) > 0  # the gradients compared are not all zero
 
 
 def test_positions_come_from_the_attention_mask(hf_models):
