@@ -12,16 +12,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import time
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
 from podsjax import mesh as mesh_lib
-from podsjax.models.cache import KVCache, decode_step, init_cache, prefill
+from podsjax.models.cache import KVCache, cache_shardings, decode_step, init_cache, prefill
 
 
 @flax.struct.dataclass
@@ -47,7 +49,12 @@ class Rollouts:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """Static sampling settings (hashable: each distinct one compiles once)."""
+    """Sampling settings; all but ``temperature`` are static (each distinct one compiles once).
+
+    Temperature is a traced input of the decode program, so greedy evaluation and
+    sampled rollouts of the same shape share one executable; ``num_samples`` only
+    shapes the prefill.
+    """
 
     num_samples: int
     max_new_tokens: int
@@ -70,6 +77,15 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0 (0 = off); got {self.top_k}")
         if not self.eos_token_ids:
             raise ValueError("eos_token_ids must name at least one token (e.g. tokenizer.eos_token_id)")
+
+    @property
+    def decode_key(self) -> SamplingConfig:
+        """The fields the decode program depends on (temperature and sample count left out)."""
+        return dataclasses.replace(self, num_samples=1, temperature=1.0)
+
+    @property
+    def prefill_key(self) -> tuple[int, int]:
+        return self.num_samples, self.max_new_tokens
 
 
 def _filter_logits(logits_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -96,18 +112,22 @@ def _argmax(x_BV: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit_BV, iota_BV, x_BV.shape[-1]), axis=-1)
 
 
-def _sample(logits_BV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-    """One token per row and its log-prob under the unfiltered tempered policy."""
+def _sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
+            cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """One token per row and its log-prob under the unfiltered tempered policy.
+
+    ``temperature`` is a traced scalar; 0 is greedy and reports log-probs at temperature 1.
+    """
     logits_BV = logits_BV.astype(jnp.float32)
-    if cfg.temperature == 0:
-        tokens_B = _argmax(logits_BV)
-        scaled_BV = logits_BV
-    else:
-        scaled_BV = logits_BV / cfg.temperature
+    greedy = temperature <= 0
+    scaled_BV = logits_BV / jnp.where(greedy, 1.0, temperature)
+
+    def sampled():
         filtered_BV = _filter_logits(scaled_BV, cfg.top_k, cfg.top_p)
-        # Gumbel-max, i.e. jax.random.categorical without its slow argmax on CPU.
-        gumbel_BV = jax.random.gumbel(key, filtered_BV.shape, jnp.float32)
-        tokens_B = _argmax(filtered_BV + gumbel_BV)
+        # Gumbel-max: jax.random.categorical's sampling rule, with a cheaper argmax.
+        return _argmax(filtered_BV + jax.random.gumbel(key, filtered_BV.shape, jnp.float32))
+
+    tokens_B = lax.cond(greedy, lambda: _argmax(logits_BV), sampled)
     picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, picked_B - jax.nn.logsumexp(scaled_BV, axis=-1)
 
@@ -122,20 +142,24 @@ class _Carry:
     cache: KVCache
 
 
-def _prefill(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, prompt_mask_BL):
+def _prefill(model, num_samples: int, max_new_tokens: int, params, lora, prompt_ids_BL, prompt_mask_BL):
     """Prefills each prompt once and shares its cache and last logits across its n samples."""
     b, prompt_len = prompt_ids_BL.shape
-    cache = init_cache(model.config, b, prompt_len + cfg.max_new_tokens, dtype=model.dtype)
+    cache = init_cache(model.config, b, prompt_len + max_new_tokens, dtype=model.dtype)
     logits_BLV, cache = prefill(model, params, prompt_ids_BL, prompt_mask_BL, cache, lora=lora, last_only=True)
-    logits_BV = jnp.repeat(logits_BLV[:, -1], cfg.num_samples, axis=0)
-    return _constrain_rows(model, logits_BV), cache.repeat(cfg.num_samples)
+    logits_BV = jnp.repeat(logits_BLV[:, -1], num_samples, axis=0)
+    cache = cache.repeat(num_samples)
+    if model.mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, model.mesh))
+    return _constrain_rows(model, logits_BV), cache
 
 
 def _constrain_rows(model, x):
     return mesh_lib.constrain(x, model.mesh, ("batch",) + (None,) * (x.ndim - 1))
 
 
-def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key) -> tuple[Rollouts, KVCache]:
+def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key,
+            temperature) -> tuple[Rollouts, KVCache]:
     """Samples up to T tokens per row in one while_loop.
 
     The final cache is returned so the donated input cache aliases it and the
@@ -148,7 +172,7 @@ def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key) -> 
         return (c.step < t_max) & ~jnp.all(c.done_B)
 
     def body(c: _Carry) -> _Carry:
-        token_B, logprob_B = _sample(c.logits_BV, jax.random.fold_in(key, c.step), cfg)
+        token_B, logprob_B = _sample(c.logits_BV, jax.random.fold_in(key, c.step), temperature, cfg)
         token_B = jnp.where(c.done_B, cfg.pad_token_id, token_B)
         logprob_B = jnp.where(c.done_B, 0.0, logprob_B)
         done_B = c.done_B | jnp.any(token_B[:, None] == eos_E, axis=-1)
@@ -184,11 +208,70 @@ def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key) -> 
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(model, cfg: SamplingConfig):
-    """The two jitted stages for (model, settings); shapes are bucketed by the caller."""
-    prefill_fn = jax.jit(functools.partial(_prefill, model, cfg))
-    decode_fn = jax.jit(functools.partial(_decode, model, cfg), donate_argnums=3)
-    return prefill_fn, decode_fn
+def _jitted_prefill(model, key: tuple[int, int]):
+    return jax.jit(functools.partial(_prefill, model, *key))
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_decode(model, cfg: SamplingConfig):
+    return jax.jit(functools.partial(_decode, model, cfg), donate_argnums=3)
+
+
+def jitted_stages(model, cfg: SamplingConfig):
+    """The jitted ``(prefill, decode)`` for (model, settings), shared by every caller.
+
+    ``prefill(params, lora, ids_BL, mask_BL) -> (logits_BV, cache)`` and
+    ``decode(params, lora, logits_BV, cache, key, temperature) -> (Rollouts, cache)``;
+    each compiles once per input shape (prompt bucket and row count).
+    """
+    return _jitted_prefill(model, cfg.prefill_key), _jitted_decode(model, cfg.decode_key)
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_samples: int, max_new_tokens: int,
+                     top_p: float = 1.0, top_k: int = 0, eos_token_ids=(0,), pad_token_id: int = 0) -> dict:
+    """Compiles the two generation stages ahead of time for one prompt shape.
+
+    ``params`` and ``lora`` may be concrete or ``jax.ShapeDtypeStruct`` trees (with
+    shardings under a mesh), so the memory of a run can be known before any weight is
+    loaded. Compiled stages land in JAX's caches, so a later :func:`generate` of the same
+    shape does not compile again in-process (or loads from the persistent cache).
+
+    Returns:
+        ``{"prefill": Compiled, "decode": Compiled, "kv_cache_bytes": int (per device),
+        "compile_s": {"prefill": s, "decode": s}}``.
+    """
+    cfg = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
+                         top_k=top_k, eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id)
+    prefill_fn, decode_fn = jitted_stages(model, cfg)
+    params, lora = jax.tree.map(_abstract, (params, lora))
+    ids = jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32)
+    timings, out = {}, {}
+    start = time.perf_counter()
+    out["prefill"] = prefill_fn.lower(params, lora, ids, ids).compile()
+    timings["prefill"] = time.perf_counter() - start
+    logits, cache = jax.eval_shape(prefill_fn, params, lora, ids, ids)
+    if model.mesh is not None:
+        cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                             cache_shardings(cache, model.mesh))
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype,
+                                      sharding=mesh_lib.batch_sharding(model.mesh, logits.ndim))
+    start = time.perf_counter()
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    out["decode"] = decode_fn.lower(params, lora, logits, cache, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+    timings["decode"] = time.perf_counter() - start
+    out["kv_cache_bytes"] = sum(_bytes_per_device(x) for x in jax.tree.leaves(cache))
+    out["compile_s"] = timings
+    return out
+
+
+def _bytes_per_device(x) -> int:
+    sharding = getattr(x, "sharding", None)
+    shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
 def generate(
@@ -259,14 +342,14 @@ def generate(
         raise ValueError(f"prompt ids must be integers; got dtype {prompt_ids_BL.dtype}")
     mesh: Mesh | None = model.mesh
     if mesh is not None:
-        batch_shards = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+        batch_shards = mesh_lib.shard_count(mesh, "batch")
         rows = prompt_ids_BL.shape[0] * num_samples
         if rows % batch_shards:
             raise ValueError(
                 f"prompts x num_samples = {rows} rows must divide evenly over the mesh's "
                 f"{batch_shards} batch shards (data x fsdp)"
             )
-    prefill_fn, decode_fn = _compiled(model, cfg)
+    prefill_fn, decode_fn = jitted_stages(model, cfg)
     logits_BV, cache = prefill_fn(params, lora, prompt_ids_BL.astype(jnp.int32), prompt_mask_BL.astype(jnp.int32))
-    rollouts, _ = decode_fn(params, lora, logits_BV, cache, key)
+    rollouts, _ = decode_fn(params, lora, logits_BV, cache, key, jnp.float32(cfg.temperature))
     return rollouts

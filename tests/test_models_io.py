@@ -114,7 +114,7 @@ def test_bf16_checkpoint_loads_and_exports_bit_exact(checkpoints, tmp_path):
     model, params = pm.from_pretrained(tmp_path / "bf16", dtype=jnp.bfloat16)
     assert model.dtype == jnp.bfloat16 and params["embed"]["embedding"].dtype == jnp.bfloat16
     ref = hf_bf16.model.layers[0].self_attn.q_proj.weight.detach().float().numpy()
-    np.testing.assert_array_equal(np.asarray(params["layers_0"]["attn"]["q"]["kernel"], np.float32),
+    np.testing.assert_array_equal(np.asarray(params["layers"]["attn"]["q"]["kernel"][0], np.float32),
                                   ref.T.reshape(64, 4, 16))
     pm.save_pretrained(model, params, tmp_path / "bf16_out")
     reloaded = hf_load(tmp_path / "bf16_out", dtype=torch.bfloat16)
@@ -122,7 +122,7 @@ def test_bf16_checkpoint_loads_and_exports_bit_exact(checkpoints, tmp_path):
         assert torch.equal(value, reloaded.state_dict()[key]), key
     # bf16 weights into fp32 params: exact upcast.
     _, params32 = pm.from_pretrained(tmp_path / "bf16", dtype=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(params32["layers_0"]["attn"]["q"]["kernel"]),
+    np.testing.assert_array_equal(np.asarray(params32["layers"]["attn"]["q"]["kernel"][0]),
                                   ref.T.reshape(64, 4, 16))
 
 
@@ -140,7 +140,7 @@ def test_export_refuses_non_empty_dir_unless_overwrite(checkpoints, tmp_path):
     assert "stale.safetensors" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
     with pytest.raises(pm.CheckpointError, match="model.layers.0.self_attn.q_proj.weight"):
         broken = jax.tree.map(lambda x: x, params)
-        del broken["layers_0"]["attn"]["q"]
+        del broken["layers"]["attn"]["q"]
         pm.save_pretrained(model, broken, tmp_path / "broken")
 
 
@@ -223,16 +223,16 @@ def test_params_load_sharded_as_the_rules_say_and_match_unsharded(checkpoints, a
     mesh = make_mesh("fsdp=4,tensor=2")
     model, params = pm.from_pretrained(checkpoints["qwen2"])
     sharded_model, sharded = pm.from_pretrained(checkpoints["qwen2"], mesh=mesh)
-    layer = sharded["layers_0"]
+    layer, y = sharded["layers"], model.config.num_layers  # stacked: the layer axis is never split
     expected = {
         "embedding [V, D]": (sharded["embed"]["embedding"], P("tensor", "fsdp"), (128, 16)),
-        "q [D, H, E]": (layer["attn"]["q"]["kernel"], P("fsdp", "tensor", None), (16, 2, 16)),
-        "k [D, K, E]": (layer["attn"]["k"]["kernel"], P("fsdp", "tensor", None), (16, 1, 16)),
-        "q bias [H, E]": (layer["attn"]["q"]["bias"], P("tensor", None), (2, 16)),
-        "o [H, E, D]": (layer["attn"]["o"]["kernel"], P("tensor", None, "fsdp"), (2, 16, 16)),
-        "up [D, F]": (layer["mlp"]["up"]["kernel"], P("fsdp", "tensor"), (16, 64)),
-        "down [F, D]": (layer["mlp"]["down"]["kernel"], P("tensor", "fsdp"), (64, 16)),
-        "norm [D]": (layer["attn_norm"]["scale"], P("fsdp"), (16,)),
+        "q [Y, D, H, E]": (layer["attn"]["q"]["kernel"], P(None, "fsdp", "tensor", None), (y, 16, 2, 16)),
+        "k [Y, D, K, E]": (layer["attn"]["k"]["kernel"], P(None, "fsdp", "tensor", None), (y, 16, 1, 16)),
+        "q bias [Y, H, E]": (layer["attn"]["q"]["bias"], P(None, "tensor", None), (y, 2, 16)),
+        "o [Y, H, E, D]": (layer["attn"]["o"]["kernel"], P(None, "tensor", None, "fsdp"), (y, 2, 16, 16)),
+        "up [Y, D, F]": (layer["mlp"]["up"]["kernel"], P(None, "fsdp", "tensor"), (y, 16, 64)),
+        "down [Y, F, D]": (layer["mlp"]["down"]["kernel"], P(None, "tensor", "fsdp"), (y, 64, 16)),
+        "norm [Y, D]": (layer["attn_norm"]["scale"], P(None, "fsdp"), (y, 16)),
     }
     for label, (array, spec, shard_shape) in expected.items():
         assert array.sharding.spec == spec, label
@@ -253,7 +253,7 @@ def test_sharded_prefill_and_decode_match_unsharded(checkpoints):
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     model, params = pm.from_pretrained(checkpoints["llama"])  # 1 kv head: replicated over tensor
     sharded_model, sharded = pm.from_pretrained(checkpoints["llama"], mesh=mesh)
-    assert sharded["layers_0"]["attn"]["k"]["kernel"].sharding.spec == P("fsdp", None, None)
+    assert sharded["layers"]["attn"]["k"]["kernel"].sharding.spec == P(None, "fsdp", None, None)
     ids_BL = jnp.asarray(np.tile(IDS_BL, (2, 1)))
     mask_BL = jnp.ones_like(ids_BL).at[1, :5].set(0)
 
@@ -267,7 +267,7 @@ def test_sharded_prefill_and_decode_match_unsharded(checkpoints):
 
     plain, _ = jax.jit(run, static_argnums=0)(model, params, pm.init_cache(model.config, 4, 24, jnp.float32))
     cache = pm.init_cache(model.config, 4, 24, jnp.float32, mesh=mesh)
-    assert cache.keys_BKSE[0].sharding.spec == P(("data", "fsdp"), None, None, None)
+    assert cache.keys_YBKSE.sharding.spec == P(None, ("data", "fsdp"), None, None, None)
     got, cache = jax.jit(run, static_argnums=0)(sharded_model, sharded, cache)
     assert np.abs(np.asarray(got) - np.asarray(plain)).max() <= 1e-5
 
@@ -288,7 +288,7 @@ model, params = pm.from_pretrained(sys.argv[1], mesh=mesh)
 jax.block_until_ready(params)
 current, peak = tracemalloc.get_traced_memory()
 tracemalloc.stop()
-np.save(sys.argv[2], np.asarray(params["layers_3"]["mlp"]["down"]["kernel"]))
+np.save(sys.argv[2], np.asarray(params["layers"]["mlp"]["down"]["kernel"][3]))
 print(json.dumps({"peak": peak, "current": current, "lm_head_spec": str(params["lm_head"]["kernel"].sharding.spec)}))
 """
 
@@ -334,5 +334,5 @@ def test_random_init_is_born_sharded_and_matches_loaded_layout(checkpoints):
     assert jax.tree.structure(fresh) == jax.tree.structure(loaded)
     assert jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding.spec), fresh) == jax.tree.map(
         lambda a: (a.shape, a.dtype, a.sharding.spec), loaded)
-    np.testing.assert_array_equal(np.asarray(fresh["layers_1"]["mlp_norm"]["scale"]), np.ones(64, np.float32))
-    assert 0.015 < float(jnp.std(fresh["layers_0"]["mlp"]["up"]["kernel"])) < 0.025  # N(0, 0.02)
+    np.testing.assert_array_equal(np.asarray(fresh["layers"]["mlp_norm"]["scale"][1]), np.ones(64, np.float32))
+    assert 0.015 < float(jnp.std(fresh["layers"]["mlp"]["up"]["kernel"][0])) < 0.025  # N(0, 0.02)

@@ -1,6 +1,7 @@
 """The jit sampler: token-exact greedy parity with transformers, log-probs, EOS, sharding."""
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,8 +144,16 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
     _, model, params = tiny["qwen2_tied_gqa"]
     ids, mask = left_padded_prompts(5)
     cfg = sampling.SamplingConfig(num_samples=16, max_new_tokens=4, temperature=1.0, eos_token_ids=(EOS,))
-    jaxpr = jax.make_jaxpr(lambda p, i, m: sampling._prefill(model, cfg, p, None, i, m))(params, ids, mask)
-    shapes = [v.aval.shape for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars if eqn.primitive.name == "dot_general"]
+    jaxpr = jax.make_jaxpr(lambda p, i, m: sampling._prefill(model, 16, 4, p, None, i, m))(params, ids, mask)
+
+    def dot_shapes(jaxpr):  # the layers run inside a scan: walk nested jaxprs too
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield from (v.aval.shape for v in eqn.outvars)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from dot_shapes(sub)
+
+    shapes = list(dot_shapes(jaxpr.jaxpr))
     prompt_len = ids.shape[1]
     # Projections run as [rows, features] matmuls over the flattened batch and length.
     assert any(s[0] == 3 * prompt_len for s in shapes)  # the model runs on the 3 prompts
@@ -158,11 +167,28 @@ def test_second_call_with_new_prompts_does_not_recompile(tiny):
     kwargs = dict(num_samples=2, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
     ids, mask = left_padded_prompts(6)
     generate(model, params, ids, mask, jax.random.key(0), **kwargs)
-    prefill_fn, decode_fn = sampling._compiled(model, sampling.SamplingConfig(**{**kwargs, "eos_token_ids": (EOS,)}))
+    prefill_fn, decode_fn = sampling.jitted_stages(model, sampling.SamplingConfig(**{**kwargs, "eos_token_ids": (EOS,)}))
     sizes = (prefill_fn._cache_size(), decode_fn._cache_size())
     ids2, mask2 = left_padded_prompts(7)
     generate(model, params, ids2, mask2, jax.random.key(1), **kwargs)
     assert (prefill_fn._cache_size(), decode_fn._cache_size()) == sizes == (1, 1)
+
+
+def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny):
+    from podsjax import sampling
+
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(6)  # 3 prompts
+    sampled = generate(model, params, ids[:1], mask[:1], jax.random.key(0), num_samples=3, max_new_tokens=5,
+                       temperature=0.9, eos_token_ids=EOS)  # training: 1 prompt x 3 samples
+    greedy = generate(model, params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=5,
+                      temperature=0.0, eos_token_ids=EOS)  # evaluation: 3 prompts x 1 greedy sample
+    _, decode_fn = sampling.jitted_stages(model, sampling.SamplingConfig(1, 5, 0.0, eos_token_ids=(EOS,)))
+    assert decode_fn._cache_size() == 1  # one executable served both
+    # ...and the traced temperature still decides: greedy rows follow the argmax.
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+    np.testing.assert_array_equal(np.asarray(greedy.tokens)[:, 0], logits[:, -1].argmax(-1))
+    assert sampled.tokens.shape == greedy.tokens.shape
 
 
 def test_sharded_generation_matches_single_device(tmp_path):
@@ -269,5 +295,5 @@ def test_argmax_and_gumbel_max_match_jax_bit_for_bit():
     logits = jnp.asarray(rng.normal(size=(64, 300)).astype(np.float32) * 3)
     key = jax.random.key(14)
     cfg = sampling.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=0.7, eos_token_ids=(EOS,))
-    tokens, _ = jax.jit(lambda lg, k: sampling._sample(lg, k, cfg))(logits, key)
+    tokens, _ = jax.jit(lambda lg, k: sampling._sample(lg, k, jnp.float32(cfg.temperature), cfg))(logits, key)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jax.random.categorical(key, logits / 0.7)))

@@ -19,15 +19,15 @@ from podsjax.models.config import (
     from_hf_config,
     preset,
 )
-from podsjax.models.decoder import Decoder, apply_rope, rope_inv_freq
+from podsjax.models.decoder import REMAT_POLICIES, Decoder, apply_rope, rope_inv_freq, rope_tables
 from podsjax.models.hf_io import CheckpointError, from_pretrained, load_params, save_pretrained, tensor_specs
 from podsjax.models.lora import DEFAULT_TARGETS, LoraConfig, LoraParams, init_lora, lora_logical_axes, merge_lora
 from podsjax.models.params import abstract_params, init_params, param_logical_axes, param_shardings
 
 __all__ = [
     "CheckpointError", "DEFAULT_TARGETS", "Decoder", "KVCache", "Llama3RopeScaling", "LoraConfig", "LoraParams",
-    "ModelConfig", "PRESETS", "SUPPORTED_ARCHITECTURES", "abstract_params", "apply_rope", "cache_shardings",
+    "ModelConfig", "PRESETS", "REMAT_POLICIES", "SUPPORTED_ARCHITECTURES", "abstract_params", "apply_rope", "cache_shardings",
     "decode_step", "from_hf_config", "from_pretrained", "init_cache", "init_lora", "init_params", "load_params",
     "lora_logical_axes", "merge_lora", "param_logical_axes", "param_shardings", "prefill", "preset",
-    "rope_inv_freq", "save_pretrained", "tensor_specs",
+    "rope_inv_freq", "rope_tables", "save_pretrained", "tensor_specs",
 ]

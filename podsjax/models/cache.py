@@ -25,10 +25,10 @@ from jax.sharding import Mesh
 
 from podsjax import mesh as mesh_lib
 
-# Logical names of each cache field (of each layer's array for keys/values), for shardings.
+# Logical names of each cache field, for shardings.
 CACHE_LOGICAL_AXES = {
-    "keys_BKSE": ("batch", "kv_heads", "cache_slots", "head_dim"),
-    "values_BKSE": ("batch", "kv_heads", "cache_slots", "head_dim"),
+    "keys_YBKSE": ("layers", "batch", "kv_heads", "cache_slots", "head_dim"),
+    "values_YBKSE": ("layers", "batch", "kv_heads", "cache_slots", "head_dim"),
     "mask_BS": ("batch", "cache_slots"),
     "index_B": ("batch",),
     "positions_B": ("batch",),
@@ -37,22 +37,22 @@ CACHE_LOGICAL_AXES = {
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer keys/values in S fixed slots, with per-row bookkeeping.
+    """Keys/values of every layer in S fixed slots, with per-row bookkeeping.
 
-    Keys/values are one buffer per layer, heads before slots: a decode step then reads
-    each layer's [B, K, S, E] as it is, with no per-layer slice of a stacked cache and
-    no transpose (each would copy the layer's whole cache every step).
+    Keys/values are stacked over the layers (Y), as the decoder's layer scan carries
+    them; heads come before slots so a decode step reads a layer's [B, K, S, E] block as
+    it is stored, without a transpose.
 
     Attributes:
-        keys_BKSE: tuple of num_layers [B, K, S, E] rotated keys.
-        values_BKSE: tuple of num_layers [B, K, S, E].
+        keys_YBKSE: [Y, B, K, S, E] rotated keys.
+        values_YBKSE: [Y, B, K, S, E].
         mask_BS: bool, slot holds a real (non-pad) token.
         index_B: int32, next slot each row writes to.
         positions_B: int32, RoPE position of each row's next real token.
     """
 
-    keys_BKSE: tuple[jax.Array, ...]
-    values_BKSE: tuple[jax.Array, ...]
+    keys_YBKSE: jax.Array
+    values_YBKSE: jax.Array
     mask_BS: jax.Array
     index_B: jax.Array
     positions_B: jax.Array
@@ -64,8 +64,8 @@ class KVCache:
     def repeat(self, n: int) -> KVCache:
         """Repeats every row ``n`` times in place order: row b becomes rows b*n .. b*n+n-1."""
         return KVCache(
-            keys_BKSE=tuple(jnp.repeat(k, n, axis=0) for k in self.keys_BKSE),
-            values_BKSE=tuple(jnp.repeat(v, n, axis=0) for v in self.values_BKSE),
+            keys_YBKSE=jnp.repeat(self.keys_YBKSE, n, axis=1),
+            values_YBKSE=jnp.repeat(self.values_YBKSE, n, axis=1),
             mask_BS=jnp.repeat(self.mask_BS, n, axis=0),
             index_B=jnp.repeat(self.index_B, n, axis=0),
             positions_B=jnp.repeat(self.positions_B, n, axis=0),
@@ -82,13 +82,12 @@ def init_cache(config, batch: int, max_len: int, dtype: Any = jnp.bfloat16, mesh
         dtype: storage dtype of keys/values.
         mesh: when given, the cache is created directly in :func:`cache_shardings`.
     """
-    shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-    layers = range(config.num_layers)
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
 
     def make():
         return KVCache(
-            keys_BKSE=tuple(jnp.zeros(shape, dtype) for _ in layers),
-            values_BKSE=tuple(jnp.zeros(shape, dtype) for _ in layers),
+            keys_YBKSE=jnp.zeros(shape, dtype),
+            values_YBKSE=jnp.zeros(shape, dtype),
             mask_BS=jnp.zeros((batch, max_len), bool),
             index_B=jnp.zeros((batch,), jnp.int32),
             positions_B=jnp.zeros((batch,), jnp.int32),
@@ -106,8 +105,7 @@ def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     in/out shardings of the sampler's jit.
     """
     return KVCache(**{
-        name: jax.tree.map(lambda x, names=names: mesh_lib.logical_sharding(mesh, names, x.shape),
-                           getattr(cache, name))
+        name: mesh_lib.logical_sharding(mesh, names, getattr(cache, name).shape)
         for name, names in CACHE_LOGICAL_AXES.items()
     })
 

@@ -1,21 +1,25 @@
 """One Linen decoder for Qwen2 and Llama: RMSNorm, RoPE (+llama3), GQA, SwiGLU.
 
+The layers run under one ``nn.scan`` over params stacked on a leading layer axis Y, so
+the traced program (and its compile time) stays the same size at any depth. Each layer
+is rematerialised in the backward pass by default (``remat``).
+
 Parameter tree (kernels are stored ``in_shape + out_shape``, heads kept as their own axis
 so each dimension has one logical name)::
 
-    embed/embedding          [V, D]      (vocab, embed)
-    layers_i/attn_norm/scale [D]         (embed,)
-    layers_i/attn/q/kernel   [D, H, E]   (embed, q_heads, head_dim)   (+ bias [H, E] on Qwen2)
-    layers_i/attn/k/kernel   [D, K, E]   (embed, kv_heads, head_dim)  (+ bias [K, E])
-    layers_i/attn/v/kernel   [D, K, E]   (embed, kv_heads, head_dim)  (+ bias [K, E])
-    layers_i/attn/o/kernel   [H, E, D]   (q_heads, head_dim, embed)
-    layers_i/mlp_norm/scale  [D]
-    layers_i/mlp/gate|up/kernel [D, F]   (embed, mlp)
-    layers_i/mlp/down/kernel [F, D]      (mlp, embed)
-    final_norm/scale         [D]
-    lm_head/kernel           [D, V]      (embed, vocab)   (absent when tied)
+    embed/embedding             [V, D]        (vocab, embed)
+    layers/attn_norm/scale      [Y, D]        (layers, embed)
+    layers/attn/q/kernel        [Y, D, H, E]  (layers, embed, q_heads, head_dim)  (+ bias [Y, H, E] on Qwen2)
+    layers/attn/k/kernel        [Y, D, K, E]  (layers, embed, kv_heads, head_dim) (+ bias [Y, K, E])
+    layers/attn/v/kernel        [Y, D, K, E]  (layers, embed, kv_heads, head_dim) (+ bias [Y, K, E])
+    layers/attn/o/kernel        [Y, H, E, D]  (layers, q_heads, head_dim, embed)
+    layers/mlp_norm/scale       [Y, D]
+    layers/mlp/gate|up/kernel   [Y, D, F]     (layers, embed, mlp)
+    layers/mlp/down/kernel      [Y, F, D]     (layers, mlp, embed)
+    final_norm/scale            [D]
+    lm_head/kernel              [D, V]        (embed, vocab)   (absent when tied)
 
-E is head_dim, F the MLP width, S the number of KV-cache slots.
+E is head_dim, F the MLP width, S the number of KV-cache slots, Y the number of layers.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +36,7 @@ from jax.sharding import Mesh
 from podsjax import mesh as mesh_lib
 from podsjax.models.cache import KVCache
 from podsjax.models.config import ModelConfig
-from podsjax.models.lora import LoraParams
+from podsjax.models.lora import PROJECTION_LOGICAL_AXES, LoraParams
 
 _INIT = nn.initializers.normal(stddev=0.02)  # HF initializer_range default
 
@@ -59,11 +64,15 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def apply_rope(x_BLNE: jax.Array, positions_BL: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates ``x_BLNE`` (N = H or K heads) by ``positions_BL`` in the "rotate_half" layout."""
+def rope_tables(positions_BL: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` ``[B, L, E/2]`` of the RoPE angles, computed once for every layer."""
     angles_BLF = positions_BL[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    cos = jnp.cos(angles_BLF)[:, :, None, :].astype(x_BLNE.dtype)
-    sin = jnp.sin(angles_BLF)[:, :, None, :].astype(x_BLNE.dtype)
+    return jnp.cos(angles_BLF).astype(dtype), jnp.sin(angles_BLF).astype(dtype)
+
+
+def apply_rope(x_BLNE: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates ``x_BLNE`` (N = H or K heads) by :func:`rope_tables` in the "rotate_half" layout."""
+    cos, sin = (t[:, :, None, :].astype(x_BLNE.dtype) for t in rope)
     x1, x2 = jnp.split(x_BLNE, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -131,119 +140,124 @@ class Projection(nn.Module):
         return y
 
 
-def attend(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BLS: jax.Array) -> jax.Array:
-    """Grouped-query softmax attention; query head h uses kv head ``h // (H // K)``.
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
-    Keys/values come head-major ([B, K, S, E], the cache layout) so both matmuls take
-    them as they are. Scores and softmax are fp32. Disallowed scores get the most
-    negative finite value instead of -inf so a fully masked row (a left-pad query)
-    gives a uniform average, not NaN.
+
+def _remat_policy(name: str):
+    """JAX checkpoint policy of a :data:`REMAT_POLICIES` name ("none" is not rematerialised)."""
+    if name == "full":
+        return None  # save nothing but the block's inputs
+    if name == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    raise ValueError(f"remat must be one of {REMAT_POLICIES}; got {name!r}")
+
+
+def attention_implementation(requested: str, dtype: Any, head_dim: int) -> str:
+    """"cudnn" (flash attention) where cuDNN can run it, else "xla".
+
+    cuDNN needs a GPU, 16-bit inputs and a head size that is a multiple of 8 up to 128;
+    "auto" picks it exactly then, so fp32 tests and CPU/TPU runs take the XLA path.
+    """
+    if requested not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}; got {requested!r}")
+    if requested != "auto":
+        return requested
+    fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0
+    return "cudnn" if fits and head_dim <= 128 and jax.default_backend() == "gpu" else "xla"
+
+
+def attend(q_BLHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BLS: jax.Array,
+           implementation: str = "xla") -> jax.Array:
+    """Grouped-query softmax attention through ``jax.nn.dot_product_attention``.
+
+    Query head h uses kv head ``h // (H // K)``; K/V are never repeated. Scores and
+    softmax are fp32 on both paths. Every query must allow at least one key (the
+    decoder always allows a query its own slot), so no row is fully masked: cuDNN
+    and the backward pass would otherwise meet 0/0.
+    """
+    mask_B1LS = allowed_BLS[:, None]
+    return jax.nn.dot_product_attention(q_BLHE, k_BSKE, v_BSKE, mask=mask_B1LS, implementation=implementation)
+
+
+def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BLS: jax.Array) -> jax.Array:
+    """:func:`attend` over a head-major cache layer ``[B, K, S, E]``, for few queries (decode).
+
+    Both matmuls read the cache in its stored dtype and accumulate in fp32: decode is
+    bound by memory bandwidth, and an upcast copy of the cache would double the bytes
+    read per step. For one query the XLA einsums beat cuDNN on an H100.
     """
     b, length, h, e = q_BLHE.shape
     k = k_BKSE.shape[1]
-    if length == 1:
-        return _attend_one(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
-    q_BLKGE = q_BLHE.reshape(b, length, k, h // k, e)
-    scores_BKGLS = jnp.einsum("blkge,bkse->bkgls", q_BLKGE, k_BKSE.astype(q_BLHE.dtype),
-                              preferred_element_type=jnp.float32) * (e ** -0.5)
-    scores_BKGLS = jnp.where(allowed_BLS[:, None, None], scores_BKGLS, jnp.finfo(jnp.float32).min)
-    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(q_BLHE.dtype)
-    out_BLKGE = jnp.einsum("bkgls,bkse->blkge", probs_BKGLS, v_BKSE.astype(q_BLHE.dtype))
-    return out_BLKGE.reshape(b, length, h, e)
+    q_BLKGE = q_BLHE.reshape(b, length, k, h // k, e).astype(k_BKSE.dtype)
+    scores_BKGLS = jnp.einsum("blkge,bkse->bkgls", q_BLKGE, k_BKSE, preferred_element_type=jnp.float32)
+    scores_BKGLS = jnp.where(allowed_BLS[:, None, None], scores_BKGLS * (e ** -0.5), jnp.finfo(jnp.float32).min)
+    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BKSE.dtype)
+    out_BLKGE = jnp.einsum("bkgls,bkse->blkge", probs_BKGLS, v_BKSE, preferred_element_type=jnp.float32)
+    return out_BLKGE.reshape(b, length, h, e).astype(q_BLHE.dtype)
 
 
-# Below this many attention scores per device the block already sits in cache, and the
-# extra ops of chunking cost more than the skipped scores save (the tiny CPU preset's
-# update, 4 rows x 4 heads x ~176^2 per device, ran 5% slower chunked).
-CHUNK_MIN_SCORES = 2**20
+@flax.struct.dataclass
+class LayerCache:
+    """The KV-cache part a layer scan carries: every layer's keys/values plus write slots.
 
-
-def causal_attend(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BLS: jax.Array) -> jax.Array:
-    """:func:`attend` for self-attention without a cache (S = L, key i at position i).
-
-    Queries go in up to 8 chunks of at least 64, and chunk [q0, q1) attends to keys
-    [0, q1) only: later keys are disallowed by causality anyway, so this skips nearly
-    half the scores, and each chunk's [.., Lc, S] block stays in cache. On CPU that
-    ran attention 2.3x faster forward and backward at L = 512. Rows with at least one
-    allowed key get the same result; a fully masked (padding) query still gets a
-    uniform average, over the chunk's keys.
+    Attributes:
+        keys_YBKSE / values_YBKSE: stacked per-layer caches, updated in place.
+        slots_BL: the slot each new token is written to.
     """
-    length = q_BLHE.shape[1]
-    chunk = max(64, -(-length // 8))
-    if length <= chunk:
-        return attend(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
-    outs = []
-    for q0 in range(0, length, chunk):
-        q1 = min(q0 + chunk, length)
-        outs.append(attend(q_BLHE[:, q0:q1], k_BKSE[:, :, :q1], v_BKSE[:, :, :q1], allowed_BLS[:, q0:q1, :q1]))
-    return jnp.concatenate(outs, axis=1)
 
-
-def _attend_one(q_B1HE, k_BKSE, v_BKSE, allowed_B1S):
-    """:func:`attend` for one query per row (a decode step), all in fp32.
-
-    Broadcast multiply + sum instead of two batched matmuls with G x E x S this small:
-    on CPU that is fewer kernels and no transposed copies of scores or outputs.
-    """
-    b, _, h, e = q_B1HE.shape
-    k = k_BKSE.shape[1]
-    q_BKG1E = q_B1HE.reshape(b, k, h // k, 1, e).astype(jnp.float32)
-    scores_BKGS = jnp.sum(q_BKG1E * k_BKSE[:, :, None].astype(jnp.float32), axis=-1) * (e ** -0.5)
-    scores_BKGS = jnp.where(allowed_B1S[:, None], scores_BKGS, jnp.finfo(jnp.float32).min)
-    probs_BKGS1 = jax.nn.softmax(scores_BKGS, axis=-1)[..., None]
-    out_BKGE = jnp.sum(probs_BKGS1 * v_BKSE[:, :, None].astype(jnp.float32), axis=3)
-    return out_BKGE.reshape(b, 1, h, e).astype(q_B1HE.dtype)
-
-
-def _replace_at(items: tuple, i: int, item) -> tuple:
-    return items[:i] + (item,) + items[i + 1:]
+    keys_YBKSE: jax.Array
+    values_YBKSE: jax.Array
+    slots_BL: jax.Array
 
 
 class Attention(nn.Module):
-    """GQA self-attention with RoPE; reads and writes the KV cache when one is given."""
+    """GQA self-attention with RoPE; reads and writes layer ``layer_index`` of the KV cache."""
 
     config: ModelConfig
-    layer: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     mesh: Mesh | None = None
+    implementation: str = "xla"
+    lora_scale: float = 1.0
 
     @nn.compact
-    def __call__(self, x_BLD, positions_BL, allowed_BLS, cache, slots_BL, lora_attn, lora_scale):
+    def __call__(self, x_BLD, rope, allowed_BLS, cache: LayerCache | None, layer_index, lora_attn):
         cfg = self.config
         h, k, e, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
 
-        def proj(name, out_shape, in_names, out_names, bias, inp):
+        def proj(name, out_shape, inp):
+            in_names, out_names = PROJECTION_LOGICAL_AXES[name]
+            bias = cfg.qkv_bias and name != "o"
             module = Projection(out_shape, in_names, out_names, bias, self.dtype, self.param_dtype, name=name)
-            return module(inp, lora_attn.get(name), lora_scale)
+            return module(inp, lora_attn.get(name), self.lora_scale)
 
-        q_BLHE = proj("q", (h, e), ("embed",), ("q_heads", "head_dim"), cfg.qkv_bias, x_BLD)
-        k_BLKE = proj("k", (k, e), ("embed",), ("kv_heads", "head_dim"), cfg.qkv_bias, x_BLD)
-        v_BLKE = proj("v", (k, e), ("embed",), ("kv_heads", "head_dim"), cfg.qkv_bias, x_BLD)
+        q_BLHE = proj("q", (h, e), x_BLD)
+        k_BLKE = proj("k", (k, e), x_BLD)
+        v_BLKE = proj("v", (k, e), x_BLD)
         q_BLHE = mesh_lib.constrain(q_BLHE, self.mesh, ("batch", "length", "q_heads", "head_dim"))
-        inv_freq = rope_inv_freq(cfg)
-        q_BLHE = apply_rope(q_BLHE, positions_BL, inv_freq)
-        k_BLKE = apply_rope(k_BLKE, positions_BL, inv_freq)
+        q_BLHE, k_BLKE = apply_rope(q_BLHE, rope), apply_rope(k_BLKE, rope)
 
-        if cache is not None:
-            # Scatter the new keys/values into this layer's cache slots (in place when the
-            # cache is donated); out-of-range slots are dropped. The slice between the
-            # advanced indices makes the update [B, L, K, E], as k_BLKE is.
-            rows_B1, i = jnp.arange(x_BLD.shape[0])[:, None], self.layer
-            k_BKSE, v_BKSE = cache.keys_BKSE[i], cache.values_BKSE[i]
-            k_BKSE = k_BKSE.at[rows_B1, :, slots_BL].set(k_BLKE.astype(k_BKSE.dtype))
-            v_BKSE = v_BKSE.at[rows_B1, :, slots_BL].set(v_BLKE.astype(v_BKSE.dtype))
-            cache = cache.replace(keys_BKSE=_replace_at(cache.keys_BKSE, i, k_BKSE),
-                                  values_BKSE=_replace_at(cache.values_BKSE, i, v_BKSE))
-            out_BLHE = attend(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
+        if cache is None:
+            out_BLHE = attend(q_BLHE, k_BLKE, v_BLKE, allowed_BLS, self.implementation)
         else:
-            k_BKSE, v_BKSE = k_BLKE.transpose(0, 2, 1, 3), v_BLKE.transpose(0, 2, 1, 3)
-            b, length = x_BLD.shape[:2]
-            per_device = (b // mesh_lib.shard_count(self.mesh, "batch")) * (h // mesh_lib.shard_count(
-                self.mesh, "q_heads")) * length * length
-            attend_fn = causal_attend if per_device >= CHUNK_MIN_SCORES else attend
-            out_BLHE = attend_fn(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
-        return proj("o", (d,), ("q_heads", "head_dim"), ("embed",), False, out_BLHE), cache
+            # Scatter the new keys/values into this layer's slots of the stacked cache, in
+            # place in the scan carry; out-of-range slots are dropped. With the slice between
+            # the advanced indices the update is [B, L, K, E], as k_BLKE is.
+            rows_B1 = jnp.arange(x_BLD.shape[0])[:, None]
+            keys = cache.keys_YBKSE.at[layer_index, rows_B1, :, cache.slots_BL].set(
+                k_BLKE.astype(cache.keys_YBKSE.dtype))
+            values = cache.values_YBKSE.at[layer_index, rows_B1, :, cache.slots_BL].set(
+                v_BLKE.astype(cache.values_YBKSE.dtype))
+            cache = cache.replace(keys_YBKSE=keys, values_YBKSE=values)
+            k_BKSE, v_BKSE = keys[layer_index], values[layer_index]
+            if x_BLD.shape[1] == 1:
+                out_BLHE = attend_cached(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
+            else:  # prefill: one transpose of the layer, then flash attention where available
+                k_BSKE, v_BSKE = k_BKSE.transpose(0, 2, 1, 3), v_BKSE.transpose(0, 2, 1, 3)
+                out_BLHE = attend(q_BLHE, k_BSKE.astype(q_BLHE.dtype), v_BSKE.astype(q_BLHE.dtype), allowed_BLS,
+                                  self.implementation)
+        return proj("o", (d,), out_BLHE), cache
 
 
 class Mlp(nn.Module):
@@ -253,42 +267,65 @@ class Mlp(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     mesh: Mesh | None = None
+    lora_scale: float = 1.0
 
     @nn.compact
-    def __call__(self, x_BLD, lora_mlp, lora_scale):
+    def __call__(self, x_BLD, lora_mlp):
         d, f = self.config.hidden_size, self.config.intermediate_size
 
-        def proj(name, out_shape, in_names, out_names, inp):
+        def proj(name, out_shape, inp):
+            in_names, out_names = PROJECTION_LOGICAL_AXES[name]
             module = Projection(out_shape, in_names, out_names, False, self.dtype, self.param_dtype, name=name)
-            return module(inp, lora_mlp.get(name), lora_scale)
+            return module(inp, lora_mlp.get(name), self.lora_scale)
 
-        gate_BLF = proj("gate", (f,), ("embed",), ("mlp",), x_BLD)
-        up_BLF = proj("up", (f,), ("embed",), ("mlp",), x_BLD)
+        gate_BLF = proj("gate", (f,), x_BLD)
+        up_BLF = proj("up", (f,), x_BLD)
         act_BLF = mesh_lib.constrain(nn.silu(gate_BLF) * up_BLF, self.mesh, ("batch", "length", "mlp"))
-        return proj("down", (d,), ("mlp",), ("embed",), act_BLF)
+        return proj("down", (d,), act_BLF)
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block, one step of the layer scan: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    ``carry`` is ``(x_BLD, cache)``; ``layer_index`` and ``lora_layer`` are this layer's
+    slices of the scanned inputs; the rest is broadcast to every layer.
+    """
 
     config: ModelConfig
-    layer: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     mesh: Mesh | None = None
+    implementation: str = "xla"
+    lora_scale: float = 1.0
 
     @nn.compact
-    def __call__(self, x_BLD, positions_BL, allowed_BLS, cache, slots_BL, lora_layer, lora_scale):
+    def __call__(self, carry, layer_index, lora_layer, rope, allowed_BLS):
+        x_BLD, cache = carry
         cfg, dt, pdt = self.config, self.dtype, self.param_dtype
-        lora_layer = lora_layer or {}
         hidden = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="attn_norm")(x_BLD)
-        attn_out, cache = Attention(cfg, self.layer, dt, pdt, self.mesh, name="attn")(
-            hidden, positions_BL, allowed_BLS, cache, slots_BL, lora_layer.get("attn", {}), lora_scale)
+        attn_out, cache = Attention(cfg, dt, pdt, self.mesh, self.implementation, self.lora_scale, name="attn")(
+            hidden, rope, allowed_BLS, cache, layer_index, lora_layer.get("attn", {}))
         x_BLD = mesh_lib.constrain(x_BLD + attn_out, self.mesh, ("batch", "length", "act_embed"))
         hidden = RMSNorm(cfg.rms_norm_eps, dt, pdt, name="mlp_norm")(x_BLD)
-        mlp_out = Mlp(cfg, dt, pdt, self.mesh, name="mlp")(hidden, lora_layer.get("mlp", {}), lora_scale)
+        mlp_out = Mlp(cfg, dt, pdt, self.mesh, self.lora_scale, name="mlp")(hidden, lora_layer.get("mlp", {}))
         x_BLD = mesh_lib.constrain(x_BLD + mlp_out, self.mesh, ("batch", "length", "act_embed"))
-        return x_BLD, cache
+        return (x_BLD, cache), None
+
+
+def scanned_blocks(remat: str):
+    """The Block class scanned over a leading "layers" axis of its params (and LoRA), rematerialised per layer.
+
+    One traced layer serves every depth, so compile time and program size do not
+    grow with the number of layers.
+    """
+    block = Block if remat == "none" else nn.remat(Block, policy=_remat_policy(remat), prevent_cse=False)
+    return nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, 0, nn.broadcast, nn.broadcast),
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
 
 
 class Embed(nn.Module):
@@ -337,15 +374,26 @@ class Decoder(nn.Module):
         config: architecture.
         dtype: compute dtype of activations and matmuls (softmax, norms and logits are fp32).
         param_dtype: dtype params are created / loaded in.
-        remat: rematerialise each block in the backward pass (saves activation memory).
+        remat: one of :data:`REMAT_POLICIES`: "full" keeps only each layer's input for the
+            backward pass, "dots" also keeps its matmul outputs, "none" keeps everything.
+            Forward-only calls (sampling) are unaffected.
         mesh: when set, activations get sharding constraints from the logical rules.
+        attention: one of :data:`ATTENTION_IMPLEMENTATIONS`; "auto" is cuDNN flash
+            attention on GPU in 16-bit, XLA elsewhere. Decode steps always use XLA.
     """
 
     config: ModelConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat: bool = False
+    remat: str = "full"
     mesh: Mesh | None = None
+    attention: str = "auto"
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES}; got {self.remat!r}")
+        attention_implementation(self.attention, self.dtype, self.config.head_dim)  # validates the name
+        super().__post_init__()
 
     @nn.compact
     def __call__(
@@ -383,20 +431,24 @@ class Decoder(nn.Module):
         b, length = input_ids_BL.shape
         mask_BL = jnp.ones((b, length), bool) if attention_mask is None else attention_mask.astype(bool)
         offsets_BL = jnp.maximum(jnp.cumsum(mask_BL, axis=-1, dtype=jnp.int32) - 1, 0)
-        slots_BL = None
+        layer_cache = None
         if cache is None:
             if positions_BL is None:
                 positions_BL = offsets_BL
-            causal_LL = jnp.tril(jnp.ones((length, length), bool))
-            allowed_BLS = causal_LL[None] & mask_BL[:, None, :]
+            query_ids_L = jnp.arange(length, dtype=jnp.int32)
+            # Causal over real keys; a query always sees itself, so pad rows are never fully masked.
+            causal_LL = query_ids_L[:, None] >= query_ids_L[None, :]
+            allowed_BLS = (causal_LL[None] & mask_BL[:, None, :]) | jnp.eye(length, dtype=bool)[None]
         else:
             if positions_BL is None:
                 positions_BL = cache.positions_B[:, None] + offsets_BL
             slots_BL = cache.index_B[:, None] + jnp.arange(length, dtype=jnp.int32)
             rows_B1 = jnp.arange(b)[:, None]
             slot_mask_BS = cache.mask_BS.at[rows_B1, slots_BL].set(mask_BL)
-            slot_ids_S = jnp.arange(cache.mask_BS.shape[1], dtype=jnp.int32)
-            allowed_BLS = slot_mask_BS[:, None, :] & (slot_ids_S[None, None, :] <= slots_BL[:, :, None])
+            slot_ids_S = jnp.arange(cache.max_len, dtype=jnp.int32)
+            earlier_BLS = slot_ids_S[None, None, :] <= slots_BL[:, :, None]
+            allowed_BLS = (slot_mask_BS[:, None, :] & earlier_BLS) | (slot_ids_S[None, None, :] == slots_BL[:, :, None])
+            layer_cache = LayerCache(cache.keys_YBKSE, cache.values_YBKSE, slots_BL)
             cache = cache.replace(
                 mask_BS=slot_mask_BS,
                 index_B=cache.index_B + length,
@@ -405,13 +457,14 @@ class Decoder(nn.Module):
 
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.param_dtype, self.mesh, name="embed")
         x_BLD = mesh_lib.constrain(embed(input_ids_BL), self.mesh, ("batch", "length", "act_embed"))
-        block_cls = nn.remat(Block) if self.remat else Block
-        lora_weights = lora.weights if lora is not None else {}
+        rope = rope_tables(positions_BL, rope_inv_freq(cfg), self.dtype)
+        implementation = attention_implementation(self.attention, self.dtype, cfg.head_dim)
+        lora_layers = lora.weights.get("layers", {}) if lora is not None else {}
         lora_scale = lora.scale if lora is not None else 1.0
-        for i in range(cfg.num_layers):
-            block = block_cls(cfg, i, self.dtype, self.param_dtype, self.mesh, name=f"layers_{i}")
-            x_BLD, cache = block(x_BLD, positions_BL, allowed_BLS, cache, slots_BL,
-                                 lora_weights.get(f"layers_{i}"), lora_scale)
+        blocks = scanned_blocks(self.remat)(cfg, self.dtype, self.param_dtype, self.mesh, implementation, lora_scale,
+                                            name="layers")
+        layer_ids_Y = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x_BLD, layer_cache), _ = blocks((x_BLD, layer_cache), layer_ids_Y, lora_layers, rope, allowed_BLS)
         if logits_slice is not None:
             x_BLD = x_BLD[:, logits_slice]
         x_BLD = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, name="final_norm")(x_BLD)
@@ -420,4 +473,6 @@ class Decoder(nn.Module):
         else:
             logits_BLV = LMHead(cfg.vocab_size, self.dtype, self.param_dtype, name="lm_head")(x_BLD)
         logits_BLV = mesh_lib.constrain(logits_BLV, self.mesh, ("batch", "length", "vocab"))
-        return logits_BLV if cache is None else (logits_BLV, cache)
+        if cache is None:
+            return logits_BLV
+        return logits_BLV, cache.replace(keys_YBKSE=layer_cache.keys_YBKSE, values_YBKSE=layer_cache.values_YBKSE)

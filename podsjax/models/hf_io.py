@@ -1,14 +1,17 @@
 """Hugging Face checkpoints <-> podsjax params: load (sharded) and export (LoRA merged).
 
-HF stores ``nn.Linear`` weights as ``[out, in]``; podsjax kernels are ``in_shape +
-out_shape`` with heads as their own axis, so every kernel is transposed and reshaped on
-the way in and back on the way out. Tensors are read from memory-mapped files and placed
-one at a time, so host memory peaks near the largest single tensor.
+HF stores ``nn.Linear`` weights as ``[out, in]``, one tensor per layer; podsjax kernels
+are ``in_shape + out_shape`` with heads as their own axis, stacked over the layers. Every
+kernel is transposed and reshaped on the way in and back on the way out, and each layer's
+tensor is written into (or read from) its slot of the stacked param. Tensors are read
+from memory-mapped files and placed one at a time, so host memory peaks near the largest
+single tensor and device memory near the params plus one layer's tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -46,11 +49,12 @@ class TensorSpec:
 
     Attributes:
         hf_name: e.g. ``model.layers.0.self_attn.q_proj.weight``.
-        path: param path, e.g. ``("layers_0", "attn", "q", "kernel")``.
+        path: param path, e.g. ``("layers", "attn", "q", "kernel")``.
         kind: "kernel" (transpose + reshape), "bias" (reshape) or "copy".
         n_in: number of input dims of a kernel (2 for o_proj: heads x head_dim).
-        param_shape / hf_shape: shapes on each side.
-        names: logical axis names of the param.
+        param_shape / hf_shape: shapes on each side (one layer's, for stacked params).
+        names: logical axis names of the param (of one layer).
+        layer: index into the leading layer axis of a stacked param, else None.
     """
 
     hf_name: str
@@ -60,6 +64,7 @@ class TensorSpec:
     param_shape: tuple[int, ...]
     hf_shape: tuple[int, ...]
     names: tuple[str | None, ...]
+    layer: int | None = None
 
     def to_param(self, hf: np.ndarray, dtype: Any) -> np.ndarray:
         if self.kind == "kernel":
@@ -74,8 +79,8 @@ class TensorSpec:
         return param.reshape(self.hf_shape)
 
 
-def _hf_name(path: tuple[str, ...]) -> tuple[str, str, int]:
-    """(HF name, kind, n_in) of a param path."""
+def _hf_name(path: tuple[str, ...], layer: int | None) -> tuple[str, str, int]:
+    """(HF name, kind, n_in) of a param path (and layer, for stacked params)."""
     head, *rest = path
     if path == ("embed", "embedding"):
         return "model.embed_tokens.weight", "copy", 0
@@ -83,8 +88,8 @@ def _hf_name(path: tuple[str, ...]) -> tuple[str, str, int]:
         return "model.norm.weight", "copy", 0
     if path == ("lm_head", "kernel"):
         return "lm_head.weight", "kernel", 1
-    if head.startswith("layers_"):
-        prefix = f"model.layers.{head.removeprefix('layers_')}"
+    if head == "layers" and layer is not None:
+        prefix = f"model.layers.{layer}"
         if rest == ["attn_norm", "scale"]:
             return f"{prefix}.input_layernorm.weight", "copy", 0
         if rest == ["mlp_norm", "scale"]:
@@ -106,21 +111,23 @@ def tensor_specs(model: Decoder) -> list[TensorSpec]:
     specs = []
     for (key_path, leaf), leaf_names in zip(flat_shapes, flat_names, strict=True):
         path = tuple(k.key for k in key_path)
-        hf_name, kind, n_in = _hf_name(path)
-        shape = tuple(leaf.shape)
-        if kind == "kernel":
-            hf_shape = (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
-        elif kind == "bias":
-            hf_shape = (math.prod(shape),)
-        else:
-            hf_shape = shape
-        specs.append(TensorSpec(hf_name, path, kind, n_in, shape, hf_shape, leaf_names))
+        shape, leaf_names = tuple(leaf.shape), tuple(leaf_names)
+        layers: list[int | None] = [None]
+        if path[0] == "layers":  # stacked: one HF tensor per layer
+            layers, shape, leaf_names = list(range(shape[0])), shape[1:], leaf_names[1:]
+        for layer in layers:
+            hf_name, kind, n_in = _hf_name(path, layer)
+            if kind == "kernel":
+                hf_shape = (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+            elif kind == "bias":
+                hf_shape = (math.prod(shape),)
+            else:
+                hf_shape = shape
+            specs.append(TensorSpec(hf_name, path, kind, n_in, shape, hf_shape, leaf_names, layer))
 
     def order(spec: TensorSpec):
-        head = spec.path[0]
-        layer = int(head.removeprefix("layers_")) if head.startswith("layers_") else None
-        rank = {"embed": 0, "final_norm": 2, "lm_head": 3}.get(head, 1)
-        return rank, layer or 0, spec.hf_name
+        rank = {"embed": 0, "final_norm": 2, "lm_head": 3}.get(spec.path[0], 1)
+        return rank, spec.layer or 0, spec.hf_name
 
     return sorted(specs, key=order)
 
@@ -172,6 +179,17 @@ def _place(host: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding) -> Any:
+    """A jitted maker of a zero stacked param, born in its sharding."""
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stacked: jax.Array, layer: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stacked, layer, index, 0)
+
+
 def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = None) -> dict[str, Any]:
     """Reads HF safetensors (one file or a sharded index) into params for ``model``.
 
@@ -181,7 +199,7 @@ def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = Non
         mesh: when given, each tensor goes straight into its NamedSharding.
 
     Returns:
-        Params tree of ``model.param_dtype`` arrays.
+        Params tree of ``model.param_dtype`` arrays, per-layer tensors stacked.
 
     Raises:
         CheckpointError: lists all missing, unexpected and mis-shaped tensors at once,
@@ -192,6 +210,7 @@ def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = Non
     specs = tensor_specs(model)
     _check(path, specs, files, model.config.tie_word_embeddings)
     dtype = np.dtype(model.param_dtype)
+    num_layers = model.config.num_layers
     params: dict[str, Any] = {}
     for spec in specs:
         host = spec.to_param(files[spec.hf_name].get(spec.hf_name), dtype)
@@ -199,9 +218,19 @@ def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = Non
         node = params
         for part in spec.path[:-1]:
             node = node.setdefault(part, {})
-        # Wait for the copy so the host tensor really dies here: async transfers would
+        leaf = spec.path[-1]
+        # Wait for each copy so the host tensor really dies here: async transfers would
         # otherwise keep several converted tensors alive at once.
-        node[spec.path[-1]] = jax.block_until_ready(_place(host, sharding))
+        if spec.layer is None:
+            node[leaf] = jax.block_until_ready(_place(host, sharding))
+        else:
+            if leaf not in node:
+                shape = (num_layers,) + spec.param_shape
+                stacked_sharding = None if mesh is None else mesh_lib.logical_sharding(
+                    mesh, ("layers",) + spec.names, shape)
+                node[leaf] = _zeros(shape, dtype, stacked_sharding)()
+            node[leaf] = jax.block_until_ready(
+                _set_layer(node[leaf], _place(host, sharding), np.int32(spec.layer)))
         del host
     return params
 
@@ -212,7 +241,7 @@ def from_pretrained(
     mesh: Mesh | None = None,
     *,
     compute_dtype: Any = None,
-    remat: bool = False,
+    remat: str = "full",
 ) -> tuple[Decoder, dict[str, Any]]:
     """Loads a local Qwen2 / Llama HF checkpoint directory.
 
@@ -221,7 +250,7 @@ def from_pretrained(
         dtype: param dtype.
         mesh: shard params (and constrain activations) on this mesh.
         compute_dtype: activation dtype; defaults to ``dtype``.
-        remat: rematerialise each block in the backward pass.
+        remat: what each layer keeps for the backward pass (``decoder.REMAT_POLICIES``).
 
     Returns:
         ``(model, params)``; run it as ``model.apply({"params": params}, ids_BL, attention_mask=mask_BL)``.
@@ -288,6 +317,9 @@ def save_pretrained(
         def run() -> np.ndarray:
             leaf = _lookup(params, spec.path)
             ab = _lookup(lora.weights, spec.path[:-1]) if lora is not None and spec.path[-1] == "kernel" else None
+            if spec.layer is not None:  # one layer at a time, so the export never holds a merged stack
+                leaf = leaf[spec.layer]
+                ab = None if ab is None else jax.tree.map(lambda x: x[spec.layer], ab)
             if ab is not None:
                 leaf = merged_kernel(leaf, ab, lora.scale)
             host = spec.to_hf(_to_host(leaf))

@@ -1,7 +1,8 @@
 """Functional LoRA: a separate params tree that the decoder adds on the fly.
 
-The LoRA tree mirrors the paths of the base params (``layers_3/attn/q``) and holds
-``{"a": A, "b": B}`` per targeted projection. For a projection ``y = x @ W`` (``W`` of
+The LoRA tree mirrors the paths of the base params (``layers/attn/q``) and holds
+``{"a": A, "b": B}`` per targeted projection, stacked over the layers like the kernels
+they adapt (leading axis Y). For a projection ``y = x @ W`` (``W`` of
 shape ``in_shape + out_shape``) the decoder computes ``x @ W + ((x @ A) @ B) * alpha / r``
 with ``A: in_shape + (r,)`` and ``B: (r,) + out_shape``; the merged ``W + A @ B * scale`` is
 never materialised. Calling the model without ``lora=`` is the base model, so the
@@ -25,12 +26,11 @@ import jax.numpy as jnp
 
 from podsjax import mesh as mesh_lib
 
-# Projection name -> number of leading (input) kernel dims: o_proj contracts (H, E).
-PROJECTION_INPUT_DIMS: dict[str, int] = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 _PARENT = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp", "down": "mlp"}
 DEFAULT_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-# Logical names of each projection's (input dims, output dims), as in the decoder.
-_LOGICAL: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+# Logical names of each projection's (input dims, output dims): the one table the decoder,
+# LoRA and the checkpoint converter share.
+PROJECTION_LOGICAL_AXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "q": (("embed",), ("q_heads", "head_dim")),
     "k": (("embed",), ("kv_heads", "head_dim")),
     "v": (("embed",), ("kv_heads", "head_dim")),
@@ -52,7 +52,7 @@ class LoraConfig:
     def __post_init__(self):
         if self.rank <= 0:
             raise ValueError(f"LoRA rank must be positive, got {self.rank}")
-        unknown = set(self.targets) - set(PROJECTION_INPUT_DIMS)
+        unknown = set(self.targets) - set(PROJECTION_LOGICAL_AXES)
         if unknown or not self.targets:
             raise ValueError(f"LoRA targets must be a non-empty subset of {DEFAULT_TARGETS}, got {self.targets}")
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -63,7 +63,7 @@ class LoraParams:
     """LoRA weights plus their (static) scale; a pytree optax and jit accept as is.
 
     Attributes:
-        weights: ``{"layers_i": {"attn"|"mlp": {proj: {"a": A, "b": B}}}}``.
+        weights: ``{"layers": {"attn"|"mlp": {proj: {"a": A [Y, in..., r], "b": B [Y, r, out...]}}}}``.
         scale: ``alpha / rank``; static, so it is never trained.
     """
 
@@ -72,25 +72,25 @@ class LoraParams:
 
 
 def lora_shapes(config, lora_config: LoraConfig) -> dict[str, Any]:
-    """Shapes and logical names of every A/B of ``lora_config`` for a ``ModelConfig``.
+    """Shapes and logical names of every (layer-stacked) A/B of ``lora_config`` for a ``ModelConfig``.
 
     Returns:
         ``{path: (a_shape, a_names, b_shape, b_names)}`` with ``path`` like
-        ``("layers_0", "attn", "q")``.
+        ``("layers", "attn", "q")`` and shapes led by the layer axis.
     """
     d, e, f = config.hidden_size, config.head_dim, config.intermediate_size
     h, k = config.num_heads, config.num_kv_heads
     dims = {"embed": d, "q_heads": h, "kv_heads": k, "head_dim": e, "mlp": f}
-    r = lora_config.rank
+    r, y = lora_config.rank, config.num_layers
     out = {}
-    for layer in range(config.num_layers):
-        for proj in lora_config.targets:
-            in_names, out_names = _LOGICAL[proj]
-            in_shape = tuple(dims[n] for n in in_names)
-            out_shape = tuple(dims[n] for n in out_names)
-            out[(f"layers_{layer}", _PARENT[proj], proj)] = (
-                in_shape + (r,), in_names + ("lora_rank",), (r,) + out_shape, ("lora_rank",) + out_names
-            )
+    for proj in lora_config.targets:
+        in_names, out_names = PROJECTION_LOGICAL_AXES[proj]
+        in_shape = tuple(dims[n] for n in in_names)
+        out_shape = tuple(dims[n] for n in out_names)
+        out[("layers", _PARENT[proj], proj)] = (
+            (y,) + in_shape + (r,), ("layers",) + in_names + ("lora_rank",),
+            (y, r) + out_shape, ("layers", "lora_rank") + out_names,
+        )
     return out
 
 
@@ -115,7 +115,7 @@ def init_lora(rng: jax.Array, model, lora_config: LoraConfig, dtype=jnp.float32,
         weights: dict[str, Any] = {}
         keys = jax.random.split(rng, len(shapes))
         for key, (path, (a_shape, _, b_shape, _)) in zip(keys, shapes.items(), strict=True):
-            bound = 1.0 / math.sqrt(math.prod(a_shape[:-1]))
+            bound = 1.0 / math.sqrt(math.prod(a_shape[1:-1]))  # fan-in of one layer
             node = weights
             for part in path:
                 node = node.setdefault(part, {})
@@ -140,16 +140,26 @@ def lora_logical_axes(lora: LoraParams) -> Any:
     """Tree of logical-name tuples with the structure of ``lora.weights`` (for shardings)."""
     def names(path, leaf):
         proj, which = path[-2].key, path[-1].key
-        in_names, out_names = _LOGICAL[proj]
-        return in_names + ("lora_rank",) if which == "a" else ("lora_rank",) + out_names
+        in_names, out_names = PROJECTION_LOGICAL_AXES[proj]
+        return ("layers",) + (in_names + ("lora_rank",) if which == "a" else ("lora_rank",) + out_names)
 
     return jax.tree_util.tree_map_with_path(names, lora.weights)
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def merged_kernel(kernel: jax.Array, ab: dict[str, jax.Array], scale: float) -> jax.Array:
-    """``kernel + scale * A @ B`` in fp32, cast back to the kernel dtype."""
-    delta = jnp.tensordot(ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32), axes=1)
+    """``kernel + scale * A @ B`` in fp32, cast back to the kernel dtype.
+
+    ``kernel`` is one layer's ``in_shape + out_shape`` with ``A: in_shape + (r,)`` and
+    ``B: (r,) + out_shape``, or all of them with a shared leading layer axis.
+    """
+    a, b = ab["a"].astype(jnp.float32), ab["b"].astype(jnp.float32)
+    stacked = a.ndim + b.ndim - 2 > kernel.ndim  # the layer axis appears on A, B and the kernel
+    if stacked:
+        delta = jnp.einsum("yir,yro->yio", a.reshape(a.shape[0], -1, a.shape[-1]),
+                           b.reshape(b.shape[0], b.shape[1], -1)).reshape(kernel.shape)
+    else:
+        delta = jnp.tensordot(a, b, axes=1)
     return (kernel.astype(jnp.float32) + scale * delta).astype(kernel.dtype)
 
 
