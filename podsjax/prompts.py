@@ -107,16 +107,19 @@ def build_prompts(tokenizer, questions: Sequence[str], **kwargs: Any) -> list[st
 
 @dataclasses.dataclass(frozen=True)
 class Bucketing:
-    """How prompt lengths round up to a few padded shapes.
+    """How prompt lengths round up to a few padded shapes, capped at the longest allowed.
+
+    Every bucket is one more compile of prefill, decode and the update, so the default
+    is few of them: powers of two from 64, then ``max_prompt_length`` itself (4 buckets
+    for 512).
 
     Attributes:
-        mode: "multiple" rounds up to a multiple of ``multiple``; "pow2" rounds up
-            to a power of two.
+        mode: "pow2" rounds up to a power of two; "multiple" to a multiple of ``multiple``.
         multiple: the step of "multiple" mode.
         min_length: the smallest bucket in either mode.
     """
 
-    mode: str = "multiple"
+    mode: str = "pow2"
     multiple: int = 64
     min_length: int = 64
 
@@ -128,12 +131,18 @@ class Bucketing:
         if self.min_length < 1:
             raise ValueError(f"Bucketing.min_length must be >= 1, got {self.min_length}")
 
-    def __call__(self, length: int) -> int:
-        """The padded length for a longest prompt of ``length`` tokens."""
+    def __call__(self, length: int, max_length: int | None = None) -> int:
+        """The padded length for a longest prompt of ``length`` tokens (at most ``max_length``)."""
         length = max(int(length), self.min_length)
         if self.mode == "pow2":
-            return 1 << (length - 1).bit_length()
-        return -(-length // self.multiple) * self.multiple
+            padded = 1 << (length - 1).bit_length()
+        else:
+            padded = -(-length // self.multiple) * self.multiple
+        return padded if max_length is None else max(min(padded, max_length), min(length, max_length))
+
+    def lengths(self, max_length: int) -> tuple[int, ...]:
+        """Every padded length a run with prompts of at most ``max_length`` tokens can see."""
+        return tuple(sorted({self(n, max_length) for n in range(1, max_length + 1)}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +191,8 @@ def tokenize_prompts(
         prompts: [P] prompt texts (from ``build_prompts``).
         max_prompt_length: longer prompts are dropped and counted, never truncated
             (a cut question would reward the wrong answer).
-        bucketing: how the padded length Lp is chosen (default: multiples of 64).
+        bucketing: how the padded length Lp is chosen (default: powers of two from 64,
+            capped at ``max_prompt_length``).
         add_special_tokens: None adds them only without a chat template, whose
             rendered text already holds BOS and the like.
 
@@ -203,7 +213,7 @@ def tokenize_prompts(
         if len(ids) <= max_prompt_length:
             kept.append(index)
     lengths = np.asarray([len(encoded[i]) for i in kept], np.int32)
-    width = bucketing(int(lengths.max()) if len(kept) else 0)
+    width = bucketing(int(lengths.max()) if len(kept) else 0, max_prompt_length)
     pad_id = pad_token_id(tokenizer)
     ids_PL = np.full((len(kept), width), pad_id, np.int32)
     mask_PL = np.zeros((len(kept), width), np.int32)

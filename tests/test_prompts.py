@@ -88,7 +88,8 @@ def test_left_padding_mask_lengths_and_round_trip(chat_tokenizer):
     texts = [build_prompt(chat_tokenizer, q) for q in questions]
     expected = [chat_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert batch.ids_PL.dtype == np.int32 and batch.mask_PL.dtype == np.int32
-    assert batch.ids_PL.shape == (3, 64 * -(-max(map(len, expected)) // 64))
+    longest = max(map(len, expected))
+    assert batch.ids_PL.shape == (3, max(64, 1 << (longest - 1).bit_length()))  # the next power of two
     assert batch.num_dropped == 0 and batch.kept_P.tolist() == [0, 1, 2]
     assert batch.lengths_P.tolist() == [len(e) for e in expected]
     assert batch.pad_id == chat_tokenizer.pad_token_id
@@ -116,7 +117,11 @@ def test_long_prompts_are_dropped_and_counted(chat_tokenizer):
 
 
 def test_bucketing_rules():
-    assert [Bucketing()(n) for n in (0, 1, 64, 65, 300)] == [64, 64, 64, 128, 320]
+    assert [Bucketing()(n) for n in (0, 1, 64, 65, 300)] == [64, 64, 64, 128, 512]
+    assert [Bucketing()(n, 400) for n in (1, 65, 300)] == [64, 128, 400]  # capped at the longest allowed
+    assert Bucketing().lengths(512) == (64, 128, 256, 512)  # a run compiles for at most these
+    assert Bucketing().lengths(500) == (64, 128, 256, 500)
+    assert Bucketing(mode="multiple").lengths(200) == (64, 128, 192, 200)
     pow2 = Bucketing(mode="pow2", min_length=16)
     assert [pow2(n) for n in (1, 16, 17, 100, 129)] == [16, 16, 32, 128, 256]
     assert Bucketing(multiple=8, min_length=8)(9) == 16
@@ -157,7 +162,7 @@ def test_pad_id_fallback_and_edge_cases(base_tokenizer, chat_tokenizer):
 
     assert pad_token_id(NoPad()) == 7
     empty = tokenize_prompts(chat_tokenizer, [], max_prompt_length=16)
-    assert empty.ids_PL.shape == (0, 64) and empty.num_dropped == 0
+    assert empty.ids_PL.shape == (0, 16) and empty.num_dropped == 0  # never wider than the longest allowed
     with pytest.raises(PromptError, match="no tokens"):
         tokenize_prompts(chat_tokenizer, [""], max_prompt_length=16)
     with pytest.raises(ValueError, match="max_prompt_length"):
