@@ -1,4 +1,9 @@
-"""Every test sees 8 CPU devices; the flag must be set before jax is imported."""
+"""Every test sees 8 CPU devices; the flag must be set before jax is imported.
+
+On a GPU (or TPU) host the suite runs on the accelerator, except the modules that build
+multi-device meshes: those are pinned to the 8 CPU devices (their default device,
+``jax.devices()`` and child processes all see the CPU), so they test the same sharding.
+"""
 
 import os
 
@@ -25,9 +30,42 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+# fp32 parity tests need true fp32 matmuls (GPUs default to TF32).
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# Modules whose tests build meshes of up to 8 devices (or run the CLI with --mesh).
+CPU_MESH_MODULES = {
+    "test_checkpoint", "test_dry_run", "test_experiments_cli", "test_loop", "test_mesh", "test_mesh_multihost",
+    "test_models_io", "test_resume_killed", "test_sampling", "test_selection", "test_train", "test_train_memory",
+    "test_train_multihost", "test_tiny",
+}
+ON_ACCELERATOR = jax.default_backend() != "cpu"
+
+
 def pytest_configure(config):
-    if jax.default_backend() == "cpu":
-        assert jax.device_count() == 8, f"expected 8 fake CPU devices, got {jax.device_count()}"
+    config.addinivalue_line("markers", "cpu_mesh: runs on the 8 CPU devices even when an accelerator is present")
+    cpus = jax.devices("cpu")
+    assert len(cpus) == 8, f"expected 8 fake CPU devices, got {len(cpus)}"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in CPU_MESH_MODULES:
+            item.add_marker(pytest.mark.cpu_mesh)
+
+
+@pytest.fixture(autouse=True)
+def _pin_mesh_tests_to_cpu(request, monkeypatch):
+    if not ON_ACCELERATOR or request.node.get_closest_marker("cpu_mesh") is None:
+        yield
+        return
+    real_devices = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda backend=None: real_devices(backend or "cpu"))
+    monkeypatch.setattr(jax, "device_count", lambda backend=None: len(real_devices(backend or "cpu")))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # CLI and worker subprocesses
+    with jax.default_device(real_devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture(scope="session")
