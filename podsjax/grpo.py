@@ -97,6 +97,59 @@ def token_entropy(logits_BLV: jax.Array, *, temperature: float = 1.0) -> jax.Arr
     return lse[..., 0] - jnp.sum(jnp.exp(scaled - lse) * scaled, axis=-1)
 
 
+# Largest fp32 logits block [B, chunk, V] the chunked head materialises at once (512 MB).
+LOGITS_CHUNK_ELEMENTS = 2**27
+
+
+def logits_chunk(rows: int, length: int, vocab: int, max_elements: int = LOGITS_CHUNK_ELEMENTS) -> int:
+    """The largest divisor of ``length`` whose [rows, chunk, vocab] block fits ``max_elements``."""
+    limit = max(1, max_elements // max(1, rows * vocab))
+    return max(c for c in range(1, min(limit, length) + 1) if length % c == 0)
+
+
+def head_logprobs(
+    hidden_BTD: jax.Array,
+    head_VD: jax.Array,
+    targets_BT: jax.Array,
+    *,
+    temperature: float = 1.0,
+    max_elements: int = LOGITS_CHUNK_ELEMENTS,
+) -> tuple[jax.Array, jax.Array]:
+    """Target log-probs and entropies from hidden states, never holding all logits.
+
+    The LM head runs over chunks of positions in a ``lax.scan`` whose body is
+    rematerialised, so forward and backward keep one [B, chunk, V] fp32 block at a time
+    instead of the [B, T, V] logits (5 GB for 16 x 512 tokens of a 152k vocabulary).
+
+    Args:
+      hidden_BTD: final normed hidden states of the positions that predict ``targets``.
+      head_VD: the LM head matrix (the embedding when tied).
+      targets_BT: int token ids.
+      temperature: > 0, as in :func:`token_logprobs`.
+      max_elements: logits elements per chunk.
+
+    Returns:
+      ``(logprobs_BT, entropy_BT)`` float32; the entropy carries no gradient.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs; got {temperature}")
+    b, t, _ = hidden_BTD.shape
+    chunk = logits_chunk(b, t, head_VD.shape[0], max_elements)
+
+    @jax.checkpoint
+    def block(h_BCD, targets_BC):
+        logits = jnp.einsum("bcd,vd->bcv", h_BCD, head_VD.astype(h_BCD.dtype), preferred_element_type=jnp.float32)
+        return (token_logprobs(logits, targets_BC, temperature=temperature),
+                jax.lax.stop_gradient(token_entropy(logits, temperature=temperature)))
+
+    if chunk == t:
+        return block(hidden_BTD, targets_BT)
+    h_NBCD = hidden_BTD.reshape(b, t // chunk, chunk, -1).swapaxes(0, 1)
+    targets_NBC = targets_BT.reshape(b, t // chunk, chunk).swapaxes(0, 1)
+    logp_NBC, entropy_NBC = jax.lax.map(lambda xs: block(*xs), (h_NBCD, targets_NBC))
+    return logp_NBC.swapaxes(0, 1).reshape(b, t), entropy_NBC.swapaxes(0, 1).reshape(b, t)
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """Hyperparameters of the clipped GRPO loss (hashable, so jit can take it static).

@@ -259,14 +259,16 @@ class StepMetrics:
     num_tokens: jax.Array
 
 
-def completion_logits(logits_fn: Callable, batch: TrainBatch) -> jax.Array:
-    """Logits [B, T, V] that predict each completion token.
+def completion_logprobs(hidden_fn: Callable, batch: TrainBatch, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """Log-probs and entropies [B, T] of the completion tokens under ``hidden_fn``'s policy.
 
-    ``logits_fn(ids_BL, mask_BL, logits_slice)`` returns the logits of the positions in
-    ``logits_slice`` only, so the LM head never runs on prompt positions.
+    ``hidden_fn(ids_BL, mask_BL, positions)`` returns ``(hidden_BTD, head_VD)`` for the
+    positions in the static slice ``positions``: the LM head then runs only on the
+    positions that predict completion tokens, in chunks (``grpo.head_logprobs``).
     """
     t = batch.completion_length
-    return logits_fn(batch.input_ids, batch.attention_mask, slice(-t - 1, -1))
+    hidden_BTD, head_VD = hidden_fn(batch.input_ids, batch.attention_mask, slice(-t - 1, -1))
+    return grpo.head_logprobs(hidden_BTD, head_VD, batch.input_ids[:, -t:], temperature=temperature)
 
 
 def _split(batch: TrainBatch, k: int) -> TrainBatch:
@@ -283,14 +285,15 @@ def make_train_step(
     """Builds the pure update ``step(state, batch, frozen) -> (state, StepMetrics)``.
 
     Args:
-      apply_fn: ``apply_fn(trainable, frozen, ids_BL, mask_BL, logits_slice) -> logits``:
-        the policy, returning fp32 logits for the positions in the static slice
-        ``logits_slice`` of the length axis. For LoRA, ``trainable`` is the LoRA tree
+      apply_fn: ``apply_fn(trainable, frozen, ids_BL, mask_BL, positions) -> (hidden_BTD, head_VD)``:
+        the policy's final hidden states at the positions in the static slice
+        ``positions`` of the length axis, and its LM head matrix (see
+        ``Decoder(..., return_hidden=True)``). For LoRA, ``trainable`` is the LoRA tree
         and ``frozen`` the base params; for full fine-tuning ``trainable`` is the params.
       optimizer: the optax transformation whose state is in ``TrainState``.
       config: the algorithm.
-      reference_fn: ``reference_fn(frozen, ids_BL, mask_BL, logits_slice) -> logits`` of the
-        reference policy, needed iff ``config.beta > 0`` (for LoRA: the base with
+      reference_fn: ``reference_fn(frozen, ids_BL, mask_BL, positions) -> (hidden_BTD, head_VD)``
+        of the reference policy, needed iff ``config.beta > 0`` (for LoRA: the base with
         LoRA off, so no second copy of the weights).
 
     Returns:
@@ -307,16 +310,14 @@ def make_train_step(
     temperature = config.temperature
 
     def logprobs_of(trainable, frozen, mb: TrainBatch):
-        logits = completion_logits(functools.partial(apply_fn, trainable, frozen), mb)
-        targets = mb.input_ids[:, -mb.completion_length :]
-        return grpo.token_logprobs(logits, targets, temperature=temperature), logits
+        return completion_logprobs(functools.partial(apply_fn, trainable, frozen), mb, temperature)
 
     def micro_loss(trainable, frozen, mb: TrainBatch, old_BT, ref_BT, denominator):
-        logp_BT, logits = logprobs_of(trainable, frozen, mb)
+        logp_BT, entropy_BT = logprobs_of(trainable, frozen, mb)
         terms, metrics = grpo.grpo_loss_terms(
             logp_BT, mb.advantages, mb.completion_mask, loss_config, old_logprobs_BL=old_BT, ref_logprobs_BL=ref_BT
         )
-        entropy = jnp.sum(grpo.token_entropy(jax.lax.stop_gradient(logits), temperature=temperature) * mb.completion_mask)
+        entropy = jnp.sum(entropy_BT * mb.completion_mask)
         return terms.numerator / denominator, (metrics, entropy)
 
     def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator):
@@ -396,8 +397,7 @@ def make_train_step(
         ref_kBT = None
         if config.beta > 0:
             def ref_logprobs(mb):
-                logits = completion_logits(functools.partial(reference_fn, frozen), mb)
-                return grpo.token_logprobs(logits, mb.input_ids[:, -mb.completion_length :], temperature=temperature)
+                return completion_logprobs(functools.partial(reference_fn, frozen), mb, temperature)[0]
 
             ref_kBT = per_micro(ref_logprobs)
         lr = schedule(state.step)
@@ -410,25 +410,27 @@ def make_train_step(
 
 
 def lora_apply_fn(model) -> tuple[Callable, Callable]:
-    """(policy, reference) apply functions for LoRA training on a frozen base."""
+    """(policy, reference) hidden-state functions for LoRA training on a frozen base."""
 
-    def policy(lora, base, ids, mask, logits_slice=None):
-        return model.apply({"params": base}, ids, attention_mask=mask, lora=lora, logits_slice=logits_slice)
+    def policy(lora, base, ids, mask, positions=None):
+        return model.apply({"params": base}, ids, attention_mask=mask, lora=lora, logits_slice=positions,
+                           return_hidden=True)
 
-    def reference(base, ids, mask, logits_slice=None):
-        return model.apply({"params": base}, ids, attention_mask=mask, logits_slice=logits_slice)
+    def reference(base, ids, mask, positions=None):
+        return model.apply({"params": base}, ids, attention_mask=mask, logits_slice=positions, return_hidden=True)
 
     return policy, reference
 
 
 def full_apply_fn(model) -> tuple[Callable, Callable]:
-    """(policy, reference) apply functions for full fine-tuning; ``frozen`` holds the reference params."""
+    """(policy, reference) hidden-state functions for full fine-tuning; ``frozen`` holds the reference params."""
 
-    def policy(params, reference_params, ids, mask, logits_slice=None):
+    def policy(params, reference_params, ids, mask, positions=None):
         del reference_params
-        return model.apply({"params": params}, ids, attention_mask=mask, logits_slice=logits_slice)
+        return model.apply({"params": params}, ids, attention_mask=mask, logits_slice=positions, return_hidden=True)
 
-    def reference(reference_params, ids, mask, logits_slice=None):
-        return model.apply({"params": reference_params}, ids, attention_mask=mask, logits_slice=logits_slice)
+    def reference(reference_params, ids, mask, positions=None):
+        return model.apply({"params": reference_params}, ids, attention_mask=mask, logits_slice=positions,
+                           return_hidden=True)
 
     return policy, reference

@@ -247,3 +247,47 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="temperature must be > 0"):
         grpo.token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), jnp.int32), temperature=0.0)
     assert math.isclose(LossConfig(epsilon=0.2).clip_high, 0.2)
+
+
+def test_chunked_head_matches_full_logits_in_values_and_gradients():
+    b, t, d, v = 3, 12, 8, 50
+    keys = jax.random.split(jax.random.key(5), 3)
+    hidden = jax.random.normal(keys[0], (b, t, d))
+    head = jax.random.normal(keys[1], (v, d))
+    targets = jax.random.randint(keys[2], (b, t), 0, v)
+    weights = jnp.linspace(-1.0, 1.0, b * t).reshape(b, t)
+
+    def full(hidden, head):
+        logits = jnp.einsum("btd,vd->btv", hidden, head)
+        return (grpo.token_logprobs(logits, targets, temperature=0.7),
+                grpo.token_entropy(logits, temperature=0.7))
+
+    def chunked(hidden, head):  # 3 x 4 x 50 = 600 elements per chunk: 3 chunks of 4 positions
+        return grpo.head_logprobs(hidden, head, targets, temperature=0.7, max_elements=600)
+
+    assert grpo.logits_chunk(b, t, v, 600) == 4
+    (logp_a, ent_a), (logp_b, ent_b) = jax.jit(full)(hidden, head), jax.jit(chunked)(hidden, head)
+    np.testing.assert_allclose(np.asarray(logp_b), np.asarray(logp_a), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent_b), np.asarray(ent_a), atol=1e-5)
+    loss = lambda fn: lambda h, w: jnp.sum(fn(h, w)[0] * weights)  # noqa: E731
+    grads_a = jax.jit(jax.grad(loss(full), argnums=(0, 1)))(hidden, head)
+    grads_b = jax.jit(jax.grad(loss(chunked), argnums=(0, 1)))(hidden, head)
+    for got, ref in zip(grads_b, grads_a):
+        assert float(jnp.abs(ref).max()) > 0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
+
+
+def test_chunked_head_never_holds_all_logits():
+    b, t, d, v = 4, 256, 16, 4096  # all logits: 16 MB fp32; a chunk of 8 positions: 0.5 MB
+    hidden = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
+    head = jax.ShapeDtypeStruct((v, d), jnp.float32)
+    targets = jax.ShapeDtypeStruct((b, t), jnp.int32)
+
+    def temp_bytes(max_elements):
+        loss = lambda h, w, y: jnp.sum(grpo.head_logprobs(h, w, y, max_elements=max_elements)[0])  # noqa: E731
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, head, targets).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    whole, chunked = temp_bytes(b * t * v), temp_bytes(b * 8 * v)
+    assert whole >= b * t * v * 4  # one pass keeps at least the [B, T, V] logits
+    assert chunked < b * t * v * 4 / 4, (whole, chunked)

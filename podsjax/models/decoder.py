@@ -328,8 +328,13 @@ def scanned_blocks(remat: str):
     )
 
 
+def lm_logits(x_BLD: jax.Array, head_VD: jax.Array) -> jax.Array:
+    """fp32 logits ``x @ head^T``: the LM head, accumulated in fp32 for the loss."""
+    return matmul(x_BLD.astype(head_VD.dtype), head_VD.T, 1, preferred_element_type=jnp.float32)
+
+
 class Embed(nn.Module):
-    """Token embedding ``[V, D]``; ``attend`` is the tied LM head."""
+    """Token embedding ``[V, D]``; with tied weights it is also the LM head."""
 
     vocab_size: int
     features: int
@@ -348,23 +353,24 @@ class Embed(nn.Module):
         table_VD = mesh_lib.constrain(self.embedding, self.mesh, ("vocab", None))
         return jnp.take(table_VD, ids_BL, axis=0).astype(self.dtype)
 
-    def attend(self, x_BLD: jax.Array) -> jax.Array:
-        table_VD = mesh_lib.constrain(self.embedding, self.mesh, ("vocab", None))
-        return matmul(x_BLD, table_VD.astype(self.dtype).T, 1, preferred_element_type=jnp.float32)
+    def head_VD(self) -> jax.Array:
+        return mesh_lib.constrain(self.embedding, self.mesh, ("vocab", None)).astype(self.dtype)
 
 
 class LMHead(nn.Module):
-    """Untied LM head ``[D, V]``; logits accumulate and come out in fp32 for the loss."""
+    """Untied LM head, stored ``[D, V]`` as HF's ``lm_head`` (transposed)."""
 
     vocab_size: int
+    features: int
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
-    @nn.compact
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", nn.with_logical_partitioning(_INIT, ("embed", "vocab")),
-                            (x_BLD.shape[-1], self.vocab_size), self.param_dtype)
-        return matmul(x_BLD.astype(self.dtype), kernel.astype(self.dtype), 1, preferred_element_type=jnp.float32)
+    def setup(self):
+        self.kernel = self.param("kernel", nn.with_logical_partitioning(_INIT, ("embed", "vocab")),
+                                 (self.features, self.vocab_size), self.param_dtype)
+
+    def head_VD(self) -> jax.Array:
+        return self.kernel.astype(self.dtype).T
 
 
 class Decoder(nn.Module):
@@ -405,6 +411,7 @@ class Decoder(nn.Module):
         cache: KVCache | None = None,
         lora: LoraParams | None = None,
         logits_slice: slice | None = None,
+        return_hidden: bool = False,
     ):
         """Runs the decoder.
 
@@ -422,11 +429,16 @@ class Decoder(nn.Module):
                 the length axis): prefill needs the last one, the update only those
                 that predict completion tokens, and the LM head is a large share of
                 the compute (vocab x hidden per row, forward and backward).
+            return_hidden: return ``(hidden_BLD, head_VD)`` instead of logits: the final
+                normed hidden states of the sliced positions and the LM head matrix, so a
+                loss can compute logits in chunks and never hold all [B, L, V] of them.
 
         Returns:
             fp32 logits [B, L', V] (L' = L, or the slice's length); with a cache,
             ``(logits_BLV, updated_cache)``.
         """
+        if return_hidden and cache is not None:
+            raise ValueError("return_hidden is for cache-free (training) calls")
         cfg = self.config
         b, length = input_ids_BL.shape
         mask_BL = jnp.ones((b, length), bool) if attention_mask is None else attention_mask.astype(bool)
@@ -469,9 +481,12 @@ class Decoder(nn.Module):
             x_BLD = x_BLD[:, logits_slice]
         x_BLD = RMSNorm(cfg.rms_norm_eps, self.dtype, self.param_dtype, name="final_norm")(x_BLD)
         if cfg.tie_word_embeddings:
-            logits_BLV = embed.attend(x_BLD)
+            head_VD = embed.head_VD()
         else:
-            logits_BLV = LMHead(cfg.vocab_size, self.dtype, self.param_dtype, name="lm_head")(x_BLD)
+            head_VD = LMHead(cfg.vocab_size, cfg.hidden_size, self.dtype, self.param_dtype, name="lm_head").head_VD()
+        if return_hidden:
+            return x_BLD, head_VD
+        logits_BLV = lm_logits(x_BLD, head_VD)
         logits_BLV = mesh_lib.constrain(logits_BLV, self.mesh, ("batch", "length", "vocab"))
         if cache is None:
             return logits_BLV
