@@ -1,22 +1,32 @@
-"""Datasets for the PODS tasks: GSM8K and MATH, from the Hugging Face Hub or local files.
+"""Datasets for the PODS tasks: GSM8K, MATH and chemistry, from the Hugging Face Hub or local files.
 
 ``load_task(name, split, path=None)`` returns a ``Task``: a tuple of ``Example``
 rows, each a question (``prompt``), a gold ``answer`` and the row's other columns.
 With ``path`` it reads a local ``.jsonl``/``.json``/``.parquet`` file, or
 ``<dir>/<split>.jsonl``/``.parquet`` in a directory; without it, the Hub:
 
-=====  =====  =================================================================
-task   split  Hub dataset
-=====  =====  =================================================================
-gsm8k  train  ``openai/gsm8k`` (config "main")
-gsm8k  test   ``openai/gsm8k`` (config "main")
-math   train  ``EleutherAI/hendrycks_math`` (its 7 subject configs, concatenated)
-math   test   ``HuggingFaceH4/MATH-500`` (the PRM800K 500-problem test subset)
-=====  =====  =================================================================
+=========  =====  =================================================================
+task       split  Hub dataset
+=========  =====  =================================================================
+gsm8k      train  ``openai/gsm8k`` (config "main")
+gsm8k      test   ``openai/gsm8k`` (config "main")
+math       train  ``EleutherAI/hendrycks_math`` (its 7 subject configs, concatenated)
+math       test   ``HuggingFaceH4/MATH-500`` (the PRM800K 500-problem test subset)
+chemistry  -      none: local files only (see below)
+=========  =====  =================================================================
 
 Gold answers: GSM8K's is the number after ``####`` in its solution (commas
 removed; the full solution stays in the ``solution`` column). MATH's is the
 ``answer`` field, else the last ``\\boxed{...}`` of ``solution`` (braces nested).
+
+Chemistry stands in for the paper's setting (d), whose dataset is not named in what
+is reachable: SciBench's 223 chemistry problems (``../shared/data/chemistry``, MIT
+License), rows of ``problem``, a numeric ``answer`` and its ``unit``. SciBench's own
+column names (``problem_text``, ``answer_number``) load too. The prompt is the
+problem plus a sentence asking for a bare number in the reference unit
+(``chemistry_question``); the reward accepts it within 5 % (``rewards.chemistry``).
+SciBench is on the Hub only as one mixed-subject split (``xw27/scibench``), so
+there is no Hub default here: pass a local file or directory.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import json
 import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from podsjax.rewards.chemistry import parse_reference
 from podsjax.rewards.gsm8k import GSM8K_MARKER
 from podsjax.rewards.text import find_numbers, last_boxed, normalize_number_text, parse_number
 
@@ -38,6 +49,7 @@ MATH_TRAIN_SUBJECTS = (
     "prealgebra",
     "precalculus",
 )
+CHEMISTRY_DATA_HINT = "../shared/data/chemistry (SciBench's chemistry problems)"
 _BAD_ROW_MODES = ("error", "skip")
 _SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -74,7 +86,7 @@ class Task:
     """A loaded split: its examples, and what was skipped on the way.
 
     Attributes:
-        name: "gsm8k" or "math".
+        name: "gsm8k", "math" or "chemistry".
         split: the split name.
         examples: the rows that loaded.
         num_skipped: bad rows skipped (only with ``on_bad_row="skip"``).
@@ -169,10 +181,52 @@ def _math_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
     return problem, answer.strip(), extra
 
 
+def chemistry_question(problem: str, unit: str) -> str:
+    """The problem, then a request for a bare number in the reference unit.
+
+    The unit may carry a power of ten (``$10^{-19} \\mathrm{~J}$``): asking for the
+    number in that unit is what makes the reference value (3.52) the answer.
+    """
+    if unit.strip():
+        ask = (f"Give the final answer as a number in units of {unit.strip()}: write only the number, "
+               "without the unit.")
+    else:
+        ask = "Give the final answer as a plain number, without units."
+    return f"{problem.rstrip()}\n\n{ask}"
+
+
+def _first_present(row: Mapping[str, Any], names: Sequence[str]) -> str:
+    return next((name for name in names if name in row), names[0])
+
+
+def _chemistry_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    problem_field = _first_present(row, ("problem", "problem_text"))
+    answer_field = _first_present(row, ("answer", "answer_number"))
+    problem = _text(row, problem_field)
+    answer = row.get(answer_field)
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+        raise DataError(f"field {answer_field!r} is missing or empty")
+    try:
+        parse_reference(answer)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    unit = row.get("unit")
+    if unit is None:
+        unit = ""
+    if not isinstance(unit, str):
+        raise DataError(f"field 'unit' is {type(unit).__name__}, not text")
+    extra = {k: v for k, v in row.items() if k not in (problem_field, answer_field)}
+    extra.update(problem=problem, unit=unit)
+    return chemistry_question(problem, unit), str(answer).strip(), extra
+
+
 _ROW_RULES: dict[str, Callable[[Mapping[str, Any]], tuple[str, str, dict[str, Any]]]] = {
     "gsm8k": _gsm8k_row,
     "math": _math_row,
+    "chemistry": _chemistry_row,
 }
+# Tasks with no Hub default: they load from local files only.
+_LOCAL_ONLY = {"chemistry": CHEMISTRY_DATA_HINT}
 
 
 # ----------------------------------------------------------------------- readers
@@ -269,13 +323,14 @@ def load_task(
     cache_dir: str | None = None,
     max_skipped_reasons: int = 20,
 ) -> Task:
-    """Loads a split of GSM8K or MATH.
+    """Loads a split of GSM8K, MATH or chemistry.
 
     Args:
-        name: "gsm8k" or "math".
+        name: "gsm8k", "math" or "chemistry".
         split: "train" or "test" (any split name for local files).
         path: a local .jsonl/.json/.parquet file, or a directory holding
-            ``<split>.jsonl``/``<split>.parquet``. None loads from the Hub.
+            ``<split>.jsonl``/``<split>.parquet``. None loads from the Hub
+            (GSM8K and MATH only).
         on_bad_row: "error" raises DataError naming the file and line of the first
             bad row; "skip" drops bad rows and counts them in ``Task.num_skipped``.
         limit: keep at most this many examples (the first ones).
@@ -294,6 +349,9 @@ def load_task(
         raise DataError(f"on_bad_row must be one of {_BAD_ROW_MODES}, got {on_bad_row!r}")
     if limit is not None and limit < 0:
         raise DataError(f"limit must be >= 0, got {limit}")
+    if path is None and name in _LOCAL_ONLY:
+        raise DataError(f"{name} has no Hub dataset here; pass a local .jsonl/.parquet file or directory, "
+                        f"e.g. {_LOCAL_ONLY[name]}")
     if path is None:
         if split not in ("train", "test"):
             raise DataError(f"Hub split must be 'train' or 'test', got {split!r}")

@@ -40,7 +40,12 @@ def group_advantages(
 
     Returns:
       [..., M] float32 advantages. A group whose rewards are all equal gets
-      exactly zero.
+      exactly zero, in every scaling mode and for any eps (0 included): the
+      rewards are shifted by the group's first value before the mean, so equal
+      values are exactly 0 and no float32 rounding of the mean is left over.
+      A group of one (M = 1) therefore also gets 0, where the authors' code
+      gets NaN from its ddof-1 std of one value: a lone rollout carries no
+      group-relative signal, and 0 keeps the update finite.
     """
     if std_scaling not in STD_SCALINGS:
         raise ValueError(f"std_scaling must be one of {STD_SCALINGS}; got {std_scaling!r}")
@@ -49,15 +54,20 @@ def group_advantages(
     rewards = jnp.asarray(rewards_PM, dtype=jnp.float32)
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
-    centered = rewards - jnp.mean(rewards, axis=-1, keepdims=True)
+    # Mean and std are shift-invariant; shifting by one member makes equal rewards
+    # exactly 0 before any averaging (mean([7.0] * 7) is not exactly 7.0 in float32).
+    shifted = rewards - rewards[..., :1]
+    centered = shifted - jnp.mean(shifted, axis=-1, keepdims=True)
     if std_scaling == "none":
         return centered
     if std_scaling == "group":
         size = rewards.shape[-1]
-        std = jnp.std(rewards, axis=-1, keepdims=True, ddof=ddof if size > ddof else 0)
+        std = jnp.std(shifted, axis=-1, keepdims=True, ddof=ddof if size > ddof else 0)
     else:
         std = jnp.std(rewards, ddof=ddof if rewards.size > ddof else 0)
-    return centered / (std + eps)
+    scale = std + eps
+    # 0 / 0 (equal rewards with eps = 0) is 0 here, not NaN.
+    return centered / jnp.where(scale > 0, scale, 1.0)
 
 
 def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature: float = 1.0) -> jax.Array:

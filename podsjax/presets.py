@@ -1,11 +1,48 @@
-"""The paper's experimental settings (a-f) as named presets.
+"""The paper's experimental settings (a)-(f), lettered as the paper's table, with the authors' defaults.
 
-Settings a-d are the single-accelerator runs (LoRA r=64, alpha=64 on every
-projection, constant lr 5e-6, one prompt per step, 6 h budget); e-f are the
-8-accelerator full fine-tunes (bf16, cosine lr 2e-5 with 10% warm-up, one epoch
-of GSM8K train, eval every 120 s). Each setting gives per-method rollout counts:
-GRPO n = m = 16 and PODS n = 64, m = 16 for a-d; GRPO-GA n = 32 with 16
-accumulation steps against PODS n = 128, m = 32 with 4 for e-f.
+| setting | task      | model                  | hardware | fine-tuning           |
+|---------|-----------|------------------------|----------|-----------------------|
+| (a)     | GSM8K     | Qwen2.5-3B-Instruct    | 1 L40S   | LoRA r 64, alpha 64   |
+| (b)     | GSM8K     | Llama-3.2-3B-Instruct  | 1 L40S   | LoRA r 64, alpha 64   |
+| (c)     | MATH      | Qwen2.5-3B-Instruct    | 1 L40S   | LoRA r 64, alpha 64   |
+| (d)     | chemistry | Qwen2.5-3B-Instruct    | 1 L40S   | LoRA r 64, alpha 64   |
+| (e)     | GSM8K     | Qwen2.5-3B-Instruct    | 8 H100   | full                  |
+| (f)     | GSM8K     | Qwen2.5-7B-Instruct    | 8 A100   | full                  |
+
+Until issue 16 the letters differed: (b) was Qwen on MATH, (c) Llama on GSM8K and (d)
+Llama on MATH, and there was no chemistry setting.
+
+Where each number comes from, as tagged in the comments below:
+
+- [paper]: the paper's setup table above (arXiv 2504.13818): task, model, hardware,
+  LoRA rank and alpha.
+- [1gpu]: the authors' single-GPU code, YixuanEvenXu/pods: ``config/train.yaml``
+  (optimizer, sampling, lengths, budget, checkpoints), ``utils/data.py`` (rewards),
+  the result-file names of ``results/`` (n / m per task: ``Instruct-MATH-NF-512-32-8``)
+  and ``scripts/plot.py`` (Llama over 1.5 h with checkpoints every 10 min, metric
+  ``both_acc``; the rest every 30 min), ``config/test.yaml`` with ``utils/eval.py``
+  (evaluation: temperature 0.9, 512 tokens, 5 repeats averaged).
+- [8gpu]: the authors' 8-GPU run script ``open-r1/exp.sh`` (8 processes; n as
+  ``pods_full_size``, m as ``num_generations``, ``gradient_accumulation_steps``), its
+  recipe ``recipes/Qwen2.5-3B-Instruct/config.yaml`` (lr 5e-6 constant, warm-up
+  commented out, 512 + 1024 tokens, one epoch, rewards), Hugging Face
+  ``TrainingArguments`` defaults where that is silent (Adam beta2 0.999, max grad norm
+  1.0, weight decay 0), and its trainer ``grpo_trainer.py`` (evaluation every 120 s of
+  training). ``config_pods.yaml`` (lr 2e-5, cosine, 10 % warm-up) is not what the
+  script runs.
+- [podsjax]: this library's reading where neither source gives a number.
+
+What podsjax runs differently from the authors, on purpose or for now:
+
+- a-d: the base weights are bf16, not 4-bit, and AdamW keeps fp32 moments, not 8-bit.
+- d: the paper's chemistry set is not named in what is reachable; SciBench's chemistry
+  problems stand in (``podsjax.data``), with GSM8K's n / m.
+- e-f: the authors' trainer gives each GPU one prompt and generates ``grad_accum``
+  groups of n for it, one group per micro-batch, so an update sees 8 prompts x
+  grad_accum groups. podsjax draws 8 prompts with one group each and ``grad_accum``
+  only splits the update's rows: the same n, m and accumulation, fewer groups per update.
+- e-f: TRL's ``bnpo`` loss is a token mean per device micro-batch; podsjax's
+  ``token-mean`` is the token mean over the whole update.
 """
 
 from __future__ import annotations
@@ -13,58 +50,153 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# One epoch of openai/gsm8k "main" train (7473 rows) at one prompt per GPU per update. [8gpu]
+_GSM8K_TRAIN_ROWS = 7473
+_GPUS = 8
+# "accuracy_and_format": an answer counts only when the format is also right (the Llama plots).
+EVAL_METRICS = ("accuracy", "accuracy_and_format")
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """One column of the paper's setup table."""
-
-    name: str
-    model: str  # Hugging Face Hub name of the checkpoint to fetch beforehand
-    task: str
-    lora_rank: int | None  # None = full fine-tune
-    dtype: str
-    algorithm: dict[str, dict[str, Any]]  # method -> AlgorithmConfig overrides
-    common: dict[str, Any]  # AlgorithmConfig fields shared by the methods
-    run: dict[str, Any]  # RunConfig fields
-    mesh: str = "1"
-
-
-_SINGLE_COMMON = dict(learning_rate=5e-6, schedule="constant", adam_b1=0.9, adam_b2=0.99, weight_decay=0.1,
-                      max_grad_norm=0.1, temperature=0.9, beta=0.0)
-_SINGLE_METHODS = {
+# Settings a-d. [1gpu] config/train.yaml: lr 5e-6 "constant" (HF's constant schedule
+# ignores the file's warmup_ratio 0.01), AdamW betas (0.9, 0.99), weight decay 0.1, max
+# grad norm 0.1, temperature 0.9, beta 0. The loss is per-sequence token mean, then the
+# mean over sequences.
+_SINGLE_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0, adam_b1=0.9, adam_b2=0.99,
+                      weight_decay=0.1, max_grad_norm=0.1, temperature=0.9, beta=0.0,
+                      aggregation="seq-mean-token-mean")
+# [1gpu] results/: GSM8K GRPO 16/16 vs PODS 64/16. GRPO-GA trains all 64 in micro-batches of 16. [podsjax]
+_GSM8K_METHODS = {
     "grpo": dict(algorithm="grpo", n=16, m=16),
     "grpo-ga": dict(algorithm="grpo-ga", n=64, m=16),
     "pods": dict(algorithm="pods", n=64, m=16, rule="max_variance"),
 }
+# [1gpu] results/Instruct-MATH-NF-512-{8-8,32-8}: MATH GRPO 8/8 vs PODS 32/8.
+_MATH_METHODS = {
+    "grpo": dict(algorithm="grpo", n=8, m=8),
+    "grpo-ga": dict(algorithm="grpo-ga", n=32, m=8),
+    "pods": dict(algorithm="pods", n=32, m=8, rule="max_variance"),
+}
+# [1gpu] one prompt per step, 512 + 512 tokens, 6 h (max_time 21600), a checkpoint every
+# 30 min (save_interval 1800), each evaluated on GSM8K test / MATH-500 by sampling 5
+# repeats (config/test.yaml repeat_cnt 5; temperature in Setting.eval_temperature).
 _SINGLE_RUN = dict(prompts_per_step=1, max_prompt_length=512, max_new_tokens=512, time_budget_s=6 * 3600.0,
-                   checkpoint_every_s=1800.0, eval_every_s=1800.0)
-_MULTI_COMMON = dict(learning_rate=2e-5, schedule="cosine", warmup_ratio=0.1, temperature=0.9, beta=0.0,
-                     max_grad_norm=1.0, weight_decay=0.0)
+                   checkpoint_every_s=1800.0, eval_every_s=1800.0, eval_repeats=5)
+# [1gpu] utils/data.py: correctness 1/0 + 0.01 x format_score + 0.01 x count_xml (0.25 per tag).
+_SINGLE_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="score")
+
+# Settings e-f. [8gpu] lr 5e-6 constant with no warm-up, Adam (0.9, 0.999), weight decay 0,
+# max grad norm 1.0, beta 0; temperature 0.9 (TRL's GRPOConfig default then). TRL's bnpo
+# loss ~ token-mean. [8gpu] GRPO-GA n = m = 32 with 16 accumulation steps against
+# PODS n = 128, m = 32 with 4; podsjax's grpo-ga with n = m makes one micro-batch per group,
+# times grad_accum.
+_MULTI_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0, adam_b1=0.9, adam_b2=0.999,
+                     weight_decay=0.0, max_grad_norm=1.0, temperature=0.9, beta=0.0, aggregation="token-mean")
 _MULTI_METHODS = {
-    "grpo-ga": dict(algorithm="grpo-ga", n=32, m=2, grad_accum=1),  # 16 micro-batches of 2
-    "grpo": dict(algorithm="grpo", n=32, m=32, grad_accum=16),
+    "grpo-ga": dict(algorithm="grpo-ga", n=32, m=32, grad_accum=16),
     "pods": dict(algorithm="pods", n=128, m=32, rule="max_variance", grad_accum=4),
 }
-_MULTI_RUN = dict(prompts_per_step=8, max_prompt_length=512, max_new_tokens=1024, eval_every_s=120.0,
-                  checkpoint_every_s=1800.0, time_budget_s=None)
+# [8gpu] 8 prompts per update (one per GPU), 512 + 1024 tokens, one epoch, evaluation
+# every 120 s of training (evaluation time not counted). Checkpoints every 30 min. [podsjax]
+_MULTI_RUN = dict(prompts_per_step=_GPUS, max_prompt_length=512, max_new_tokens=1024, eval_every_s=120.0,
+                  checkpoint_every_s=1800.0, time_budget_s=None, max_steps=_GSM8K_TRAIN_ROWS // _GPUS)
+# [8gpu] reward_funcs accuracy, format, tag_count with reward_weights 1, 1, 1.
+_MULTI_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="exact")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One row of the paper's setup table.
+
+    Attributes:
+        name: the letter, a-f.
+        model: Hugging Face Hub name of the checkpoint to fetch beforehand.
+        task: "gsm8k", "math" or "chemistry" (the ``experiments.<task>`` module).
+        lora_rank: LoRA rank (alpha equals it, the CLI's default 64); None = full fine-tune.
+        dtype: parameter dtype.
+        algorithm: method -> AlgorithmConfig fields of that method.
+        common: AlgorithmConfig fields shared by the methods.
+        run: RunConfig fields.
+        mesh: the ``--mesh`` spec.
+        hardware: what the paper ran it on (for ``describe``).
+        rewards: keyword arguments of ``podsjax.rewards.default_rewards(task, **rewards)``.
+        eval_metric: what the paper plots: "accuracy", or "accuracy_and_format" (the
+            Llama runs count an answer only when the format is also exact).
+        eval_temperature: the evaluation's sampling temperature; None = greedy. Not
+            a RunConfig field yet, so it lives here.
+    """
+
+    name: str
+    model: str
+    task: str
+    lora_rank: int | None
+    dtype: str
+    algorithm: dict[str, dict[str, Any]]
+    common: dict[str, Any]
+    run: dict[str, Any]
+    mesh: str = "1"
+    hardware: str = ""
+    rewards: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eval_metric: str = "accuracy"
+    eval_temperature: float | None = None
+
+    def __post_init__(self):
+        if self.eval_metric not in EVAL_METRICS:
+            raise ValueError(f"Setting {self.name}: eval_metric must be one of {EVAL_METRICS}; "
+                             f"got {self.eval_metric!r}")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"Setting {self.name}: lora_rank must be >= 1 or None; got {self.lora_rank}")
+        if self.eval_temperature is not None and not self.eval_temperature > 0:
+            raise ValueError(f"Setting {self.name}: eval_temperature must be > 0 or None; got {self.eval_temperature}")
+
+    def algorithm_config(self, method: str) -> dict[str, Any]:
+        """The AlgorithmConfig fields of ``method``: ``common`` overlaid with the method's own."""
+        if method not in self.algorithm:
+            raise ValueError(f"setting {self.name} has no method {method!r}; "
+                             f"choose one of {', '.join(self.algorithm)}")
+        return {**self.common, **self.algorithm[method]}
+
+    def describe(self, method: str) -> str:
+        """What ``--setting <name> --method <method>`` sets, one ``key = value`` per line."""
+        tuning = "full fine-tune" if self.lora_rank is None else f"LoRA r {self.lora_rank}"
+        lines = [f"setting {self.name}: {self.task} / {self.model} / {tuning} / {self.hardware} / mesh {self.mesh}"]
+        evaluation = {"metric": self.eval_metric, "temperature": self.eval_temperature}
+        for section, values in (("algorithm", self.algorithm_config(method)), ("run", self.run),
+                                ("rewards", self.rewards), ("eval", evaluation)):
+            lines += [f"  {section}.{key} = {value}" for key, value in values.items()]
+        return "\n".join(lines)
+
+
+_QWEN_3B = "Qwen/Qwen2.5-3B-Instruct"
+_LORA = 64  # [paper] LoRA r 64, alpha 64 on q, k, v, o, gate, up, down ([1gpu] target_modules)
+
+
+def _single(name: str, model: str, task: str, methods: dict, **changes: Any) -> Setting:
+    """A single-GPU setting (a-d): LoRA, bf16, the [1gpu] defaults, with ``changes`` on top."""
+    fields = dict(lora_rank=_LORA, dtype="bfloat16", algorithm=methods, common=_SINGLE_COMMON, run=_SINGLE_RUN,
+                  mesh="1", hardware="1 L40S", rewards=_SINGLE_REWARDS, eval_temperature=0.9)
+    return Setting(name=name, model=model, task=task, **{**fields, **changes})
+
 
 SETTINGS: dict[str, Setting] = {
-    "a": Setting("a", "Qwen/Qwen2.5-3B-Instruct", "gsm8k", 64, "bfloat16", _SINGLE_METHODS, _SINGLE_COMMON,
-                 _SINGLE_RUN),
-    "b": Setting("b", "Qwen/Qwen2.5-3B-Instruct", "math", 64, "bfloat16", _SINGLE_METHODS, _SINGLE_COMMON,
-                 _SINGLE_RUN),
-    "c": Setting("c", "meta-llama/Llama-3.2-3B-Instruct", "gsm8k", 64, "bfloat16", _SINGLE_METHODS,
-                 {**_SINGLE_COMMON, "beta": 0.04}, _SINGLE_RUN),
-    "d": Setting("d", "meta-llama/Llama-3.2-3B-Instruct", "math", 64, "bfloat16", _SINGLE_METHODS,
-                 {**_SINGLE_COMMON, "beta": 0.04}, _SINGLE_RUN),
-    "e": Setting("e", "Qwen/Qwen2.5-3B-Instruct", "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON,
-                 _MULTI_RUN, mesh="8"),
+    "a": _single("a", _QWEN_3B, "gsm8k", _GSM8K_METHODS),
+    # [1gpu] results/Instruct-Llama-512-{16-16,64-16}-0.04: KL beta 0.04; scripts/plot.py plots
+    # 1.5 h with checkpoints (hence evaluations) every 10 min and metric both_acc.
+    "b": _single("b", "meta-llama/Llama-3.2-3B-Instruct", "gsm8k", _GSM8K_METHODS,
+                 common={**_SINGLE_COMMON, "beta": 0.04},
+                 run={**_SINGLE_RUN, "time_budget_s": 1.5 * 3600.0, "eval_every_s": 600.0,
+                      "checkpoint_every_s": 600.0},
+                 eval_metric="accuracy_and_format"),
+    "c": _single("c", _QWEN_3B, "math", _MATH_METHODS),
+    # [podsjax] the chemistry n / m are not in reachable sources: GSM8K's.
+    "d": _single("d", _QWEN_3B, "chemistry", _GSM8K_METHODS),
+    "e": Setting("e", _QWEN_3B, "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON, _MULTI_RUN,
+                 mesh=str(_GPUS), hardware="8 H100", rewards=_MULTI_REWARDS),
     "f": Setting("f", "Qwen/Qwen2.5-7B-Instruct", "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON,
-                 _MULTI_RUN, mesh="8"),
+                 _MULTI_RUN, mesh=str(_GPUS), hardware="8 A100", rewards=_MULTI_REWARDS),
 }
 
 
 def get_setting(name: str) -> Setting:
+    """The setting lettered ``name`` (a-f, any case); a ValueError lists the letters otherwise."""
     try:
         return SETTINGS[name.lower()]
     except KeyError:

@@ -53,3 +53,47 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "plot.png"
     analysis.plot({"grpo": [curve([(0, 0.1), (10, 0.3)])], "pods": [curve([(0, 0.1), (5, 0.4)])]}, str(path), "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mean_curve_averages_runs_point_by_point_cut_to_the_shortest():
+    m = analysis.mean_curve([curve([(0, 0.2), (10, 0.4), (20, 0.6)]), curve([(0, 0.4), (12, 0.6)])])
+    assert m.times.tolist() == [0, 11] and m.accuracy.tolist() == pytest.approx([0.3, 0.5])
+    with pytest.raises(ValueError, match="no runs"):
+        analysis.mean_curve([])
+
+
+def test_authors_estimator_uses_the_mean_curves_next_to_the_per_seed_one():
+    grpo = [curve([(0, 0.2), (100, 0.5), (200, 0.6)]), curve([(0, 0.1), (100, 0.3), (200, 0.3)])]
+    pods = [curve([(0, 0.2), (50, 0.6), (200, 0.7)]), curve([(0, 0.1), (40, 0.3), (200, 0.3)])]
+    never = [curve([(0, 0.2), (200, 0.3)]), curve([(0, 0.1), (200, 0.2)])]
+    rows = {r.label: r for r in analysis.summarize({"grpo": grpo, "pods": pods, "slow": never}, "grpo")}
+    # Mean curves: GRPO (0, 0.15), (100, 0.4), (200, 0.45); PODS (0, 0.15), (45, 0.45), (200, 0.5).
+    # Target 0.99 * 0.45 = 0.4455: GRPO reaches it at 200 s, PODS at 45 s -> 200 / 45.
+    assert rows["grpo"].mean_curve_peak == pytest.approx(0.45) and rows["pods"].mean_curve_peak == pytest.approx(0.5)
+    assert rows["grpo"].mean_curve_time == 200 and rows["grpo"].mean_curve_speedup == 1.0
+    assert rows["pods"].mean_curve_time == 45 and rows["pods"].mean_curve_speedup == pytest.approx(200 / 45)
+    assert rows["slow"].mean_curve_time == math.inf and rows["slow"].mean_curve_speedup == 0.0
+    # The per-seed estimator on the same runs (test above) gives 3.25: the two differ.
+    assert rows["pods"].speedup == pytest.approx(3.25)
+
+
+def test_the_estimators_differ_when_seeds_peak_at_different_times():
+    # Each seed's peak is 1.0 but the mean curves only reach 0.5: the per-seed targets are
+    # 0.99 per seed, the authors' target 0.495 on the mean curves.
+    grpo = [curve([(0, 0.0), (10, 1.0), (20, 0.0)]), curve([(0, 0.0), (10, 0.0), (20, 1.0)])]
+    pods = [curve([(0, 0.0), (5, 1.0), (20, 0.0)]), curve([(0, 1.0), (10, 0.0), (20, 0.0)])]
+    rows = {r.label: r for r in analysis.summarize({"grpo": grpo, "pods": pods}, "grpo")}
+    # Mean curves: GRPO 0, 0.5, 0.5 at 0, 10, 20 s; PODS 0.5, 0.5, 0 at 0, 7.5, 20 s.
+    assert rows["grpo"].mean_curve_time == 10 and rows["pods"].mean_curve_time == 0
+    assert rows["pods"].mean_curve_speedup == math.inf
+    assert rows["pods"].seed_speedups == (2.0, math.inf)
+
+
+def test_compare_reports_both_estimators():
+    from experiments.compare import format_summary
+
+    grpo = [curve([(0, 0.2), (100, 0.5), (200, 0.6)]), curve([(0, 0.1), (100, 0.3), (200, 0.3)])]
+    pods = [curve([(0, 0.2), (50, 0.6), (200, 0.7)]), curve([(0, 0.1), (40, 0.3), (200, 0.3)])]
+    table = format_summary(analysis.summarize({"grpo": grpo, "pods": pods}, "grpo"), "grpo", 2)
+    assert "median of per-seed ratios" in table and "authors': mean curves" in table
+    assert "| pods | 50.0% | 45 s | 3.25x | 50.0% | 45 s | 4.44x |" in table

@@ -1,4 +1,4 @@
-"""Datasets: the real GSM8K and MATH-500 files, local formats, bad rows, and the Hub path offline."""
+"""Datasets: the real GSM8K, MATH-500 and chemistry files, local formats, bad rows, and the Hub path offline."""
 
 import json
 import os
@@ -55,6 +55,21 @@ def test_math500_real_file(shared_data_dir):
     assert first.answer == "\\left( 3, \\frac{\\pi}{2} \\right)"
     assert set(first.columns) == {"solution", "subject", "level", "unique_id"}
     assert first.columns["unique_id"] == "test/precalculus/807.json"
+
+
+@pytest.mark.parametrize("split, count", [("train", 179), ("test", 44)])
+def test_chemistry_real_files(shared_data_dir, split, count):
+    path = os.path.join(shared_data_dir, "chemistry", f"{split}.jsonl")
+    task = load_task("chemistry", split, path)
+    assert len(task) == count and task.num_skipped == 0
+    with open(path) as handle:
+        raw = [json.loads(line) for line in handle]
+    assert [example.answer for example in task] == [row["answer"] for row in raw]
+    assert [example.columns["unit"] for example in task] == [row["unit"] for row in raw]
+    for example, row in zip(task, raw):
+        assert example.prompt.startswith(row["problem"].rstrip())
+        assert (row["unit"].strip() or "plain number") in example.prompt.split("\n\n")[-1]
+    assert load_task("chemistry", split, os.path.join(shared_data_dir, "chemistry")).origin == path
 
 
 def test_math_gold_from_last_boxed_with_nested_braces(tmp_path):

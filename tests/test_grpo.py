@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from podsjax import grpo
 from podsjax.grpo import LossConfig
@@ -40,6 +42,31 @@ def test_group_advantages_batch_and_none_scaling():
     np.testing.assert_allclose(adv, [[0.33331111, -0.33331111], [0.0, 0.0]], rtol=1e-6)
     with pytest.raises(ValueError, match="std_scaling must be one of"):
         grpo.group_advantages(rewards, std_scaling="global")
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.floats(width=32, allow_nan=False, allow_infinity=False), m=st.integers(1, 64),
+       eps=st.sampled_from([0.0, 1e-4]), ddof=st.sampled_from([0, 1]))
+def test_equal_rewards_give_exactly_zero_advantages(value, m, eps, ddof):
+    # The issue's cases: -2.5 with m=3 gave 7e-4 and 7.0 with m=7 gave -4.7e-3 (float32 mean rounding).
+    rewards = jnp.stack([jnp.full((m,), value, jnp.float32), jnp.arange(m, dtype=jnp.float32)])
+    for scaling in grpo.STD_SCALINGS:
+        adv = np.asarray(grpo.group_advantages(rewards, eps=eps, std_scaling=scaling, ddof=ddof))
+        assert np.all(adv[0] == 0.0), (scaling, adv[0])
+        assert np.all(np.isfinite(adv))
+
+
+@pytest.mark.parametrize("value,m", [(-2.5, 3), (7.0, 7)])
+def test_issue_cases_of_equal_rewards_are_exactly_zero(value, m):
+    adv = jax.jit(grpo.group_advantages)(jnp.full((2, m), value))
+    assert np.all(np.asarray(adv) == 0.0)
+
+
+def test_a_group_of_one_gets_zero_advantage_not_nan():
+    # The authors' code divides by a ddof-1 std of one value (NaN); a lone rollout has no group signal.
+    for eps in (0.0, 1e-4):
+        adv = np.asarray(grpo.group_advantages(jnp.array([[3.0], [-1.0]]), eps=eps))
+        assert adv.tolist() == [[0.0], [0.0]]
 
 
 # --- token log-probs -----------------------------------------------------------

@@ -19,11 +19,14 @@ from podsjax.rewards import (
     RewardPoolError,
     WeightedReward,
     as_weighted,
+    chemistry_accuracy,
     default_rewards,
     extract_answer_tag,
     extract_gsm8k_answer,
     follows_format,
     format_reward,
+    format_score,
+    format_score_reward,
     gsm8k_accuracy,
     last_boxed,
     math_accuracy,
@@ -403,3 +406,41 @@ def test_pool_rejects_unpicklable_rewards_and_fork(pool):
         RewardPool(0)
     empty = pool.score([], format_reward)
     assert empty.total_B.shape == (0,)
+
+
+# ------------------------------------------------------------ the authors' format score
+
+
+def authors_format_score(text):
+    """utils/data.py of YixuanEvenXu/pods, verbatim in behaviour (the regex this module avoids)."""
+    match = re.search(r"<think>.*</think>[ \n]?<answer>.*</answer>", text, flags=re.DOTALL)
+    return max(0.0, 1 - 0.01 * (len(text) - len(match.group(0)))) if match else 0.0
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", " ", "\n", "x", "ab"]),
+                max_size=14).map("".join))
+def test_format_score_matches_the_authors_regex(text):
+    assert format_score(text) == pytest.approx(authors_format_score(text), abs=1e-12)
+
+
+def test_format_score_values_and_linear_time():
+    assert format_score("<think>a</think><answer>1</answer>") == 1.0
+    assert format_score("<think>a</think>\n<answer>1</answer>" + "x" * 30) == pytest.approx(0.7)
+    assert format_score("<think>a</think>\n\n<answer>1</answer>") == 0.0  # at most one space or newline
+    assert format_score("x" * 200 + "<think>a</think><answer>1</answer>") == 0.0
+    assert format_score_reward(["<answer>1</answer>", "<think></think><answer></answer>"]) == [0.0, 1.0]
+    start = time.perf_counter()
+    format_score("<think>" + "</think>x" * 200_000 + "</answer>")  # quadratic for the regex
+    assert time.perf_counter() - start < 2.0
+
+
+def test_default_rewards_per_task_and_format_style():
+    weighted = default_rewards("chemistry", format=0.01, tag_count=0.01, format_style="score")
+    assert [(w.name, w.weight) for w in weighted] == [("accuracy", 1.0), ("format", 0.01), ("tag_count", 0.01)]
+    assert weighted[0].fn is chemistry_accuracy and weighted[1].fn is format_score_reward
+    assert default_rewards("gsm8k")[1].fn is format_reward  # "exact" by default
+    with pytest.raises(ValueError, match="unknown task 'chem'; expected one of"):
+        default_rewards("chem")
+    with pytest.raises(ValueError, match="unknown format_style 'soft'"):
+        default_rewards("math", format_style="soft")

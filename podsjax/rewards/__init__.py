@@ -11,6 +11,7 @@ score with ``score_rewards`` (in process) or ``RewardPool.score`` (worker
 processes, per-item timeouts, crash recovery).
 """
 
+from podsjax.rewards.chemistry import chemistry_accuracy, extract_chemistry_answer, parse_quantity
 from podsjax.rewards.combine import (
     RewardScores,
     WeightedReward,
@@ -20,7 +21,7 @@ from podsjax.rewards.combine import (
     register_reward,
     score_rewards,
 )
-from podsjax.rewards.format import follows_format, format_reward, tag_count_reward
+from podsjax.rewards.format import follows_format, format_reward, format_score, format_score_reward, tag_count_reward
 from podsjax.rewards.gsm8k import extract_gsm8k_answer, gsm8k_accuracy, parse_gsm8k_gold
 from podsjax.rewards.mathverify import math_accuracy, math_gold
 from podsjax.rewards.pool import PoolConfig, RewardPool, RewardPoolError
@@ -33,17 +34,22 @@ __all__ = [
     "RewardScores",
     "WeightedReward",
     "as_weighted",
+    "chemistry_accuracy",
     "default_rewards",
     "extract_answer_tag",
+    "extract_chemistry_answer",
     "extract_gsm8k_answer",
     "follows_format",
     "format_reward",
+    "format_score",
+    "format_score_reward",
     "get_reward",
     "gsm8k_accuracy",
     "last_boxed",
     "math_accuracy",
     "math_gold",
     "parse_gsm8k_gold",
+    "parse_quantity",
     "register_reward",
     "score_rewards",
     "tag_count_reward",

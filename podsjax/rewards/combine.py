@@ -19,7 +19,8 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
-from podsjax.rewards.format import format_reward, tag_count_reward
+from podsjax.rewards.chemistry import chemistry_accuracy
+from podsjax.rewards.format import format_reward, format_score_reward, tag_count_reward
 from podsjax.rewards.gsm8k import gsm8k_accuracy
 from podsjax.rewards.mathverify import math_accuracy
 
@@ -28,9 +29,20 @@ RewardFn = Callable[..., Sequence[float]]
 _REGISTRY: dict[str, RewardFn] = {
     "gsm8k_accuracy": gsm8k_accuracy,
     "math_accuracy": math_accuracy,
+    "chemistry_accuracy": chemistry_accuracy,
     "format": format_reward,
+    "format_score": format_score_reward,
     "tag_count": tag_count_reward,
 }
+# Each task's accuracy reward; the loop reads its breakdown entry "accuracy" as the eval metric.
+TASK_ACCURACY: dict[str, RewardFn] = {
+    "gsm8k": gsm8k_accuracy,
+    "math": math_accuracy,
+    "chemistry": chemistry_accuracy,
+}
+# "exact": 1 for exactly <think>..</think><answer>..</answer>; "score": the authors'
+# single-GPU soft score (see format.format_score).
+FORMAT_STYLES: dict[str, RewardFn] = {"exact": format_reward, "score": format_score_reward}
 
 
 def register_reward(name: str, fn: RewardFn) -> None:
@@ -126,22 +138,30 @@ def as_weighted(rewards: RewardsLike) -> tuple[WeightedReward, ...]:
     return tuple(items)
 
 
-def default_rewards(task: str, *, accuracy: float = 1.0, format: float = 1.0, tag_count: float = 1.0):
+def default_rewards(task: str, *, accuracy: float = 1.0, format: float = 1.0, tag_count: float = 1.0,
+                    format_style: str = "exact"):
     """The paper's reward for a task: accuracy + format + tag count, weighted.
 
+    The defaults are the 8-GPU settings' (e-f: weights 1/1/1, exact format). Settings
+    a-d use ``format=0.01, tag_count=0.01, format_style="score"`` (see
+    ``podsjax.presets``).
+
     Args:
-        task: "gsm8k" or "math".
+        task: "gsm8k", "math" or "chemistry".
         accuracy, format, tag_count: the weights.
+        format_style: "exact" (1 or 0) or "score" (the authors' single-GPU soft score).
 
     Returns:
-        A tuple of WeightedReward for ``score_rewards`` or ``RewardPool.score``.
+        A tuple of WeightedReward for ``score_rewards`` or ``RewardPool.score``, named
+        "accuracy", "format" and "tag_count" in breakdowns.
     """
-    accuracy_fn = {"gsm8k": gsm8k_accuracy, "math": math_accuracy}.get(task)
-    if accuracy_fn is None:
-        raise ValueError(f"unknown task {task!r}; expected 'gsm8k' or 'math'")
+    if task not in TASK_ACCURACY:
+        raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASK_ACCURACY)}")
+    if format_style not in FORMAT_STYLES:
+        raise ValueError(f"unknown format_style {format_style!r}; expected one of {sorted(FORMAT_STYLES)}")
     return (
-        WeightedReward(accuracy_fn, accuracy, "accuracy"),
-        WeightedReward(format_reward, format, "format"),
+        WeightedReward(TASK_ACCURACY[task], accuracy, "accuracy"),
+        WeightedReward(FORMAT_STYLES[format_style], format, "format"),
         WeightedReward(tag_count_reward, tag_count, "tag_count"),
     )
 

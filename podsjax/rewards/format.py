@@ -1,4 +1,9 @@
-"""Format rewards for the PODS output format ``<think>...</think><answer>...</answer>``."""
+"""Format rewards for the PODS output format ``<think>...</think><answer>...</answer>``.
+
+``format_reward`` is exact (1 or 0); ``format_score_reward`` is the authors' single-GPU
+score, which loses 0.01 per character outside the tagged span; ``tag_count_reward`` gives
+0.25 per tag.
+"""
 
 from __future__ import annotations
 
@@ -43,6 +48,48 @@ def format_reward(completions: Sequence[str], **_: Any) -> list[float]:
         [B] rewards in {0.0, 1.0}.
     """
     return [1.0 if follows_format(text) else 0.0 for text in completions]
+
+
+def format_score(text: str) -> float:
+    """The authors' single-GPU format score: 1 - 0.01 per character outside the tagged span, at least 0.
+
+    Their regex ``<think>.*</think>[ \\n]?<answer>.*</answer>`` (DOTALL, searched) spans
+    from the first ``<think>`` to the last ``</answer>`` whenever some ``</think>`` after
+    that ``<think>`` is followed, after at most one space or newline, by an ``<answer>``
+    that a later ``</answer>`` closes; 0 when there is none. Computed with ``str.find``
+    in linear time instead of the backtracking regex.
+    """
+    start = text.find(THINK_OPEN)
+    end = text.rfind(ANSWER_CLOSE)
+    if start < 0 or end < 0:
+        return 0.0
+    position = text.find(THINK_CLOSE, start + len(THINK_OPEN))
+    while position >= 0:
+        after = position + len(THINK_CLOSE)
+        if text[after:after + 1] in (" ", "\n") and text.startswith(ANSWER_OPEN, after + 1):
+            answer = after + 1
+        elif text.startswith(ANSWER_OPEN, after):
+            answer = after
+        else:
+            answer = -1
+        if 0 <= answer and answer + len(ANSWER_OPEN) <= end:
+            outside = len(text) - (end + len(ANSWER_CLOSE) - start)
+            return max(0.0, 1.0 - 0.01 * outside)
+        position = text.find(THINK_CLOSE, after)
+    return 0.0
+
+
+def format_score_reward(completions: Sequence[str], **_: Any) -> list[float]:
+    """``format_score`` of each completion (the authors' soft format reward of settings a-d).
+
+    Args:
+        completions: [B] decoded completions.
+        **_: dataset columns, ignored.
+
+    Returns:
+        [B] rewards in [0, 1].
+    """
+    return [format_score(text) for text in completions]
 
 
 def tag_count_reward(completions: Sequence[str], **_: Any) -> list[float]:

@@ -15,8 +15,8 @@ DEFAULT_MATH_VERIFY_TIMEOUT_S = 3
 _LATEX_MARKERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
 
 
-def _signal_timeout(timeout_s: int) -> int | None:
-    # math-verify's timeouts use SIGALRM, which only the main thread may arm.
+def signal_timeout(timeout_s: int) -> int | None:
+    """``timeout_s`` on the main thread, else None: math-verify's timeouts use SIGALRM, which only it may arm."""
     return timeout_s if threading.current_thread() is threading.main_thread() else None
 
 
@@ -96,7 +96,7 @@ def math_accuracy(
             raise ValueError(f"math_accuracy: {n} completions but {len(column)} entries in {name!r}")
     if answer is None and solution is None:
         raise ValueError("math_accuracy needs an 'answer' or a 'solution' column")
-    timeout = _signal_timeout(int(timeout_s))
+    timeout = signal_timeout(int(timeout_s))
     rewards = []
     for i, completion in enumerate(completions):
         gold = _parse_gold(

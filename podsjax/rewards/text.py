@@ -85,6 +85,11 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def ascii_minus(text: str) -> str:
+    """Replaces the minus signs a model may emit (U+2212, dashes) with ASCII '-'."""
+    return text.translate(_MINUS_SIGNS)
+
+
 def normalize_number_text(text: str) -> str:
     """Strips the decorations a numeric answer may carry: ``$``, ``,``, spaces, a final period."""
     text = text.translate(_MINUS_SIGNS).strip()

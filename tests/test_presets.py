@@ -1,0 +1,99 @@
+"""The paper's settings a-f: the table's letters, the authors' defaults, and configs that validate."""
+
+import pytest
+
+from podsjax import loop, presets, train
+from podsjax.rewards import default_rewards
+
+# The paper's table: task, model, hardware, LoRA rank (None = full fine-tune), mesh.
+PAPER_TABLE = {
+    "a": ("gsm8k", "Qwen/Qwen2.5-3B-Instruct", "1 L40S", 64, "1"),
+    "b": ("gsm8k", "meta-llama/Llama-3.2-3B-Instruct", "1 L40S", 64, "1"),
+    "c": ("math", "Qwen/Qwen2.5-3B-Instruct", "1 L40S", 64, "1"),
+    "d": ("chemistry", "Qwen/Qwen2.5-3B-Instruct", "1 L40S", 64, "1"),
+    "e": ("gsm8k", "Qwen/Qwen2.5-3B-Instruct", "8 H100", None, "8"),
+    "f": ("gsm8k", "Qwen/Qwen2.5-7B-Instruct", "8 A100", None, "8"),
+}
+SINGLE, MULTI = "abcd", "ef"
+
+
+def test_letters_follow_the_papers_table():
+    assert list(presets.SETTINGS) == list(PAPER_TABLE)
+    for name, (task, model, hardware, rank, mesh) in PAPER_TABLE.items():
+        s = presets.get_setting(name.upper())
+        assert (s.name, s.task, s.model, s.hardware, s.lora_rank, s.mesh) == (name, task, model, hardware, rank, mesh)
+    with pytest.raises(ValueError, match="unknown setting 'z'; choose one of a, b, c, d, e, f"):
+        presets.get_setting("z")
+
+
+@pytest.mark.parametrize("name", list(PAPER_TABLE))
+def test_every_method_builds_valid_configs_and_rewards(name, tmp_path):
+    s = presets.get_setting(name)
+    for method in s.algorithm:
+        config = train.AlgorithmConfig(**s.algorithm_config(method))
+        assert config.algorithm == method
+    run = loop.RunConfig(out_dir=str(tmp_path), task=s.task, **s.run)
+    assert run.task == s.task
+    assert [w.name for w in default_rewards(s.task, **s.rewards)] == ["accuracy", "format", "tag_count"]
+    described = s.describe(next(iter(s.algorithm)))
+    for key in (*s.run, *s.rewards, *s.common):
+        assert f".{key} = " in described
+    with pytest.raises(ValueError, match=f"setting {name} has no method 'ppo'"):
+        s.algorithm_config("ppo")
+
+
+def config(name, method):
+    return train.AlgorithmConfig(**presets.get_setting(name).algorithm_config(method))
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_single_gpu_defaults_are_the_authors(name):
+    s = presets.get_setting(name)
+    c = config(name, "pods")
+    assert (c.learning_rate, c.schedule, c.warmup_ratio) == (5e-6, "constant", 0.0)
+    assert (c.adam_b1, c.adam_b2, c.weight_decay, c.max_grad_norm, c.temperature) == (0.9, 0.99, 0.1, 0.1, 0.9)
+    assert c.aggregation == "seq-mean-token-mean"
+    assert c.beta == (0.04 if name == "b" else 0.0)
+    assert s.rewards == dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="score")
+    assert (s.run["prompts_per_step"], s.run["max_prompt_length"], s.run["max_new_tokens"]) == (1, 512, 512)
+    assert s.run["eval_repeats"] == 5 and s.eval_temperature == 0.9
+    hours, every = (1.5, 600.0) if name == "b" else (6.0, 1800.0)
+    assert s.run["time_budget_s"] == hours * 3600 and s.run["eval_every_s"] == every
+    assert s.eval_metric == ("accuracy_and_format" if name == "b" else "accuracy")
+
+
+@pytest.mark.parametrize("name,grpo,pods", [("a", 16, (64, 16)), ("b", 16, (64, 16)), ("c", 8, (32, 8)),
+                                            ("d", 16, (64, 16))])
+def test_single_gpu_rollout_counts(name, grpo, pods):
+    assert (config(name, "grpo").n, config(name, "grpo").m) == (grpo, grpo)
+    assert (config(name, "pods").n, config(name, "pods").m) == pods
+    assert config(name, "grpo-ga").trained_per_prompt == pods[0]
+
+
+@pytest.mark.parametrize("name", MULTI)
+def test_eight_gpu_settings_follow_the_run_script(name):
+    s = presets.get_setting(name)
+    assert set(s.algorithm) == {"grpo-ga", "pods"}  # the paper's two methods at this scale
+    c = config(name, "pods")
+    assert (c.learning_rate, c.schedule, c.warmup_ratio) == (5e-6, "constant", 0.0)
+    assert (c.adam_b1, c.adam_b2, c.weight_decay, c.max_grad_norm) == (0.9, 0.999, 0.0, 1.0)
+    assert (c.beta, c.aggregation) == (0.0, "token-mean")
+    assert s.rewards == dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="exact")
+    assert (s.run["prompts_per_step"], s.run["max_new_tokens"], s.run["eval_every_s"]) == (8, 1024, 120.0)
+    assert s.run["max_steps"] == 7473 // 8  # one epoch of GSM8K train, 8 prompts per update
+    # GRPO-GA: n = m = 32, 16 accumulation steps; PODS: n = 128, m = 32, 4 accumulation steps.
+    ga = config(name, "grpo-ga")
+    assert (ga.n, ga.m, ga.grad_accum, ga.micro_batches, ga.trained_per_prompt) == (32, 32, 16, 16, 32)
+    assert (c.n, c.m, c.grad_accum, c.micro_batches, c.trained_per_prompt) == (128, 32, 4, 4, 32)
+
+
+def test_bad_setting_fields_raise_one_line_errors():
+    base = presets.get_setting("a")
+    fields = {f: getattr(base, f) for f in ("name", "model", "task", "lora_rank", "dtype", "algorithm", "common",
+                                             "run")}
+    with pytest.raises(ValueError, match="eval_metric must be one of"):
+        presets.Setting(**fields, eval_metric="both")
+    with pytest.raises(ValueError, match="lora_rank must be >= 1 or None"):
+        presets.Setting(**{**fields, "lora_rank": 0})
+    with pytest.raises(ValueError, match="eval_temperature must be > 0 or None"):
+        presets.Setting(**fields, eval_temperature=0.0)
