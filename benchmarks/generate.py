@@ -1,20 +1,28 @@
-"""Rollout generation (podsjax against transformers) and reward-scoring throughput.
+"""Rollout generation (podsjax against transformers, on the same device) and reward-scoring throughput.
 
-Generation: one random Qwen2-shaped model (default about 98M params: hidden 768,
-12 layers, 12 query / 2 kv heads, MLP 2048, vocab 32000, tied embeddings) is
-built with transformers, saved to a temporary directory and loaded into podsjax
-with ``podsjax.models.from_pretrained``. Both sides sample P prompts of L random
-tokens x T new tokens at temperature 1 (no top-k, no top-p), fp32, end to end
-(prefill included), in one run:
+Generation: a random Qwen2-shaped model (--shape: small ~98M by default, or
+qwen2.5-0.5b / 1.5b / 3b, made from the config with no download) is built with
+transformers and loaded into podsjax with ``podsjax.models.from_pretrained``, in
+--dtype (bfloat16 on GPU/TPU, float32 on CPU by default). Both sides sample
+P rows of L random prompt tokens x T new tokens at temperature 1 (no top-k, no
+top-p), end to end (prefill included):
   (a) podsjax: ``podsjax.sampling.generate`` (jit prefill + lax.while_loop decode)
   (b) transformers: ``model.generate(do_sample=True, ...)`` in eager PyTorch under
-      ``torch.no_grad()``, default attention implementation and cache (printed)
+      ``torch.no_grad()``, sdpa attention and its default dynamic cache, on CUDA when
+      torch has it (timed up to ``torch.cuda.synchronize()``)
 EOS is disabled so every row has exactly T tokens: podsjax gets an EOS id one
 past the vocabulary, which can never be sampled, and every ``rollouts.lengths``
 is checked to be T; transformers gets ``eos_token_id=None`` and its output
 length is checked. As an honesty check the podsjax log-probs of its sampled
 tokens are compared with the transformers model's own log-probs of the same
 sequences (max abs diff printed).
+
+Decode against the memory floor: each side's prefill is timed on its own (podsjax:
+jit ``prefill`` into a fresh cache; transformers: the base model with
+``use_cache=True``), and a decode step is (generate - prefill) / T. Its floor is
+the bytes a step must read, weights + the KV cache at its mean fill L + T/2
+(``benchmarks/costs.py``), over the device's peak memory bandwidth
+(``benchmarks/machine.py``; on CPU a NumPy memcpy measured here).
 
 Rewards: the gold solutions of GSM8K test and MATH-500 are written as
 completions ``<think>{solution}</think><answer>{answer}</answer>`` and scored
@@ -23,15 +31,16 @@ in process (``score_rewards``) and through ``RewardPool`` worker processes.
 Every completion is correct, so the mean accuracy must be 1.
 
 Each contender runs once to warm up, then --repeats times in alternation with
-the other contender of its table (so that load from other processes falls on
-both alike); tables show medians. torch gets one intra-op thread per usable
-core (--threads), as XLA's CPU thread pool does. The machine line reports how
-many cores other processes kept busy before the run, the runs line how many
-during generation; on a busy machine torch's OpenMP threads stall far more than
-XLA's, so trust ratios from a quiet one.
+the others of its table (so that load from other processes falls on all alike);
+tables show medians. On CPU torch gets one intra-op thread per usable core
+(--threads), as XLA's CPU thread pool does; the machine line reports how many
+cores other processes kept busy, and on a busy machine torch's OpenMP threads
+stall far more than XLA's, so trust ratios from a quiet one.
 
-Run: python -m benchmarks.generate [--prompts 32 --prompt-len 64 --new-tokens 128]
-Smoke: python -m benchmarks.generate --layers 2 --prompts 4 --new-tokens 16 --vocab 4096 --reward-limit 50
+Run (CPU): python -m benchmarks.generate [--rows 32 --prompt-len 64 --new-tokens 128]
+Run (GPU): python -m benchmarks.generate --shape qwen2.5-1.5b --dtype bfloat16 --rows 256 --prompt-len 512 \
+    --new-tokens 512 --tasks ''
+Smoke: python -m benchmarks.generate --layers 2 --rows 4 --new-tokens 16 --vocab 4096 --reward-limit 50
 """
 
 from __future__ import annotations
@@ -42,12 +51,16 @@ import argparse
 import os
 import time
 
-from benchmarks.machine import busy_warning, cpu_snapshot, interleaved_medians, others_busy, print_machine, print_runs
-from benchmarks.qwen_model import add_model_args, build_hf_model, describe, to_podsjax
+from benchmarks.machine import (
+    busy_warning, cpu_snapshot, device_peaks, interleaved_medians, others_busy, print_machine, print_runs,
+    torch_device, torch_synced,
+)
+from benchmarks.qwen_model import add_model_args, build_hf_model, describe, jax_dtype, resolve, to_podsjax
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.join(REPO_ROOT, "..", "shared", "data")
 TASK_DIRS = {"gsm8k": "gsm8k", "math": "math500"}
+LOGIT_CHUNK_BYTES = 2**30  # the log-prob check runs this much of fp32 logits at a time
 
 
 # ------------------------------------------------------------------ generation
@@ -59,19 +72,21 @@ def run_generate(args) -> dict:
     import numpy as np
     import torch
 
+    from podsjax.models import init_cache, prefill
     from podsjax.sampling import generate
 
+    spec = args.spec
     # EOS off: no token id ends a transformers row early.
     hf_model = build_hf_model(args, args.prompt_len + args.new_tokens, bos_token_id=None, eos_token_id=None,
                               pad_token_id=0)
     num_params = sum(p.numel() for p in hf_model.parameters())  # tied weights counted once
-    model, params = to_podsjax(hf_model)
+    model, params = to_podsjax(hf_model, args.dtype)
 
-    p, length, t_new = args.prompts, args.prompt_len, args.new_tokens
+    p, length, t_new = args.rows, args.prompt_len, args.new_tokens
     rng = np.random.default_rng(args.seed)
-    ids_np = rng.integers(0, args.vocab, (p, length), dtype=np.int64)
+    ids_np = rng.integers(0, spec.vocab, (p, length), dtype=np.int64)
     mask_np = np.ones((p, length), np.int64)
-    never_eos = args.vocab  # one past the last token id: never sampled
+    never_eos = spec.vocab  # one past the last token id: never sampled
 
     ids, mask = jnp.asarray(ids_np, jnp.int32), jnp.asarray(mask_np, jnp.int32)
     calls = [0]
@@ -85,7 +100,12 @@ def run_generate(args) -> dict:
         )
         return jax.block_until_ready(rollouts)
 
-    ids_pt, mask_pt = torch.from_numpy(ids_np), torch.from_numpy(mask_np)
+    # What generate's prefill stage does for one sample per prompt: a fresh cache for L + T slots.
+    prefill_fn = jax.jit(lambda params, ids, mask: prefill(
+        model, params, ids, mask, init_cache(model.config, p, length + t_new, dtype=model.dtype), last_only=True))
+
+    device = torch_device(torch)
+    ids_pt, mask_pt = torch.from_numpy(ids_np).to(device), torch.from_numpy(mask_np).to(device)
 
     def torch_generate():
         with torch.no_grad():
@@ -94,25 +114,29 @@ def run_generate(args) -> dict:
                 top_p=1.0, max_new_tokens=t_new, min_new_tokens=t_new, eos_token_id=None, pad_token_id=0,
             )
 
+    def torch_prefill():
+        with torch.no_grad():  # the base model: generate's prefill runs the LM head on the last position only
+            return hf_model.model(input_ids=ids_pt, attention_mask=mask_pt, use_cache=True).last_hidden_state
+
     t0 = time.perf_counter()
     rollouts = podsjax_generate()
     first_call_s = time.perf_counter() - t0
     lengths = np.asarray(rollouts.lengths)
     if not (lengths == t_new).all():
         raise SystemExit(f"error: podsjax rows ended early (lengths {sorted(set(lengths.tolist()))}); EOS must be off")
-
-    # Honesty check: podsjax's log-probs of its own samples under the transformers model.
-    with torch.no_grad():
-        full = torch.cat([ids_pt, torch.from_numpy(np.asarray(rollouts.tokens, np.int64))], dim=1)
-        logits = hf_model(input_ids=full, attention_mask=torch.ones_like(full)).logits[:, length - 1: -1]
-        ref_lp = torch.log_softmax(logits.float(), -1).gather(-1, full[:, length:, None])[..., 0].numpy()
-    lp_diff = float(np.max(np.abs(np.asarray(rollouts.logprobs) - ref_lp)))
+    lp_diff = logprob_diff(hf_model, ids_pt, np.asarray(rollouts.tokens, np.int64), np.asarray(rollouts.logprobs))
+    del rollouts
 
     out = torch_generate()
     if tuple(out.shape) != (p, length + t_new):
         raise SystemExit(f"error: transformers returned {tuple(out.shape)}, expected {(p, length + t_new)}")
+    del out
 
-    (t_jax, times_jax), (t_pt, times_pt) = interleaved_medians([podsjax_generate, torch_generate], args.repeats)
+    timed = interleaved_medians(
+        [podsjax_generate, torch_synced(torch, torch_generate),
+         lambda: jax.block_until_ready(prefill_fn(params, ids, mask)), torch_synced(torch, torch_prefill)],
+        args.repeats)
+    (t_jax, times_jax), (t_pt, times_pt), (prefill_jax, _), (prefill_pt, _) = timed
     return dict(
         num_params=num_params,
         attn_impl=hf_model.config._attn_implementation,
@@ -120,22 +144,76 @@ def run_generate(args) -> dict:
         lp_diff=lp_diff,
         t_jax=t_jax,
         t_pt=t_pt,
+        prefill_jax=prefill_jax,
+        prefill_pt=prefill_pt,
         times_jax=times_jax,
         times_pt=times_pt,
     )
 
 
+def logprob_diff(hf_model, ids_pt, tokens_np, logprobs_np) -> float:
+    """Max abs diff of podsjax's log-probs of its samples against the transformers model's, a few rows at a time.
+
+    Only the positions that predict a sampled token go through the LM head, so the
+    check holds [rows, T, V] logits, never [rows, L + T, V].
+    """
+    import numpy as np
+    import torch
+
+    rows, t_new = tokens_np.shape
+    chunk = max(1, LOGIT_CHUNK_BYTES // (t_new * hf_model.config.vocab_size * 4))
+    worst = 0.0
+    with torch.no_grad():
+        for r0 in range(0, rows, chunk):
+            new = torch.from_numpy(tokens_np[r0:r0 + chunk]).to(ids_pt.device)
+            full = torch.cat([ids_pt[r0:r0 + chunk], new], dim=1)
+            hidden = hf_model.model(input_ids=full, attention_mask=torch.ones_like(full)).last_hidden_state
+            logits = hf_model.lm_head(hidden[:, -t_new - 1:-1]).float()
+            ref = torch.log_softmax(logits, -1).gather(-1, new[..., None])[..., 0].cpu().numpy()
+            worst = max(worst, float(np.max(np.abs(logprobs_np[r0:r0 + chunk] - ref))))
+    return worst
+
+
+def decode_floor_s(args) -> float | None:
+    """Seconds a decode step needs at least: bytes it must read / peak memory bandwidth."""
+    from benchmarks.costs import decode_step_bytes
+
+    bandwidth = device_peaks().bandwidth
+    if bandwidth is None:
+        return None
+    itemsize = jax_dtype(args.dtype).itemsize
+    return decode_step_bytes(args.spec, itemsize, args.rows, args.prompt_len, args.new_tokens) / bandwidth
+
+
 def format_generate_table(args, r) -> str:
-    tokens = args.prompts * args.new_tokens
+    tokens = args.rows * args.new_tokens
     tps_jax, tps_pt = tokens / r["t_jax"], tokens / r["t_pt"]
     return "\n".join([
         "| model | P x (prompt + new) | (a) podsjax generate | (b) transformers generate | a/b speed-up "
         "| max abs logprob diff |",
         "|---|---|---|---|---|---|",
-        f"| Qwen2-shaped {r['num_params'] / 1e6:.1f}M, fp32 | {args.prompts} x ({args.prompt_len} + {args.new_tokens}) "
-        f"| {tps_jax:,.0f} tok/s ({r['t_jax']:.2f} s) | {tps_pt:,.0f} tok/s ({r['t_pt']:.2f} s) "
+        f"| {args.shape} {r['num_params'] / 1e6:.1f}M, {args.dtype} | {args.rows} x ({args.prompt_len} + "
+        f"{args.new_tokens}) | {tps_jax:,.0f} tok/s ({r['t_jax']:.2f} s) | {tps_pt:,.0f} tok/s ({r['t_pt']:.2f} s) "
         f"| {tps_jax / tps_pt:.2f}x | {r['lp_diff']:.1e} |",
     ])
+
+
+def format_decode_table(args, r) -> str:
+    floor = decode_floor_s(args)
+    lines = [
+        "| contender | prefill | decode step = (generate - prefill) / T | memory floor per step | % of floor |",
+        "|---|---|---|---|---|",
+    ]
+    for name, total, pre in (("(a) podsjax", r["t_jax"], r["prefill_jax"]),
+                             ("(b) transformers", r["t_pt"], r["prefill_pt"])):
+        step = (total - pre) / args.new_tokens
+        if step <= 0:  # a tiny model's prefill is noise-sized
+            lines.append(f"| {name} | {pre * 1e3:.1f} ms | n/a (prefill timed >= generate) | | |")
+            continue
+        share = "n/a" if floor is None else f"{100 * floor / step:.0f} %"
+        floor_ms = "unknown" if floor is None else f"{floor * 1e3:.3f} ms"
+        lines.append(f"| {name} | {pre * 1e3:.1f} ms | {step * 1e3:.3f} ms | {floor_ms} | {share} |")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------- rewards
@@ -204,7 +282,8 @@ def format_reward_table(args, rows) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=32, help="P, prompts (one sample each)")
+    parser.add_argument("--rows", "--prompts", dest="rows", type=int, default=32,
+                        help="P, rows decoded together (one sample per prompt)")
     parser.add_argument("--prompt-len", type=int, default=64, help="L, tokens per prompt")
     parser.add_argument("--new-tokens", type=int, default=128, help="T, tokens sampled per prompt")
     add_model_args(parser)
@@ -227,17 +306,20 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     warning = busy_warning(print_machine(torch, transformers, args.retain_memory))
+    resolve(args)
     start, since = time.perf_counter(), cpu_snapshot()
     if not args.skip_generate:
         r = run_generate(args)
         busy_during = others_busy(since)
         print(
             f"model: {describe(args, r['num_params'])}; temperature 1, EOS off (all lengths checked == "
-            f"{args.new_tokens}); transformers attention: {r['attn_impl']}, default dynamic cache; "
+            f"{args.new_tokens}); transformers attention: {r['attn_impl']}, default dynamic cache; KV cache in "
+            f"{args.dtype}; "
             f"podsjax first call (compile + run) {r['first_call_s']:.1f} s; "
             f"median of {args.repeats} interleaved runs after 1 warm-up"
         )
         print(format_generate_table(args, r))
+        print(format_decode_table(args, r))
         print_runs({"podsjax": r["times_jax"], "transformers": r["times_pt"]}, busy_during, bool(warning),
                    during="during generation")
     if args.tasks:

@@ -1,12 +1,134 @@
 """Machine facts and fair timing shared by the benchmarks: CPU name, load from other processes,
-and contenders timed in alternation."""
+the device's peak bandwidth and FLOP/s, peak memory, and contenders timed in alternation."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import platform
 import statistics
 import time
+
+# Datasheet peaks: HBM bytes/s and dense bf16 FLOP/s, keyed by substrings of JAX's
+# device_kind (lower case, all must occur; the first matching row wins, so the
+# specific rows come first).
+PEAKS = (
+    (("h200",), "H200", 4.8e12, 989e12),
+    (("h100", "pcie"), "H100 PCIe", 2.0e12, 756e12),
+    (("h100", "nvl"), "H100 NVL", 3.9e12, 835e12),
+    (("h100",), "H100 SXM", 3.35e12, 989e12),
+    (("a100", "80gb"), "A100 80GB", 2.0e12, 312e12),
+    (("a100",), "A100 40GB", 1.555e12, 312e12),
+    (("l40s",), "L40S", 0.864e12, 362e12),
+    (("tpu v4",), "TPU v4", 1.2e12, 275e12),
+    (("tpu v5 lite",), "TPU v5e", 0.819e12, 197e12),
+    (("tpu v5e",), "TPU v5e", 0.819e12, 197e12),
+    (("tpu v5",), "TPU v5p", 2.765e12, 459e12),
+    (("tpu v6",), "TPU v6e", 1.64e12, 918e12),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+    """What a device can do at best: memory bandwidth (B/s) and matmul FLOP/s, and where the figures come from."""
+
+    name: str
+    bandwidth: float | None
+    flops: float | None
+    source: str
+
+
+def peaks_for(device_kind: str) -> Peaks | None:
+    kind = device_kind.lower()
+    for keys, name, bandwidth, flops in PEAKS:
+        if all(k in kind for k in keys):
+            return Peaks(name, bandwidth, flops, "datasheet, dense bf16")
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def device_peaks() -> Peaks:
+    """Peaks of JAX's first device: the datasheet row, or on CPU a quick measurement."""
+    import jax
+
+    device = jax.devices()[0]
+    known = peaks_for(device.device_kind)
+    if known is not None:
+        return known
+    if device.platform == "cpu":
+        return measure_cpu_peaks()
+    return Peaks(device.device_kind, None, None, "unknown device: add it to benchmarks/machine.py PEAKS")
+
+
+def measure_cpu_peaks() -> Peaks:
+    """Host memcpy bandwidth (bytes read + written) and fp32 matmul rate, best of a few NumPy runs."""
+    import numpy as np
+
+    src = np.ones(2**25, np.float32)  # 128 MiB, far beyond any cache
+    dst = np.empty_like(src)
+    copy_s = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+    n = 1024
+    a = np.ones((n, n), np.float32)
+    matmul_s = min(_timed(lambda: a @ a) for _ in range(5))
+    return Peaks(cpu_name(), 2 * src.nbytes / copy_s, 2 * n**3 / matmul_s,
+                 "measured here: NumPy memcpy and fp32 matmul")
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def describe_peaks(peaks: Peaks) -> str:
+    bandwidth = "n/a" if peaks.bandwidth is None else f"{peaks.bandwidth / 1e9:,.0f} GB/s"
+    flops = "n/a" if peaks.flops is None else f"{peaks.flops / 1e12:,.1f} TFLOP/s"
+    return f"peaks of {peaks.name}: memory {bandwidth}, matmul {flops} ({peaks.source})"
+
+
+# ------------------------------------------------------------------ torch device
+
+
+def torch_device(torch) -> str:
+    """Where the PyTorch contender runs: the GPU when torch has CUDA, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_sync(torch) -> None:
+    """Waits for queued CUDA kernels, so a timer sees the work done (a no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def torch_synced(torch, fn):
+    """``fn`` followed by :func:`torch_sync`: what a timed torch contender runs."""
+    def run():
+        out = fn()
+        torch_sync(torch)
+        return out
+    return run
+
+
+def reset_torch_peak(torch) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def torch_peak_bytes(torch) -> int | None:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def jax_peak_bytes() -> int | None:
+    """Peak bytes JAX has held on its first device since the process started (None where not reported, as on CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def fmt_bytes(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
 
 def cpu_name() -> str:
@@ -108,11 +230,16 @@ def print_machine(torch, transformers, retain_memory: bool = True) -> float | No
     import jax
 
     busy = busy_cores()
+    if torch.cuda.is_available():
+        torch_where = f"CUDA {torch.version.cuda} on {torch.cuda.get_device_name()}"
+    else:
+        torch_where = f"CPU, {torch.get_num_threads()} threads"
     print(
-        f"machine: {cpu_name()}, {usable_cores()} cores, {jax.device_count()} x {jax.devices()[0].device_kind}, "
-        f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"machine: {cpu_name()}, {usable_cores()} cores, {jax.device_count()} x {jax.devices()[0].device_kind} "
+        f"({jax.default_backend()}), jax {jax.__version__}, torch {torch.__version__} ({torch_where}), "
         f"transformers {transformers.__version__}; host allocator: {allocator}; before the run {busy_note(busy)}"
     )
+    print(describe_peaks(device_peaks()))
     if busy_warning(busy):
         print(busy_warning(busy))
     return busy

@@ -19,6 +19,9 @@ TINY_HINT = ("no --model given: using the built-in tiny preset (a small Qwen2-ar
              "in-process). For a real run, download a checkpoint first and pass --model /path/to/Qwen2.5-3B-Instruct")
 
 
+DRY_RUN_FILE = "dry_run.json"
+
+
 class UsageError(Exception):
     """A bad flag, path or combination; reported as one line with exit status 2."""
 
@@ -66,7 +69,17 @@ def build_parser(task: str) -> argparse.ArgumentParser:
                                         "(default: <out>/tiny_warmup); runs that share it start identically")
     p.add_argument("--warmup-steps", type=int, help="tiny preset only: cap the supervised warm-up's steps")
     p.add_argument("--reward-workers", type=int, default=2)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (progress lines are still printed)")
+    p.add_argument("--remat", choices=("none", "full", "dots"), default=None,
+                   help="what each layer keeps for the backward pass: full (default) recomputes the layer, "
+                        "dots keeps its matmul outputs, none keeps everything (fastest, most memory)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="compile generate and the update, report memory per device and compile times "
+                        "(also in <out>/dry_run.json), then exit without training")
+    p.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent compilation cache")
+    p.add_argument("--compile-cache-dir",
+                   help="persistent compilation cache (default: $PODSJAX_CACHE_DIR, else $JAX_COMPILATION_CACHE_DIR, "
+                        "else ~/.cache/podsjax/jax)")
     return p
 
 
@@ -89,6 +102,8 @@ def check_args(args) -> None:
     mesh_device_count(args.mesh)
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite exclude each other")
+    if args.no_compile_cache and args.compile_cache_dir is not None:
+        raise UsageError("--no-compile-cache and --compile-cache-dir exclude each other")
     for flag in ("model", "data", "eval_data"):
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
@@ -103,7 +118,10 @@ def check_args(args) -> None:
     has_run = os.path.isfile(os.path.join(out, "config.json"))
     if args.resume and not has_run:
         raise UsageError(f"--resume: {out} holds no run to resume (no config.json)")
-    if os.path.isdir(out) and os.listdir(out) and not (args.resume or args.overwrite):
+    # A dry run writes only dry_run.json, so it may look at any directory, and the real
+    # run may follow it into the same one.
+    occupied = os.path.isdir(out) and set(os.listdir(out)) - {DRY_RUN_FILE}
+    if occupied and not (args.resume or args.overwrite or args.dry_run):
         raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")
 
 
@@ -139,7 +157,7 @@ def resolve_config(args, task: str) -> dict:
 
     algo: dict = {}
     run: dict = {"prompts_per_step": 1, "max_prompt_length": 512, "max_new_tokens": 512, "eval_every_s": 120.0}
-    model = {"lora_rank": 64, "lora_alpha": 64.0, "dtype": "float32", "mesh": None}
+    model = {"lora_rank": 64, "lora_alpha": 64.0, "dtype": "float32", "mesh": None, "remat": args.remat or "full"}
     if args.setting:
         try:
             setting = presets.get_setting(args.setting)
@@ -172,6 +190,8 @@ def resolve_config(args, task: str) -> dict:
                      "checkpoint_every_steps": args.checkpoint_every_steps}
     run.update({k: v for k, v in run_overrides.items() if v is not None})
     run.update(seed=args.seed, reward_workers=args.reward_workers, progress=not args.no_progress)
+    if run.get("time_budget_s") is None and run.get("max_steps") is None:
+        raise UsageError("give a budget: --time-budget SECONDS or --max-steps N")
     if args.full:
         model["lora_rank"] = None
     if args.lora_rank is not None:
@@ -201,7 +221,21 @@ def tiny_defaults(method: str, run: dict, model: dict) -> dict:
                                      temperature=d["temperature"]))
 
 
+def setup_compile_cache(args) -> str | None:
+    """Turns the persistent compilation cache on (unless --no-compile-cache); before any compile."""
+    from podsjax import compilation
+
+    if args.no_compile_cache:
+        compilation.disable_compile_cache()
+        return None
+    try:
+        return compilation.enable_compile_cache(args.compile_cache_dir)
+    except ValueError as exc:
+        raise UsageError(f"{exc}; pass --compile-cache-dir DIR or --no-compile-cache") from None
+
+
 def main(task: str, argv=None) -> int:
+    started_at = time.time()
     try:
         args = build_parser(task).parse_args(argv)
         if args.out is None:
@@ -214,15 +248,20 @@ def main(task: str, argv=None) -> int:
                 config["run"]["time_budget_s"] = args.time_budget
             if args.max_steps is not None:
                 config["run"]["max_steps"] = args.max_steps
+            if args.remat is not None:  # memory only: the numbers are the same, so a resume may change it
+                config["model"]["remat"] = args.remat
         else:
             config = None
         mesh_spec = args.mesh if config is None else config["model"]["mesh"]
         prepare_devices(mesh_spec)
+        cache = setup_compile_cache(args)
+        print(f"compile cache: {cache or 'off'}", flush=True)
         if config is None:
             config = resolve_config(args, task)
         from experiments import runner
 
-        return runner.run(config, args.out, overwrite=args.overwrite, resume=args.resume)
+        return runner.run(config, args.out, overwrite=args.overwrite, resume=args.resume, dry_run=args.dry_run,
+                          started_at=started_at)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

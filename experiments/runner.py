@@ -11,8 +11,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments.cli import TINY_HINT, UsageError, mesh_device_count
-from podsjax import data, loop, prompts, train
+from experiments.cli import DRY_RUN_FILE, TINY_HINT, UsageError, mesh_device_count
+from podsjax import compilation, data, loop, prompts, train
+from podsjax import dry_run as dry_run_lib
 from podsjax import mesh as mesh_lib
 from podsjax import models as pm
 
@@ -58,29 +59,34 @@ def _tiny(config, out_dir):
     return stats.path, train_set, test_set
 
 
-def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool) -> int:
+def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
+        started_at: float | None = None) -> int:
     mesh = _mesh(config["model"]["mesh"])
     if overwrite and os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    if not resume:
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
     try:
-        return _train_and_export(config, out_dir, mesh)
-    except (prompts.PromptError, pm.CheckpointError) as exc:  # a bad checkpoint or template: one line
+        if dry_run:
+            return _dry_run(config, out_dir, mesh)
+        if not resume:
+            with open(os.path.join(out_dir, "config.json"), "w") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+        return _train_and_export(config, out_dir, mesh, started_at)
+    # A bad checkpoint, template or config, or a run too big for the device: one line.
+    except (prompts.PromptError, pm.CheckpointError, dry_run_lib.DoesNotFit) as exc:
         raise UsageError(str(exc)) from None
 
 
-def _train_and_export(config: dict, out_dir: str, mesh) -> int:
-    if config["model_path"] is None:
-        checkpoint, train_set, test_set = _tiny(config, out_dir)
-    else:
-        checkpoint = config["model_path"]
-        train_set, test_set = _load_tasks(config)
-    dtype = jnp.bfloat16 if config["model"]["dtype"] == "bfloat16" else jnp.float32
-    model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh)
-    tokenizer = prompts.load_tokenizer(checkpoint)
+def _dtype(config):
+    return jnp.bfloat16 if config["model"]["dtype"] == "bfloat16" else jnp.float32
+
+
+def _remat(config) -> str:
+    return config["model"].get("remat", "full")  # runs from before --remat trained with remat
+
+
+def _configs(config, out_dir):
+    """(algorithm, run config, LoRA config or None), each validated."""
     try:
         algo = train.AlgorithmConfig(**config["algorithm"])
         run_config = loop.RunConfig(out_dir=out_dir, task=config["task"], **config["run"])
@@ -88,8 +94,49 @@ def _train_and_export(config: dict, out_dir: str, mesh) -> int:
         lora = pm.LoraConfig(rank=lora_rank, alpha=config["model"]["lora_alpha"]) if lora_rank else None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    return algo, run_config, lora
+
+
+def _check_rows(mesh, algo, run_config) -> None:
+    """Rollout rows are split over the mesh's batch shards, so they must divide evenly."""
+    shards = mesh_lib.shard_count(mesh, "batch")
+    rows = run_config.prompts_per_step * algo.n
+    if rows % shards:
+        raise UsageError(f"--prompts-per-step x --n = {rows} rollout rows must divide evenly over the mesh's "
+                         f"{shards} batch shards; change --n, --prompts-per-step or --mesh")
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
+
+
+def _prompt_len(run_config) -> int:
+    """The longest padded prompt a step can see (the largest prompt bucket)."""
+    return max(prompts.Bucketing().lengths(run_config.max_prompt_length))
+
+
+def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None) -> int:
+    if config["model_path"] is None:
+        checkpoint, train_set, test_set = _tiny(config, out_dir)
+    else:
+        checkpoint = config["model_path"]
+        train_set, test_set = _load_tasks(config)
+    algo, run_config, lora = _configs(config, out_dir)
+    _check_rows(mesh, algo, run_config)
+    dtype, remat = _dtype(config), _remat(config)
+    print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
+    load_start = time.time()
+    model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
+    tokenizer = prompts.load_tokenizer(checkpoint)
+    print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
     start = time.time()
-    trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora)
+    trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
+                           started_at=started_at)
+    try:
+        _check_fits(trainer)
+    except BaseException:
+        trainer.close()
+        raise
     state_lora = None
     history = trainer.run()
     if lora is not None:
@@ -101,6 +148,77 @@ def _train_and_export(config: dict, out_dir: str, mesh) -> int:
     pm.save_pretrained(model, final_params, export_dir, lora=state_lora, overwrite=True, tokenizer_from=checkpoint)
     print_summary(config, history, int(trainer.state.step), trainer.host["elapsed_train_s"], time.time() - start,
                   export_dir)
+    return 0
+
+
+def _check_fits(trainer, limit: int | None = None) -> dry_run_lib.MemoryPlan | None:
+    """Before the first step, on a device that reports its memory: stop a run that cannot fit.
+
+    The update is compiled through the Trainer's own jitted function and state, so the
+    first step reuses the executable instead of compiling it again.
+    """
+    limit = limit if limit is not None else dry_run_lib.device_memory_limit(dry_run_lib.run_device(trainer.model.mesh))
+    if limit is None:  # CPU: nothing to check against
+        return None
+    run = trainer.run_config
+    print("checking that the run fits in device memory ...", flush=True)
+    memory = dry_run_lib.plan(
+        trainer.model, trainer.algo, trainer.lora_config, base_params=trainer.base_params,
+        prompts=run.prompts_per_step, prompt_len=_prompt_len(run), max_new_tokens=run.max_new_tokens,
+        top_k=run.top_k, eos_token_ids=trainer.eos_ids, pad_token_id=prompts.pad_token_id(trainer.tokenizer),
+        update_fn=trainer.step_fn, optimizer=trainer.optimizer, state=trainer.state, frozen=trainer.frozen,
+        compile_log=trainer.compile_log)
+    memory.limit = limit
+    print("\n".join(memory.lines()), flush=True)
+    memory.check_fits()
+    return memory
+
+
+def _dry_run_model(config, mesh):
+    """The decoder from config.json alone (or the tiny preset's shape): no weights are read."""
+    path = config["model_path"]
+    if path is None:
+        from podsjax.tiny import TinyModelSpec
+
+        spec = TinyModelSpec()
+        model_config, source = spec.model_config(spec.vocab_size), "the tiny preset"
+    else:
+        try:
+            model_config, source = pm.from_hf_config(path), path
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UsageError(f"--model {path}: cannot read config.json ({exc})") from None
+    dtype = _dtype(config)
+    return pm.Decoder(model_config, dtype=dtype, param_dtype=dtype, remat=_remat(config), mesh=mesh), source
+
+
+def _dry_run(config: dict, out_dir: str, mesh) -> int:
+    """Compiles generate and the update, prints and writes memory and compile times; trains nothing."""
+    algo, run_config, lora = _configs(config, out_dir)
+    _check_rows(mesh, algo, run_config)
+    model, source = _dry_run_model(config, mesh)
+    prompt_len = _prompt_len(run_config)
+    rows = run_config.prompts_per_step * algo.trained_per_prompt
+    print(f"dry run: {source} ({_millions(model.config.num_params)} params, {config['model']['dtype']}, "
+          f"{'LoRA rank ' + str(lora.rank) if lora else 'full fine-tune'}), {algo.algorithm}: "
+          f"{run_config.prompts_per_step} prompts x {algo.n} samples, update on {rows} rows x "
+          f"{prompt_len} + {run_config.max_new_tokens} tokens", flush=True)
+    eos = model.config.eos_token_id
+    eos = (eos,) if isinstance(eos, int) else tuple(eos or ()) or (model.config.pad_token_id or 0,)
+    compiles = compilation.CompileLog(lambda line: print(line, flush=True), min_report_s=0.0)
+    memory = dry_run_lib.plan(model, algo, lora, base_params=dry_run_lib.abstract_base(model),
+                              prompts=run_config.prompts_per_step, prompt_len=prompt_len,
+                              max_new_tokens=run_config.max_new_tokens, top_k=run_config.top_k,
+                              eos_token_ids=eos, pad_token_id=model.config.pad_token_id or 0, compile_log=compiles)
+    print("\n".join(memory.lines()), flush=True)
+    report = {**memory.to_json(), "shapes": {"prompts": run_config.prompts_per_step, "samples": algo.n,
+                                             "update_rows": rows, "prompt_len": prompt_len,
+                                             "max_new_tokens": run_config.max_new_tokens}}
+    path = os.path.join(out_dir, DRY_RUN_FILE)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+    memory.check_fits()
+    fits = "fits" if memory.limit else "no device limit reported; nothing to check against"
+    print(f"dry run done ({fits}); figures in {path}", flush=True)
     return 0
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ import numpy as np
 import optax
 
 from podsjax import checkpoint as ckpt_lib
+from podsjax import compilation
 from podsjax import data as data_lib
 from podsjax import mesh as mesh_lib
 from podsjax import metrics as metrics_lib
@@ -58,6 +60,8 @@ class RunConfig:
     reward_timeout_s: float = 10.0
     log_samples: int = 8
     progress: bool = True
+    console: bool = True
+    progress_every_s: float = 30.0
 
     def __post_init__(self):
         if self.time_budget_s is None and self.max_steps is None:
@@ -71,6 +75,8 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
         if self.eval_repeats < 0:
             raise ValueError(f"RunConfig.eval_repeats must be >= 0; got {self.eval_repeats}")
+        if not self.progress_every_s >= 0:
+            raise ValueError(f"RunConfig.progress_every_s must be >= 0; got {self.progress_every_s}")
 
 
 class DataStream:
@@ -93,30 +99,66 @@ class DataStream:
         return out
 
 
+def update_program(model, algo: train.AlgorithmConfig, lora: LoraConfig | None):
+    """The optimizer and the jitted update ``update(state, batch, frozen)`` (the state is donated).
+
+    ``--dry-run`` compiles this same function ahead of time, so its figures are the run's.
+    """
+    optimizer = train.make_optimizer(algo)
+    policy, reference = train.lora_apply_fn(model) if lora is not None else train.full_apply_fn(model)
+    step = train.make_train_step(policy, optimizer, algo, reference)
+
+    def update(state, batch, frozen):  # the name compile reports use
+        return step(state, batch, frozen)
+
+    return optimizer, jax.jit(update, donate_argnums=0)
+
+
 class Trainer:
-    """Owns the state, the jitted step, the reward pool, checkpoints and metrics of one run."""
+    """Owns the state, the jitted step, the reward pool, checkpoints and metrics of one run.
+
+    Args:
+        model, base_params, tokenizer: the policy to train and its tokenizer.
+        train_examples, eval_examples: the task's splits.
+        algo, run: what to train and how long.
+        lora: train LoRA adapters on a frozen base (None: full fine-tune).
+        rewards: reward functions (default: the task's).
+        log: prints one console line (default: stdout when ``run.console``, else nothing).
+        started_at: ``time.time()`` when the process started, for the first step's report.
+
+    Attributes:
+        compile_log: every compile of generate, selection and the update (see
+            :class:`podsjax.compilation.CompileLog`); ``compile_counts`` is its counts.
+    """
 
     def __init__(self, model, base_params, tokenizer, train_examples, eval_examples,
-                 algo: train.AlgorithmConfig, run: RunConfig, lora: LoraConfig | None = None, rewards=None):
+                 algo: train.AlgorithmConfig, run: RunConfig, lora: LoraConfig | None = None, rewards=None,
+                 log: Callable[[str], None] | None = None, started_at: float | None = None):
         self.model, self.base_params, self.tokenizer = model, base_params, tokenizer
         self.algo, self.run_config, self.lora_config = algo, run, lora
         self.eval_examples = list(eval_examples)
         self.rewards = rewards or rewards_lib.default_rewards(run.task)
         self.eos_ids = _eos_ids(tokenizer)
-        self.optimizer = train.make_optimizer(algo)
+        self._print = log or (metrics_lib.print_line if run.console else None)
+        self._bar: metrics_lib.Progress | None = None
+        self.started_at = time.time() if started_at is None else started_at
+        self.compile_log = compilation.CompileLog(self.log)
+        self.optimizer, self.step_fn = update_program(model, algo, lora)
         key = jax.random.key(run.seed)
         if lora is not None:
             trainable = init_lora(jax.random.fold_in(key, 1), model, lora, mesh=model.mesh)
-            policy, reference = train.lora_apply_fn(model)
             self.frozen = base_params
         else:
             trainable = base_params
-            policy, reference = train.full_apply_fn(model)
             # The KL reference of a full fine-tune is a frozen copy of the start weights.
             self.frozen = jax.tree.map(jnp.copy, base_params) if algo.beta > 0 else None
         shardings = jax.tree.map(lambda x: x.sharding, trainable) if model.mesh is not None else None
-        state = jax.jit(lambda t, k: self._init_state(t, k, shardings))(trainable, key)
-        self.step_fn = jax.jit(train.make_train_step(policy, self.optimizer, algo, reference), donate_argnums=0)
+
+        def init(trainable, key):
+            return self._init_state(trainable, key, shardings)
+
+        with self.compile_log.label("init"):
+            state = jax.jit(init)(trainable, key)
         self.batch_fn = jax.jit(train.build_batch, static_argnames="config")
         os.makedirs(run.out_dir, exist_ok=True)
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(
@@ -134,6 +176,20 @@ class Trainer:
         self.writer = metrics_lib.MetricsWriter(run.out_dir, resume_step=restored)
         self.pool = rewards_lib.RewardPool(run.reward_workers, timeout_s=run.reward_timeout_s)
         self._compiled_once = False
+
+    @property
+    def compile_counts(self) -> dict[str, int]:
+        """Compiles so far per program, e.g. ``{"generate[prefill]": 1, "update": 1, ...}``."""
+        return dict(self.compile_log.counts)
+
+    def log(self, line: str) -> None:
+        """One console line, above the progress bar when one is drawn."""
+        if self._print is None:
+            return
+        if self._bar is not None and self._bar.enabled and self._print is metrics_lib.print_line:
+            self._bar.write(line)
+        else:
+            self._print(line)
 
     def _init_state(self, trainable, key, shardings) -> train.TrainState:
         """The first state, with optimizer moments born in their params' shardings.
@@ -167,9 +223,11 @@ class Trainer:
                 examples = [examples[i] for i in prompts.kept_P]
             params, lora = self.policy_params()
             key = jax.random.fold_in(jax.random.key(run.seed + 1), int(self.state.step))
-            rollouts = generate(self.model, params, prompts.ids_PL, prompts.mask_PL, key, num_samples=algo.n,
-                                max_new_tokens=run.max_new_tokens, temperature=algo.temperature, top_p=run.top_p,
-                                top_k=run.top_k, eos_token_ids=self.eos_ids, pad_token_id=prompts.pad_id, lora=lora)
+            with self.compile_log.label("generate", _shape(prompts.ids_PL, algo.n, run.max_new_tokens)):
+                rollouts = generate(self.model, params, prompts.ids_PL, prompts.mask_PL, key, num_samples=algo.n,
+                                    max_new_tokens=run.max_new_tokens, temperature=algo.temperature,
+                                    top_p=run.top_p, top_k=run.top_k, eos_token_ids=self.eos_ids,
+                                    pad_token_id=prompts.pad_id, lora=lora)
             tokens, mask = np.asarray(rollouts.tokens), np.asarray(rollouts.mask)
         with timer.phase("scoring"):
             completions = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
@@ -177,14 +235,17 @@ class Trainer:
         p = len(examples)
         rewards_PN = np.asarray(scores.total_B, np.float32).reshape(p, algo.n)
         with timer.phase("selection"):
-            batch, idx_PM = self.batch_fn(prompts.ids_PL, prompts.mask_PL, tokens.reshape(p, algo.n, -1),
-                                          mask.reshape(p, algo.n, -1), rewards_PN, config=algo,
-                                          key=jax.random.fold_in(key, 7))
-            idx_PM = np.asarray(idx_PM)
+            select_key = jax.random.fold_in(key, 7)
+            with self.compile_log.label("select"):
+                batch, idx_PM = self.batch_fn(prompts.ids_PL, prompts.mask_PL, tokens.reshape(p, algo.n, -1),
+                                              mask.reshape(p, algo.n, -1), rewards_PN, config=algo, key=select_key)
+                idx_PM = np.asarray(idx_PM)
             batch = self._shard_batch(batch)
         with timer.phase("update"):
-            self.state, step_metrics = self.step_fn(self.state, batch, self.frozen)
-            step_metrics = jax.device_get(step_metrics)
+            rows, length = batch.input_ids.shape
+            with self.compile_log.label("update", f"{rows} rows x {length} tokens"):
+                self.state, step_metrics = self.step_fn(self.state, batch, self.frozen)
+                step_metrics = jax.device_get(step_metrics)
         phases = timer.totals()
         if self._compiled_once:
             self.host["elapsed_train_s"] += sum(phases.values())
@@ -234,9 +295,11 @@ class Trainer:
             rows = self._batch_shards()
             ids, prompt_mask = (np.concatenate([x, np.repeat(x[-1:], -len(x) % rows, axis=0)])
                                 for x in (prompts.ids_PL, prompts.mask_PL))
-            r = generate(self.model, params, ids, prompt_mask, jax.random.key(0), num_samples=1,
-                         max_new_tokens=run.max_new_tokens, temperature=0.0, eos_token_ids=self.eos_ids,
-                         pad_token_id=prompts.pad_id, lora=lora)
+            key = jax.random.key(0)
+            with self.compile_log.label("generate", _shape(ids, 1, run.max_new_tokens)):
+                r = generate(self.model, params, ids, prompt_mask, key, num_samples=1,
+                             max_new_tokens=run.max_new_tokens, temperature=0.0, eos_token_ids=self.eos_ids,
+                             pad_token_id=prompts.pad_id, lora=lora)
             tokens, mask = np.asarray(r.tokens)[: len(chunk)], np.asarray(r.mask)[: len(chunk)]
             texts = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
             scores = self.pool.score(texts, self.rewards, **data_lib.reward_columns(chunk, 1))
@@ -264,12 +327,16 @@ class Trainer:
         """Trains until the budget is spent; returns the eval history (one dict per eval)."""
         history = _read_history(self.run_config.out_dir)
         run = self.run_config
+        enabled = None if run.progress else False
         if run.max_steps is not None:
-            progress = metrics_lib.Progress(run.max_steps, unit="step", initial=int(self.state.step),
-                                            enabled=None if run.progress else False)
+            bar = metrics_lib.Progress(run.max_steps, unit="step", initial=int(self.state.step), enabled=enabled)
         else:
-            progress = metrics_lib.Progress(run.time_budget_s, unit="s", initial=self.host["elapsed_train_s"],
-                                            enabled=None if run.progress else False)
+            bar = metrics_lib.Progress(run.time_budget_s, unit="s", initial=self.host["elapsed_train_s"],
+                                       enabled=enabled)
+        self._bar = bar
+        # Without a bar (no TTY: logs, nohup, SLURM) one line every progress_every_s says how it goes.
+        lines = metrics_lib.ProgressLog(self.log, every_s=run.progress_every_s)
+        first = True
         try:
             while True:
                 if self.eval_due():
@@ -279,6 +346,8 @@ class Trainer:
                     evaluation["step"] = int(self.state.step)
                     history.append(evaluation)
                     _append_history(self.run_config.out_dir, evaluation)
+                    self.log(f"eval at step {evaluation['step']}: accuracy {evaluation['eval/accuracy']:.1%} "
+                             f"on {int(evaluation['eval/examples'])} examples")
                 if self.done():
                     break
                 scalars = self.train_step()
@@ -286,14 +355,30 @@ class Trainer:
                 self.writer.write(step, scalars)
                 position = step if run.max_steps is not None else self.host["elapsed_train_s"]
                 accuracy = history[-1]["eval/accuracy"] if history else float("nan")
-                progress.update(position, step=step, reward=scalars["reward/mean"], acc=accuracy)
+                bar.update(position, step=step, reward=scalars["reward/mean"], acc=accuracy)
+                if first:
+                    since = time.time() - self.started_at
+                    lines.update(step, lambda: f"first step done {since:.1f} s after start: {_phases_text(scalars)}",
+                                 force=True)
+                    first = False
+                elif not bar.enabled:
+                    lines.update(step, lambda: self._progress_line(step, scalars, accuracy), force=self.done())
                 # Saved before the next step donates the state's buffers.
                 self.checkpointer.save(step, self.state, self._host_with_log_sizes())
             self.checkpointer.save(int(self.state.step), self.state, self._host_with_log_sizes(), force=True)
         finally:
-            progress.close()
+            bar.close()
+            self._bar = None
             self.close()
         return history
+
+    def _progress_line(self, step: int, scalars: dict[str, float], accuracy: float) -> str:
+        run = self.run_config
+        of = f"/{run.max_steps}" if run.max_steps is not None else ""
+        budget = f"/{run.time_budget_s:.0f}" if run.time_budget_s is not None else ""
+        acc = "-" if accuracy != accuracy else f"{accuracy:.1%}"
+        return (f"step {step}{of} | train clock {self.host['elapsed_train_s']:.0f}{budget} s | "
+                f"reward {scalars['reward/mean']:.3f} | eval acc {acc} | {_phases_text(scalars)}")
 
     def _host_with_log_sizes(self) -> dict[str, Any]:
         """The host state plus each log's size now, which a resume from this checkpoint cuts back to."""
@@ -304,6 +389,18 @@ class Trainer:
         self.checkpointer.close()
         self.writer.close()
         self.pool.close()
+
+
+def _shape(ids_PL, samples: int, new_tokens: int) -> str:
+    """``"8 prompts x 16 samples, 128 + 48 tokens"``: what a generate compile is for."""
+    prompts, length = np.shape(ids_PL)
+    return f"{prompts} prompts x {samples} samples, {length} + {new_tokens} tokens"
+
+
+def _phases_text(scalars: dict[str, float]) -> str:
+    phases = [(name, scalars.get(f"time/{name}")) for name in ("generation", "scoring", "selection", "update")]
+    total = sum(v for _, v in phases if v is not None)
+    return f"step {total:.2f} s (" + ", ".join(f"{n} {v:.2f}" for n, v in phases if v is not None) + ")"
 
 
 def _abstract(x):

@@ -373,6 +373,13 @@ class Progress:
         self._bar.set_postfix(shown, refresh=False)
         self._bar.update(min(position, self._bar.total) - self._bar.n)
 
+    def write(self, line: str) -> None:
+        """Prints ``line`` above the bar (or plainly when the bar is off)."""
+        if self._bar.disable:
+            print(line, file=sys.stdout, flush=True)
+        else:
+            self._bar.write(line, file=sys.stdout)
+
     def close(self) -> None:
         self._bar.close()
 
@@ -381,6 +388,45 @@ class Progress:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+class ProgressLog:
+    """Decides when to print a one-line progress report, for consoles without a bar.
+
+    Logs, ``nohup`` and batch schedulers get no TTY, so the tqdm bar is hidden there;
+    these lines tell the user that the run is alive: the first step, then one line
+    every ``every_s`` seconds or ``every_steps`` steps, whichever comes first.
+
+    Args:
+        log: prints one line.
+        every_s: least seconds between lines (0: every step).
+        every_steps: also print every N steps (None: by time only).
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, log: Callable[[str], None], *, every_s: float = 30.0, every_steps: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if every_s < 0 or (every_steps is not None and every_steps < 1):
+            raise ValueError(f"ProgressLog needs every_s >= 0 and every_steps >= 1; got {every_s}, {every_steps}")
+        self._log, self._every_s, self._every_steps, self._clock = log, every_s, every_steps, clock
+        self._last: float | None = None
+        self.lines = 0
+
+    def update(self, step: int, line: Callable[[], str], *, force: bool = False) -> bool:
+        """Prints ``line()`` when due (or ``force``); returns whether it printed."""
+        now = self._clock()
+        due = (force or self._last is None or now - self._last >= self._every_s
+               or (self._every_steps is not None and step % self._every_steps == 0))
+        if due:
+            self._log(line())
+            self._last = now
+            self.lines += 1
+        return due
+
+
+def print_line(line: str) -> None:
+    """Prints one console line to the current stdout, flushed (pipes buffer otherwise)."""
+    print(line, file=sys.stdout, flush=True)
 
 
 class Stopwatch:

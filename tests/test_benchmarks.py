@@ -1,20 +1,33 @@
-"""The benchmark scripts still run (tiny shapes; the real numbers live in the README)."""
+"""The benchmark scripts still run (tiny shapes; the real numbers live in the README), and their floors are right."""
 
+import importlib.util
+import math
 import os
 import subprocess
 import sys
 
+import pytest
+
+from benchmarks import costs
+from benchmarks.machine import peaks_for
+from benchmarks.qwen_model import SHAPES, hf_config, podsjax_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MODEL = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
-              "--vocab", "1024", "--repeats", "1"]
+TINY_SHAPE = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+              "--vocab", "1024"]
+TINY_MODEL = [*TINY_SHAPE, "--repeats", "1"]
 
 
-def run(module, *args):
+def run(module, *args, timeout=300):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=timeout)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
+
+
+def last_column(row: str) -> float:
+    return float(row.rstrip(" |").rsplit("|", 1)[1])
 
 
 def test_selection_benchmark_prints_its_ratio_table():
@@ -25,17 +38,70 @@ def test_selection_benchmark_prints_its_ratio_table():
 def test_forward_benchmark_checks_logits_and_prints_a_ratio():
     printed = run("benchmarks.forward", "--batch", "1", "--seq", "16", *TINY_MODEL)
     assert "a/b speed-up" in printed and "max abs logit diff" in printed
+    row = next(line for line in printed.splitlines() if line.startswith("| small"))
+    assert last_column(row) < 1e-4, row  # fp32 on CPU: the same logits
 
 
 def test_generate_benchmark_runs_both_contenders(shared_data_dir):
-    printed = run("benchmarks.generate", "--prompts", "2", "--prompt-len", "8", "--new-tokens", "4", *TINY_MODEL,
+    printed = run("benchmarks.generate", "--rows", "2", "--prompt-len", "8", "--new-tokens", "4", *TINY_MODEL,
                   "--data", shared_data_dir, "--reward-limit", "8", "--workers", "1")
     assert "a/b speed-up" in printed and "| gsm8k |" in printed
+    assert "% of floor" in printed and "| (a) podsjax |" in printed and "measured here" in printed
 
 
-def test_train_step_benchmark_checks_gradients_and_prints_a_ratio():
-    printed = run("benchmarks.train_step", "--batch", "2", "--prompt-len", "8", "--completion-len", "8", *TINY_MODEL)
-    row = next(line for line in printed.splitlines() if line.startswith("| Qwen2-shaped"))
-    # Same weights, same batch, same loss: the two first-step gradient norms must agree.
-    assert float(row.rstrip(" |").rsplit("|", 1)[1]) < 1e-4, row
-    assert "a/b speed-up" in printed
+def test_train_step_benchmark_checks_lora_and_full_gradients():
+    # The torch side of LoRA is peft, from the bench extra; without it only the full update runs.
+    modes = ["lora", "full"] if importlib.util.find_spec("peft") else ["full"]
+    printed = run("benchmarks.train_step", "--batch", "2", "--prompt-len", "8", "--completion-len", "8",
+                  "--lora-rank", "8", "--update", ",".join(modes), *TINY_MODEL)
+    rows = [line for line in printed.splitlines() if line.startswith(("| LoRA r8", "| full"))]
+    assert len(rows) == len(modes), printed
+    # Same weights (and LoRA A), same batch, same loss: the two first-step gradient norms must agree.
+    for row in rows:
+        assert last_column(row) < 1e-4, row
+    assert "MFU a / b" in printed and "podsjax compile" in printed
+
+
+def test_cli_step_benchmark_times_a_cold_and_a_warm_run(shared_data_dir):
+    printed = run("benchmarks.cli_step", *TINY_SHAPE, "--max-steps", "2", "--eval-limit", "1", "--train-examples",
+                  "8", "--tokenizer-vocab", "512", "--data", shared_data_dir,
+                  "--cli-flags", "--n", "4", "--m", "2", "--max-completion-length", "8", timeout=240)
+    assert "| 1: cold compile cache |" in printed and "| 2: warm compile cache |" in printed, printed
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"])
+def test_shape_param_counts_agree_across_transformers_podsjax_and_the_floors(name):
+    import torch
+    import transformers
+
+    spec = SHAPES[name]
+    with torch.device("meta"):  # shapes only, no memory
+        hf = transformers.Qwen2ForCausalLM(hf_config(spec, 2048))
+    count = sum(p.numel() for p in hf.parameters())
+    assert count == podsjax_config(spec, 2048).num_params == costs.matmul_params(spec)
+    # The model cards: 0.49B, 1.54B, 3.09B.
+    assert round(count / 1e9, 2) == {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09}[name]
+
+
+def test_decode_floor_matches_the_design_note():
+    # DESIGN.md: 1.5B shape, bf16, 256 rows, 512 + 512 tokens on an H100: a 2.6 ms floor.
+    peaks = peaks_for("NVIDIA H100 80GB HBM3")
+    floor = costs.decode_step_bytes(SHAPES["qwen2.5-1.5b"], 2, 256, 512, 512) / peaks.bandwidth
+    assert peaks.name == "H100 SXM" and floor == pytest.approx(2.6e-3, abs=0.05e-3)
+    assert peaks_for("NVIDIA H100 PCIe").name == "H100 PCIe"
+    assert peaks_for("TPU v5 lite").name == "TPU v5e" and peaks_for("TPU v5p").name == "TPU v5p"
+    assert peaks_for("NVIDIA A100-SXM4-80GB").bandwidth == 2.0e12 and peaks_for("cpu") is None
+
+
+def test_update_flops_follow_the_stated_formula():
+    spec = SHAPES["small"]
+    full = costs.update_flops(spec, 8, 64, 128, None)
+    lora = costs.update_flops(spec, 8, 64, 128, 64)
+    tokens = 8 * 192
+    # Full fine-tuning is at least 6 N per token; LoRA is about 4 N + 6 N_lora per token (plus attention).
+    assert full > 6 * costs.body_params(spec) * tokens
+    assert 4 * costs.body_params(spec) * tokens < lora < full
+    from podsjax.models.lora import LoraConfig, lora_shapes
+
+    shapes = lora_shapes(podsjax_config(spec, 2048), LoraConfig(rank=64, alpha=64.0)).values()
+    assert costs.lora_params(spec, 64) == sum(math.prod(a) + math.prod(b) for a, _, b, _ in shapes)

@@ -19,6 +19,18 @@ def checkpoint(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("cli_ckpt"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """The CLI's persistent compile cache, kept out of the user's home for these runs."""
+    before = os.environ.get("PODSJAX_CACHE_DIR")
+    os.environ["PODSJAX_CACHE_DIR"] = path = str(tmp_path_factory.mktemp("compile_cache"))
+    yield path
+    if before is None:
+        os.environ.pop("PODSJAX_CACHE_DIR", None)
+    else:
+        os.environ["PODSJAX_CACHE_DIR"] = before
+
+
 def run_cli(args, timeout=300):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI must make its own devices
     return subprocess.run([sys.executable, "-m", "experiments.gsm8k", *args], cwd=ROOT, env=env,
@@ -35,8 +47,12 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, shared_data_dir, 
     first = run_cli([*common, "--max-steps", "2"])
     assert first.returncode == 0, first.stderr[-3000:]
     config = json.load(open(os.path.join(out, "config.json")))
-    assert config["algorithm"]["n"] == 8 and config["model"]["mesh"] == "8"
+    assert config["algorithm"]["n"] == 8 and config["model"]["mesh"] == "8" and config["model"]["remat"] == "full"
     assert "peak accuracy" in first.stdout
+    # stdout is a pipe here, as under nohup or SLURM: no bar, but plain lines say what happens.
+    for words in (f"loading model from {checkpoint}", "compiled update (",
+                  "first step done", "step 2/2 | train clock"):
+        assert words in first.stdout, (words, first.stdout[-3000:])
     assert os.path.isfile(os.path.join(out, "final_model", "config.json"))
     assert os.path.isfile(os.path.join(out, "metrics.jsonl"))
 
@@ -58,11 +74,13 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, shared_data_dir, 
     (["--model", "/no/such/dir"], "no such file or directory"),
     (["--full", "--lora-rank", "4"], "exclude each other"),
     (["--setting", "z"], "unknown setting 'z'"),
-    (["--setting", "b"], "is a math setting"),
+    (["--setting", "c"], "is a math setting"),
     (["--mesh", "eight"], "--mesh 'eight'"),
     (["--method", "ppo"], "invalid choice"),
     (["--resume"], "holds no run to resume"),
     (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps must be > 0"),
+    (["--remat", "some"], "invalid choice"),
+    (["--no-compile-cache", "--compile-cache-dir", "x"], "exclude each other"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(tmp_path, capsys, args, message):
     out = tmp_path / "never"
@@ -80,7 +98,7 @@ def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, shared
     flags = ["--methods", "grpo,pods", "--seeds", "0,1", "--out", str(out), "--model", checkpoint,
              "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data", os.path.join(gsm8k, "test.jsonl"),
              "--eval-limit", "4", "--n", "4", "--m", "2", "--max-completion-length", "6", "--max-steps", "1",
-             "--eval-every", "0", "--lora-rank", "2", "--no-progress", "--reward-workers", "1"]
+             "--eval-every", "0", "--lora-rank", "2", "--no-progress", "--reward-workers", "1", "--no-compile-cache"]
     assert compare.main(flags) == 0
     printed = capsys.readouterr().out
     assert "| grpo |" in printed and "| pods |" in printed and "speed-up vs grpo" in printed
@@ -102,7 +120,7 @@ def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, t
     for method in ("grpo", "grpo-ga", "pods"):
         out = tmp_path / method
         code = cli.main("gsm8k", ["--method", method, "--mesh", "8", "--max-steps", "2", "--eval-limit", "8",
-                                  "--warmup-dir", warmup, "--warmup-steps", "30", "--no-progress",
+                                  "--warmup-dir", warmup, "--warmup-steps", "30", "--no-progress", "--no-compile-cache",
                                   "--reward-workers", "1", "--out", str(out)])
         printed = capsys.readouterr().out
         assert code == 0, printed[-2000:]

@@ -8,7 +8,7 @@ import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
-from podsjax import data, loop, prompts, train
+from podsjax import data, dry_run, loop, metrics, prompts, train
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +79,71 @@ def test_resume_rewinds_logs_to_the_checkpoint_and_keeps_the_cut_tail(tmp_path):
     assert (tmp_path / "metrics.jsonl.superseded").read_text() == '{"step": 2}\n{"ste\n'
     assert (tmp_path / "samples.jsonl").read_text() == ""
     assert (tmp_path / "samples.jsonl.superseded").read_text() == '{"step": 2}\n'
+
+
+def test_each_program_compiles_once_and_the_console_says_so(setup, tmp_path):
+    model, params, tokenizer, train_set, _ = setup
+    # One prompt over and over: one prompt bucket, so nothing may compile after the first
+    # step. Evaluation's rows (8 prompts x 1) match the rollouts' (2 x 4), so it shares
+    # their decode program; its prefill (1 sample per prompt) is its own.
+    same = [train_set[0]] * 8
+    run = loop.RunConfig(out_dir=str(tmp_path / "run"), max_steps=3, prompts_per_step=2, max_new_tokens=8,
+                         eval_every_s=0.0, eval_batch_size=8, reward_workers=1, progress=False, progress_every_s=0.0)
+    lines = []
+    trainer = loop.Trainer(model, params, tokenizer, same, same, train.preset("pods", n=4, m=2), run,
+                           lora=pm.LoraConfig(rank=2, alpha=4.0), log=lines.append)
+    trainer.compile_log.min_report_s = 0.0  # report every compile, however fast this machine
+    trainer.run()
+    counts = trainer.compile_counts
+    assert counts["update"] == 1 and counts["generate[decode]"] == 1 and counts["generate[prefill]"] == 2, counts
+    assert counts["select[build_batch]"] == 1
+    first = next(i for i, line in enumerate(lines) if line.startswith("first step done"))
+    assert not [line for line in lines[first:] if "compiled" in line], lines  # nothing after the first step
+    assert any(line.startswith("compiled update (4 rows x ") for line in lines[:first]), lines
+    assert any(line.startswith("compiled generate[decode] (") for line in lines[:first]), lines
+    progress = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" |")[0] for line in progress] == ["step 2/3", "step 3/3"]
+    assert all(word in progress[-1] for word in ("train clock", "reward", "eval acc", "update")), progress
+    assert sum(line.startswith("eval at step") for line in lines) == 4  # before each step and at the end
+
+
+def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, shared_data_dir, tmp_path):
+    from experiments import runner
+    from podsjax import mesh as mesh_lib
+
+    checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("fit_ckpt"))
+    model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32, mesh=mesh_lib.make_mesh("8"))
+    tokenizer = prompts.load_tokenizer(checkpoint)
+    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    example = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=1).examples
+    run = loop.RunConfig(out_dir=str(tmp_path / "run"), max_steps=1, prompts_per_step=2, max_new_tokens=8,
+                         max_prompt_length=256, eval_every_s=None, reward_workers=1, progress=False, console=False)
+    trainer = loop.Trainer(model, params, tokenizer, example * 4, example, train.preset("pods", n=4, m=2), run,
+                           lora=pm.LoraConfig(rank=2, alpha=4.0))
+    try:
+        memory = runner._check_fits(trainer, limit=2**40)  # a device that reports its memory
+        assert memory.update_temp > 0 and memory.kv_cache > 0
+        before = trainer.compile_counts
+        trainer.train_step()
+    finally:
+        trainer.close()
+    big = ("generate[prefill]", "generate[decode]", "update")
+    assert [before[k] for k in big] == [1, 1, 1] and [trainer.compile_counts[k] for k in big] == [1, 1, 1]
+    with pytest.raises(dry_run.DoesNotFit, match="needs .* per device"):
+        memory.limit = 1
+        memory.check_fits()
+
+
+def test_progress_log_prints_the_first_step_then_by_time_or_steps():
+    now, printed = [0.0], []
+    lines = metrics.ProgressLog(printed.append, every_s=30.0, every_steps=5, clock=lambda: now[0])
+    for step in range(1, 12):
+        now[0] += 4.0
+        lines.update(step, lambda: f"step {step}")
+    # Step 1 is the first; 5 and 10 are every 5 steps; no 30 s gap comes up at 4 s a step.
+    assert printed == ["step 1", "step 5", "step 10"]
+    now[0] += 31.0
+    assert lines.update(12, lambda: "late") and printed[-1] == "late"
+    assert lines.update(13, lambda: "forced", force=True) and lines.lines == 5
+    with pytest.raises(ValueError):
+        metrics.ProgressLog(print, every_steps=0)

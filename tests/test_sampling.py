@@ -297,3 +297,16 @@ def test_argmax_and_gumbel_max_match_jax_bit_for_bit():
     cfg = sampling.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=0.7, eos_token_ids=(EOS,))
     tokens, _ = jax.jit(lambda lg, k: sampling._sample(lg, k, jnp.float32(cfg.temperature), cfg))(logits, key)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jax.random.categorical(key, logits / 0.7)))
+
+
+def test_bf16_generation_runs_and_follows_the_bf16_forward(tiny):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    bf16 = model.clone(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    ids, mask = left_padded_prompts(9)
+    out = generate(bf16, params16, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=4, temperature=0.0,
+                   eos_token_ids=EOS)
+    assert np.isfinite(np.asarray(out.logprobs)).all()
+    logits = np.asarray(jax.jit(lambda p: bf16.apply({"params": p}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)))(
+        params16))
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:, 0], logits[:, -1].argmax(-1))

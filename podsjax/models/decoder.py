@@ -189,6 +189,10 @@ def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allow
     """
     b, length, h, e = q_BLHE.shape
     k = k_BKSE.shape[1]
+    if jax.default_backend() == "cpu" and k_BKSE.dtype != jnp.float32:
+        # XLA:CPU has no 16-bit batched dot with an fp32 result (it fails at run time);
+        # it would compute in fp32 anyway.
+        k_BKSE, v_BKSE = k_BKSE.astype(jnp.float32), v_BKSE.astype(jnp.float32)
     q_BLKGE = q_BLHE.reshape(b, length, k, h // k, e).astype(k_BKSE.dtype)
     scores_BKGLS = jnp.einsum("blkge,bkse->bkgls", q_BLKGE, k_BKSE, preferred_element_type=jnp.float32)
     scores_BKGLS = jnp.where(allowed_BLS[:, None, None], scores_BKGLS * (e ** -0.5), jnp.finfo(jnp.float32).min)

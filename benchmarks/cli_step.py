@@ -1,0 +1,269 @@
+"""The end-to-end CLI on a random checkpoint: time to the first finished PODS step, steady step time, phases.
+
+A random-weight checkpoint of --shape (small ~98M by default, or qwen2.5-0.5b /
+1.5b / 3b; podsjax ``init_params`` + ``save_pretrained``, written on the host CPU so
+the accelerator stays free for the runs) is saved with a byte-level BPE tokenizer
+trained here on GSM8K text under Qwen2's pre-tokenizer (ChatML template, so the
+prompts have realistic lengths), next to a small local GSM8K split taken from
+--data. Then the real CLI runs as a subprocess, --runs times (default 2: cold, then
+warm compile cache; both use one fresh cache directory)::
+
+    python -m experiments.gsm8k --model <ckpt> --data <dir> --eval-data <dir> --setting a --method pods \
+        --max-steps K --eval-limit E --dtype <dtype> --out <run> [--compile-cache-dir <cache>] [CLI flags...]
+
+The table gives, per run: the wall time from launch to the first finished step
+(seen when its line lands in ``<run>/metrics.jsonl``; the CLI evaluates at step 0
+first, as a user's run does), that step's phases (compiles included), and the
+median steady step (steps 2..K) with its phases from ``time/generation``,
+``time/scoring``, ``time/selection`` and ``time/update``. The CLI's own console
+lines about compiles are echoed; its whole output is in ``<run>.log``.
+
+A random model almost never samples EOS, so every completion runs to the full
+length: the slowest case of each setting.
+
+Run (CPU, a tiny shape; setting a's 64 rollouts x 512 + 512 tokens cut down):
+    python -m benchmarks.cli_step --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --vocab 1024 \
+        --max-steps 3 --eval-limit 2 --cli-flags --n 8 --m 4 --max-completion-length 32
+Run (GPU, the targets' setting: setting a, n 64, m 16, 512 + 512 tokens):
+    python -m benchmarks.cli_step --shape qwen2.5-1.5b --dtype bfloat16 --max-steps 5 --eval-limit 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.qwen_model import add_shape_args, podsjax_config, resolve
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_DATA = os.path.join(REPO_ROOT, "..", "shared", "data")
+PHASES = ("generation", "scoring", "selection", "update")
+POLL_S = 0.05
+
+
+def accelerator_backend() -> tuple[str, str]:
+    """The backend the CLI will get, asked in a child so this process never claims the accelerator."""
+    probe = "import jax; print(jax.default_backend(), '|', jax.devices()[0].device_kind)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    backend, kind = out.stdout.strip().splitlines()[-1].split(" | ", 1)
+    return backend, kind
+
+
+def read_jsonl(path: str, limit: int) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [line for _, line in zip(range(limit), f)]
+
+
+def write_data(data_dir: str, out_dir: str, train_examples: int, test_examples: int) -> str:
+    """A small local GSM8K: the first N lines of each split."""
+    os.makedirs(out_dir, exist_ok=True)
+    for split, n in (("train", train_examples), ("test", test_examples)):
+        lines = read_jsonl(os.path.join(data_dir, "gsm8k", f"{split}.jsonl"), n)
+        with open(os.path.join(out_dir, f"{split}.jsonl"), "w", encoding="utf-8") as f:
+            f.writelines(lines)
+    return out_dir
+
+
+def build_tokenizer(train_jsonl: str, vocab_size: int):
+    """Byte-level BPE on GSM8K questions and answers, with the tiny preset's specials, split and template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from podsjax.prompts import DEFAULT_SYSTEM_PROMPT
+    from podsjax.tiny.build import CHATML_TEMPLATE, IM_END, PAD, QWEN2_PRETOKENIZE_REGEX, SPECIAL_TOKENS
+
+    with open(train_jsonl, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    corpus = [text for row in rows for text in (row["question"], row["answer"])] + [DEFAULT_SYSTEM_PROMPT] * 100
+    core = Tokenizer(models.BPE())
+    # Qwen2's pipeline: transformers rebuilds it for any qwen2 checkpoint (see podsjax.tiny.build).
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=IM_END, pad_token=PAD)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def write_checkpoint(args, path: str, tokenizer_corpus: str) -> int:
+    """Random params of the shape, saved as a HF checkpoint with the tokenizer; returns the param count."""
+    import jax
+
+    from benchmarks.qwen_model import jax_dtype
+    from podsjax.models import Decoder, init_params, save_pretrained
+
+    tokenizer = build_tokenizer(tokenizer_corpus, min(args.tokenizer_vocab, args.spec.vocab))
+    config = podsjax_config(args.spec, 2048, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+    dtype = jax_dtype(args.dtype)
+    model = Decoder(config, dtype=dtype, param_dtype=dtype)
+    params = init_params(model, jax.random.key(args.seed))
+    save_pretrained(model, params, path, overwrite=True)
+    tokenizer.save_pretrained(path)
+    return config.num_params
+
+
+def cli_supports(flag: str) -> bool:
+    from experiments.cli import build_parser
+
+    return flag in build_parser("gsm8k")._option_string_actions
+
+
+def run_cli(command: list[str], out: str, env: dict) -> dict:
+    """Runs the CLI, timestamping each metrics.jsonl step line as it lands; returns the timings."""
+    shutil.rmtree(out, ignore_errors=True)  # the CLI wants a fresh --out
+    metrics, log_path = os.path.join(out, "metrics.jsonl"), out + ".log"
+    seen: dict[int, float] = {}  # step -> seconds since launch when its line appeared
+    start = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        child = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            done = child.poll() is not None
+            for record in steps_in(metrics):
+                seen.setdefault(record["step"], time.perf_counter() - start)
+            if done:
+                break
+            time.sleep(POLL_S)
+    wall_s = time.perf_counter() - start
+    with open(log_path, encoding="utf-8") as f:
+        console = f.read()
+    if child.returncode != 0:
+        raise SystemExit(f"error: the CLI exited with {child.returncode}:\n{' '.join(command)}\n{console[-4000:]}")
+    steps = steps_in(metrics)
+    if not steps:
+        raise SystemExit(f"error: the CLI finished no step:\n{console[-4000:]}")
+    return dict(steps=steps, first_step_s=seen[steps[0]["step"]], wall_s=wall_s, console=console)
+
+
+def steps_in(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        records = []
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line still being written
+                break
+    return [r for r in records if "time/update" in r]
+
+
+def phases_of(step: dict) -> dict[str, float]:
+    return {p: float(step[f"time/{p}"]) for p in PHASES}
+
+
+def summarize(run: dict) -> dict:
+    first = phases_of(run["steps"][0])
+    steady = [phases_of(s) for s in run["steps"][1:]]
+    out = dict(first_step_s=run["first_step_s"], wall_s=run["wall_s"], first=first, steps=len(run["steps"]))
+    if steady:
+        out["steady"] = {p: statistics.median(s[p] for s in steady) for p in PHASES}
+        out["steady_total"] = statistics.median(sum(s.values()) for s in steady)
+    return out
+
+
+def format_table(summaries: list[dict]) -> str:
+    lines = [
+        "| run | start to first finished step | first step: generation / scoring / selection / update "
+        "| steady step (median) | generation | scoring | selection | update | wall |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, s in enumerate(summaries):
+        label = "cold compile cache" if i == 0 else "warm compile cache"
+        first = " / ".join(f"{s['first'][p]:.2f}" for p in PHASES)
+        if "steady" in s:
+            total = s["steady_total"]
+            steady = f"{total:.2f} s | " + " | ".join(
+                f"{s['steady'][p]:.2f} s ({s['steady'][p] / max(total, 1e-9):.0%})" for p in PHASES)
+        else:
+            steady = "n/a (one step) | | | |"
+        lines.append(f"| {i + 1}: {label} | {s['first_step_s']:.1f} s | {first} s | {steady} | {s['wall_s']:.0f} s |")
+    return "\n".join(lines)
+
+
+def compile_lines(console: str) -> list[str]:
+    return [line for line in console.splitlines() if "compil" in line.lower()]
+
+
+def main(argv=None):
+    # No abbreviations: --cli-flags passes the CLI's own --n / --m through.
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    add_shape_args(parser)
+    parser.add_argument("--setting", default="a", help="the paper's setting the CLI runs (default a)")
+    parser.add_argument("--method", default="pods", choices=("grpo", "grpo-ga", "pods"))
+    parser.add_argument("--max-steps", type=int, default=4, help="PODS steps per run (the first one compiles)")
+    parser.add_argument("--eval-limit", type=int, default=8, help="test examples of the step-0 evaluation")
+    parser.add_argument("--remat", choices=("full", "none", "dots"), help="passed to the CLI (default: its own)")
+    parser.add_argument("--runs", type=int, default=2, help="CLI runs sharing one fresh compile cache (cold, warm)")
+    parser.add_argument("--train-examples", type=int, default=64, help="GSM8K train lines in the local split")
+    parser.add_argument("--tokenizer-vocab", type=int, default=8192, help="BPE vocabulary (capped at the model's)")
+    parser.add_argument("--data", default=DEFAULT_DATA, help="folder holding gsm8k/train.jsonl and test.jsonl")
+    parser.add_argument("--work", help="keep checkpoint, data, cache and runs here (default: a temp dir, removed)")
+    parser.add_argument("--cli-flags", nargs=argparse.REMAINDER, default=[],
+                        help="extra flags for the CLI, e.g. --n 8 --m 4 --max-completion-length 32 (must come last)")
+    args = parser.parse_args(argv)
+    if args.max_steps < 1 or args.runs < 1 or args.eval_limit < 1:
+        raise SystemExit("error: --max-steps, --runs and --eval-limit must be >= 1")
+
+    backend, device_kind = accelerator_backend()
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # this process only writes the checkpoint; the CLI gets the device
+    if args.dtype is None:
+        args.dtype = "float32" if backend == "cpu" else "bfloat16"
+    resolve(args)
+
+    work = args.work or tempfile.mkdtemp(prefix="podsjax-cli-step-")
+    try:
+        t0 = time.perf_counter()
+        data = write_data(args.data, os.path.join(work, "data"), args.train_examples, args.eval_limit)
+        ckpt = os.path.join(work, "checkpoint")
+        num_params = write_checkpoint(args, ckpt, os.path.join(args.data, "gsm8k", "train.jsonl"))
+        print(f"device for the CLI: {device_kind} ({backend}); checkpoint: {args.shape} shape, {num_params:,} params, "
+              f"{args.dtype}, random weights, written in {time.perf_counter() - t0:.0f} s; data: "
+              f"{args.train_examples} train / {args.eval_limit} test GSM8K lines")
+        cache = os.path.join(work, "compile_cache")
+        env = dict(os.environ)
+        cache_flags = []
+        if cli_supports("--compile-cache-dir"):
+            cache_flags = ["--compile-cache-dir", cache]
+        else:
+            env["JAX_COMPILATION_CACHE_DIR"] = cache
+        remat = ["--remat", args.remat] if args.remat else []
+        summaries = []
+        for i in range(args.runs):
+            out = os.path.join(work, f"run{i + 1}")
+            command = [sys.executable, "-m", "experiments.gsm8k", "--model", ckpt, "--data", data, "--eval-data", data,
+                       "--setting", args.setting, "--method", args.method, "--max-steps", str(args.max_steps),
+                       "--eval-limit", str(args.eval_limit), "--dtype", args.dtype, "--out", out, "--no-progress",
+                       *cache_flags, *remat, *args.cli_flags]
+            if i == 0:
+                print("command: " + " ".join(command))
+            run = run_cli(command, out, env)
+            for line in compile_lines(run["console"]):
+                print(f"  run {i + 1}: {line.strip()}")
+            summaries.append(summarize(run))
+        print(format_table(summaries))
+        if len(summaries) > 1:
+            print(f"warm/cold start to first step: {summaries[1]['first_step_s'] / summaries[0]['first_step_s']:.2f}")
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Compiles: JAX's persistent compilation cache, and a log of the big compiles of a run.
+
+A first run on an accelerator spends most of its start in XLA compiles; the persistent
+cache makes a second run of the same command load them from disk instead.
+:class:`CompileLog` reports each compile that happens inside a labelled block, e.g.
+``compiled generate[prefill] (1 prompt x 64 samples, 512 + 512 tokens) in 12.3 s``, and
+counts them, so a test can check that a run compiles each program once.
+
+Example:
+    >>> enable_compile_cache()  # before the first compile
+    >>> log = CompileLog(print)
+    >>> with log.label("update"):
+    ...     state, metrics = step_fn(state, batch, frozen)
+    >>> log.counts
+    {'update': 1}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+import jax
+from jax import monitoring
+
+# Event names in jax/_src/dispatch.py and jax/_src/compiler.py (jax 0.4.30 - 0.11).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+# Programs that compile faster than this are not worth a disk read (the default is 1 s,
+# which would leave out mid-sized programs that still cost a second or more per start).
+MIN_CACHED_COMPILE_S = 0.5
+
+
+def default_cache_dir() -> str:
+    """``$PODSJAX_CACHE_DIR``, else JAX's own ``$JAX_COMPILATION_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/podsjax/jax``, else ``~/.cache/podsjax/jax``."""
+    for name in ("PODSJAX_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR"):
+        if os.environ.get(name):
+            return os.environ[name]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "podsjax", "jax")
+
+
+def enable_compile_cache(directory: str | os.PathLike | None = None,
+                         min_compile_time_s: float = MIN_CACHED_COMPILE_S) -> str:
+    """Turns on JAX's persistent compilation cache; call it before the first compile.
+
+    Args:
+        directory: where compiled programs are kept (default: :func:`default_cache_dir`).
+        min_compile_time_s: programs that compile faster are not written.
+
+    Returns:
+        The cache directory.
+
+    Raises:
+        ValueError: the directory cannot be created or written.
+    """
+    path = os.path.abspath(os.path.expanduser(os.fspath(directory or default_cache_dir())))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"compile cache {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"compile cache {path}: not writable")
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    return path
+
+
+def disable_compile_cache() -> None:
+    """Turns the persistent cache off, also when ``JAX_COMPILATION_CACHE_DIR`` names one."""
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
+def compile_cache_dir() -> str | None:
+    """The persistent cache directory in effect, or None when the cache is off."""
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    return jax.config.jax_compilation_cache_dir
+
+
+# -- compile log ----------------------------------------------------------------------
+
+_local = threading.local()  # per thread: the label stack and whether the current compile hit the cache
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _stack() -> list:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == _CACHE_REQUEST_EVENT:
+        _local.hit = False
+    elif event == _CACHE_HIT_EVENT:
+        _local.hit = True
+
+
+def _on_duration(event: str, seconds: float, **kwargs) -> None:
+    if event != BACKEND_COMPILE_EVENT:
+        return
+    hit, _local.hit = getattr(_local, "hit", False), False
+    stack = _stack()
+    if stack:
+        log, name, detail = stack[-1]
+        log._record(name, detail, str(kwargs.get("fun_name", "")), seconds, hit)
+
+
+def _install() -> None:
+    """Registers the JAX listeners once per process (JAX offers no public way to remove them)."""
+    global _installed
+    with _install_lock:
+        if not _installed:
+            monitoring.register_event_listener(_on_event)
+            monitoring.register_event_duration_secs_listener(_on_duration)
+            _installed = True
+
+
+def program_name(fun_name: str) -> str:
+    """``"jit(_prefill)"`` -> ``"prefill"``: the jitted function's name, without the wrapper."""
+    name = fun_name
+    while "(" in name and name.endswith(")"):
+        name = name[name.index("(") + 1 : -1]
+    return name.lstrip("_") or fun_name
+
+
+class CompileLog:
+    """Counts, times and reports the compiles that run inside :meth:`label` blocks.
+
+    Args:
+        log: called with one line per compile (None: count only).
+        min_report_s: shorter compiles (eager ops, small helpers) are counted, not printed.
+
+    Attributes:
+        counts: ``{key: compiles}``, key ``label`` or ``label[program]`` when the jitted
+            function has another name (``generate[prefill]``).
+        seconds: ``{key: total compile seconds}``.
+        events: every compile as ``(key, detail, seconds, from_cache)``, in order.
+    """
+
+    def __init__(self, log: Callable[[str], None] | None = None, min_report_s: float = 0.25):
+        _install()
+        self.log, self.min_report_s = log, min_report_s
+        self.counts: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self.events: list[tuple[str, str, float, bool]] = []
+
+    @contextlib.contextmanager
+    def label(self, name: str, detail: str = "") -> Iterator[None]:
+        """Attributes the compiles in the ``with`` body (this thread only) to ``name``."""
+        stack = _stack()
+        stack.append((self, name, detail))
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def _record(self, name: str, detail: str, fun_name: str, seconds: float, hit: bool) -> None:
+        program = program_name(fun_name)
+        key = name if program == name else f"{name}[{program}]"
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        self.events.append((key, detail, seconds, hit))
+        if self.log is not None and (seconds >= self.min_report_s or hit):
+            what = f"{key} ({detail})" if detail else key
+            verb = "loaded" if hit else "compiled"
+            where = " from the compile cache" if hit else ""
+            self.log(f"{verb} {what}{where} in {seconds:.1f} s")
+
+    def total(self) -> int:
+        """Compiles so far, all labels together."""
+        return sum(self.counts.values())

@@ -1,0 +1,277 @@
+"""Memory per device and compile time of a run's two big programs, before it trains.
+
+:func:`plan` compiles generate and the update ahead of time for the run's largest
+shapes and reads XLA's ``memory_analysis()``. Params may be abstract
+(``jax.ShapeDtypeStruct``), so ``--dry-run`` reads no weights. :meth:`MemoryPlan.check_fits`
+turns a plan larger than the device's memory into one clear error before training,
+instead of an out-of-memory error deep inside XLA.
+
+Example:
+    >>> memory = plan(model, algo, lora, base_params=abstract_base(model), prompts=1,
+    ...               prompt_len=512, max_new_tokens=512, eos_token_ids=(151645,))
+    >>> print("\\n".join(memory.lines())); memory.check_fits()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from podsjax import compilation, loop, sampling, train
+from podsjax import mesh as mesh_lib
+from podsjax import models as pm
+
+FIELDS = ("params", "optimizer", "kv_cache", "generate_temp", "update_temp")
+
+
+class DoesNotFit(ValueError):
+    """The run needs more memory per device than the device has."""
+
+
+def human_bytes(n: int) -> str:
+    """Bytes as GiB, MiB or KiB, for the console."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """Bytes per device of what a step holds, and the compile seconds of each program.
+
+    Attributes:
+        params: model weights, LoRA weights, and a full fine-tune's frozen KL reference copy.
+        optimizer: optimizer state (AdamW moments of what is trained).
+        kv_cache: the sampler's KV cache.
+        generate_temp: XLA temporaries of generation (the larger of prefill and decode).
+        update_temp: XLA temporaries of the update (activations kept for the backward pass).
+        batch: the update's input batch.
+        compile_s: seconds per program ("prefill", "decode", "update").
+        device_kind: e.g. "NVIDIA H100 80GB HBM3" or "cpu".
+        devices: devices the model is sharded over.
+        limit: bytes one device can hold, when the backend reports it (None on CPU).
+        remat: the decoder's remat policy.
+        stage_temp: temporaries of each generation stage ("prefill", "decode").
+    """
+
+    params: int
+    optimizer: int
+    kv_cache: int
+    generate_temp: int
+    update_temp: int
+    batch: int
+    compile_s: dict[str, float]
+    device_kind: str
+    devices: int
+    limit: int | None
+    remat: str = "full"
+    stage_temp: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """Peak bytes per device: params and optimizer state stay; the KV cache lives only
+        while generating, the update batch only while updating."""
+        generating = self.kv_cache + self.generate_temp
+        updating = self.batch + self.update_temp
+        return self.params + self.optimizer + max(generating, updating)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+    def lines(self) -> list[str]:
+        """The human-readable report, one figure per line."""
+        rows = [("params", self.params), ("optimizer", self.optimizer), ("KV cache", self.kv_cache),
+                ("update batch", self.batch), ("generate temporaries", self.generate_temp),
+                ("update temporaries", self.update_temp), ("total (peak)", self.total)]
+        out = [f"memory per device ({self.devices} x {self.device_kind}, remat {self.remat}):"]
+        out += [f"  {name:<21} {human_bytes(value):>12}" for name, value in rows]
+        limit = human_bytes(self.limit) if self.limit else "not reported"
+        out.append(f"  {'device limit':<21} {limit:>12}")
+        out.append("compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.compile_s.items()))
+        return out
+
+    def check_fits(self) -> None:
+        """Raises :class:`DoesNotFit` (one line, with figures and remedies) when over the limit."""
+        if self.limit is None or self.total <= self.limit:
+            return
+        hint = "--remat full, " if self.remat != "full" else ""
+        b = human_bytes
+        raise DoesNotFit(
+            f"this run needs {b(self.total)} per device but the {self.device_kind} has {b(self.limit)} "
+            f"(params {b(self.params)}, optimizer {b(self.optimizer)}, KV cache {b(self.kv_cache)}, "
+            f"generate temporaries {b(self.generate_temp)}, update temporaries {b(self.update_temp)}); "
+            f"try {hint}fewer rows (--n, --m, --prompts-per-step), more micro-batches (--grad-accum), a shorter "
+            f"--max-completion-length, LoRA (--lora-rank) or more devices (--mesh)")
+
+
+def run_device(mesh=None):
+    """One device of this process that the run's programs run on."""
+    if mesh is not None:
+        local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        if local:
+            return local[0]
+    return jax.local_devices(backend=jax.default_backend())[0]
+
+
+def device_memory_limit(device=None) -> int | None:
+    """Bytes one device can hold, or None when the backend does not say (CPU)."""
+    try:
+        stats = (device or run_device()).memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return None
+    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of arrays or ``ShapeDtypeStruct``s (by their shardings)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if not hasattr(leaf, "shape"):
+            continue
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        count = 1
+        for d in shape:
+            count *= d
+        total += count * _itemsize(leaf.dtype)
+    return total
+
+
+def _itemsize(dtype) -> int:
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return 8  # a threefry key is two uint32
+    return jnp.dtype(dtype).itemsize
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def abstract(tree: Any) -> Any:
+    """``ShapeDtypeStruct``s of a tree of arrays (shardings kept); structs pass through."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)
+
+
+def abstract_base(model) -> Any:
+    """The model's params as ``ShapeDtypeStruct``s, sharded like ``from_pretrained`` loads them."""
+    shapes = pm.abstract_params(model)
+    if model.mesh is None:
+        return shapes
+    return _with_shardings(shapes, pm.param_shardings(model, model.mesh))
+
+
+def _replicated(mesh, x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def abstract_state(model, algo: train.AlgorithmConfig, optimizer, lora_config: pm.LoraConfig | None,
+                   base_params: Any) -> tuple[train.TrainState, Any]:
+    """``(state, frozen)`` as the Trainer builds them, as sharded ``ShapeDtypeStruct``s."""
+    mesh, key = model.mesh, jax.random.key(0)
+    if lora_config is not None:
+        trainable = jax.eval_shape(lambda k: pm.init_lora(k, model, lora_config), key)
+        if mesh is not None:
+            shardings = mesh_lib.tree_shardings(mesh, pm.lora_logical_axes(trainable), trainable.weights)
+            trainable = trainable.replace(weights=_with_shardings(trainable.weights, shardings))
+        frozen = base_params
+    else:
+        trainable = base_params
+        frozen = base_params if algo.beta > 0 else None  # the Trainer's frozen KL reference copy
+    state = jax.eval_shape(lambda t, k: train.init_state(t, optimizer, k), trainable, key)
+    if mesh is None:
+        return state.replace(params=trainable), frozen
+    opt_state = optax.tree_utils.tree_map_params(
+        optimizer, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), state.opt_state,
+        trainable, transform_non_params=lambda x: _replicated(mesh, x))
+    scalars = {name: _replicated(mesh, getattr(state, name)) for name in ("step", "rng", "skipped_updates")}
+    return state.replace(params=trainable, opt_state=opt_state, **scalars), frozen
+
+
+def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int) -> train.TrainBatch:
+    """The update's input batch, sharded over the batch axes when the rows split evenly."""
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
+    def struct(shape, dtype):
+        sharding = None if mesh is None or rows % shards else mesh_lib.batch_sharding(mesh, len(shape))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    length = prompt_len + max_new_tokens
+    return train.TrainBatch(input_ids=struct((rows, length), jnp.int32),
+                            attention_mask=struct((rows, length), jnp.int32),
+                            completion_mask=struct((rows, max_new_tokens), jnp.float32),
+                            advantages=struct((rows,), jnp.float32))
+
+
+def _temp(compiled) -> int:
+    analysis = compiled.memory_analysis()
+    return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+
+
+def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, *, base_params: Any,
+         prompts: int, prompt_len: int, max_new_tokens: int, eos_token_ids, pad_token_id: int = 0, top_k: int = 0,
+         update_fn=None, optimizer=None, state=None, frozen=None, compile_log=None) -> MemoryPlan:
+    """Compiles generate and the update for these shapes and measures their memory.
+
+    Args:
+        model: the decoder (its mesh and remat policy are the run's).
+        algo: the algorithm (rows per prompt, micro-batches, optimizer).
+        lora_config: LoRA, or None for a full fine-tune.
+        base_params: the model's params, concrete or abstract.
+        prompts: prompts per step.
+        prompt_len: the longest padded prompt length.
+        max_new_tokens: tokens sampled per completion.
+        eos_token_ids, pad_token_id, top_k: the sampler's static settings.
+        update_fn: the jitted update (default: a fresh one, as the Trainer makes it).
+        optimizer: its optimizer (needed with ``update_fn``).
+        state, frozen: the real train state and frozen tree; default: abstract ones. With
+            the Trainer's own ``update_fn`` and state, the first step reuses this compile.
+        compile_log: a :class:`podsjax.compilation.CompileLog` to report the compiles to.
+
+    Returns:
+        The :class:`MemoryPlan`.
+    """
+    if update_fn is None:
+        optimizer, update_fn = loop.update_program(model, algo, lora_config)
+    if state is None:
+        state, frozen = abstract_state(model, algo, optimizer, lora_config, abstract(base_params))
+    base = abstract(base_params)
+    lora = abstract(state.params) if lora_config is not None else None
+    log = compile_log or compilation.CompileLog()
+    with log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"):
+        gen = sampling.compile_generate(
+            model, base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
+            max_new_tokens=max_new_tokens, top_k=top_k, eos_token_ids=tuple(eos_token_ids),
+            pad_token_id=pad_token_id)
+    rows = prompts * algo.trained_per_prompt
+    batch = abstract_batch(model.mesh, rows, prompt_len, max_new_tokens)
+    start = time.perf_counter()
+    with log.label("update", f"{rows} rows x {prompt_len + max_new_tokens} tokens"):
+        update = update_fn.lower(state, batch, frozen).compile()
+    update_s = time.perf_counter() - start
+    stage_temp = {stage: _temp(gen[stage]) for stage in ("prefill", "decode")}
+    device = run_device(model.mesh)
+    # Params: the base, the LoRA weights, and a full fine-tune's frozen reference copy.
+    extra = per_device_bytes(state.params) if lora_config is not None else per_device_bytes(frozen)
+    return MemoryPlan(
+        params=per_device_bytes(base) + extra,
+        optimizer=per_device_bytes(state.opt_state),
+        kv_cache=int(gen["kv_cache_bytes"]),
+        generate_temp=max(stage_temp.values()),
+        update_temp=_temp(update),
+        batch=per_device_bytes(batch),
+        compile_s={"prefill": float(gen["compile_s"]["prefill"]), "decode": float(gen["compile_s"]["decode"]),
+                   "update": update_s},
+        device_kind=device.device_kind,
+        devices=1 if model.mesh is None else model.mesh.size,
+        limit=device_memory_limit(device),
+        remat=str(getattr(model, "remat", "none")),
+        stage_temp=stage_temp,
+    )
