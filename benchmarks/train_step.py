@@ -318,7 +318,7 @@ def main(argv=None):
     if not args.update or set(args.update) - set(MODES):
         raise SystemExit(f"error: --update takes {', '.join(MODES)} (comma-separated)")
     if "lora" in args.update and importlib.util.find_spec("peft") is None:
-        raise SystemExit("error: the LoRA comparison needs peft: pip install -e '.[bench]' (or run --update full)")
+        raise SystemExit("error: the LoRA comparison needs peft: pip install -e '.[test]' (or run --update full)")
 
     torch.set_num_threads(args.threads)
     warning = busy_warning(print_machine(torch, transformers, args.retain_memory))

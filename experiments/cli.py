@@ -212,7 +212,7 @@ def tiny_defaults(method: str, run: dict, model: dict) -> dict:
 
     run.update(prompts_per_step=d["prompts_per_step"], max_new_tokens=d["max_new_tokens"],
                max_prompt_length=d["max_prompt_length"], time_budget_s=d["time_budget_s"],
-               eval_every_s=d["eval_every_s"], eval_limit=d["eval_limit"], eval_batch_size=d["eval_batch_size"])
+               eval_every_s=d["eval_every_s"], eval_limit=d["eval_limit"])
     model.update(lora_rank=None if d["full_finetune"] else 64, dtype="float32")
     from podsjax.train import preset
 

@@ -50,7 +50,7 @@ class RunConfig:
     max_steps: int | None = None
     eval_every_s: float | None = 120.0
     eval_limit: int | None = None
-    eval_batch_size: int = 64
+    eval_batch_size: int | None = None  # None: prompts_per_step x n, the rollouts' rows
     eval_repeats: int = 0
     checkpoint_every_steps: int | None = None
     checkpoint_every_s: float | None = 1800.0
@@ -71,7 +71,7 @@ class RunConfig:
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"RunConfig.max_steps must be >= 1; got {self.max_steps}")
         for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "eval_batch_size", "reward_workers"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
         if self.eval_repeats < 0:
             raise ValueError(f"RunConfig.eval_repeats must be >= 0; got {self.eval_repeats}")
@@ -266,8 +266,7 @@ class Trainer:
         }
 
     def _batch_shards(self) -> int:
-        mesh = self.model.mesh
-        return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+        return mesh_lib.shard_count(self.model.mesh, "batch")
 
     def _shard_batch(self, batch: train.TrainBatch) -> train.TrainBatch:
         """Rows over the mesh's batch axes, when they split evenly (else replicated)."""
@@ -284,16 +283,21 @@ class Trainer:
         examples = self.eval_examples[: run.eval_limit] if run.eval_limit else self.eval_examples
         params, lora = self.policy_params()
         correct, samples = [], []
-        for start in range(0, len(examples), run.eval_batch_size):
-            chunk = examples[start : start + run.eval_batch_size]
+        # As many rows as a training step's rollouts by default, so evaluation decodes
+        # with the rollouts' compiled program (temperature is an input of it, not a constant).
+        size = run.eval_batch_size or run.prompts_per_step * self.algo.n
+        for start in range(0, len(examples), size):
+            chunk = examples[start : start + size]
             prompts = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in chunk],
                                                   max_prompt_length=run.max_prompt_length)
             chunk = [chunk[i] for i in prompts.kept_P]
             if not chunk:
                 continue
-            # Rows must split evenly over the mesh's batch shards: repeat the last prompt, drop its copies.
-            rows = self._batch_shards()
-            ids, prompt_mask = (np.concatenate([x, np.repeat(x[-1:], -len(x) % rows, axis=0)])
+            # Every chunk has the same rows (a short last one or dropped prompts would be a new
+            # shape, so a new compile), split evenly over the mesh's batch shards: repeat the
+            # last prompt and drop its copies' results.
+            rows = -(-size // self._batch_shards()) * self._batch_shards()
+            ids, prompt_mask = (np.concatenate([x, np.repeat(x[-1:], rows - len(x), axis=0)])
                                 for x in (prompts.ids_PL, prompts.mask_PL))
             key = jax.random.key(0)
             with self.compile_log.label("generate", _shape(ids, 1, run.max_new_tokens)):

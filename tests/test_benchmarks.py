@@ -1,6 +1,5 @@
 """The benchmark scripts still run (tiny shapes; the real numbers live in the README), and their floors are right."""
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -50,8 +49,8 @@ def test_generate_benchmark_runs_both_contenders(shared_data_dir):
 
 
 def test_train_step_benchmark_checks_lora_and_full_gradients():
-    # The torch side of LoRA is peft, from the bench extra; without it only the full update runs.
-    modes = ["lora", "full"] if importlib.util.find_spec("peft") else ["full"]
+    # The torch side of LoRA is peft (in the test extra): both updates are compared.
+    modes = ["lora", "full"]
     printed = run("benchmarks.train_step", "--batch", "2", "--prompt-len", "8", "--completion-len", "8",
                   "--lora-rank", "8", "--update", ",".join(modes), *TINY_MODEL)
     rows = [line for line in printed.splitlines() if line.startswith(("| LoRA r8", "| full"))]

@@ -271,10 +271,11 @@ def test_rl_defaults_make_valid_configs(tmp_path):
     run = loop.RunConfig(out_dir=str(tmp_path), prompts_per_step=d["prompts_per_step"],
                          max_prompt_length=d["max_prompt_length"], max_new_tokens=d["max_new_tokens"],
                          time_budget_s=d["time_budget_s"], eval_every_s=d["eval_every_s"],
-                         eval_limit=d["eval_limit"], eval_batch_size=d["eval_batch_size"])
+                         eval_limit=d["eval_limit"])
     # Every tiny prompt fits, and the rollouts of a step split evenly over 8 devices.
     _, test_set = tiny.tiny_tasks(0)
     batch = prompts.prepare_prompts(tiny.build_tokenizer(), [e.prompt for e in test_set],
                                     max_prompt_length=run.max_prompt_length)
     assert batch.num_dropped == 0
-    assert (run.prompts_per_step * algo.n) % 8 == 0 and run.eval_batch_size % 8 == 0
+    # Evaluation runs in chunks of the same rows (eval_batch_size None), sharing the decode program.
+    assert (run.prompts_per_step * algo.n) % 8 == 0 and run.eval_batch_size is None

@@ -54,7 +54,6 @@ TINY_RL_DEFAULTS: dict = {
     "time_budget_s": 240.0,
     "eval_every_s": 20.0,
     "eval_limit": 256,
-    "eval_batch_size": 64,
 }
 
 __all__ = [
