@@ -72,30 +72,14 @@ def write_data(data_dir: str, out_dir: str, train_examples: int, test_examples: 
 
 
 def build_tokenizer(train_jsonl: str, vocab_size: int):
-    """Byte-level BPE on GSM8K questions and answers, with the tiny preset's specials, split and template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    """The tiny preset's byte-level BPE tokenizer (specials, template), with merges learned on GSM8K."""
     from podsjax.prompts import DEFAULT_SYSTEM_PROMPT
-    from podsjax.tiny.build import CHATML_TEMPLATE, IM_END, PAD, QWEN2_PRETOKENIZE_REGEX, SPECIAL_TOKENS
+    from podsjax.tiny.build import build_tokenizer as build_bpe
 
     with open(train_jsonl, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     corpus = [text for row in rows for text in (row["question"], row["answer"])] + [DEFAULT_SYSTEM_PROMPT] * 100
-    core = Tokenizer(models.BPE())
-    # Qwen2's pipeline: transformers rebuilds it for any qwen2 checkpoint (see podsjax.tiny.build).
-    core.normalizer = normalizers.NFC()
-    core.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(corpus, trainer=trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=IM_END, pad_token=PAD)
-    tokenizer.chat_template = CHATML_TEMPLATE
-    return tokenizer
+    return build_bpe(vocab_size, corpus=corpus)
 
 
 def write_checkpoint(args, path: str, tokenizer_corpus: str) -> int:

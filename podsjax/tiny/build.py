@@ -95,11 +95,12 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int = 512):
+def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
     """Trains the tiny byte-level BPE tokenizer (deterministic) and wraps it for transformers.
 
     Args:
         vocab_size: upper bound on the vocabulary; read the real size from ``len(tokenizer)``.
+        corpus: texts to learn the merges from (default: the tiny preset's problems).
 
     Returns:
         A ``transformers.PreTrainedTokenizerFast`` with the ChatML template, EOS
@@ -126,7 +127,7 @@ def build_tokenizer(vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    core.train_from_iterator(_corpus(), trainer=trainer)
+    core.train_from_iterator(_corpus() if corpus is None else corpus, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=IM_END, pad_token=PAD)
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
