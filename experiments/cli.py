@@ -34,10 +34,14 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(task: str) -> argparse.ArgumentParser:
     p = _Parser(prog=f"python -m experiments.{task}", description=f"GRPO / GRPO-GA / GRPO-PODS on {task}.",
                 allow_abbrev=False)
+    p.set_defaults(task=task)
     p.add_argument("--model", help="local Hugging Face checkpoint directory (default: the built-in tiny preset)")
+    p.add_argument("--dataset", help="local directory with train and test files (train.jsonl and test.jsonl, or "
+                                     ".parquet): both splits at once, instead of --data and --eval-data")
     p.add_argument("--data", help="local .jsonl/.parquet file or directory for the train split (default: the Hub)")
     p.add_argument("--eval-data", help="local file or directory for the test split (default: the Hub)")
-    p.add_argument("--setting", help="one of the paper's settings a-f (sets every hyperparameter below)")
+    p.add_argument("--setting", help="one of the paper's settings a-f (sets every hyperparameter below; "
+                                     "flags given beside it win)")
     p.add_argument("--method", choices=("grpo", "grpo-ga", "pods"), default="pods")
     p.add_argument("--rule", help="selection rule for pods (max_variance, max_reward, random, percentile)")
     p.add_argument("--n", type=int, help="rollouts generated per prompt (grpo: n = m)")
@@ -57,6 +61,12 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int)
     p.add_argument("--eval-every", type=float, help="seconds of training clock between evaluations")
     p.add_argument("--eval-limit", type=int, help="evaluate on the first N test examples")
+    p.add_argument("--eval-temperature", type=float,
+                   help="evaluation sampling temperature; 0 = greedy, one pass (default: the setting's, else 0)")
+    p.add_argument("--eval-repeats", type=int,
+                   help="evaluation passes averaged; needs --eval-temperature > 0 (default: the setting's, else 1)")
+    p.add_argument("--eval-metric", help="accuracy, or accuracy_and_format: the answer counts only when the "
+                                         "authors' strict format check also passes (default: the setting's)")
     p.add_argument("--checkpoint-every-steps", type=int,
                    help="also checkpoint every N steps (besides every 30 min of training clock)")
     p.add_argument("--mesh", default=None, help='"8" (all on fsdp), "data=2,fsdp=4", "fsdp=4,tensor=2"')
@@ -94,9 +104,11 @@ def check_args(args) -> None:
     """Everything checkable before JAX starts and before anything is written."""
     _positive(args, ("n", "m", "grad_accum", "prompts_per_step", "lora_rank", "lora_alpha", "lr",
                      "max_completion_length", "max_prompt_length", "time_budget", "max_steps", "eval_limit",
-                     "checkpoint_every_steps", "reward_workers", "warmup_steps"))
+                     "checkpoint_every_steps", "reward_workers", "warmup_steps", "eval_repeats"))
     if args.temperature is not None and not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0; got {args.temperature}")
+    if args.eval_temperature is not None and not args.eval_temperature >= 0:
+        raise UsageError(f"--eval-temperature must be >= 0 (0 = greedy); got {args.eval_temperature}")
     if args.full and args.lora_rank is not None:
         raise UsageError("--full and --lora-rank exclude each other")
     mesh_device_count(args.mesh)
@@ -104,10 +116,11 @@ def check_args(args) -> None:
         raise UsageError("--resume and --overwrite exclude each other")
     if args.no_compile_cache and args.compile_cache_dir is not None:
         raise UsageError("--no-compile-cache and --compile-cache-dir exclude each other")
-    for flag in ("model", "data", "eval_data"):
+    for flag in ("model", "data", "eval_data", "dataset"):
         path = getattr(args, flag)
         if path is not None and not os.path.exists(path):
             raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file or directory")
+    _check_data(args)
     if args.model is not None and (args.warmup_dir is not None or args.warmup_steps is not None):
         raise UsageError("--warmup-dir and --warmup-steps belong to the tiny preset; they mean nothing with --model")
     if args.model is not None and not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -123,6 +136,27 @@ def check_args(args) -> None:
     occupied = os.path.isdir(out) and set(os.listdir(out)) - {DRY_RUN_FILE}
     if occupied and not (args.resume or args.overwrite or args.dry_run):
         raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")
+
+
+def _check_data(args) -> None:
+    """--dataset DIR becomes --data and --eval-data (its train and test files); a task with
+    no Hub dataset needs one or the other."""
+    from podsjax import data  # no JAX: safe before the devices are set up
+
+    if args.dataset is not None:
+        if args.data is not None or args.eval_data is not None:
+            raise UsageError("--dataset and --data / --eval-data exclude each other")
+        if not os.path.isdir(args.dataset):
+            raise UsageError(f"--dataset {args.dataset}: not a directory (pass a file with --data / --eval-data)")
+        try:  # the file load_task reads for a split of a directory
+            args.data, args.eval_data = (data._resolve(args.dataset, split) for split in ("train", "test"))
+        except data.DataError as exc:
+            raise UsageError(f"--dataset {args.dataset}: {exc}") from None
+    hint = data._LOCAL_ONLY.get(args.task)  # the tasks without a Hub dataset
+    missing = [f"--{flag.replace('_', '-')}" for flag in ("data", "eval_data") if getattr(args, flag) is None]
+    if hint and missing and args.model is not None and not args.resume:
+        raise UsageError(f"{args.task} has no Hub dataset: pass --dataset DIR (its train and test files), or "
+                         f"{' and '.join(missing)}; e.g. --dataset {hint}")
 
 
 def mesh_device_count(spec: str | None) -> int:
@@ -158,6 +192,7 @@ def resolve_config(args, task: str) -> dict:
     algo: dict = {}
     run: dict = {"prompts_per_step": 1, "max_prompt_length": 512, "max_new_tokens": 512, "eval_every_s": 120.0}
     model = {"lora_rank": 64, "lora_alpha": 64.0, "dtype": "float32", "mesh": None, "remat": args.remat or "full"}
+    rewards: dict = {}  # default_rewards' keyword arguments: its defaults without a setting
     if args.setting:
         try:
             setting = presets.get_setting(args.setting)
@@ -169,6 +204,7 @@ def resolve_config(args, task: str) -> dict:
             raise UsageError(f"setting {setting.name} has no method {args.method!r}")
         algo.update(setting.common, **setting.algorithm[args.method])
         run.update(setting.run)
+        rewards.update(setting.rewards)
         model.update(lora_rank=setting.lora_rank, dtype=setting.dtype, mesh=setting.mesh, hub_name=setting.model)
     elif args.model is None:
         algo.update(tiny_defaults(args.method, run, model))
@@ -187,8 +223,11 @@ def resolve_config(args, task: str) -> dict:
     run_overrides = {"prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_completion_length,
                      "max_prompt_length": args.max_prompt_length, "time_budget_s": args.time_budget,
                      "max_steps": args.max_steps, "eval_every_s": args.eval_every, "eval_limit": args.eval_limit,
-                     "checkpoint_every_steps": args.checkpoint_every_steps}
+                     "checkpoint_every_steps": args.checkpoint_every_steps, "eval_temperature": args.eval_temperature,
+                     "eval_repeats": args.eval_repeats, "eval_metric": args.eval_metric}
     run.update({k: v for k, v in run_overrides.items() if v is not None})
+    if args.eval_temperature == 0 and args.eval_repeats is None:
+        run["eval_repeats"] = 1  # greedy asked for over a sampled setting: one pass, as greedy repeats itself
     run.update(seed=args.seed, reward_workers=args.reward_workers, progress=not args.no_progress)
     if run.get("time_budget_s") is None and run.get("max_steps") is None:
         raise UsageError("give a budget: --time-budget SECONDS or --max-steps N")
@@ -202,8 +241,34 @@ def resolve_config(args, task: str) -> dict:
         model["dtype"] = args.dtype
     if args.mesh is not None:
         model["mesh"] = args.mesh
-    return {"task": task, "model_path": args.model, "warmup_dir": args.warmup_dir, "warmup_steps": args.warmup_steps, "data": args.data, "eval_data": args.eval_data,
-            "algorithm": algo, "run": run, "model": model}
+    _validate_run(run, task, args.out)
+    return {"task": task, "model_path": args.model, "warmup_dir": args.warmup_dir, "warmup_steps": args.warmup_steps,
+            "data": args.data, "eval_data": args.eval_data, "algorithm": algo, "run": run, "model": model,
+            "rewards": rewards}
+
+
+def _validate_run(run: dict, task: str, out: str) -> None:
+    """RunConfig's checks (eval protocol and budget among them) before anything is written."""
+    from podsjax import loop
+
+    try:
+        loop.RunConfig(out_dir=out, task=task, **run)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc).replace("RunConfig.", "")) from None
+
+
+def describe_setting(args, config: dict) -> str:
+    """What ``--setting`` sets for ``--method`` (``Setting.describe``), then the flags that change it."""
+    from podsjax import presets
+
+    setting = presets.get_setting(args.setting)
+    lines = [setting.describe(args.method)]
+    model = {"lora_rank": setting.lora_rank, "dtype": setting.dtype, "mesh": setting.mesh}
+    for section, values in (("algorithm", setting.algorithm_config(args.method)), ("run", setting.run),
+                            ("model", model)):
+        lines += [f"  flag over the setting: {section}.{key} = {config[section].get(key)} (setting: {value})"
+                  for key, value in values.items() if config[section].get(key) != value]
+    return "\n".join(lines)
 
 
 def tiny_defaults(method: str, run: dict, model: dict) -> dict:
@@ -250,6 +315,8 @@ def main(task: str, argv=None) -> int:
                 config["run"]["max_steps"] = args.max_steps
             if args.remat is not None:  # memory only: the numbers are the same, so a resume may change it
                 config["model"]["remat"] = args.remat
+            if "eval_temperature" not in config["run"]:  # a run from before sampled evaluation: it was greedy
+                config["run"]["eval_repeats"] = 1
         else:
             config = None
         mesh_spec = args.mesh if config is None else config["model"]["mesh"]
@@ -258,6 +325,8 @@ def main(task: str, argv=None) -> int:
         print(f"compile cache: {cache or 'off'}", flush=True)
         if config is None:
             config = resolve_config(args, task)
+            if args.setting:
+                print(describe_setting(args, config), flush=True)
         from experiments import runner
 
         return runner.run(config, args.out, overwrite=args.overwrite, resume=args.resume, dry_run=args.dry_run,

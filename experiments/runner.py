@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from experiments.cli import DRY_RUN_FILE, TINY_HINT, UsageError, mesh_device_count
 from podsjax import compilation, data, loop, prompts, train
+from podsjax import rewards as rewards_lib
 from podsjax import dry_run as dry_run_lib
 from podsjax import mesh as mesh_lib
 from podsjax import models as pm
@@ -32,13 +33,16 @@ def _mesh(spec):
 
 
 def _load_tasks(config):
-    task = config["task"]
+    return tuple(_load_split(config["task"], split, config[key]) for split, key in (("train", "data"),
+                                                                                   ("test", "eval_data")))
+
+
+def _load_split(task: str, split: str, path: str | None):
     try:
-        train_set = data.load_task(task, "train", path=config["data"]).examples
-        test_set = data.load_task(task, "test", path=config["eval_data"]).examples
+        return data.load_task(task, split, path=path).examples
     except data.DataError as exc:
-        raise UsageError(str(exc)) from None
-    return train_set, test_set
+        hint = "" if path is not None else " (on the command line: --dataset DIR, or --data and --eval-data)"
+        raise UsageError(f"{exc}{hint}") from None
 
 
 def _tiny(config, out_dir):
@@ -97,6 +101,17 @@ def _configs(config, out_dir):
     return algo, run_config, lora
 
 
+def make_rewards(config: dict):
+    """The run's reward functions and weights: ``default_rewards(task, **config["rewards"])``.
+
+    Runs from before the config carried ``rewards`` used the defaults (weights 1, exact format).
+    """
+    try:
+        return rewards_lib.default_rewards(config["task"], **config.get("rewards", {}))
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"config rewards {config.get('rewards')}: {exc}") from None
+
+
 def _check_rows(mesh, algo, run_config) -> None:
     """Rollout rows are split over the mesh's batch shards, so they must divide evenly."""
     shards = mesh_lib.shard_count(mesh, "batch")
@@ -131,7 +146,7 @@ def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None
     print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
     start = time.time()
     trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
-                           started_at=started_at)
+                           rewards=make_rewards(config), started_at=started_at)
     try:
         _check_fits(trainer)
     except BaseException:

@@ -50,13 +50,13 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 
-def parse_mesh_spec(spec: str | int, num_devices: int) -> dict[str, int]:
+def parse_mesh_spec(spec: str | int, num_devices: int | None) -> dict[str, int]:
     """Parses a mesh spec into axis sizes.
 
     Args:
         spec: ``"8"`` (all devices on fsdp), or comma-separated ``axis=size`` pairs over
             ``data``, ``fsdp`` and ``tensor`` such as ``"data=2,fsdp=4"``.
-        num_devices: how many devices the mesh must cover.
+        num_devices: how many devices the mesh must cover (None: any number).
 
     Returns:
         Sizes of all three axes in :data:`MESH_AXES` order (missing axes get 1).
@@ -86,7 +86,7 @@ def parse_mesh_spec(spec: str | int, num_devices: int) -> dict[str, int]:
     if any(size < 1 for size in sizes.values()):
         raise ValueError(f"mesh spec {spec!r}: axis sizes must be >= 1, got {sizes}")
     total = math.prod(sizes.values())
-    if total != num_devices:
+    if num_devices is not None and total != num_devices:
         raise ValueError(
             f"mesh spec {spec!r} needs {total} devices ({sizes}) but {num_devices} are available"
         )
@@ -103,12 +103,20 @@ def make_mesh(spec: str | int | None = None, devices: Sequence[Any] | None = Non
 
     Args:
         spec: see :func:`parse_mesh_spec`; ``None`` puts every device on fsdp.
-        devices: devices to use; defaults to ``jax.devices()`` (all processes).
+        devices: devices to use; defaults to ``jax.devices()`` (all processes), or their
+            first ones when ``spec`` names fewer.
 
     Returns:
         A ``jax.sharding.Mesh`` with axis names :data:`MESH_AXES`.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:
+        devices = jax.devices()
+        if spec is not None:
+            # A spec for fewer devices than the host has (a single-GPU setting on an 8-GPU
+            # host) takes the first ones; one for more is an error below.
+            wanted = math.prod(parse_mesh_spec(spec, None).values())
+            devices = devices[:wanted] if wanted <= len(devices) else devices
+    devices = list(devices)
     sizes = parse_mesh_spec(len(devices) if spec is None else spec, len(devices))
     shape = tuple(sizes[axis] for axis in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)

@@ -53,9 +53,6 @@ from typing import Any
 # One epoch of openai/gsm8k "main" train (7473 rows) at one prompt per GPU per update. [8gpu]
 _GSM8K_TRAIN_ROWS = 7473
 _GPUS = 8
-# "accuracy_and_format": an answer counts only when the format is also right (the Llama plots).
-EVAL_METRICS = ("accuracy", "accuracy_and_format")
-
 # Settings a-d. [1gpu] config/train.yaml: lr 5e-6 "constant" (HF's constant schedule
 # ignores the file's warmup_ratio 0.01), AdamW betas (0.9, 0.99), weight decay 0.1, max
 # grad norm 0.1, temperature 0.9, beta 0. The loss is per-sequence token mean, then the
@@ -77,9 +74,11 @@ _MATH_METHODS = {
 }
 # [1gpu] one prompt per step, 512 + 512 tokens, 6 h (max_time 21600), a checkpoint every
 # 30 min (save_interval 1800), each evaluated on GSM8K test / MATH-500 by sampling 5
-# repeats (config/test.yaml repeat_cnt 5; temperature in Setting.eval_temperature).
+# passes at temperature 0.9 with 512 new tokens, averaged (config/test.yaml repeat_cnt 5,
+# temperature 0.9, max_tokens 512; utils/eval.py).
 _SINGLE_RUN = dict(prompts_per_step=1, max_prompt_length=512, max_new_tokens=512, time_budget_s=6 * 3600.0,
-                   checkpoint_every_s=1800.0, eval_every_s=1800.0, eval_repeats=5)
+                   checkpoint_every_s=1800.0, eval_every_s=1800.0, eval_repeats=5, eval_temperature=0.9,
+                   eval_metric="accuracy")
 # [1gpu] utils/data.py: correctness 1/0 + 0.01 x format_score + 0.01 x count_xml (0.25 per tag).
 _SINGLE_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="score")
 
@@ -95,7 +94,8 @@ _MULTI_METHODS = {
     "pods": dict(algorithm="pods", n=128, m=32, rule="max_variance", grad_accum=4),
 }
 # [8gpu] 8 prompts per update (one per GPU), 512 + 1024 tokens, one epoch, evaluation
-# every 120 s of training (evaluation time not counted). Checkpoints every 30 min. [podsjax]
+# every 120 s of training (evaluation time not counted). Checkpoints every 30 min and a
+# greedy evaluation (RunConfig's defaults). [podsjax]
 _MULTI_RUN = dict(prompts_per_step=_GPUS, max_prompt_length=512, max_new_tokens=1024, eval_every_s=120.0,
                   checkpoint_every_s=1800.0, time_budget_s=None, max_steps=_GSM8K_TRAIN_ROWS // _GPUS)
 # [8gpu] reward_funcs accuracy, format, tag_count with reward_weights 1, 1, 1.
@@ -114,14 +114,11 @@ class Setting:
         dtype: parameter dtype.
         algorithm: method -> AlgorithmConfig fields of that method.
         common: AlgorithmConfig fields shared by the methods.
-        run: RunConfig fields.
+        run: RunConfig fields, the evaluation protocol among them (``eval_repeats``,
+            ``eval_temperature``, ``eval_metric``: see ``podsjax.loop.RunConfig``).
         mesh: the ``--mesh`` spec.
         hardware: what the paper ran it on (for ``describe``).
         rewards: keyword arguments of ``podsjax.rewards.default_rewards(task, **rewards)``.
-        eval_metric: what the paper plots: "accuracy", or "accuracy_and_format" (the
-            Llama runs count an answer only when the format is also exact).
-        eval_temperature: the evaluation's sampling temperature; None = greedy. Not
-            a RunConfig field yet, so it lives here.
     """
 
     name: str
@@ -135,17 +132,10 @@ class Setting:
     mesh: str = "1"
     hardware: str = ""
     rewards: dict[str, Any] = dataclasses.field(default_factory=dict)
-    eval_metric: str = "accuracy"
-    eval_temperature: float | None = None
 
     def __post_init__(self):
-        if self.eval_metric not in EVAL_METRICS:
-            raise ValueError(f"Setting {self.name}: eval_metric must be one of {EVAL_METRICS}; "
-                             f"got {self.eval_metric!r}")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"Setting {self.name}: lora_rank must be >= 1 or None; got {self.lora_rank}")
-        if self.eval_temperature is not None and not self.eval_temperature > 0:
-            raise ValueError(f"Setting {self.name}: eval_temperature must be > 0 or None; got {self.eval_temperature}")
 
     def algorithm_config(self, method: str) -> dict[str, Any]:
         """The AlgorithmConfig fields of ``method``: ``common`` overlaid with the method's own."""
@@ -158,9 +148,8 @@ class Setting:
         """What ``--setting <name> --method <method>`` sets, one ``key = value`` per line."""
         tuning = "full fine-tune" if self.lora_rank is None else f"LoRA r {self.lora_rank}"
         lines = [f"setting {self.name}: {self.task} / {self.model} / {tuning} / {self.hardware} / mesh {self.mesh}"]
-        evaluation = {"metric": self.eval_metric, "temperature": self.eval_temperature}
         for section, values in (("algorithm", self.algorithm_config(method)), ("run", self.run),
-                                ("rewards", self.rewards), ("eval", evaluation)):
+                                ("rewards", self.rewards)):
             lines += [f"  {section}.{key} = {value}" for key, value in values.items()]
         return "\n".join(lines)
 
@@ -172,19 +161,19 @@ _LORA = 64  # [paper] LoRA r 64, alpha 64 on q, k, v, o, gate, up, down ([1gpu] 
 def _single(name: str, model: str, task: str, methods: dict, **changes: Any) -> Setting:
     """A single-GPU setting (a-d): LoRA, bf16, the [1gpu] defaults, with ``changes`` on top."""
     fields = dict(lora_rank=_LORA, dtype="bfloat16", algorithm=methods, common=_SINGLE_COMMON, run=_SINGLE_RUN,
-                  mesh="1", hardware="1 L40S", rewards=_SINGLE_REWARDS, eval_temperature=0.9)
+                  mesh="1", hardware="1 L40S", rewards=_SINGLE_REWARDS)
     return Setting(name=name, model=model, task=task, **{**fields, **changes})
 
 
 SETTINGS: dict[str, Setting] = {
     "a": _single("a", _QWEN_3B, "gsm8k", _GSM8K_METHODS),
     # [1gpu] results/Instruct-Llama-512-{16-16,64-16}-0.04: KL beta 0.04; scripts/plot.py plots
-    # 1.5 h with checkpoints (hence evaluations) every 10 min and metric both_acc.
+    # 1.5 h with checkpoints (hence evaluations) every 10 min and metric both_acc: the answer
+    # correct and utils/data.py format_correct true ("accuracy_and_format").
     "b": _single("b", "meta-llama/Llama-3.2-3B-Instruct", "gsm8k", _GSM8K_METHODS,
                  common={**_SINGLE_COMMON, "beta": 0.04},
                  run={**_SINGLE_RUN, "time_budget_s": 1.5 * 3600.0, "eval_every_s": 600.0,
-                      "checkpoint_every_s": 600.0},
-                 eval_metric="accuracy_and_format"),
+                      "checkpoint_every_s": 600.0, "eval_metric": "accuracy_and_format"}),
     "c": _single("c", _QWEN_3B, "math", _MATH_METHODS),
     # [podsjax] the chemistry n / m are not in reachable sources: GSM8K's.
     "d": _single("d", _QWEN_3B, "chemistry", _GSM8K_METHODS),

@@ -81,6 +81,13 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, shared_data_dir, 
     (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps must be > 0"),
     (["--remat", "some"], "invalid choice"),
     (["--no-compile-cache", "--compile-cache-dir", "x"], "exclude each other"),
+    (["--dataset", "/no/such/dir"], "--dataset /no/such/dir: no such file or directory"),
+    (["--dataset", ROOT, "--eval-data", ROOT], "--dataset and --data / --eval-data exclude each other"),
+    (["--dataset", ROOT], f"--dataset {ROOT}: no train.jsonl or train.parquet in {ROOT}"),
+    (["--dataset", os.path.join(ROOT, "README.md")], "not a directory"),
+    (["--eval-temperature", "-1"], "--eval-temperature must be >= 0"),
+    (["--eval-repeats", "3"], "eval_repeats 3 needs eval_temperature > 0"),
+    (["--eval-metric", "both"], "eval_metric must be one of accuracy, accuracy_and_format"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(tmp_path, capsys, args, message):
     out = tmp_path / "never"
@@ -149,3 +156,70 @@ def test_a_chat_template_that_fails_gives_one_line_and_exit_2(checkpoint, shared
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip().startswith("error: ") and "chat template" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_dataset_directory_without_a_test_file_and_chemistry_without_data_name_the_flags(tmp_path, capsys):
+    only_train = tmp_path / "only_train"
+    only_train.mkdir()
+    (only_train / "train.jsonl").write_text("")
+    assert cli.main("gsm8k", ["--dataset", str(only_train), "--out", str(tmp_path / "a")]) == 2
+    assert f"no test.jsonl or test.parquet in {only_train}" in capsys.readouterr().err
+    # Chemistry has no Hub dataset: with a real model the run needs local files, and says which flags.
+    assert cli.main("chemistry", ["--model", str(tmp_path), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--dataset DIR" in err and "--data and --eval-data" in err, err
+
+
+class TrainerBuilt(Exception):
+    """Raised by the stand-in Trainer: the run was wired up, and nothing needs to train."""
+
+
+def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_and_a_resume(
+        checkpoint, shared_data_dir, tmp_path, capsys, monkeypatch):
+    from podsjax import loop
+    from podsjax.rewards import format_score_reward
+
+    built = []
+
+    def trainer(*args, **kwargs):
+        built.append(kwargs)
+        raise TrainerBuilt
+
+    monkeypatch.setattr(loop, "Trainer", trainer)
+    out = tmp_path / "run"
+    flags = ["--setting", "a", "--model", checkpoint, "--dataset", os.path.join(shared_data_dir, "gsm8k"),
+             "--max-completion-length", "8", "--mesh", "8", "--no-compile-cache", "--out", str(out)]
+    with pytest.raises(TrainerBuilt):
+        cli.main("gsm8k", flags)
+    printed = capsys.readouterr().out
+    described = printed.index("setting a: gsm8k / Qwen/Qwen2.5-3B-Instruct / LoRA r 64")
+    assert described < printed.index("loading model from")
+    for line in ("algorithm.aggregation = seq-mean-token-mean", "run.eval_repeats = 5", "run.eval_temperature = 0.9",
+                 "rewards.format = 0.01", "rewards.tag_count = 0.01", "rewards.format_style = score",
+                 "flag over the setting: run.max_new_tokens = 8 (setting: 512)",
+                 "flag over the setting: model.mesh = 8 (setting: 1)"):
+        assert line in printed, (line, printed)
+    config = json.load(open(out / "config.json"))
+    assert config["rewards"] == {"accuracy": 1.0, "format": 0.01, "tag_count": 0.01, "format_style": "score"}
+    assert config["data"].endswith(os.path.join("gsm8k", "train.jsonl"))
+    assert config["eval_data"].endswith(os.path.join("gsm8k", "test.jsonl"))
+
+    with pytest.raises(TrainerBuilt):  # a resumed run reads its weights back from config.json
+        cli.main("gsm8k", ["--resume", "--no-compile-cache", "--out", str(out)])
+    assert "setting a:" not in capsys.readouterr().out  # nothing new is set on a resume
+    for kwargs in built:
+        weights = [(w.name, w.weight) for w in kwargs["rewards"]]
+        assert weights == [("accuracy", 1.0), ("format", 0.01), ("tag_count", 0.01)]
+        assert kwargs["rewards"][1].fn is format_score_reward  # the authors' soft format score
+    assert len(built) == 2
+
+
+def test_without_a_setting_the_rewards_are_the_defaults(tmp_path):
+    from experiments import runner
+
+    args = cli.build_parser("gsm8k").parse_args(["--model", ROOT, "--max-steps", "1", "--out", str(tmp_path)])
+    config = cli.resolve_config(args, "gsm8k")
+    assert config["rewards"] == {}
+    assert [w.weight for w in runner.make_rewards(config)] == [1.0, 1.0, 1.0]
+    del config["rewards"]  # a config.json from before rewards were recorded
+    assert [w.weight for w in runner.make_rewards(config)] == [1.0, 1.0, 1.0]

@@ -147,3 +147,39 @@ def test_progress_log_prints_the_first_step_then_by_time_or_steps():
     assert lines.update(13, lambda: "forced", force=True) and lines.lines == 5
     with pytest.raises(ValueError):
         metrics.ProgressLog(print, every_steps=0)
+
+
+def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_path):
+    model, params, tokenizer, _, test_set = setup
+    short, long = data.Example("What is 2 + 2?", "4"), data.Example("What is 2 + 2? " * 40, "4")
+    lengths = prompts.prepare_prompts(tokenizer, [short.prompt, long.prompt], max_prompt_length=10**6).lengths_P
+    fits = int(lengths.mean())  # the short prompt fits, the long one does not
+
+    def trainer(examples, name, lines):
+        run = loop.RunConfig(out_dir=str(tmp_path / name), max_steps=3, prompts_per_step=2, max_new_tokens=4,
+                             max_prompt_length=fits, eval_every_s=None, reward_workers=1, progress=False)
+        return loop.Trainer(model, params, tokenizer, examples, test_set, train.preset("pods", n=4, m=2), run,
+                            log=lines.append)
+
+    lines = []
+    mixed = trainer([long, long, short, long, short, long], "mixed", lines)
+    try:
+        skipped = []
+        for _ in range(3):
+            before = mixed.stream.position
+            scalars = mixed.train_step()
+            skipped.append(scalars["data/prompts_skipped"])
+            assert mixed.stream.position - before == 2 + skipped[-1]  # every skipped draw replaced
+    finally:
+        mixed.close()
+    assert sum(skipped) > 0 and mixed.compile_counts["generate[decode]"] == 1
+    assert sum("longer than max_prompt_length" in line for line in lines) == 1, lines  # said once, then counted
+
+    none_fit = trainer([long] * 3, "none", [])
+    try:
+        with pytest.raises(prompts.PromptError, match=f"too few training prompts fit in max_prompt_length {fits} "
+                                                      r"tokens: 6 of 6 drawn .*--max-prompt-length") as error:
+            none_fit.train_step()
+    finally:
+        none_fit.close()
+    assert "\n" not in str(error.value)

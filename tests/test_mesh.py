@@ -33,13 +33,19 @@ def test_make_mesh_default_uses_all_devices_on_fsdp():
     assert dict(mesh_lib.make_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     two = mesh_lib.make_mesh("tensor=2", devices=jax.devices()[:2])
     assert dict(two.shape) == {"data": 1, "fsdp": 1, "tensor": 2}
+    # A spec for fewer devices than the host has (a 1-GPU setting on an 8-GPU host) takes the first ones.
+    one = mesh_lib.make_mesh("1")
+    assert one.devices.size == 1 and one.devices.flat[0] == jax.devices()[0]
+    assert list(mesh_lib.make_mesh("data=2,fsdp=2").devices.flat) == jax.devices()[:4]
+    with pytest.raises(ValueError, match="needs 2 devices"):
+        mesh_lib.make_mesh("2", devices=jax.devices()[:1])  # explicit devices must match
 
 
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("4", "needs 4 devices"),
-        ("data=2,fsdp=2", "needs 4 devices"),
+        ("16", "needs 16 devices"),
+        ("data=2,fsdp=8", "needs 16 devices"),
         ("data=2,pipeline=4", "unknown axis 'pipeline'"),
         ("fsdp=4,fsdp=2", "given twice"),
         ("fsdp:8", "expected"),

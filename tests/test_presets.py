@@ -56,10 +56,12 @@ def test_single_gpu_defaults_are_the_authors(name):
     assert c.beta == (0.04 if name == "b" else 0.0)
     assert s.rewards == dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="score")
     assert (s.run["prompts_per_step"], s.run["max_prompt_length"], s.run["max_new_tokens"]) == (1, 512, 512)
-    assert s.run["eval_repeats"] == 5 and s.eval_temperature == 0.9
+    # [1gpu] evaluation: 5 passes sampled at 0.9 with 512 new tokens, averaged.
+    run = loop.RunConfig(out_dir="unused", task=s.task, **s.run)
+    assert (run.eval_repeats, run.eval_temperature, run.max_new_tokens) == (5, 0.9, 512)
     hours, every = (1.5, 600.0) if name == "b" else (6.0, 1800.0)
     assert s.run["time_budget_s"] == hours * 3600 and s.run["eval_every_s"] == every
-    assert s.eval_metric == ("accuracy_and_format" if name == "b" else "accuracy")
+    assert run.eval_metric == ("accuracy_and_format" if name == "b" else "accuracy")
 
 
 @pytest.mark.parametrize("name,grpo,pods", [("a", 16, (64, 16)), ("b", 16, (64, 16)), ("c", 8, (32, 8)),
@@ -81,6 +83,8 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     assert s.rewards == dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="exact")
     assert (s.run["prompts_per_step"], s.run["max_new_tokens"], s.run["eval_every_s"]) == (8, 1024, 120.0)
     assert s.run["max_steps"] == 7473 // 8  # one epoch of GSM8K train, 8 prompts per update
+    run = loop.RunConfig(out_dir="unused", task=s.task, **s.run)
+    assert (run.eval_repeats, run.eval_temperature, run.eval_metric) == (1, 0.0, "accuracy")  # greedy [podsjax]
     # GRPO-GA: n = m = 32, 16 accumulation steps; PODS: n = 128, m = 32, 4 accumulation steps.
     ga = config(name, "grpo-ga")
     assert (ga.n, ga.m, ga.grad_accum, ga.micro_batches, ga.trained_per_prompt) == (32, 32, 16, 16, 32)
@@ -91,9 +95,17 @@ def test_bad_setting_fields_raise_one_line_errors():
     base = presets.get_setting("a")
     fields = {f: getattr(base, f) for f in ("name", "model", "task", "lora_rank", "dtype", "algorithm", "common",
                                              "run")}
-    with pytest.raises(ValueError, match="eval_metric must be one of"):
-        presets.Setting(**fields, eval_metric="both")
     with pytest.raises(ValueError, match="lora_rank must be >= 1 or None"):
         presets.Setting(**{**fields, "lora_rank": 0})
-    with pytest.raises(ValueError, match="eval_temperature must be > 0 or None"):
-        presets.Setting(**fields, eval_temperature=0.0)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(eval_metric="both"), "eval_metric must be one of accuracy, accuracy_and_format"),
+    (dict(eval_repeats=0), "eval_repeats must be >= 1"),
+    (dict(eval_temperature=-0.1), "eval_temperature must be >= 0"),
+    (dict(eval_temperature=float("nan")), "eval_temperature must be >= 0"),
+    (dict(eval_temperature=0.0), "eval_repeats 5 needs eval_temperature > 0"),
+])
+def test_a_settings_run_with_a_bad_eval_protocol_is_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        loop.RunConfig(out_dir="unused", **{**presets.get_setting("a").run, **changes})

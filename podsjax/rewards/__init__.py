@@ -21,7 +21,15 @@ from podsjax.rewards.combine import (
     register_reward,
     score_rewards,
 )
-from podsjax.rewards.format import follows_format, format_reward, format_score, format_score_reward, tag_count_reward
+from podsjax.rewards.format import (
+    follows_format,
+    format_correct,
+    format_reward,
+    format_score,
+    format_score_reward,
+    strict_format_reward,
+    tag_count_reward,
+)
 from podsjax.rewards.gsm8k import extract_gsm8k_answer, gsm8k_accuracy, parse_gsm8k_gold
 from podsjax.rewards.mathverify import math_accuracy, math_gold
 from podsjax.rewards.pool import PoolConfig, RewardPool, RewardPoolError
@@ -40,6 +48,7 @@ __all__ = [
     "extract_chemistry_answer",
     "extract_gsm8k_answer",
     "follows_format",
+    "format_correct",
     "format_reward",
     "format_score",
     "format_score_reward",
@@ -52,5 +61,6 @@ __all__ = [
     "parse_quantity",
     "register_reward",
     "score_rewards",
+    "strict_format_reward",
     "tag_count_reward",
 ]

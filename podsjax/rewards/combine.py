@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 
 from podsjax.rewards.chemistry import chemistry_accuracy
-from podsjax.rewards.format import format_reward, format_score_reward, tag_count_reward
+from podsjax.rewards.format import format_reward, format_score_reward, strict_format_reward, tag_count_reward
 from podsjax.rewards.gsm8k import gsm8k_accuracy
 from podsjax.rewards.mathverify import math_accuracy
 
@@ -33,6 +33,7 @@ _REGISTRY: dict[str, RewardFn] = {
     "format": format_reward,
     "format_score": format_score_reward,
     "tag_count": tag_count_reward,
+    "strict_format": strict_format_reward,
 }
 # Each task's accuracy reward; the loop reads its breakdown entry "accuracy" as the eval metric.
 TASK_ACCURACY: dict[str, RewardFn] = {

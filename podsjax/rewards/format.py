@@ -2,16 +2,21 @@
 
 ``format_reward`` is exact (1 or 0); ``format_score_reward`` is the authors' single-GPU
 score, which loses 0.01 per character outside the tagged span; ``tag_count_reward`` gives
-0.25 per tag.
+0.25 per tag; ``strict_format_reward`` is the authors' evaluation check (``format_correct``),
+which the Llama setting's metric "answer and format both correct" uses.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
 
 _TAGS = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
+# The authors' evaluation format check (YixuanEvenXu/pods utils/data.py format_correct),
+# applied with re.match, so "$" also matches before one final newline.
+STRICT_FORMAT = re.compile(r"^[ \n]?<think>.*</think>[ \n]?<answer>.*</answer>[ \n]?$", re.DOTALL)
 
 
 def follows_format(text: str) -> bool:
@@ -106,3 +111,27 @@ def tag_count_reward(completions: Sequence[str], **_: Any) -> list[float]:
         [B] rewards in {0, 0.25, 0.5, 0.75, 1.0}.
     """
     return [0.25 * sum(text.count(tag) == 1 for tag in _TAGS) for text in completions]
+
+
+def format_correct(text: str) -> bool:
+    """The authors' evaluation format check: ``STRICT_FORMAT`` matches ``text``.
+
+    Unlike ``follows_format`` it allows repeated tags and a blank answer, and at most
+    one space or newline around the blocks (plus a final newline, which ``$`` allows).
+    Its backtracking costs O(length x matches of ``</think><answer>``); the reward
+    pool's per-item timeout bounds a pathological text.
+    """
+    return STRICT_FORMAT.match(text) is not None
+
+
+def strict_format_reward(completions: Sequence[str], **_: Any) -> list[float]:
+    """1.0 where ``format_correct``, else 0.0 (the format half of "answer and format both correct").
+
+    Args:
+        completions: [B] decoded completions.
+        **_: dataset columns, ignored.
+
+    Returns:
+        [B] rewards in {0.0, 1.0}.
+    """
+    return [1.0 if format_correct(text) else 0.0 for text in completions]

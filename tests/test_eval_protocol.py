@@ -1,0 +1,176 @@
+"""Evaluation: greedy or the paper's sampled passes, the Llama metric, and one decode program."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_checkpoint import save_tiny_checkpoint
+
+import podsjax.models as pm
+from podsjax import data, loop, prompts, train
+from podsjax import rewards as rewards_lib
+from podsjax.rewards import format_correct
+
+QUESTIONS = [("What is 2 + 2?", "4"), ("What is 3 + 4?", "7"), ("What is 5 - 1?", "4"), ("What is 6 / 2?", "3")]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("eval_ckpt"))
+    model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
+    examples = [data.Example(q, a) for q, a in QUESTIONS]
+    return model, params, prompts.load_tokenizer(checkpoint), examples
+
+
+def make_trainer(setup, out_dir, rewards=None, **run_fields):
+    model, params, tokenizer, examples = setup
+    run = loop.RunConfig(out_dir=str(out_dir), max_steps=1, prompts_per_step=2, max_new_tokens=7,
+                         reward_workers=1, progress=False, console=False, **run_fields)
+    return loop.Trainer(model, params, tokenizer, examples, examples, train.preset("pods", n=4, m=2), run,
+                        lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards)
+
+
+class InProcessScorer:
+    """Stands in for the reward pool, so test-local reward functions need no worker process."""
+
+    def score(self, completions, rewards, **columns):
+        return rewards_lib.score_rewards(completions, rewards, **columns)
+
+    def close(self):
+        pass
+
+
+def in_process(trainer):
+    trainer.pool.close()
+    trainer.pool = InProcessScorer()
+    return trainer
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<think>a</think><answer>4</answer>", True),
+    ("\n<think>a</think>\n<answer>4</answer>\n", True),
+    ("<think>a</think> <answer>4</answer>\n\n", True),  # re.match's "$" also matches before a final newline
+    ("<think>a</think><answer></answer>", True),  # the authors' check allows a blank answer
+    ("<think>a</think><think>b</think><answer>4</answer>", True),  # and repeated tags
+    ("x<think>a</think><answer>4</answer>", False),
+    ("<think>a</think>  <answer>4</answer>", False),  # at most one space or newline between blocks
+    ("<think>a</think><answer>4</answer> x", False),
+    ("<answer>4</answer>", False),
+])
+def test_format_correct_is_the_authors_strict_check(text, expected):
+    assert format_correct(text) is expected
+    assert rewards_lib.get_reward("strict_format")([text]) == [float(expected)]
+
+
+def test_eval_scalars_average_the_passes_and_multiply_the_metrics_parts():
+    values_RE = {"accuracy": np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]),
+                 "strict_format": np.array([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])}
+    plain = loop._eval_scalars(values_RE, loop.EVAL_METRICS["accuracy"])
+    assert plain["eval/accuracy"] == pytest.approx(0.5)
+    assert plain["eval/accuracy_std"] == pytest.approx(np.std([2 / 3, 1 / 3], ddof=1), abs=1e-12)
+    both = loop._eval_scalars(values_RE, loop.EVAL_METRICS["accuracy_and_format"])
+    assert both["eval/accuracy"] == pytest.approx(1 / 3) and both["eval/accuracy_std"] == 0.0
+    assert both["eval/answer_accuracy"] == pytest.approx(0.5) and both["eval/format_accuracy"] == pytest.approx(0.5)
+    assert both["eval/examples"] == 3.0
+    one = loop._eval_scalars({k: v[:1] for k, v in values_RE.items()}, loop.EVAL_METRICS["accuracy"])
+    assert one["eval/accuracy_std"] == 0.0  # one pass: no spread to report
+    empty = loop._eval_scalars({k: v[:, :0] for k, v in values_RE.items()}, loop.EVAL_METRICS["accuracy"])
+    assert empty["eval/accuracy"] == 0.0 and empty["eval/examples"] == 0.0
+
+
+def record_generate(monkeypatch):
+    calls = []
+    real = loop.generate
+
+    def recording(model, params, ids, mask, key, **kwargs):
+        calls.append((tuple(np.asarray(jax.random.key_data(key)).ravel()), kwargs["temperature"],
+                      kwargs["num_samples"], ids.shape[0]))
+        return real(model, params, ids, mask, key, **kwargs)
+
+    monkeypatch.setattr(loop, "generate", recording)
+    return calls
+
+
+def test_sampled_passes_draw_their_own_keys_and_share_the_rollouts_decode_program(setup, tmp_path, monkeypatch):
+    calls = record_generate(monkeypatch)
+    trainer = make_trainer(setup, tmp_path / "run", eval_repeats=3, eval_temperature=0.9)
+    try:
+        first = trainer.evaluate()
+        decodes = [trainer.compile_counts.get("generate[decode]", 0)]
+        trainer.train_step()
+        second = trainer.evaluate()
+        decodes.append(trainer.compile_counts.get("generate[decode]", 0))
+    finally:
+        trainer.close()
+    evals = [c for c in calls if c[2] == 1]
+    assert len(evals) == 6 and {c[1] for c in evals} == {0.9}
+    assert len({c[0] for c in evals[:3]}) == 3  # a key per pass
+    assert [c[0] for c in evals[:3]] == [c[0] for c in evals[3:]]  # the same keys at every evaluation
+    # 4 prompts in one chunk of prompts_per_step x n = 8 rows, as the step's 2 prompts x 4
+    # samples: the rollouts' decode program.
+    assert {c[3] for c in evals} == {8} and [(c[3], c[1]) for c in calls if c[2] == 4] == [(2, 0.9)]
+    # At most one compile (none when an earlier test in this process built the same program),
+    # and neither the step nor the next evaluation compiles another.
+    assert decodes[0] == decodes[1] <= 1, trainer.compile_counts
+    for result in (first, second):
+        assert result["eval/examples"] == 4.0 and result["eval/accuracy_std"] >= 0.0
+        assert {"eval/answer_accuracy", "eval/format_accuracy"} <= set(result)
+
+
+def test_greedy_is_one_pass_at_temperature_zero_by_default(setup, tmp_path, monkeypatch):
+    calls = record_generate(monkeypatch)
+    trainer = make_trainer(setup, tmp_path / "run")
+    try:
+        result = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert [(c[1], c[2]) for c in calls] == [(0.0, 1)] and result["eval/accuracy_std"] == 0.0
+    with pytest.raises(ValueError, match="eval_repeats 2 needs eval_temperature > 0"):
+        loop.RunConfig(out_dir="unused", max_steps=1, eval_repeats=2)
+
+
+def by_position(pattern):
+    """A reward function that scores the i-th completion of a call ``pattern[i]``."""
+    def fn(completions, **_):
+        return [float(pattern[i % len(pattern)]) for i in range(len(completions))]
+    return fn
+
+
+def test_accuracy_and_format_counts_an_answer_only_with_the_strict_format(setup, tmp_path):
+    rewards = [rewards_lib.WeightedReward(by_position([1, 0, 1, 0]), 1.0, "accuracy"),
+               rewards_lib.WeightedReward(by_position([1, 1, 0, 0]), 0.0, "strict_format")]
+    results = {}
+    for metric in loop.EVAL_METRICS:
+        trainer = in_process(make_trainer(setup, tmp_path / metric, rewards=rewards, eval_metric=metric))
+        try:
+            results[metric] = trainer.evaluate()
+        finally:
+            trainer.close()
+    assert results["accuracy"]["eval/accuracy"] == 0.5
+    assert results["accuracy_and_format"]["eval/accuracy"] == 0.25  # both right only for the first
+    assert results["accuracy_and_format"]["eval/answer_accuracy"] == 0.5
+    assert results["accuracy_and_format"]["eval/format_accuracy"] == 0.5
+
+
+def test_sampled_accuracy_is_the_mean_over_passes_with_their_spread(setup, tmp_path):
+    passes = iter([1.0, 0.0, 1.0])  # one score call per pass: all right, all wrong, all right
+
+    def accuracy(completions, **_):
+        value = next(passes)
+        return [value] * len(completions)
+
+    trainer = in_process(make_trainer(setup, tmp_path / "run", rewards=[(accuracy, 1.0)], eval_repeats=3,
+                                      eval_temperature=0.9))
+    try:
+        result = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert result["eval/accuracy"] == pytest.approx(2 / 3)
+    assert result["eval/accuracy_std"] == pytest.approx(np.std([1, 0, 1], ddof=1))
+
+
+def test_the_trainer_adds_the_strict_format_check_to_evaluation_only(setup, tmp_path):
+    trainer = make_trainer(setup, tmp_path / "run", rewards=rewards_lib.default_rewards("gsm8k", format=0.01))
+    trainer.close()
+    assert [w.name for w in trainer.rewards] == ["accuracy", "format", "tag_count"]
+    assert [(w.name, w.weight) for w in trainer.eval_rewards][-1] == ("strict_format", 0.0)
