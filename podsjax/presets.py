@@ -9,7 +9,7 @@
 | (e)     | GSM8K     | Qwen2.5-3B-Instruct    | 8 H100   | full                  |
 | (f)     | GSM8K     | Qwen2.5-7B-Instruct    | 8 A100   | full                  |
 
-Until issue 16 the letters differed: (b) was Qwen on MATH, (c) Llama on GSM8K and (d)
+Earlier versions used other letters: (b) was Qwen on MATH, (c) Llama on GSM8K and (d)
 Llama on MATH, and there was no chemistry setting.
 
 Where each number comes from, as tagged in the comments below:

@@ -193,7 +193,7 @@ def test_a_second_run_loads_its_programs_from_the_compile_cache(tmp_path):
     assert os.listdir(tmp_path / "cache")
 
 
-# The CPU proxy for "it fits by default": Qwen2.5-0.5B's shape, setting a (LoRA r64,
+# The CPU proxy for "it fits by default": Qwen2.5-0.5B's shape, setting a (LoRA r64,
 # PODS n 64 m 16, 512 + 512 tokens, bf16). Unrolled and without remat, the update kept
 # every layer's attention scores (about 22 GB). Measured with remat full, the scan and the
 # chunked LM head: 7.41 GiB, most of it one layer's XLA attention backward on CPU.

@@ -48,7 +48,7 @@ def test_group_advantages_batch_and_none_scaling():
 @given(value=st.floats(width=32, allow_nan=False, allow_infinity=False), m=st.integers(1, 64),
        eps=st.sampled_from([0.0, 1e-4]), ddof=st.sampled_from([0, 1]))
 def test_equal_rewards_give_exactly_zero_advantages(value, m, eps, ddof):
-    # The cases: -2.5 with m=3 gave 7e-4 and 7.0 with m=7 gave -4.7e-3 (float32 mean rounding).
+    # Known cases: -2.5 with m=3 gave 7e-4 and 7.0 with m=7 gave -4.7e-3 (float32 mean rounding).
     rewards = jnp.stack([jnp.full((m,), value, jnp.float32), jnp.arange(m, dtype=jnp.float32)])
     for scaling in grpo.STD_SCALINGS:
         adv = np.asarray(grpo.group_advantages(rewards, eps=eps, std_scaling=scaling, ddof=ddof))

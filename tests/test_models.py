@@ -22,7 +22,7 @@ import podsjax.models as pm
 VOCAB = 256
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
-# Every family/feature combination the issue asks for: Qwen2 q/k/v bias, llama3 RoPE,
+# Every family/feature combination the decoder supports: Qwen2 q/k/v bias, llama3 RoPE,
 # GQA (K < H, including K = 1), MHA, head_dim != D / H, tied and untied heads.
 CONFIGS = {
     "qwen2_tied_gqa": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2,
