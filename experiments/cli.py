@@ -241,17 +241,18 @@ def resolve_config(args, task: str) -> dict:
         model["dtype"] = args.dtype
     if args.mesh is not None:
         model["mesh"] = args.mesh
-    _validate_run(run, task, args.out)
+    _validate(algo, run, task, args.out)
     return {"task": task, "model_path": args.model, "warmup_dir": args.warmup_dir, "warmup_steps": args.warmup_steps,
             "data": args.data, "eval_data": args.eval_data, "algorithm": algo, "run": run, "model": model,
             "rewards": rewards}
 
 
-def _validate_run(run: dict, task: str, out: str) -> None:
-    """RunConfig's checks (eval protocol and budget among them) before anything is written."""
-    from podsjax import loop
+def _validate(algo: dict, run: dict, task: str, out: str) -> None:
+    """AlgorithmConfig's and RunConfig's checks before any warm-up, model load or write to --out."""
+    from podsjax import loop, train
 
     try:
+        train.AlgorithmConfig(**algo)
         loop.RunConfig(out_dir=out, task=task, **run)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc).replace("RunConfig.", "")) from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import flax.struct
@@ -26,6 +27,11 @@ ALGORITHMS = ("grpo", "grpo-ga", "pods")
 # optax >= 0.2.6 moved the global norm; keep older optax working too.
 _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 SCHEDULES = ("constant", "cosine")
+
+
+_INT_FIELDS = ("n", "m", "grad_accum", "num_iterations", "total_steps")
+_FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "learning_rate", "warmup_ratio", "max_grad_norm",
+                 "weight_decay", "adam_b1", "adam_b2", "advantage_eps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +80,15 @@ class AlgorithmConfig:
         def bad(message):
             raise ValueError(f"AlgorithmConfig: {message}")
 
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int)):
+                bad(f"{field.name} must be an integer; got {value!r}")
+            if field.name in _FLOAT_FIELDS and value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    bad(f"{field.name} must be a number; got {value!r}")
+                if not math.isfinite(value):  # an inf lr or beta would silently poison every weight
+                    bad(f"{field.name} must be finite; got {value}")
         if self.algorithm not in ALGORITHMS:
             bad(f"algorithm must be one of {ALGORITHMS}; got {self.algorithm!r}")
         if not 1 <= self.m <= self.n:
@@ -100,6 +115,13 @@ class AlgorithmConfig:
             bad(f"training temperature must be > 0; got {self.temperature}")
         if not self.max_grad_norm > 0:
             bad(f"max_grad_norm must be > 0; got {self.max_grad_norm}")
+        if not self.weight_decay >= 0:
+            bad(f"weight_decay must be >= 0; got {self.weight_decay}")
+        for name in ("adam_b1", "adam_b2"):
+            if not 0 <= getattr(self, name) < 1:
+                bad(f"{name} must be in [0, 1); got {getattr(self, name)}")
+        if not self.advantage_eps >= 0:
+            bad(f"advantage_eps must be >= 0; got {self.advantage_eps}")
         if self.std_scaling not in grpo.STD_SCALINGS:
             bad(f"std_scaling must be one of {grpo.STD_SCALINGS}; got {self.std_scaling!r}")
         self.loss_config  # validates epsilon, beta, aggregation

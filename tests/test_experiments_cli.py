@@ -88,6 +88,9 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, shared_data_dir, 
     (["--eval-temperature", "-1"], "--eval-temperature must be >= 0"),
     (["--eval-repeats", "3"], "eval_repeats 3 needs eval_temperature > 0"),
     (["--eval-metric", "both"], "eval_metric must be one of accuracy, accuracy_and_format"),
+    (["--lr", "inf"], "learning_rate must be finite"),  # before the warm-up, not after it
+    (["--beta", "nan"], "beta must be finite"),
+    (["--method", "pods", "--rule", "best"], "unknown selection rule 'best'"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(tmp_path, capsys, args, message):
     out = tmp_path / "never"

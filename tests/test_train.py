@@ -148,9 +148,19 @@ def test_config_validation_errors():
         (dict(algorithm="pods", n=8, m=4, rule="best"), "unknown selection rule 'best'"),
         (dict(algorithm="ppo"), "algorithm must be one of"),
         (dict(aggregation="sum"), "aggregation must be one of"),
+        (dict(n="16", m=16), "n must be an integer; got '16'"),
+        (dict(grad_accum=2.0), "grad_accum must be an integer"),
+        (dict(learning_rate=float("inf")), "learning_rate must be finite"),
+        (dict(beta=float("nan")), "beta must be finite"),
+        (dict(temperature="hot"), "temperature must be a number"),
+        (dict(epsilon_high=float("inf")), "epsilon_high must be finite"),
+        (dict(weight_decay=-0.1), "weight_decay must be >= 0"),
+        (dict(adam_b2=1.0), r"adam_b2 must be in \[0, 1\)"),
+        (dict(advantage_eps=-1e-4), "advantage_eps must be >= 0"),
     ]
     for kwargs, message in cases:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=message) as err:
             train.AlgorithmConfig(**kwargs)
+        assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="unknown algorithm preset"):
         train.preset("dapo")
