@@ -74,6 +74,11 @@ def constant_reward(completions, **_):
     return [0.5 for _ in completions]
 
 
+def non_finite_reward(completions, **_):
+    """The completion read as a float: "nan", "inf" and "-inf" give what they say."""
+    return [float(text) for text in completions]
+
+
 @pytest.fixture(scope="module")
 def pool():
     # One pool for the module: start-up costs seconds. Short timeouts keep the hang tests quick.
@@ -321,6 +326,16 @@ def test_pool_matches_in_process_scoring_and_keeps_order(pool):
     np.testing.assert_array_equal(pooled.total_B, local.total_B)
     assert not pooled.failed_B.any()
     assert pooled.metrics["reward/timeouts"] == pooled.metrics["reward/crashes"] == 0
+
+
+def test_non_finite_rewards_score_zero_and_count_as_errors(pool):
+    completions = ["nan", "inf", "-inf", "1.0", "nan"]
+    rewards = [WeightedReward(non_finite_reward, 1.0), WeightedReward(constant_reward, 2.0)]
+    for scores in (score_rewards(completions, rewards), pool.score(completions, rewards)):
+        np.testing.assert_array_equal(scores.per_function["non_finite_reward"], [0.0, 0.0, 0.0, 1.0, 0.0])
+        np.testing.assert_array_equal(scores.total_B, [1.0, 1.0, 1.0, 2.0, 1.0])  # finite: the group stays usable
+        assert scores.metrics["reward/errors"] == 4
+        np.testing.assert_array_equal(scores.failed_B, [True, True, True, False, True])
 
 
 def test_pool_survives_hangs_crashes_and_memory_blowups(pool):

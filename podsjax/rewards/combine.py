@@ -203,6 +203,13 @@ def summarize(
     seconds: float,
 ) -> RewardScores:
     """Builds RewardScores from a [F, B] value matrix; shared by the pool and the in-process path."""
+    # A NaN or inf reward would poison the advantages of its whole group: it scores 0 and
+    # counts as an error of its item.
+    non_finite_FB = ~np.isfinite(values_FB)
+    if non_finite_FB.any():
+        values_FB = np.where(non_finite_FB, 0.0, values_FB)
+        failed_B = failed_B | non_finite_FB.any(axis=0)
+        counts = {**counts, "errors": counts.get("errors", 0) + int(non_finite_FB.sum())}
     weights_F = np.asarray([w.weight for w in weighted], np.float64)
     total_B = (weights_F[:, None] * values_FB).sum(axis=0).astype(np.float32)
     per_function = {w.name: values_FB[f].astype(np.float32) for f, w in enumerate(weighted)}
