@@ -126,6 +126,20 @@ def test_bf16_checkpoint_loads_and_exports_bit_exact(checkpoints, tmp_path):
                                   ref.T.reshape(64, 4, 16))
 
 
+def test_export_refuses_non_finite_weights_and_writes_nothing(checkpoints, tmp_path):
+    model, params = pm.from_pretrained(checkpoints["qwen2"])
+    poisoned = jax.tree.map(lambda x: x, params)
+    poisoned["layers"]["mlp"]["up"]["kernel"] = poisoned["layers"]["mlp"]["up"]["kernel"].at[1, 0, 0].set(jnp.nan)
+    with pytest.raises(pm.CheckpointError, match="non-finite weights .* layers/mlp/up/kernel") as err:
+        pm.save_pretrained(model, poisoned, tmp_path / "out")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+    lora = pm.init_lora(jax.random.key(0), model, pm.LoraConfig(rank=2, alpha=2.0))
+    lora = lora.replace(weights=jax.tree.map(lambda x: x * jnp.inf, lora.weights))
+    with pytest.raises(pm.CheckpointError, match="lora/layers/attn/q/a"):
+        pm.save_pretrained(model, params, tmp_path / "out", lora=lora)
+    pm.save_pretrained(model, params, tmp_path / "out")  # the finite params export as before
+
+
 def test_export_refuses_non_empty_dir_unless_overwrite(checkpoints, tmp_path):
     model, params = pm.from_pretrained(checkpoints["qwen2"])
     out = tmp_path / "out"

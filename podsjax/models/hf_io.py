@@ -276,6 +276,17 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+@jax.jit
+def _all_finite(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True, tree)
+
+
+def _non_finite_leaves(tree: Any) -> list[str]:
+    """Param paths holding a NaN or inf (one on-device reduction per tensor)."""
+    flags = jax.tree_util.tree_flatten_with_path(jax.device_get(_all_finite(tree)))[0]
+    return ["/".join(str(getattr(k, "key", k)) for k in path) for path, ok in flags if not ok]
+
+
 def save_pretrained(
     model: Decoder,
     params: dict[str, Any],
@@ -301,7 +312,7 @@ def save_pretrained(
 
     Raises:
         FileExistsError: ``path`` is a non-empty directory and ``overwrite`` is False.
-        CheckpointError: ``params`` lack tensors the model config needs.
+        CheckpointError: ``params`` lack tensors the model config needs, or hold NaN / inf.
     """
     path = os.fspath(path)
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not overwrite:
@@ -310,6 +321,10 @@ def save_pretrained(
     missing = [s.hf_name + " <- " + "/".join(s.path) for s in specs if _lookup(params, s.path) is None]
     if missing:
         raise CheckpointError(f"params lack {len(missing)} tensors: " + ", ".join(missing))
+    bad = _non_finite_leaves(params) + ([] if lora is None else ["lora/" + n for n in _non_finite_leaves(lora.weights)])
+    if bad:
+        raise CheckpointError(f"refusing to export non-finite weights (NaN or inf) in {len(bad)} tensors: "
+                              + ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else ""))
     writer = jax.process_index() == 0
     out_dtype = None if dtype is None else np.dtype(dtype)
 
