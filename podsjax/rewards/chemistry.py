@@ -21,7 +21,7 @@ import re
 from typing import Any, Sequence
 
 from podsjax.rewards.mathverify import DEFAULT_MATH_VERIFY_TIMEOUT_S, signal_timeout
-from podsjax.rewards.text import ascii_minus, extract_answer_tag, last_boxed
+from podsjax.rewards.text import ascii_minus, check_lengths, extract_answer_tag, last_boxed
 
 REL_TOL = 0.05  # SciBench's tolerance
 _MAX_CHARS = 200  # a longer "answer" is a derivation, not a number: not worth a sympy parse
@@ -182,10 +182,7 @@ def chemistry_accuracy(
     Returns:
         [B] rewards in {0.0, 1.0}.
     """
-    n = len(completions)
-    for name, column in (("answer", answer), ("unit", unit)):
-        if column is not None and len(column) != n:
-            raise ValueError(f"chemistry_accuracy: {n} completions but {len(column)} entries in {name!r}")
+    check_lengths("chemistry_accuracy", len(completions), answer=answer, unit=unit)
     rewards = []
     for i, completion in enumerate(completions):
         reference = parse_reference(answer[i])

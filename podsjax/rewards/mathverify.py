@@ -6,7 +6,7 @@ import functools
 import threading
 from typing import Any, Sequence
 
-from podsjax.rewards.text import extract_answer_tag, last_boxed
+from podsjax.rewards.text import check_lengths, extract_answer_tag, last_boxed
 
 # math-verify's own per-call budget, in whole seconds (it uses signal.alarm). The
 # pool's per-item timeout is the outer bound; this inner one lets a slow parse
@@ -90,10 +90,7 @@ def math_accuracy(
     """
     from math_verify import verify
 
-    n = len(completions)
-    for name, column in (("answer", answer), ("solution", solution)):
-        if column is not None and len(column) != n:
-            raise ValueError(f"math_accuracy: {n} completions but {len(column)} entries in {name!r}")
+    check_lengths("math_accuracy", len(completions), answer=answer, solution=solution)
     if answer is None and solution is None:
         raise ValueError("math_accuracy needs an 'answer' or a 'solution' column")
     timeout = signal_timeout(int(timeout_s))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
+from typing import Any, Sequence
 
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
@@ -129,3 +130,10 @@ def first_number(text: str) -> Fraction | None:
         if value is not None:
             return value
     return None
+
+
+def check_lengths(reward: str, num_completions: int, **columns: Sequence[Any] | None) -> None:
+    """One-line ValueError unless every given column has one entry per completion (None columns pass)."""
+    for name, column in columns.items():
+        if column is not None and len(column) != num_completions:
+            raise ValueError(f"{reward}: {num_completions} completions but {len(column)} entries in {name!r}")
