@@ -129,27 +129,6 @@ def device_memory_limit(device=None) -> int | None:
     return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
 
 
-def per_device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of arrays or ``ShapeDtypeStruct``s (by their shardings)."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        if not hasattr(leaf, "shape"):
-            continue
-        sharding = getattr(leaf, "sharding", None)
-        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-        count = 1
-        for d in shape:
-            count *= d
-        total += count * _itemsize(leaf.dtype)
-    return total
-
-
-def _itemsize(dtype) -> int:
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return 8  # a threefry key is two uint32
-    return jnp.dtype(dtype).itemsize
-
-
 def _with_shardings(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
@@ -259,14 +238,14 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
     stage_temp = {stage: _temp(gen[stage]) for stage in ("prefill", "decode")}
     device = run_device(model.mesh)
     # Params: the base, the LoRA weights, and a full fine-tune's frozen reference copy.
-    extra = per_device_bytes(state.params) if lora_config is not None else per_device_bytes(frozen)
+    extra = mesh_lib.bytes_per_device(state.params) if lora_config is not None else mesh_lib.bytes_per_device(frozen)
     return MemoryPlan(
-        params=per_device_bytes(base) + extra,
-        optimizer=per_device_bytes(state.opt_state),
+        params=mesh_lib.bytes_per_device(base) + extra,
+        optimizer=mesh_lib.bytes_per_device(state.opt_state),
         kv_cache=int(gen["kv_cache_bytes"]),
         generate_temp=max(stage_temp.values()),
         update_temp=_temp(update),
-        batch=per_device_bytes(batch),
+        batch=mesh_lib.bytes_per_device(batch),
         compile_s={"prefill": float(gen["compile_s"]["prefill"]), "decode": float(gen["compile_s"]["decode"]),
                    "update": update_s},
         device_kind=device.device_kind,

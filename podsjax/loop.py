@@ -197,7 +197,7 @@ class Trainer:
             clock=lambda: self.host["elapsed_train_s"])  # the training clock, eval excluded
         host = {"data_position": 0, "elapsed_train_s": 0.0, "last_eval_s": None}
         if self.checkpointer.latest_step() is not None:
-            state, host = self.checkpointer.restore(jax.tree.map(_abstract, state))
+            state, host = self.checkpointer.restore(jax.tree.map(mesh_lib.abstract, state))
             if "log_sizes" in host:  # absent in checkpoints from before log rewinding
                 _rewind_logs(run.out_dir, host["log_sizes"])
         self.state, self.host = state, host
@@ -526,10 +526,6 @@ def _phases_text(scalars: dict[str, float]) -> str:
     phases = [(name, scalars.get(f"time/{name}")) for name in ("generation", "scoring", "selection", "update")]
     total = sum(v for _, v in phases if v is not None)
     return f"step {total:.2f} s (" + ", ".join(f"{n} {v:.2f}" for n, v in phases if v is not None) + ")"
-
-
-def _abstract(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
 def _eos_ids(tokenizer) -> tuple[int, ...]:

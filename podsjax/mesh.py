@@ -226,6 +226,25 @@ def tree_shardings(mesh: Mesh, names_tree: Any, shapes_tree: Any, rules: Rules =
     return jax.tree.unflatten(treedef, out)
 
 
+def abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """``x``'s shape, dtype and sharding (when it has one), without its data."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of arrays or ``ShapeDtypeStruct``s (by their shardings)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        if not hasattr(leaf, "shape"):
+            continue
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        # A PRNG key's dtype has no itemsize; a threefry key is two uint32.
+        itemsize = 8 if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else np.dtype(leaf.dtype).itemsize
+        total += math.prod(shape) * itemsize
+    return total
+
+
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Sharding for a ``[B, ...]`` input: batch over ("data", "fsdp"), the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh))

@@ -18,7 +18,6 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
@@ -227,10 +226,6 @@ def jitted_stages(model, cfg: SamplingConfig):
     return _jitted_prefill(model, cfg.prefill_key), _jitted_decode(model, cfg.decode_key)
 
 
-def _abstract(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-
-
 def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_samples: int, max_new_tokens: int,
                      top_p: float = 1.0, top_k: int = 0, eos_token_ids=(0,), pad_token_id: int = 0) -> dict:
     """Compiles the two generation stages ahead of time for one prompt shape.
@@ -247,7 +242,7 @@ def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_
     cfg = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
                          top_k=top_k, eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id)
     prefill_fn, decode_fn = jitted_stages(model, cfg)
-    params, lora = jax.tree.map(_abstract, (params, lora))
+    params, lora = jax.tree.map(mesh_lib.abstract, (params, lora))
     ids = jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32)
     timings, out = {}, {}
     start = time.perf_counter()
@@ -263,15 +258,9 @@ def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_
     key = jax.eval_shape(lambda: jax.random.key(0))
     out["decode"] = decode_fn.lower(params, lora, logits, cache, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
     timings["decode"] = time.perf_counter() - start
-    out["kv_cache_bytes"] = sum(_bytes_per_device(x) for x in jax.tree.leaves(cache))
+    out["kv_cache_bytes"] = mesh_lib.bytes_per_device(cache)
     out["compile_s"] = timings
     return out
-
-
-def _bytes_per_device(x) -> int:
-    sharding = getattr(x, "sharding", None)
-    shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
 def generate(
