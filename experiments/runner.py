@@ -53,13 +53,14 @@ def _tiny(config, out_dir):
     seed = config["run"]["seed"]
     try:
         steps = {"steps": config["warmup_steps"]} if config.get("warmup_steps") else {}
-        stats = tiny.warm_up(directory, seed=seed, data_seed=seed, log=lambda line: print(line, flush=True), **steps)
+        stats = tiny.warm_up(directory, seed=seed, data_seed=seed, task=config["task"],
+                             log=lambda line: print(line, flush=True), **steps)
     except tiny.WarmupError as exc:
         raise UsageError(str(exc)) from None
     how = "reused" if stats.cached else f"trained in {stats.total_seconds:.0f} s"
     print(f"tiny preset: warm-up test accuracy {stats.test_accuracy:.0%} ({how}; cached in {directory})",
           flush=True)
-    train_set, test_set = tiny.tiny_tasks(seed)
+    train_set, test_set = tiny.tiny_tasks(seed, task=config["task"])
     return stats.path, train_set, test_set
 
 

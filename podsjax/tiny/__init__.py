@@ -1,4 +1,4 @@
-"""The built-in tiny preset: synthetic GSM8K-format problems, a tiny Qwen2 policy, its warm-up.
+"""The built-in tiny preset: synthetic GSM8K-, MATH- and chemistry-like tasks, a tiny Qwen2 policy, its warm-up.
 
 With no real checkpoint, the experiments run end to end on any CPU on this preset::
 
@@ -7,6 +7,11 @@ With no real checkpoint, the experiments run end to end on any CPU on this prese
     tokenizer = podsjax.prompts.load_tokenizer(stats.path)
     train_examples, test_examples = podsjax.tiny.tiny_tasks(seed=0)
 
+The three tasks (``TASKS``) stand in for the paper's benchmarks and use their reward
+paths: ``"gsm8k"`` word problems (final number), ``"math"`` LaTeX answers judged by
+math-verify, ``"chemistry"`` numbers in a unit within 5 %. ``warm_up(..., task=...)``
+and ``tiny_tasks(seed, task=...)`` pick one.
+
 The checkpoint is an ordinary HF directory, so everything after the warm-up (sampling,
 rewards, selection, the sharded step, checkpoints, evaluation) is the real-run code path.
 ``TINY_RL_DEFAULTS`` holds RL settings checked to run quickly on a 2-core CPU.
@@ -14,6 +19,7 @@ rewards, selection, the sharded step, checkpoints, evaluation) is the real-run c
 
 from podsjax.tiny.build import CHATML_TEMPLATE, TinyModelSpec, build_tiny_checkpoint, build_tokenizer
 from podsjax.tiny.problems import (
+    TASKS,
     TEMPLATES,
     TinyTasks,
     generate_problems,
@@ -57,7 +63,7 @@ TINY_RL_DEFAULTS: dict = {
 }
 
 __all__ = [
-    "CHATML_TEMPLATE", "MARKER_FILE", "TEMPLATES", "TINY_RL_DEFAULTS", "TinyModelSpec", "TinyTasks",
+    "CHATML_TEMPLATE", "MARKER_FILE", "TASKS", "TEMPLATES", "TINY_RL_DEFAULTS", "TinyModelSpec", "TinyTasks",
     "WARMUP_DIRNAME", "WarmupConfig", "WarmupError", "WarmupStats", "build_tiny_checkpoint", "build_tokenizer",
     "evaluate_greedy", "generate_problems", "iter_problems", "load_cached", "make_splits", "sft_completion",
     "split_of", "tiny_tasks", "warm_up", "worked_steps",

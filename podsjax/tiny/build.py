@@ -80,7 +80,7 @@ class TinyModelSpec:
         )
 
 
-def _corpus() -> list[str]:
+def _corpus(task: str = "gsm8k") -> list[str]:
     """The texts BPE is trained on, cut where special tokens cut the real inputs.
 
     A rendered prompt is ``<|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{q}
@@ -89,18 +89,19 @@ def _corpus() -> list[str]:
     on its own (the sampler emits it after the prompt ids).
     """
     texts = []
-    for example in generate_problems(_CORPUS_PROBLEMS, _CORPUS_SEED, "train"):
+    for example in generate_problems(_CORPUS_PROBLEMS, _CORPUS_SEED, "train", task, at_most=True):
         texts += [f"user\n{example.prompt}", sft_completion(example), "\n", "assistant\n"]
     texts += [f"system\n{prompts_lib.DEFAULT_SYSTEM_PROMPT}"] * (_CORPUS_PROBLEMS // 10)
     return texts
 
 
-def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
+def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None, task: str = "gsm8k"):
     """Trains the tiny byte-level BPE tokenizer (deterministic) and wraps it for transformers.
 
     Args:
         vocab_size: upper bound on the vocabulary; read the real size from ``len(tokenizer)``.
-        corpus: texts to learn the merges from (default: the tiny preset's problems).
+        corpus: texts to learn the merges from (default: the tiny preset's problems of ``task``).
+        task: the tiny task whose problems make the default corpus.
 
     Returns:
         A ``transformers.PreTrainedTokenizerFast`` with the ChatML template, EOS
@@ -127,14 +128,14 @@ def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    core.train_from_iterator(_corpus() if corpus is None else corpus, trainer=trainer)
+    core.train_from_iterator(_corpus(task) if corpus is None else corpus, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=IM_END, pad_token=PAD)
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
 
 
 def build_tiny_checkpoint(directory: str | os.PathLike, seed: int = 0, spec: TinyModelSpec | None = None,
-                          *, overwrite: bool = False) -> str:
+                          *, task: str = "gsm8k", overwrite: bool = False) -> str:
     """Builds the tiny tokenizer and a randomly initialised Qwen2 model and saves both.
 
     The directory then loads through the normal code paths:
@@ -145,6 +146,7 @@ def build_tiny_checkpoint(directory: str | os.PathLike, seed: int = 0, spec: Tin
         directory: the checkpoint directory (created; must be empty unless ``overwrite``).
         seed: the init seed of the weights (the tokenizer does not depend on it).
         spec: the model shape; defaults to ``TinyModelSpec()``.
+        task: the tiny task the tokenizer is trained on ("gsm8k", "math", "chemistry").
         overwrite: write into a non-empty directory.
 
     Returns:
@@ -157,7 +159,7 @@ def build_tiny_checkpoint(directory: str | os.PathLike, seed: int = 0, spec: Tin
     directory = os.fspath(directory)
     if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
         raise FileExistsError(f"{directory} exists and is not empty; pass overwrite=True to write into it")
-    tokenizer = build_tokenizer(spec.vocab_size)
+    tokenizer = build_tokenizer(spec.vocab_size, task=task)
     model = Decoder(spec.model_config(len(tokenizer)), dtype=jnp.float32, param_dtype=jnp.float32)
     params = init_params(model, jax.random.key(seed))
     save_pretrained(model, params, directory, overwrite=True)

@@ -1,4 +1,11 @@
-"""Synthetic GSM8K-format word problems: seeded, with worked solutions ending in ``#### N``.
+"""The tiny preset's synthetic tasks: seeded problems with worked solutions, split by hash.
+
+Three tasks mirror the paper's benchmarks: ``"gsm8k"`` (word problems, below),
+``"math"`` (LaTeX answers judged by math-verify, ``tiny.math_like``) and
+``"chemistry"`` (numbers in a unit within 5 %, ``tiny.chemistry_like``). Every example
+carries ``steps``, the worked lines the warm-up teaches inside ``<think>``.
+
+The GSM8K-like word problems are seeded, with worked solutions ending in ``#### N``.
 
 The problems are small on purpose: one or two operations (+, -, *) on numbers a
 tiny model can learn to add within minutes on a CPU, so that RL starts from a
@@ -24,6 +31,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from podsjax.data import Example
+from podsjax.tiny import chemistry_like, math_like
 from podsjax.rewards.gsm8k import GSM8K_MARKER
 from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
 
@@ -115,8 +123,13 @@ def _make_example(rng: np.random.Generator, split: str, index: int) -> Example:
     question = template.format(name=name, item=item, **dict(zip("abc", operands)))
     steps, answer = worked_steps(operands, operations)
     solution = "\n".join(steps) + f"\n{GSM8K_MARKER} {answer}"
-    columns = {"solution": solution, "operands": tuple(operands), "operations": operations}
+    columns = {"steps": tuple(steps), "solution": solution, "operands": tuple(operands), "operations": operations}
     return Example(question, str(answer), columns, source=f"tiny:{split}:{index}")
+
+
+# task -> (rng, split, index) -> Example
+_MAKERS = {"gsm8k": _make_example, "math": math_like.make_example, "chemistry": chemistry_like.make_example}
+TASKS = tuple(_MAKERS)
 
 
 def split_of(question: str) -> str:
@@ -132,21 +145,33 @@ def split_of(question: str) -> str:
     raise AssertionError("unreachable: the last bucket bound is _BUCKETS")
 
 
-def iter_problems(seed: int, split: str) -> Iterator[Example]:
-    """An endless, seeded stream of distinct problems of one split.
+def _check_task(task: str) -> None:
+    if task not in _MAKERS:
+        raise ValueError(f"the tiny preset has no task {task!r}; expected one of {', '.join(TASKS)}")
+
+
+def iter_problems(seed: int, split: str, task: str = "gsm8k") -> Iterator[Example]:
+    """A seeded stream of distinct problems of one split, until the task's space runs out.
 
     Args:
         seed: the stream's seed; each split draws from its own stream.
         split: "train", "validation" or "test".
+        task: "gsm8k", "math" or "chemistry".
 
     Yields:
-        Examples whose ``source`` is ``tiny:<split>:<index>``.
+        Examples whose ``source`` is ``tiny:<split>:<index>`` (``tiny-math:...``, ...).
+
+    Raises:
+        ValueError: after the last distinct problem, when ``_MAX_MISSES`` draws in a
+            row found nothing new.
     """
+    _check_task(task)
+    make = _MAKERS[task]
     rng = _split_rng(seed, split)
     seen: set[str] = set()
     index = misses = 0
     while True:
-        example = _make_example(rng, split, index)
+        example = make(rng, split, index)
         if example.prompt in seen or split_of(example.prompt) != split:
             misses += 1
             if misses > _MAX_MISSES:  # the space is exhausted; stop instead of spinning forever
@@ -157,12 +182,24 @@ def iter_problems(seed: int, split: str) -> Iterator[Example]:
         yield example
 
 
-def generate_problems(count: int, seed: int, split: str = "train") -> list[Example]:
-    """The first ``count`` problems of ``iter_problems(seed, split)``."""
+def generate_problems(count: int, seed: int, split: str = "train", task: str = "gsm8k", *,
+                      at_most: bool = False) -> list[Example]:
+    """The first ``count`` problems of ``iter_problems(seed, split, task)``.
+
+    With ``at_most``, a task with fewer distinct problems returns all it has instead
+    of raising.
+    """
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
-    stream = iter_problems(seed, split)
-    return [next(stream) for _ in range(count)]
+    problems: list[Example] = []
+    stream = iter_problems(seed, split, task)
+    try:
+        while len(problems) < count:
+            problems.append(next(stream))
+    except ValueError:
+        if not at_most:
+            raise
+    return problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +217,7 @@ class TinyTasks:
     test: tuple[Example, ...]
 
 
-def make_splits(seed: int = 0, *, num_train: int = 2000, num_validation: int = 128,
+def make_splits(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, num_validation: int = 128,
                 num_test: int = 256) -> TinyTasks:
     """Builds the train / validation / test splits of a data seed.
 
@@ -191,31 +228,32 @@ def make_splits(seed: int = 0, *, num_train: int = 2000, num_validation: int = 1
     for name, value in (("num_train", num_train), ("num_validation", num_validation), ("num_test", num_test)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    return TinyTasks(*(tuple(generate_problems(count, seed, split))
+    return TinyTasks(*(tuple(generate_problems(count, seed, split, task))
                        for split, count in (("train", num_train), ("validation", num_validation),
                                             ("test", num_test))))
 
 
-def tiny_tasks(seed: int = 0, *, num_train: int = 2000, num_test: int = 256) -> tuple[list[Example], list[Example]]:
+def tiny_tasks(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000,
+               num_test: int = 256) -> tuple[list[Example], list[Example]]:
     """(train, test) examples for the RL loop on the tiny preset.
 
     Args:
         seed: the data seed (independent of the model seed).
+        task: "gsm8k", "math" or "chemistry".
         num_train: training problems (the loop cycles through them).
         num_test: test problems (``RunConfig.eval_limit`` may evaluate fewer).
     """
-    splits = make_splits(seed, num_train=num_train, num_validation=1, num_test=num_test)
+    splits = make_splits(seed, task=task, num_train=num_train, num_validation=1, num_test=num_test)
     return list(splits.train), list(splits.test)
 
 
 def sft_completion(example: Example) -> str:
-    """The PODS-format target a warm-up trains on: ``<think>steps</think><answer>N</answer>``.
+    """The PODS-format target a warm-up trains on: ``<think>steps</think><answer>answer</answer>``.
 
-    The think block holds the solution's equations (the ``####`` line dropped: the
-    answer tag carries the final number).
+    The think block holds the example's worked lines (``columns["steps"]``), one per
+    line; the answer tag holds the gold answer.
     """
-    solution = example.columns.get("solution")
-    if not isinstance(solution, str) or GSM8K_MARKER not in solution:
-        raise ValueError(f"{example.source or 'example'}: no GSM8K solution with '####' in columns['solution']")
-    steps = solution[: solution.rfind(GSM8K_MARKER)].strip()
-    return f"{THINK_OPEN}{steps}{THINK_CLOSE}{ANSWER_OPEN}{example.answer}{ANSWER_CLOSE}"
+    steps = example.columns.get("steps")
+    if not isinstance(steps, (tuple, list)) or not steps:
+        raise ValueError(f"{example.source or 'example'}: no worked lines in columns['steps']")
+    return f"{THINK_OPEN}{chr(10).join(steps)}{THINK_CLOSE}{ANSWER_OPEN}{example.answer}{ANSWER_CLOSE}"

@@ -18,15 +18,17 @@ import optax
 
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
-from podsjax.data import Example
+from podsjax.rewards.combine import TASK_ACCURACY
+from podsjax.data import Example, reward_columns
 from podsjax.models import Decoder, init_cache, prefill
 from podsjax.sampling import generate
 from podsjax.tiny.problems import sft_completion
 
 
 def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[Example], *,
-                    max_new_tokens: int, batch_size: int = 64, max_prompt_length: int = 512) -> dict[str, Any]:
-    """Greedy GSM8K accuracy and format rate, through the RL loop's own prompt and sampler path.
+                    max_new_tokens: int, batch_size: int = 64, max_prompt_length: int = 512,
+                    task: str = "gsm8k") -> dict[str, Any]:
+    """Greedy accuracy (the task's reward) and format rate, through the RL loop's prompt and sampler path.
 
     Every generate call gets exactly ``batch_size`` prompts (the last chunk is padded
     with repeats that are not scored), so the sampler compiles once.
@@ -38,6 +40,7 @@ def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[E
         max_new_tokens: completion budget.
         batch_size: prompts per generate call.
         max_prompt_length: longer prompts are dropped, as in the loop.
+        task: whose accuracy reward scores the completions ("gsm8k", "math", "chemistry").
 
     Returns:
         {"accuracy": float, "format": float, "completions": list[str]} over the kept examples.
@@ -60,7 +63,7 @@ def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[E
                 kept_examples.append(chunk[index])
     if not completions:
         return {"accuracy": 0.0, "format": 0.0, "completions": []}
-    accuracy = rewards_lib.gsm8k_accuracy(completions, [e.answer for e in kept_examples])
+    accuracy = TASK_ACCURACY[task](completions, **reward_columns(kept_examples))
     formatted = rewards_lib.format_reward(completions)
     return {"accuracy": float(np.mean(accuracy)), "format": float(np.mean(formatted)), "completions": completions}
 

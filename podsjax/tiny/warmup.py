@@ -31,7 +31,7 @@ import numpy as np
 from podsjax import prompts as prompts_lib
 from podsjax.models import Decoder, from_pretrained, save_pretrained
 from podsjax.tiny.build import TinyModelSpec, build_tiny_checkpoint
-from podsjax.tiny.problems import generate_problems, make_splits
+from podsjax.tiny.problems import TASKS, generate_problems, make_splits
 from podsjax.tiny.sft import evaluate_greedy, make_sft_optimizer, make_sft_step, tokenize_sft
 
 MARKER_FILE = "warmup.json"
@@ -54,7 +54,8 @@ class WarmupConfig:
         warmup_steps: steps of the linear warm-up.
         weight_decay: AdamW weight decay.
         seed: seeds the model init and the batch order.
-        data_seed: seeds the problems (the splits ``tiny_tasks(data_seed)`` returns).
+        data_seed: seeds the problems (the splits ``tiny_tasks(data_seed, task=task)`` returns).
+        task: the tiny task: "gsm8k", "math" or "chemistry" (``tiny.problems.TASKS``).
         max_seconds: wall-clock limit of the training phase; the warm-up stops there
             with what it has.
         eval_every: steps between validation evaluations.
@@ -65,7 +66,8 @@ class WarmupConfig:
             ``WarmupStats.in_range`` reports whether the test accuracy did.
         max_new_tokens: the evaluation's completion budget.
         eval_batch_size: prompts per generate call (one compiled shape).
-        pool_size: distinct training problems (tokenized once, reshuffled every epoch).
+        pool_size: distinct training problems (tokenized once, reshuffled every epoch); a
+            task with fewer distinct training problems uses all it has.
         model: the tiny model's shape.
     """
 
@@ -76,6 +78,7 @@ class WarmupConfig:
     weight_decay: float = 0.01
     seed: int = 0
     data_seed: int = 0
+    task: str = "gsm8k"
     max_seconds: float = 150.0
     eval_every: int = 20
     validation_size: int = 64
@@ -105,6 +108,8 @@ class WarmupConfig:
         if not 0 <= self.min_accuracy <= self.target_accuracy <= self.max_accuracy <= 1:
             raise ValueError("WarmupConfig needs 0 <= min_accuracy <= target_accuracy <= max_accuracy <= 1, got "
                              f"{self.min_accuracy}, {self.target_accuracy}, {self.max_accuracy}")
+        if self.task not in TASKS:
+            raise ValueError(f"WarmupConfig.task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not isinstance(self.model, TinyModelSpec):
             raise ValueError(f"WarmupConfig.model must be a TinyModelSpec, got {type(self.model).__name__}")
 
@@ -242,7 +247,7 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
     # never leaves a directory that looks finished.
     staging = directory + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_checkpoint(staging, seed=config.seed, spec=config.model)
+    build_tiny_checkpoint(staging, seed=config.seed, spec=config.model, task=config.task)
     tokenizer = prompts_lib.load_tokenizer(staging)
     model, params = from_pretrained(staging)
     stats = _train(model, params, tokenizer, config, say)
@@ -264,9 +269,10 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
 
 
 def _train(model: Decoder, params: Any, tokenizer, config: WarmupConfig, say: Callable[[str], None]) -> dict:
-    splits = make_splits(config.data_seed, num_train=1, num_validation=config.validation_size,
+    splits = make_splits(config.data_seed, task=config.task, num_train=1, num_validation=config.validation_size,
                          num_test=config.test_size)
-    examples = generate_problems(min(config.steps * config.batch_size, config.pool_size), config.data_seed, "train")
+    examples = generate_problems(min(config.steps * config.batch_size, config.pool_size), config.data_seed, "train",
+                                 config.task, at_most=True)
     data = tokenize_sft(tokenizer, examples)
     rng = np.random.default_rng(config.seed)
     order = np.zeros((0,), np.int64)
@@ -277,7 +283,7 @@ def _train(model: Decoder, params: Any, tokenizer, config: WarmupConfig, say: Ca
 
     def evaluate(examples):
         return evaluate_greedy(model, params, tokenizer, examples, max_new_tokens=config.max_new_tokens,
-                               batch_size=config.eval_batch_size)
+                               batch_size=config.eval_batch_size, task=config.task)
 
     started = time.perf_counter()
     history: list[dict[str, float]] = []
