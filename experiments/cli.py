@@ -48,6 +48,9 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--m", type=int, help="rollouts trained per prompt (pods), micro-batch size (grpo-ga), "
                                          "or both n and m (grpo)")
     p.add_argument("--grad-accum", type=int, help="gradient-accumulation micro-batches")
+    p.add_argument("--groups-per-prompt", type=int,
+                   help="groups of n rollouts per prompt each step, selected and normalized apart "
+                        "(settings e-f: one per accumulation micro-batch, as the authors' trainer)")
     p.add_argument("--prompts-per-step", type=int)
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--lora-alpha", type=float)
@@ -102,7 +105,7 @@ def _positive(args, names):
 
 def check_args(args) -> None:
     """Everything checkable before JAX starts and before anything is written."""
-    _positive(args, ("n", "m", "grad_accum", "prompts_per_step", "lora_rank", "lora_alpha", "lr",
+    _positive(args, ("n", "m", "grad_accum", "groups_per_prompt", "prompts_per_step", "lora_rank", "lora_alpha", "lr",
                      "max_completion_length", "max_prompt_length", "time_budget", "max_steps", "eval_limit",
                      "checkpoint_every_steps", "reward_workers", "warmup_steps", "eval_repeats"))
     if args.temperature is not None and not args.temperature > 0:
@@ -212,7 +215,8 @@ def resolve_config(args, task: str) -> dict:
         from podsjax.train import preset
 
         algo.update(dataclasses.asdict(preset(args.method)))
-    overrides = {"rule": args.rule, "n": args.n, "m": args.m, "grad_accum": args.grad_accum, "beta": args.beta,
+    overrides = {"rule": args.rule, "n": args.n, "m": args.m, "grad_accum": args.grad_accum,
+                 "groups_per_prompt": args.groups_per_prompt, "beta": args.beta,
                  "learning_rate": args.lr, "temperature": args.temperature}
     algo.update({k: v for k, v in overrides.items() if v is not None})
     algo["algorithm"] = args.method

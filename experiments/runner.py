@@ -116,7 +116,7 @@ def make_rewards(config: dict):
 def _check_rows(mesh, algo, run_config) -> None:
     """Rollout rows are split over the mesh's batch shards, so they must divide evenly."""
     shards = mesh_lib.shard_count(mesh, "batch")
-    rows = run_config.prompts_per_step * algo.n
+    rows = loop.prompt_rows(run_config, algo) * algo.n
     if rows % shards:
         raise UsageError(f"--prompts-per-step x --n = {rows} rollout rows must divide evenly over the mesh's "
                          f"{shards} batch shards; change --n, --prompts-per-step or --mesh")
@@ -180,7 +180,7 @@ def _check_fits(trainer, limit: int | None = None) -> dry_run_lib.MemoryPlan | N
     print("checking that the run fits in device memory ...", flush=True)
     memory = dry_run_lib.plan(
         trainer.model, trainer.algo, trainer.lora_config, base_params=trainer.base_params,
-        prompts=run.prompts_per_step, prompt_len=_prompt_len(run), max_new_tokens=run.max_new_tokens,
+        prompts=loop.prompt_rows(run, trainer.algo), prompt_len=_prompt_len(run), max_new_tokens=run.max_new_tokens,
         top_k=run.top_k, eos_token_ids=trainer.eos_ids, pad_token_id=prompts.pad_token_id(trainer.tokenizer),
         update_fn=trainer.step_fn, optimizer=trainer.optimizer, state=trainer.state, frozen=trainer.frozen,
         compile_log=trainer.compile_log)
@@ -213,20 +213,21 @@ def _dry_run(config: dict, out_dir: str, mesh) -> int:
     _check_rows(mesh, algo, run_config)
     model, source = _dry_run_model(config, mesh)
     prompt_len = _prompt_len(run_config)
-    rows = run_config.prompts_per_step * algo.trained_per_prompt
+    prompt_rows = loop.prompt_rows(run_config, algo)
+    rows = prompt_rows * algo.trained_per_prompt
     print(f"dry run: {source} ({_millions(model.config.num_params)} params, {config['model']['dtype']}, "
           f"{'LoRA rank ' + str(lora.rank) if lora else 'full fine-tune'}), {algo.algorithm}: "
-          f"{run_config.prompts_per_step} prompts x {algo.n} samples, update on {rows} rows x "
+          f"{prompt_rows} prompt rows x {algo.n} samples, update on {rows} rows x "
           f"{prompt_len} + {run_config.max_new_tokens} tokens", flush=True)
     eos = model.config.eos_token_id
     eos = (eos,) if isinstance(eos, int) else tuple(eos or ()) or (model.config.pad_token_id or 0,)
     compiles = compilation.CompileLog(lambda line: print(line, flush=True), min_report_s=0.0)
     memory = dry_run_lib.plan(model, algo, lora, base_params=dry_run_lib.abstract_base(model),
-                              prompts=run_config.prompts_per_step, prompt_len=prompt_len,
+                              prompts=prompt_rows, prompt_len=prompt_len,
                               max_new_tokens=run_config.max_new_tokens, top_k=run_config.top_k,
                               eos_token_ids=eos, pad_token_id=model.config.pad_token_id or 0, compile_log=compiles)
     print("\n".join(memory.lines()), flush=True)
-    report = {**memory.to_json(), "shapes": {"prompts": run_config.prompts_per_step, "samples": algo.n,
+    report = {**memory.to_json(), "shapes": {"prompts": prompt_rows, "samples": algo.n,
                                              "update_rows": rows, "prompt_len": prompt_len,
                                              "max_new_tokens": run_config.max_new_tokens}}
     path = os.path.join(out_dir, DRY_RUN_FILE)

@@ -47,6 +47,11 @@ EVAL_METRICS: dict[str, tuple[str, ...]] = {
 }
 
 
+def prompt_rows(run: "RunConfig", algo: train.AlgorithmConfig) -> int:
+    """Prompt rows one step generates for: each prompt once per group (``groups_per_prompt``)."""
+    return run.prompts_per_step * algo.groups_per_prompt
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """How long to train, how to sample, evaluate, checkpoint and log.
@@ -68,7 +73,7 @@ class RunConfig:
     max_steps: int | None = None
     eval_every_s: float | None = 120.0
     eval_limit: int | None = None
-    eval_batch_size: int | None = None  # None: prompts_per_step x n, the rollouts' rows
+    eval_batch_size: int | None = None  # None: the rollouts' rows (prompt_rows x n)
     eval_repeats: int = 1
     eval_temperature: float = 0.0
     eval_metric: str = "accuracy"
@@ -298,7 +303,8 @@ class Trainer:
 
         A prompt longer than ``max_prompt_length`` is skipped (never cut: a cut question
         rewards the wrong answer) and another is drawn, so every step has the same rows:
-        no new shape to compile, and no step left with nothing to score.
+        no new shape to compile, and no step left with nothing to score. With
+        ``groups_per_prompt`` g > 1 each example appears g times in a row, one group each.
 
         Raises:
             PromptError: two passes' worth of draws (which hold every example at least
@@ -319,14 +325,15 @@ class Trainer:
                     f"too few training prompts fit in max_prompt_length {run.max_prompt_length} tokens: "
                     f"{skipped} of {skipped + len(kept)} drawn for one step of {wanted} were longer; "
                     "raise --max-prompt-length or filter the training set")
-        if not skipped:
-            return kept, batch, 0
-        if not self._skips_reported:
+        if skipped and not self._skips_reported:
             self.log(f"skipped {skipped} training prompt(s) longer than max_prompt_length "
                      f"{run.max_prompt_length} tokens and drew others (each step's count: data/prompts_skipped)")
             self._skips_reported = True
-        batch = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in kept],
-                                            max_prompt_length=run.max_prompt_length)
+        groups = self.algo.groups_per_prompt
+        if skipped or groups > 1:
+            kept = [example for example in kept for _ in range(groups)]
+            batch = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in kept],
+                                                max_prompt_length=run.max_prompt_length)
         return kept, batch, skipped
 
     def _batch_shards(self) -> int:
@@ -364,7 +371,7 @@ class Trainer:
         samples = []
         # As many rows as a training step's rollouts by default, so evaluation decodes
         # with the rollouts' compiled program (temperature is an input of it, not a constant).
-        size = run.eval_batch_size or run.prompts_per_step * self.algo.n
+        size = run.eval_batch_size or prompt_rows(run, self.algo) * self.algo.n
         for index, start in enumerate(range(0, len(examples), size)):
             chunk = examples[start : start + size]
             prompts = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in chunk],

@@ -39,8 +39,9 @@ What podsjax runs differently from the authors, on purpose or for now:
   problems stand in (``podsjax.data``), with GSM8K's n / m.
 - e-f: the authors' trainer gives each GPU one prompt and generates ``grad_accum``
   groups of n for it, one group per micro-batch, so an update sees 8 prompts x
-  grad_accum groups. podsjax draws 8 prompts with one group each and ``grad_accum``
-  only splits the update's rows: the same n, m and accumulation, fewer groups per update.
+  grad_accum groups. podsjax does the same (``groups_per_prompt = grad_accum``), but
+  generates all of a step's groups at once instead of one micro-batch at a time, so
+  the rollouts of a step are in memory together (``--dry-run`` shows whether they fit).
 - e-f: TRL's ``bnpo`` loss is a token mean per device micro-batch; podsjax's
   ``token-mean`` is the token mean over the whole update.
 """
@@ -85,13 +86,14 @@ _SINGLE_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="
 # Settings e-f. [8gpu] lr 5e-6 constant with no warm-up, Adam (0.9, 0.999), weight decay 0,
 # max grad norm 1.0, beta 0; temperature 0.9 (TRL's GRPOConfig default then). TRL's bnpo
 # loss ~ token-mean. [8gpu] GRPO-GA n = m = 32 with 16 accumulation steps against
-# PODS n = 128, m = 32 with 4; podsjax's grpo-ga with n = m makes one micro-batch per group,
-# times grad_accum.
+# PODS n = 128, m = 32 with 4, each micro-batch a new group of the GPU's one prompt:
+# groups_per_prompt = grad_accum, so an update holds 8 x 16 groups of 32 (GRPO-GA) or
+# 8 x 4 groups of 128 down-sampled to 32 (PODS), 4096 rollouts either way.
 _MULTI_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0, adam_b1=0.9, adam_b2=0.999,
                      weight_decay=0.0, max_grad_norm=1.0, temperature=0.9, beta=0.0, aggregation="token-mean")
 _MULTI_METHODS = {
-    "grpo-ga": dict(algorithm="grpo-ga", n=32, m=32, grad_accum=16),
-    "pods": dict(algorithm="pods", n=128, m=32, rule="max_variance", grad_accum=4),
+    "grpo-ga": dict(algorithm="grpo-ga", n=32, m=32, grad_accum=16, groups_per_prompt=16),
+    "pods": dict(algorithm="pods", n=128, m=32, rule="max_variance", grad_accum=4, groups_per_prompt=4),
 }
 # [8gpu] 8 prompts per update (one per GPU), 512 + 1024 tokens, one epoch, evaluation
 # every 120 s of training (evaluation time not counted). Checkpoints every 30 min and a

@@ -29,7 +29,7 @@ _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global
 SCHEDULES = ("constant", "cosine")
 
 
-_INT_FIELDS = ("n", "m", "grad_accum", "num_iterations", "total_steps")
+_INT_FIELDS = ("n", "m", "grad_accum", "groups_per_prompt", "num_iterations", "total_steps")
 _FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "learning_rate", "warmup_ratio", "max_grad_norm",
                  "weight_decay", "adam_b1", "adam_b2", "advantage_eps")
 
@@ -44,6 +44,9 @@ class AlgorithmConfig:
       algorithm: "grpo" (n = m), "grpo-ga" (all n, n / m micro-batches), "pods".
       rule: selection rule name for "pods".
       grad_accum: micro-batches each update is split into (>= 1).
+      groups_per_prompt: groups of n rollouts drawn for each prompt of a step, each
+        selected and normalized on its own (the authors' 8-GPU trainer draws one group
+        per accumulation micro-batch for the same prompt). 1: one group per prompt.
       beta: k3 KL weight (0: no reference model is evaluated).
       epsilon, epsilon_high: clip range of the ratio.
       num_iterations: updates per generated batch (1: the ratio is 1).
@@ -59,6 +62,7 @@ class AlgorithmConfig:
     algorithm: str = "grpo"
     rule: str = "max_variance"
     grad_accum: int = 1
+    groups_per_prompt: int = 1
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -101,6 +105,8 @@ class AlgorithmConfig:
             selection.get_rule(self.rule)  # unknown names raise, listing the known ones
         if self.grad_accum < 1:
             bad(f"grad_accum must be >= 1; got {self.grad_accum}")
+        if self.groups_per_prompt < 1:
+            bad(f"groups_per_prompt must be >= 1; got {self.groups_per_prompt}")
         if self.num_iterations < 1:
             bad(f"num_iterations must be >= 1; got {self.num_iterations}")
         if self.schedule not in SCHEDULES:

@@ -183,3 +183,26 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
     finally:
         none_fit.close()
     assert "\n" not in str(error.value)
+
+
+def test_groups_per_prompt_draws_each_prompt_as_several_groups(setup, tmp_path):
+    """Settings e-f: g groups of n for one prompt, each selected apart; the data stream moves by prompts."""
+    model, params, tokenizer, train_set, test_set = setup
+    algo = train.preset("pods", n=4, m=2, groups_per_prompt=2)
+    run = loop.RunConfig(out_dir=str(tmp_path / "groups"), max_steps=1, prompts_per_step=2, max_new_tokens=4,
+                         eval_every_s=None, reward_workers=1, progress=False)
+    lines = []
+    trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run, log=lines.append)
+    try:
+        examples, batch, _ = trainer._draw_prompts()
+        drawn = [e.prompt for e in examples]
+        assert drawn[0] == drawn[1] != drawn[2] == drawn[3]
+        assert batch.ids_PL.shape[0] == loop.prompt_rows(run, algo) == 4 and trainer.stream.position == 2
+        trainer.train_step()
+        assert trainer.stream.position == 4
+    finally:
+        trainer.close()
+    # 4 groups x 2 selected rows enter the update: the selection ran per group.
+    assert any(line.startswith("compiled update (8 rows x") for line in lines), lines
+    with pytest.raises(ValueError, match="groups_per_prompt must be >= 1; got 0"):
+        train.preset("pods", groups_per_prompt=0)
