@@ -2,18 +2,22 @@
 
 It parses flags before JAX is imported, so ``--mesh 8`` can give a CPU-only
 machine 8 host devices; then it builds configs and calls ``podsjax.loop``.
-Bad flags or paths print one line and exit with status 2.
+Bad flags, paths, data or checkpoints, a diverged run and a full disk print one line
+and exit with status 2; anything else is a bug and shows its traceback, then a one-line
+summary, with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
 import sys
 import time
+import traceback
 
 TINY_HINT = ("no --model given: using the built-in tiny preset (a small Qwen2-architecture model warmed up "
              "in-process). For a real run, download a checkpoint first and pass --model /path/to/Qwen2.5-3B-Instruct")
@@ -24,6 +28,44 @@ DRY_RUN_FILE = "dry_run.json"
 
 class UsageError(Exception):
     """A bad flag, path or combination; reported as one line with exit status 2."""
+
+
+# The library's errors about what the user gave it (module, class): one line, status 2.
+# Looked up in sys.modules so that this module never imports JAX itself.
+_USER_ERRORS = (
+    ("podsjax.data", "DataError"), ("podsjax.prompts", "PromptError"), ("podsjax.models.hf_io", "CheckpointError"),
+    ("podsjax.checkpoint", "CheckpointCorrupt"), ("podsjax.checkpoint", "CheckpointMismatch"),
+    ("podsjax.loop", "TrainingDiverged"), ("podsjax.dry_run", "DoesNotFit"), ("podsjax.tiny.warmup", "WarmupError"),
+    ("podsjax.rewards.pool", "RewardPoolError"),
+)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def user_error_line(exc: BaseException, out: str | None = None) -> str | None:
+    """The one line for an error the user can act on, or None when ``exc`` is a bug."""
+    if isinstance(exc, UsageError):
+        return str(exc)
+    for module, name in _USER_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(exc, cls):
+            return str(exc)
+    for cause in _chain(exc):
+        full = isinstance(cause, OSError) and cause.errno in _NO_SPACE
+        if full or "No space left on device" in str(cause):
+            where = getattr(cause, "filename", None) or out or "the run directory"
+            return (f"no space left on device writing {where}; the last complete checkpoint is intact: "
+                    "free some space, then rerun with --resume")
+        if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return f"cannot write {cause.filename or out}: {cause.strerror}"
+    return None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -306,14 +348,14 @@ def setup_compile_cache(args) -> str | None:
 
 def main(task: str, argv=None) -> int:
     started_at = time.time()
+    args = None
     try:
         args = build_parser(task).parse_args(argv)
         if args.out is None:
             args.out = os.path.join("runs", f"{task}-{args.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         check_args(args)
         if args.resume:
-            with open(os.path.join(args.out, "config.json")) as f:
-                config = json.load(f)
+            config = read_run_config(args.out)
             if args.time_budget is not None:
                 config["run"]["time_budget_s"] = args.time_budget
             if args.max_steps is not None:
@@ -336,9 +378,42 @@ def main(task: str, argv=None) -> int:
 
         return runner.run(config, args.out, overwrite=args.overwrite, resume=args.resume, dry_run=args.dry_run,
                           started_at=started_at)
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted; resume with --resume", file=sys.stderr)
         return 130
+    except Exception as exc:
+        line = user_error_line(exc, getattr(args, "out", None))
+        if line is None:
+            traceback.print_exc()
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            print(f"error: unexpected {type(exc).__name__}: {first} (a bug: the traceback above says where)",
+                  file=sys.stderr)
+            return 1
+        print(f"error: {line}", file=sys.stderr)
+        return 2
+
+
+_RUN_CONFIG_KEYS = ("task", "model_path", "algorithm", "run", "model")
+_MODEL_KEYS = ("mesh", "dtype", "lora_rank", "lora_alpha")
+
+
+def read_run_config(out: str) -> dict:
+    """The config.json a run wrote, checked enough that resuming cannot fail on its shape."""
+    path = os.path.join(out, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"--resume: cannot read {path} ({exc})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--resume: {path} holds a JSON {type(config).__name__}, not the run's config object")
+    missing = [key for key in _RUN_CONFIG_KEYS if key not in config]
+    if missing:
+        raise UsageError(f"--resume: {path} has no {', '.join(missing)}; it is not a podsjax run config")
+    for key in ("algorithm", "run", "model"):
+        if not isinstance(config[key], dict):
+            raise UsageError(f"--resume: {path}: {key!r} must be an object, got {type(config[key]).__name__}")
+    missing = [key for key in _MODEL_KEYS if key not in config["model"]]
+    if missing:
+        raise UsageError(f"--resume: {path}: 'model' has no {', '.join(missing)}")
+    return config

@@ -67,19 +67,24 @@ def _tiny(config, out_dir):
 def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
         started_at: float | None = None) -> int:
     mesh = _mesh(config["model"]["mesh"])
-    if overwrite and os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    # Every check that needs no model comes before anything is written to out_dir, so a
+    # corrected rerun is not refused as "not empty".
+    algo, run_config, _ = _configs(config, out_dir)
+    _check_rows(mesh, algo, run_config)
+    make_rewards(config)
+    tasks = None if dry_run or config["model_path"] is None else _load_tasks(config)
     try:
-        if dry_run:
-            return _dry_run(config, out_dir, mesh)
-        if not resume:
+        if overwrite and os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        if not resume and not dry_run:
             with open(os.path.join(out_dir, "config.json"), "w") as f:
                 json.dump(config, f, indent=2, sort_keys=True)
-        return _train_and_export(config, out_dir, mesh, started_at)
-    # A bad checkpoint, template or config, or a run too big for the device: one line.
-    except (prompts.PromptError, pm.CheckpointError, dry_run_lib.DoesNotFit) as exc:
-        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"cannot write the run directory {out_dir}: {exc.strerror or exc}") from None
+    if dry_run:
+        return _dry_run(config, out_dir, mesh)
+    return _train_and_export(config, out_dir, mesh, started_at, tasks)
 
 
 def _dtype(config):
@@ -97,8 +102,8 @@ def _configs(config, out_dir):
         run_config = loop.RunConfig(out_dir=out_dir, task=config["task"], **config["run"])
         lora_rank = config["model"]["lora_rank"]
         lora = pm.LoraConfig(rank=lora_rank, alpha=config["model"]["lora_alpha"]) if lora_rank else None
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    except (TypeError, ValueError) as exc:  # TypeError: a config.json field that no config has
+        raise UsageError(f"config: {exc}") from None
     return algo, run_config, lora
 
 
@@ -131,14 +136,13 @@ def _prompt_len(run_config) -> int:
     return max(prompts.Bucketing().lengths(run_config.max_prompt_length))
 
 
-def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None) -> int:
+def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None, tasks) -> int:
     if config["model_path"] is None:
         checkpoint, train_set, test_set = _tiny(config, out_dir)
     else:
         checkpoint = config["model_path"]
-        train_set, test_set = _load_tasks(config)
+        train_set, test_set = tasks
     algo, run_config, lora = _configs(config, out_dir)
-    _check_rows(mesh, algo, run_config)
     dtype, remat = _dtype(config), _remat(config)
     print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
     load_start = time.time()

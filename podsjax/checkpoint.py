@@ -9,6 +9,13 @@ A checkpoint holds two items, each written by orbax into one step directory:
   (``jax.random.key``) are stored as their raw ``key_data`` and re-wrapped on restore.
 - ``host``: a small JSON dict of host-side progress (data position, elapsed training
   seconds, ...).
+- ``checksums``: one 32-bit checksum per state leaf, computed on the devices at save
+  time (a position-weighted sum of the raw bits, so a flipped byte or a swapped block
+  changes it). Restore recomputes them and refuses a checkpoint whose arrays changed.
+
+:meth:`Checkpointer.restore_latest` restores the newest checkpoint that loads and
+passes its checksums; a newer one that does not is renamed ``<step>.corrupt`` (kept
+for inspection, never deleted) with a warning.
 
 Atomicity comes from orbax: a step is written into ``<step>.orbax-checkpoint-tmp*`` and
 renamed to ``<step>`` only after every item is complete, and only renamed directories are
@@ -39,12 +46,48 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 _STATE = "state"
 _HOST = "host"
+_SUMS = "checksums"
 _ROOT = "root"  # name of the only leaf when the state is a bare array
+CORRUPT_SUFFIX = ".corrupt"
+
+
+class CheckpointCorrupt(ValueError):
+    """A checkpoint's files are damaged: they do not load, or their arrays fail the checksums."""
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint is whole but holds another state's leaves, shapes or dtypes."""
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """A uint32 checksum of ``x``'s raw bits: sum over i of bits[i] * (i mod 65521 + 1), wrapping.
+
+    Integer sums wrap the same way in any order, so the value does not depend on the
+    sharding or the reduction order of the device that computes it.
+    """
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 8-byte types gain a trailing axis
+    flat = bits.reshape(-1)
+    weights = (jnp.arange(flat.shape[0], dtype=jnp.uint32) % jnp.uint32(65521)) + jnp.uint32(1)
+    return jnp.sum(flat * weights, dtype=jnp.uint32)
+
+
+_checksum = jax.jit(_leaf_checksum)
+
+
+def _host_checksums(flat: dict[str, Any]) -> dict[str, int]:
+    # One program per leaf shape and placement (leaves may live on different devices);
+    # all are dispatched before the one fetch.
+    return {p: int(v) for p, v in jax.device_get({p: _checksum(x) for p, x in flat.items()}).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +204,8 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(**options),
-            item_handlers={_STATE: ocp.StandardCheckpointHandler(), _HOST: ocp.JsonCheckpointHandler()},
+            item_handlers={_STATE: ocp.StandardCheckpointHandler(), _HOST: ocp.JsonCheckpointHandler(),
+                           _SUMS: ocp.JsonCheckpointHandler()},
         )
         self._last_saved_step = self._manager.latest_step()
         # Set lazily by the first should_save/save, so a clock that the caller restores
@@ -244,9 +288,11 @@ class Checkpointer:
         if not paths:
             raise ValueError("state has no array leaves to checkpoint")
         flat = {p: (jax.random.key_data(x) if _is_key(x) else x) for p, x in zip(paths, leaves)}
+        sums = _host_checksums(flat)
         self._manager.save(
             step,
-            args=ocp.args.Composite(**{_STATE: ocp.args.StandardSave(flat), _HOST: ocp.args.JsonSave(host_json)}),
+            args=ocp.args.Composite(**{_STATE: ocp.args.StandardSave(flat), _HOST: ocp.args.JsonSave(host_json),
+                                       _SUMS: ocp.args.JsonSave(sums)}),
             force=True,  # the decision is ours; orbax's own interval policy must not veto it
         )
         self._last_saved_step = step
@@ -269,8 +315,9 @@ class Checkpointer:
 
         Raises:
             FileNotFoundError: no checkpoint (or none for ``step``) in the directory.
-            ValueError: the checkpoint's leaves differ from the target's in name, shape or
-                dtype; the message names the first offending leaf.
+            CheckpointMismatch: the checkpoint's leaves differ from the target's in name,
+                shape or dtype; the message names the first offending leaf.
+            CheckpointCorrupt: its files do not load, or an array fails its checksum.
         """
         self._manager.wait_until_finished()
         steps = self.all_steps()
@@ -283,12 +330,25 @@ class Checkpointer:
         step = int(step)
         paths, leaves, treedef = _leaf_paths(abstract_state)
         targets = {p: _abstract_leaf(p, x) for p, x in zip(paths, leaves)}
-        self._check_matches(step, targets)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(targets), _HOST: ocp.args.JsonRestore()}),
-        )
+        where = f"checkpoint {self.directory}/{step}"
+        try:
+            self._check_matches(step, targets)
+            items = {_STATE: ocp.args.StandardRestore(targets), _HOST: ocp.args.JsonRestore()}
+            has_sums = os.path.isdir(os.path.join(self.directory, str(step), _SUMS))  # older checkpoints: none
+            if has_sums:
+                items[_SUMS] = ocp.args.JsonRestore()
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except CheckpointMismatch:
+            raise
+        except Exception as exc:  # orbax/tensorstore raise many types for damaged files
+            raise CheckpointCorrupt(f"{where} does not load ({type(exc).__name__}: "
+                                    f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
         flat = restored[_STATE]
+        if has_sums:
+            expected, actual = restored[_SUMS] or {}, _host_checksums(flat)
+            bad = sorted(p for p in actual if expected.get(p) != actual[p])
+            if bad:
+                raise CheckpointCorrupt(f"{where}: {len(bad)} array(s) fail their checksum, first {bad[0]!r}")
         out = [
             jax.random.wrap_key_data(flat[p], impl=_key_impl(x)) if _is_key(x) else flat[p]
             for p, x in zip(paths, leaves)
@@ -296,22 +356,68 @@ class Checkpointer:
         self._last_saved_step = step
         return jax.tree_util.tree_unflatten(treedef, out), dict(restored[_HOST] or {})
 
+    def restore_latest(self, abstract_state: Any, warn: Callable[[str], None] = print
+                       ) -> tuple[Any, dict[str, Any], int] | None:
+        """Restores the newest checkpoint that loads and passes its checksums.
+
+        A newer checkpoint that is damaged is renamed ``<step>.corrupt`` next to the
+        others (kept, not deleted) and ``warn`` is told; the one before it is tried.
+
+        Returns:
+            ``(state, host_state, step)``, or None when the directory holds no checkpoint.
+
+        Raises:
+            CheckpointCorrupt: checkpoints exist but none of them loads.
+            CheckpointMismatch: a whole checkpoint holds another state (another config).
+        """
+        self._manager.wait_until_finished()
+        steps = self.all_steps()
+        moved = []
+        for step in reversed(steps):
+            try:
+                state, host = self.restore(abstract_state, step)
+            except CheckpointCorrupt as exc:
+                moved.append(self._move_aside(step))
+                warn(f"warning: {exc}; moved it to {moved[-1]} and trying the checkpoint before it")
+                continue
+            if moved:
+                self._manager.reload()
+            return state, host, step
+        if moved:
+            self._manager.reload()
+            raise CheckpointCorrupt(f"no checkpoint in {self.directory} loads; the damaged ones were moved to "
+                                    f"*{CORRUPT_SUFFIX}; start again with --overwrite")
+        return None
+
+    def _move_aside(self, step: int) -> str:
+        source = os.path.join(self.directory, str(step))
+        target = source + CORRUPT_SUFFIX
+        if jax.process_index() == 0:
+            suffix = 0
+            while os.path.exists(target):  # a second damaged copy of the same step
+                suffix += 1
+                target = f"{source}{CORRUPT_SUFFIX}{suffix}"
+            os.rename(source, target)
+        return target
+
     def _check_matches(self, step: int, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
         metadata = self._manager.item_metadata(step)[_STATE]
         saved = getattr(metadata, "tree", metadata)  # TreeMetadata in new orbax, dict in old
         where = f"checkpoint {self.directory}/{step}"
+        if not saved:
+            raise CheckpointCorrupt(f"{where} has no readable array metadata")
         missing = [p for p in targets if p not in saved]
         if missing:
-            raise ValueError(f"{where} has no leaf {missing[0]!r} that the target state expects ({len(missing)} missing)")
+            raise CheckpointMismatch(f"{where} has no leaf {missing[0]!r} that the target state expects ({len(missing)} missing)")
         extra = [p for p in saved if p not in targets]
         if extra:
-            raise ValueError(f"{where} has leaf {extra[0]!r} that the target state lacks ({len(extra)} extra)")
+            raise CheckpointMismatch(f"{where} has leaf {extra[0]!r} that the target state lacks ({len(extra)} extra)")
         for p, t in targets.items():
             s = saved[p]
             if tuple(s.shape) != tuple(t.shape):
-                raise ValueError(f"{where}: leaf {p!r} has shape {tuple(s.shape)}, target expects {tuple(t.shape)}")
+                raise CheckpointMismatch(f"{where}: leaf {p!r} has shape {tuple(s.shape)}, target expects {tuple(t.shape)}")
             if np.dtype(s.dtype) != np.dtype(t.dtype):
-                raise ValueError(f"{where}: leaf {p!r} has dtype {np.dtype(s.dtype)}, target expects {np.dtype(t.dtype)}")
+                raise CheckpointMismatch(f"{where}: leaf {p!r} has dtype {np.dtype(s.dtype)}, target expects {np.dtype(t.dtype)}")
 
     # -- lifecycle ---------------------------------------------------------------------
 

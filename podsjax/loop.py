@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -60,6 +61,10 @@ class RunConfig:
     ``eval_temperature`` (0 = greedy, which allows one pass only), scored by
     ``eval_metric`` (a key of ``EVAL_METRICS``) and averaged over the passes. The
     paper's settings a-d sample 5 passes at 0.9 (see ``podsjax.presets``).
+
+    A non-finite loss or gradient skips its update (params and moments stay as they
+    were; ``train/skipped`` counts it); ``max_nonfinite_updates`` of them in a row stop
+    the run with :class:`TrainingDiverged`, leaving the last checkpoint as it was.
     """
 
     out_dir: str
@@ -87,8 +92,32 @@ class RunConfig:
     progress: bool = True
     console: bool = True
     progress_every_s: float = 30.0
+    max_nonfinite_updates: int = 3
 
     def __post_init__(self):
+        for name in ("time_budget_s", "eval_every_s", "checkpoint_every_s", "reward_timeout_s", "progress_every_s",
+                     "top_p", "eval_temperature"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"RunConfig.{name} must be a finite number; got {value!r}")
+        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "top_k", "max_steps", "eval_limit",
+                     "eval_batch_size", "eval_repeats", "checkpoint_every_steps", "keep_last", "seed",
+                     "reward_workers", "log_samples", "max_nonfinite_updates"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"RunConfig.{name} must be an integer; got {value!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"RunConfig.top_p must be in (0, 1]; got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"RunConfig.top_k must be >= 0 (0: off); got {self.top_k}")
+        for name in ("checkpoint_every_s", "reward_timeout_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"RunConfig.{name} must be > 0; got {getattr(self, name)}")
+        if self.eval_every_s is not None and self.eval_every_s < 0:
+            raise ValueError(f"RunConfig.eval_every_s must be >= 0; got {self.eval_every_s}")
+        if self.max_nonfinite_updates < 1:
+            raise ValueError(f"RunConfig.max_nonfinite_updates must be >= 1; got {self.max_nonfinite_updates}")
         if self.time_budget_s is None and self.max_steps is None:
             raise ValueError("RunConfig needs a time budget (time_budget_s) or a step limit (max_steps)")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
@@ -110,6 +139,10 @@ class RunConfig:
                              f"got {self.eval_metric!r}")
         if not self.progress_every_s >= 0:
             raise ValueError(f"RunConfig.progress_every_s must be >= 0; got {self.progress_every_s}")
+
+
+class TrainingDiverged(RuntimeError):
+    """Several updates in a row had a non-finite loss or gradient."""
 
 
 class DataStream:
@@ -201,13 +234,18 @@ class Trainer:
             save_every_seconds=run.checkpoint_every_s, keep_last=run.keep_last),
             clock=lambda: self.host["elapsed_train_s"])  # the training clock, eval excluded
         host = {"data_position": 0, "elapsed_train_s": 0.0, "last_eval_s": None}
-        if self.checkpointer.latest_step() is not None:
-            state, host = self.checkpointer.restore(jax.tree.map(mesh_lib.abstract, state))
+        found = self.checkpointer.restore_latest(jax.tree.map(mesh_lib.abstract, state), warn=self.log)
+        if found is not None:
+            state, host, restored = found
             if "log_sizes" in host:  # absent in checkpoints from before log rewinding
                 _rewind_logs(run.out_dir, host["log_sizes"])
+        else:
+            # No checkpoint committed (a first run, or one killed before its first save):
+            # the run starts over, so logs from a killed attempt go.
+            restored = None
+            _rewind_logs(run.out_dir, dict.fromkeys(_LOGS, 0))
         self.state, self.host = state, host
         self.stream = DataStream(train_examples, run.seed, host["data_position"])
-        restored = self.checkpointer.latest_step()
         self.writer = metrics_lib.MetricsWriter(run.out_dir, resume_step=restored)
         self.pool = rewards_lib.RewardPool(run.reward_workers, timeout_s=run.reward_timeout_s)
         self._compiled_once = False
@@ -450,6 +488,7 @@ class Trainer:
                 scalars = self.train_step()
                 step = int(self.state.step)
                 self.writer.write(step, scalars)
+                self._check_finite(step, scalars)
                 position = step if run.max_steps is not None else self.host["elapsed_train_s"]
                 accuracy = history[-1]["eval/accuracy"] if history else float("nan")
                 bar.update(position, step=step, reward=scalars["reward/mean"], acc=accuracy)
@@ -468,6 +507,18 @@ class Trainer:
             self._bar = None
             self.close()
         return history
+
+    def _check_finite(self, step: int, scalars: dict[str, float]) -> None:
+        """Counts skipped (non-finite) updates in a row; too many stop the run before the next save."""
+        in_a_row = self.host.get("nonfinite_in_a_row", 0) + 1 if scalars["train/skipped"] else 0
+        self.host["nonfinite_in_a_row"] = in_a_row
+        if in_a_row >= self.run_config.max_nonfinite_updates:
+            last = self.checkpointer.latest_step()
+            kept = "no checkpoint was saved yet" if last is None else f"the last checkpoint is step {last}"
+            raise TrainingDiverged(
+                f"{in_a_row} updates in a row had a non-finite loss or gradient (step {step}: loss "
+                f"{scalars['train/loss']}, grad norm {scalars['train/grad_norm']}); stopped. The weights were not "
+                f"changed by them; {kept}. Lower the learning rate or check the rewards")
 
     def _progress_line(self, step: int, scalars: dict[str, float], accuracy: float) -> str:
         run = self.run_config

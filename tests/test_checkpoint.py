@@ -291,3 +291,78 @@ def test_bad_host_state_and_configs(tmp_path):
         assert next(iter(kwargs)) in one_line(e)
     with pytest.raises(ValueError, match="directory"):
         CheckpointConfig("")
+
+
+def _two_checkpoints(tmp_path):
+    with Checkpointer(CheckpointConfig(str(tmp_path), async_save=False)) as ck:
+        for step in (1, 2):
+            ck.save(step, {"x": jnp.arange(1000.0) * step}, {"pos": step}, force=True)
+    return {"x": jax.ShapeDtypeStruct((1000,), jnp.float32)}
+
+
+def _largest_data_file(step_dir):
+    files = [os.path.join(d, f) for d, _, names in os.walk(step_dir / "state") if os.path.basename(d) == "d"
+             for f in names]
+    return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize("damage", ["flip_bytes", "wrong_checksum", "delete_data", "truncate_data",
+                                    "remove_manifest"])
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_previous_restored(tmp_path, damage):
+    abstract = _two_checkpoints(tmp_path)
+    step_dir = tmp_path / "2"
+    data = _largest_data_file(step_dir)
+    if damage == "flip_bytes":
+        with open(data, "r+b") as f:
+            f.seek(os.path.getsize(data) // 2)
+            chunk = bytearray(f.read(2))
+            f.seek(-2, os.SEEK_CUR)
+            f.write(bytes(b ^ 0xFF for b in chunk))
+    elif damage == "wrong_checksum":
+        (step_dir / "checksums" / "metadata").write_text('{"x": 12345}')
+    elif damage == "delete_data":
+        os.remove(data)
+    elif damage == "truncate_data":
+        with open(data, "r+b") as f:
+            f.truncate(os.path.getsize(data) // 3)
+    else:
+        os.remove(step_dir / "state" / "manifest.ocdbt")
+    warnings = []
+    with Checkpointer(CheckpointConfig(str(tmp_path))) as ck:
+        state, host, step = ck.restore_latest(abstract, warn=warnings.append)
+        assert (step, host) == (1, {"pos": 1}) and ck.all_steps() == [1]
+        np.testing.assert_array_equal(np.asarray(state["x"]), np.arange(1000.0))
+        assert ck.save(2, {"x": jnp.ones(1000)}, force=True)  # step 2 can be written again
+    assert len(warnings) == 1 and "checkpoint" in warnings[0] and "\n" not in warnings[0], warnings
+    assert (tmp_path / "2.corrupt").is_dir()  # kept for inspection
+
+
+def test_checksums_catch_changed_bits_that_still_load(tmp_path):
+    from podsjax.checkpoint import _leaf_checksum
+
+    x = jnp.arange(1000.0)
+    flipped = x.at[500].set(jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x[500], jnp.uint32) ^ 1,
+                                                         jnp.float32))
+    swapped = x.at[10].set(x[11]).at[11].set(x[10])
+    sums = {int(_leaf_checksum(v)) for v in (x, flipped, swapped)}
+    assert len(sums) == 3
+    for dtype in (jnp.bfloat16, jnp.int32, jnp.bool_, jnp.uint32):
+        assert _leaf_checksum(jnp.ones(7, dtype)).dtype == jnp.uint32
+
+
+def test_no_loadable_checkpoint_is_one_error_and_a_mismatch_is_not_damage(tmp_path):
+    from podsjax.checkpoint import CheckpointCorrupt, CheckpointMismatch
+
+    abstract = _two_checkpoints(tmp_path)
+    with Checkpointer(CheckpointConfig(str(tmp_path))) as ck:
+        with pytest.raises(CheckpointMismatch, match="shape"):
+            ck.restore_latest({"x": jax.ShapeDtypeStruct((7,), jnp.float32)})
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # another config's state is not moved aside
+    for step in ("1", "2"):
+        (tmp_path / step / "checksums" / "metadata").write_text('{"x": 1}')
+    with Checkpointer(CheckpointConfig(str(tmp_path))) as ck:
+        with pytest.raises(CheckpointCorrupt, match="no checkpoint in .* loads"):
+            ck.restore_latest(abstract, warn=lambda line: None)
+    assert sorted(os.listdir(tmp_path)) == ["1.corrupt", "2.corrupt"]
+    with Checkpointer(CheckpointConfig(str(tmp_path))) as ck:
+        assert ck.restore_latest(abstract) is None and ck.all_steps() == []

@@ -63,6 +63,13 @@ def test_steps_write_metrics_checkpoints_and_resume_exactly(setup, tmp_path):
     (dict(time_budget_s=None, max_steps=None), "needs a time budget"),
     (dict(max_steps=0), "max_steps must be >= 1"),
     (dict(max_steps=1, prompts_per_step=0), "prompts_per_step must be >= 1"),
+    (dict(time_budget_s=float("inf")), "time_budget_s must be a finite number; got inf"),
+    (dict(max_steps=1, eval_every_s=float("nan")), "eval_every_s must be a finite number"),
+    (dict(max_steps=1, top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(max_steps=1, top_k=-1), "top_k must be >= 0"),
+    (dict(max_steps=1, prompts_per_step="8"), "prompts_per_step must be an integer; got '8'"),
+    (dict(max_steps=1, reward_timeout_s=0), "reward_timeout_s must be > 0"),
+    (dict(max_steps=1, max_nonfinite_updates=0), "max_nonfinite_updates must be >= 1"),
 ])
 def test_run_config_rejects_bad_budgets(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -206,3 +213,32 @@ def test_groups_per_prompt_draws_each_prompt_as_several_groups(setup, tmp_path):
     assert any(line.startswith("compiled update (8 rows x") for line in lines), lines
     with pytest.raises(ValueError, match="groups_per_prompt must be >= 1; got 0"):
         train.preset("pods", groups_per_prompt=0)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_its_logs_over(setup, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "eval_history.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    trainer = make_trainer(setup, out, max_steps=1)
+    trainer.close()
+    assert int(trainer.state.step) == 0
+    assert not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text() == ""
+    assert (out / "eval_history.jsonl").read_text() == ""
+    assert (out / "metrics.jsonl.superseded").read_text() == '{"step": 1}\n'
+
+
+def test_updates_that_stay_non_finite_stop_the_run_with_one_line(setup, tmp_path):
+    trainer = make_trainer(setup, tmp_path / "run", max_steps=10)
+    real_step = trainer.step_fn
+
+    def non_finite(state, batch, frozen):  # as if every update had a NaN loss (and was skipped)
+        state, metrics = real_step(state, batch, frozen)
+        return state, metrics.replace(skipped=jnp.ones((), jnp.int32), loss=jnp.full((), jnp.nan))
+
+    trainer.step_fn = non_finite
+    with pytest.raises(loop.TrainingDiverged, match="3 updates in a row had a non-finite loss") as error:
+        trainer.run()
+    assert "\n" not in str(error.value) and "the last checkpoint is step 2" in str(error.value)
+    # The steps before the third were saved (checkpoint_every_steps=1); the third was not.
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1", "2"]

@@ -1,0 +1,152 @@
+"""The CLI's one error path: a user's mistake is one line and status 2, a bug a traceback and status 1;
+nothing is written for a bad config; a full disk stops the run with one line and resume is exact."""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from tiny_checkpoint import save_tiny_checkpoint
+
+from experiments import cli, runner
+from podsjax import checkpoint, loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("args,message", [
+    # 8 prompts x 4 rollouts fit, 1 x 4 do not divide over 8 devices: refused before any warm-up or write.
+    (["--method", "pods", "--n", "4", "--m", "2", "--prompts-per-step", "1", "--mesh", "8"],
+     "rollout rows must divide evenly over the mesh's 8 batch shards"),
+    (["--time-budget", "inf"], "time_budget_s must be a finite number; got inf"),
+    (["--method", "pods", "--n", "4", "--m", "8"], "need 1 <= m <= n"),
+    (["--method", "grpo-ga", "--n", "6", "--m", "4"], "n must be a multiple of m"),
+    (["--beta", "-1"], "beta must be >= 0; got -1.0"),
+    (["--groups-per-prompt", "0"], "--groups-per-prompt must be > 0"),
+])
+def test_a_bad_config_is_one_line_before_anything_is_written(tmp_path, capsys, args, message):
+    out = tmp_path / "never"
+    assert cli.main("gsm8k", [*args, "--out", str(out), "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json", "cannot read"),
+    (b"\xff\xfe\x00binary", "cannot read"),
+    ("[1, 2]", "holds a JSON list"),
+    ('{"task": "gsm8k"}', "has no model_path, algorithm, run, model"),
+    ('{"task": "gsm8k", "model_path": null, "algorithm": [], "run": {}, "model": {}}', "'algorithm' must be an object"),
+    ('{"task": "gsm8k", "model_path": null, "algorithm": {}, "run": {}, "model": {"mesh": null}}',
+     "'model' has no dtype, lora_rank, lora_alpha"),
+])
+def test_resume_with_a_broken_config_json_is_one_line(tmp_path, capsys, content, message):
+    out = tmp_path / "run"
+    out.mkdir()
+    path = out / "config.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert cli.main("gsm8k", ["--resume", "--out", str(out), "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and str(path) in err, err
+
+
+def test_a_config_json_with_a_field_no_config_has_is_one_line(tmp_path, capsys):
+    config = {"task": "gsm8k", "model_path": None, "algorithm": {"n": 4, "m": 2, "algorithm": "pods", "nosuch": 1},
+              "run": {"max_steps": 1}, "model": {"mesh": None, "dtype": "float32", "lora_rank": None,
+                                                   "lora_alpha": 64}}
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    assert cli.main("gsm8k", ["--resume", "--out", str(out), "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nosuch" in err, err
+
+
+@pytest.mark.parametrize("error,message", [
+    (loop.TrainingDiverged("3 updates in a row had a non-finite loss"), "3 updates in a row"),
+    (checkpoint.CheckpointCorrupt("no checkpoint in /x loads"), "no checkpoint in /x loads"),
+    (OSError(errno.ENOSPC, "No space left on device", "/runs/x/metrics.jsonl"),
+     "no space left on device writing /runs/x/metrics.jsonl; the last complete checkpoint is intact"),
+    (RuntimeError("tensorstore: RESOURCE_EXHAUSTED: No space left on device"), "no space left on device writing"),
+    (OSError(errno.EROFS, "Read-only file system", "/ro/run"), "cannot write /ro/run: Read-only file system"),
+])
+def test_the_library_s_user_errors_and_a_full_disk_are_one_line(monkeypatch, tmp_path, capsys, error, message):
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(runner, "run", fail)
+    assert cli.main("gsm8k", ["--out", str(tmp_path / "run"), "--max-steps", "1", "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_bug_shows_its_traceback_then_one_summary_line_and_exit_1(monkeypatch, tmp_path, capsys):
+    def fail(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(runner, "run", fail)
+    assert cli.main("gsm8k", ["--out", str(tmp_path / "run"), "--max-steps", "1", "--no-compile-cache"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and "in fail" in err
+    assert err.rstrip("\n").splitlines()[-1] == ("error: unexpected KeyError: 'boom' (a bug: the traceback above "
+                                                  "says where)")
+
+
+# ------------------------------------------------------------- a full disk, for real
+
+def _mount_tmpfs(path, size_kb):
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+def _run_cli(args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "experiments.gsm8k", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return {r["step"]: r["train/loss"] for r in map(json.loads, f) if "train/loss" in r}
+
+
+def _size_kb(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(path) for f in names) // 1024
+
+
+def test_a_full_disk_stops_with_one_line_and_resume_is_exact(tmp_path, shared_data_dir):
+    """--out on a tmpfs too small for the run: one line, status 2; after room is made, --resume
+    finishes with the same per-step losses as a run that never stopped."""
+    model = save_tiny_checkpoint(tmp_path / "ckpt")
+    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    common = ["--model", model, "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data",
+              os.path.join(gsm8k, "test.jsonl"), "--eval-limit", "4", "--method", "pods", "--n", "4", "--m", "2",
+              "--prompts-per-step", "2", "--max-completion-length", "8", "--lora-rank", "2", "--eval-every", "1000",
+              "--checkpoint-every-steps", "1", "--max-steps", "4", "--no-progress", "--reward-workers", "1",
+              "--no-compile-cache"]
+    reference = tmp_path / "reference"
+    done = _run_cli([*common, "--out", str(reference)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, max(_size_kb(reference) // 2, 64)):
+        pytest.skip("cannot mount a tmpfs here (needs root); the simulated full disk is tested above")
+    try:
+        out = disk / "run"
+        full = _run_cli([*common, "--out", str(out)])
+        assert full.returncode == 2, (full.returncode, full.stderr[-3000:])
+        last = full.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: no space left on device writing") and "--resume" in last, full.stderr[-3000:]
+        subprocess.run(["mount", "-o", "remount,size=65536k", str(disk)], check=True)
+        resumed = _run_cli(["--out", str(out), "--resume", "--no-progress", "--no-compile-cache"])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert _losses(out) == _losses(reference)
+        assert os.path.isfile(out / "final_model" / "config.json")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+        shutil.rmtree(disk, ignore_errors=True)
