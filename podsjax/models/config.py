@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -18,6 +19,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
 }
 _MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is unreadable (config.json, index, safetensors) or does not match the model."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,77 +149,141 @@ class ModelConfig:
         return out
 
 
-def _unsupported(what: str) -> ValueError:
-    return ValueError(f"{what}; podsjax.models supports {sorted(SUPPORTED_ARCHITECTURES)}")
+def _unsupported(source: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{source}: {what}; podsjax.models supports {sorted(SUPPORTED_ARCHITECTURES)}")
 
 
-def _read_rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_POSITIVE_INT = "a positive int"
+_POSITIVE_NUMBER = "a positive number"
+_BOOL = "true or false"
+_CHECKS = {
+    _POSITIVE_INT: lambda v: _is_int(v) and v > 0,
+    _POSITIVE_NUMBER: lambda v: (_is_int(v) or isinstance(v, float)) and 0 < v < math.inf,
+    _BOOL: lambda v: isinstance(v, bool),
+}
+_REQUIRED = object()
+
+
+def _get(hf: dict[str, Any], key: str, kind: str, source: str, default: Any = _REQUIRED, prefix: str = "") -> Any:
+    """``hf[key]`` checked to be ``kind``; null counts as absent, as transformers treats it."""
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{source}: missing required key '{prefix}{key}'")
+        return default
+    if not _CHECKS[kind](value):
+        raise CheckpointError(f"{source}: {prefix}{key} must be {kind}, got {value!r:.60}")
+    return value
+
+
+def _object(hf: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    value = hf.get(key) or {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{source}: {key} must be an object or null, got {value!r:.60}")
+    return value
+
+
+def _token_ids(hf: dict[str, Any], key: str, source: str, many: bool = False) -> Any:
+    value = hf.get(key)
+    ids = value if many and isinstance(value, list) else [value]
+    if value is not None and not all(_is_int(i) for i in ids):
+        kind = "an int or a list of ints" if many else "an int"
+        raise CheckpointError(f"{source}: {key} must be {kind} or null, got {value!r:.60}")
+    return value
+
+
+def _read_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """RoPE theta and the llama3 scaling arguments (None for plain RoPE)."""
     # transformers >= 5 writes "rope_parameters" (theta inside); older files and the Hub
     # checkpoints use top-level "rope_theta" plus "rope_scaling". Accept both.
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
-    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    params = _object(hf, "rope_parameters", source)
+    where = "rope_scaling" if _object(hf, "rope_scaling", source) else "rope_parameters"
+    scaling = _object(hf, where, source)
+    theta = _get(hf, "rope_theta", _POSITIVE_NUMBER, source,
+                 _get(params, "rope_theta", _POSITIVE_NUMBER, source, 10000.0, "rope_parameters."))
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in (None, "default"):
-        return theta, None
+        return float(theta), None
     if kind != "llama3":
-        raise ValueError(f"rope scaling type {kind!r} is not supported (only 'llama3' and none)")
-    return theta, Llama3RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
+        raise CheckpointError(f"{source}: rope scaling type {kind!r:.60} is not supported (only 'llama3' and none)")
+    args = {key: float(_get(scaling, key, _POSITIVE_NUMBER, source, prefix=where + "."))
+            for key in ("factor", "low_freq_factor", "high_freq_factor")}
+    args["original_max_position_embeddings"] = _get(
+        scaling, "original_max_position_embeddings", _POSITIVE_INT, source, prefix=where + ".")
+    return float(theta), args
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
 
 
 def from_hf_config(hf: dict[str, Any] | str | os.PathLike) -> ModelConfig:
     """Builds a :class:`ModelConfig` from a HF config dict, config.json, or checkpoint dir.
 
     Raises:
-        ValueError: the architecture is not Qwen2ForCausalLM / LlamaForCausalLM, or it uses
-            a feature this decoder does not implement (sliding window, biases on Llama,
-            another activation or RoPE scaling type).
+        FileNotFoundError: no config.json at the path.
+        CheckpointError: config.json is not a JSON object, lacks a key or has one of the
+            wrong type; or the architecture is not Qwen2ForCausalLM / LlamaForCausalLM, or
+            it uses a feature this decoder does not implement (sliding window, biases on
+            Llama, another activation or RoPE scaling type). The message names the file.
     """
+    source = "HF config"
     if not isinstance(hf, dict):
-        path = os.fspath(hf)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no config.json at {path}")
-        with open(path) as f:
-            hf = json.load(f)
-    archs = hf.get("architectures") or [_MODEL_TYPES.get(hf.get("model_type"), str(hf.get("model_type")))]
+        source = os.fspath(hf)
+        if os.path.isdir(source):
+            source = os.path.join(source, "config.json")
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"no config.json at {source}")
+        hf = _read_json(source)
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"{source}: must hold a JSON object, got a {type(hf).__name__}")
+    model_type = str(hf.get("model_type"))
+    archs = hf.get("architectures") or [_MODEL_TYPES.get(model_type, model_type)]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise CheckpointError(f"{source}: architectures must be a list of strings, got {archs!r:.60}")
     arch = SUPPORTED_ARCHITECTURES.get(archs[0])
     if arch is None:
-        raise _unsupported(f"architecture {archs[0]!r} is not supported")
+        raise _unsupported(source, f"architecture {archs[0]!r:.60} is not supported")
     if hf.get("hidden_act", "silu") != "silu":
-        raise _unsupported(f"{archs[0]} with hidden_act={hf['hidden_act']!r} is not supported")
+        raise _unsupported(source, f"{archs[0]} with hidden_act={hf['hidden_act']!r:.60} is not supported")
     if arch == "qwen2" and hf.get("use_sliding_window", False):
-        raise _unsupported("Qwen2 with use_sliding_window=true is not supported")
+        raise _unsupported(source, "Qwen2 with use_sliding_window=true is not supported")
     if arch == "llama" and (hf.get("attention_bias", False) or hf.get("mlp_bias", False)):
-        raise _unsupported("Llama with attention_bias/mlp_bias is not supported")
-    heads = int(hf["num_attention_heads"])
-    theta, scaling = _read_rope(hf)
-    return ModelConfig(
+        raise _unsupported(source, "Llama with attention_bias/mlp_bias is not supported")
+    hidden = _get(hf, "hidden_size", _POSITIVE_INT, source)
+    heads = _get(hf, "num_attention_heads", _POSITIVE_INT, source)
+    theta, scaling = _read_rope(hf, source)
+    fields = dict(
         arch=arch,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=_get(hf, "vocab_size", _POSITIVE_INT, source),
+        hidden_size=hidden,
+        intermediate_size=_get(hf, "intermediate_size", _POSITIVE_INT, source),
+        num_layers=_get(hf, "num_hidden_layers", _POSITIVE_INT, source),
         num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        num_kv_heads=_get(hf, "num_key_value_heads", _POSITIVE_INT, source, heads),
+        head_dim=_get(hf, "head_dim", _POSITIVE_INT, source, hidden // heads),
         rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(_get(hf, "rms_norm_eps", _POSITIVE_NUMBER, source, 1e-6)),
         # Qwen2 and Llama configs both default tie_word_embeddings to False when absent.
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_get(hf, "tie_word_embeddings", _BOOL, source, False),
         qkv_bias=arch == "qwen2",
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        pad_token_id=hf.get("pad_token_id"),
+        max_position_embeddings=_get(hf, "max_position_embeddings", _POSITIVE_INT, source, 32768),
+        bos_token_id=_token_ids(hf, "bos_token_id", source),
+        eos_token_id=_token_ids(hf, "eos_token_id", source, many=True),
+        pad_token_id=_token_ids(hf, "pad_token_id", source),
     )
+    try:  # the dataclasses check what spans keys: heads vs kv heads, even head_dim, rope factors
+        return ModelConfig(**fields, rope_scaling=None if scaling is None else Llama3RopeScaling(**scaling))
+    except ValueError as err:
+        raise CheckpointError(f"{source}: {err}") from None
 
 
 _LLAMA32_ROPE = Llama3RopeScaling(

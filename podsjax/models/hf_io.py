@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from podsjax import mesh as mesh_lib
-from podsjax.models.config import from_hf_config
+from podsjax.models.config import CheckpointError, from_hf_config
 from podsjax.models.decoder import Decoder
 from podsjax.models.lora import LoraParams, merged_kernel
 from podsjax.models.params import abstract_params, param_logical_axes
@@ -37,10 +37,8 @@ SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model: lists every missing/unexpected/mis-shaped tensor."""
+# Params are floating point; an integer tensor of the right byte size would load as garbage.
+PARAM_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,12 +130,28 @@ def tensor_specs(model: Decoder) -> list[TensorSpec]:
     return sorted(specs, key=order)
 
 
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{index_path}: not valid JSON ({err})") from None
+    if not isinstance(index, dict) or "weight_map" not in index:
+        raise CheckpointError(f"{index_path}: must be a JSON object with a 'weight_map' key")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: weight_map must map tensor names to files, got {weight_map!r:.60}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointError(f"{index_path}: weight_map[{name!r}] must be a file name, got {file!r:.60}")
+    return weight_map
+
+
 def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
     """Maps every tensor name in the checkpoint dir to the (lazily mapped) file holding it."""
     index_path = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        weight_map = _read_weight_map(index_path)
         missing_files = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
         if missing_files:
             raise CheckpointError(f"{path}: {INDEX_FILE} names shard files that do not exist: {missing_files}")
@@ -145,13 +159,16 @@ def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
         # Trust the files' own headers, not only the index, so an index/shard mismatch
         # surfaces as missing tensors rather than a crash mid-load.
         return {name: files[file] for name, file in weight_map.items() if name in files[file].header}
-    paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    paths = sorted(p for p in glob.glob(os.path.join(path, "*.safetensors")) if os.path.isfile(p))
     if not paths:
         raise CheckpointError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
     out: dict[str, SafetensorsFile] = {}
     for file_path in paths:
         st = SafetensorsFile(file_path)
-        out.update({name: st for name in st.header})
+        for name in st.header:
+            if name in out:  # without an index, which copy is meant is unknowable
+                raise CheckpointError(f"{path}: tensor {name!r} is in both {out[name].path} and {file_path}")
+            out[name] = st
     return out
 
 
@@ -164,12 +181,14 @@ def _check(path: str, specs: list[TensorSpec], files: dict[str, SafetensorsFile]
                         if n not in expected and n not in ignorable and not n.endswith("rotary_emb.inv_freq"))
     misshaped = sorted(f"{n}: expected {list(s.hf_shape)}, found {list(files[n].shape(n))}"
                        for n, s in expected.items() if n in files and files[n].shape(n) != s.hf_shape)
-    if missing or unexpected or misshaped:
-        lines = [f"checkpoint {path} does not match the model config:"]
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)):
-            if items:
-                lines.append(f"  {title} ({len(items)}): " + ", ".join(items))
-        raise CheckpointError("\n".join(lines))
+    not_float = sorted(f"{n}: {files[n].dtype(n)} in {files[n].path}"
+                       for n in expected if n in files and files[n].dtype(n) not in PARAM_DTYPES)
+    problems = [f"{title} ({len(items)}): " + ", ".join(items)
+                for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped),
+                                     ("not floating point", not_float))
+                if items]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} does not match the model config: " + "; ".join(problems))
 
 
 def _place(host: np.ndarray, sharding) -> jax.Array:
@@ -202,8 +221,8 @@ def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = Non
         Params tree of ``model.param_dtype`` arrays, per-layer tensors stacked.
 
     Raises:
-        CheckpointError: lists all missing, unexpected and mis-shaped tensors at once,
-            before anything is loaded.
+        CheckpointError: a file is unreadable, or (in one line) all missing, unexpected,
+            mis-shaped and non-floating-point tensors at once, before anything is loaded.
     """
     path = os.fspath(path)
     files = _open_checkpoint(path)

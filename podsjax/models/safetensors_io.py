@@ -11,6 +11,7 @@ then the raw little-endian bytes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -18,6 +19,8 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from podsjax.models.config import CheckpointError
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -42,25 +45,68 @@ def dtype_name(dtype: Any) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored in safetensors") from None
 
 
+# The reference reader's cap: a larger header is not a real checkpoint, so it is not read into memory.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_entry(path: str, name: str, info: Any, data_bytes: int) -> None:
+    """Raises CheckpointError unless ``info`` describes a tensor lying inside the data section."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: header entry must be an object, got {info!r:.60}")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CheckpointError(f"{where}: unsupported dtype {dtype!r:.60} (known: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative ints, got {shape!r:.60}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise CheckpointError(f"{where}: data_offsets must be two non-negative ints, got {offsets!r:.60}")
+    begin, end = offsets
+    if begin > end:
+        raise CheckpointError(f"{where}: data_offsets {offsets} begin after they end")
+    if end > data_bytes:
+        raise CheckpointError(f"{where}: data_offsets {offsets} run past the end of the file "
+                              f"({data_bytes} data bytes; truncated?)")
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    if end - begin != nbytes:
+        raise CheckpointError(f"{where}: data_offsets {offsets} hold {end - begin} bytes, "
+                              f"but shape {shape} of {dtype} needs {nbytes}")
+
+
 class SafetensorsFile:
-    """Lazily memory-maps one .safetensors file; ``get`` returns zero-copy views."""
+    """Lazily memory-maps one .safetensors file; ``get`` returns zero-copy views.
+
+    The whole header is validated on opening, so a corrupt file fails before any tensor
+    is read (raising :class:`CheckpointError`, which names the file and the tensor).
+    """
 
     def __init__(self, path: str):
         self.path = path
+        file_bytes = os.path.getsize(path)
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
-                raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
             (size,) = struct.unpack("<Q", raw)
-            if size > os.path.getsize(path) - 8:
-                raise ValueError(f"{path}: corrupt safetensors header (length {size})")
+            if size > min(file_bytes - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(f"{path}: corrupt safetensors header (length {size}, file {file_bytes} bytes)")
             try:
-                header = json.loads(f.read(size))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: corrupt safetensors header ({err})") from None
-        self.metadata = header.pop("__metadata__", {}) or {}
-        self.header: dict[str, dict[str, Any]] = header
+                header = json.loads(f.read(size).decode("utf-8"))
+            except (ValueError, RecursionError) as err:  # also UnicodeDecodeError
+                raise CheckpointError(f"{path}: corrupt safetensors header ({err})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: safetensors header must be a JSON object, got a {type(header).__name__}")
+        self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            raise CheckpointError(f"{path}: __metadata__ must be an object, got {self.metadata!r:.60}")
         self._data_start = 8 + size
+        for name, info in header.items():
+            _check_entry(path, name, info, file_bytes - self._data_start)
+        self.header: dict[str, dict[str, Any]] = header
         self._map: np.memmap | None = None
 
     def keys(self) -> list[str]:
@@ -69,22 +115,18 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string ("F32", "BF16", "I64", ...) of tensor ``name``."""
+        return self.header[name]["dtype"]
+
     def get(self, name: str) -> np.ndarray:
         """The tensor ``name`` as a read-only view into the mapped file."""
         info = self.header[name]
-        if info["dtype"] not in DTYPES:
-            raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        dtype = DTYPES[info["dtype"]]
-        begin, end = info["data_offsets"]
-        count = int(np.prod(info["shape"], dtype=np.int64))
-        if end - begin != count * dtype.itemsize:
-            raise ValueError(f"{self.path}: tensor {name!r} byte range does not match its shape/dtype")
         if self._map is None:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        if self._data_start + end > self._map.size:
-            raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated?)")
+        begin, end = info["data_offsets"]
         raw = self._map[self._data_start + begin:self._data_start + end]
-        return raw.view(dtype).reshape(info["shape"])
+        return raw.view(DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def write_safetensors(
