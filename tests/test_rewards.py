@@ -459,3 +459,42 @@ def test_default_rewards_per_task_and_format_style():
         default_rewards("chem")
     with pytest.raises(ValueError, match="unknown format_style 'soft'"):
         default_rewards("math", format_style="soft")
+
+
+def test_math_verify_timeouts_count_as_timeouts_and_log_nothing(monkeypatch, caplog):
+    """math-verify's own timeout: 0 in a batch; alone (as the pool calls it) a TimeoutError the pool counts."""
+    import logging
+
+    import math_verify
+    from math_verify.errors import TimeoutException
+
+    from podsjax.rewards import _worker, chemistry, mathverify
+
+    def slow(*args, **kwargs):
+        raise TimeoutException()
+
+    monkeypatch.setattr(math_verify, "parse", slow)
+    mathverify._parse_gold.cache_clear()
+    monkeypatch.setattr(mathverify, "_parse_gold", lambda gold, timeout: ("gold",))
+    caplog.set_level(logging.DEBUG)
+    hard = r"<answer>\frac{1}{" + "{" * 50 + "}</answer>"
+    assert mathverify.math_accuracy([hard, hard], ["1", "1"]) == [0.0, 0.0]
+    with pytest.raises(mathverify.MathVerifyTimeout):
+        mathverify.math_accuracy([hard], ["1"])
+    with pytest.raises(mathverify.MathVerifyTimeout):
+        chemistry.chemistry_accuracy([r"<answer>\frac{3}{4}</answer>"], ["0.75"])
+    assert chemistry.chemistry_accuracy([r"<answer>\frac{3}{4}</answer>"] * 2, ["0.75"] * 2) == [0.0, 0.0]
+    results = _worker.run_item([mathverify.math_accuracy], hard, {"answer": "1"}, timeout_s=30.0)
+    assert results == [(0.0, _worker.TIMEOUT, "")]
+    assert not [r for r in caplog.records if r.name.startswith("math_verify")]
+
+
+def test_math_verify_parse_failures_are_silent(caplog):
+    import logging
+
+    from podsjax.rewards import mathverify
+
+    caplog.set_level(logging.DEBUG)
+    junk = "<answer>$" + "\\frac{" * 2000 + "$</answer>"
+    assert mathverify.math_accuracy([junk, "<answer>2</answer>"], ["2", "2"]) == [0.0, 1.0]
+    assert sum(len(r.getMessage()) for r in caplog.records) < 1000

@@ -69,7 +69,7 @@ def run_item(
             if len(values) != 1:
                 raise ValueError(f"returned {len(values)} values for 1 completion")
             results.append((float(values[0]), OK, ""))
-        except _SoftTimeout:
+        except (_SoftTimeout, TimeoutError):  # TimeoutError: the reward's own budget (math-verify's)
             results.append((0.0, TIMEOUT, ""))
         except MemoryError:
             results.append((0.0, MEMORY, ""))

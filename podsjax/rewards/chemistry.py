@@ -20,7 +20,7 @@ import math
 import re
 from typing import Any, Sequence
 
-from podsjax.rewards.mathverify import DEFAULT_MATH_VERIFY_TIMEOUT_S, signal_timeout
+from podsjax.rewards.mathverify import DEFAULT_MATH_VERIFY_TIMEOUT_S, MathVerifyTimeout, quiet_parse, signal_timeout
 from podsjax.rewards.text import ascii_minus, check_lengths, extract_answer_tag, last_boxed
 
 REL_TOL = 0.05  # SciBench's tolerance
@@ -83,9 +83,7 @@ def _plain_number(text: str) -> float | None:
 
 
 def _sympy_number(text: str, timeout_s: int | None) -> float | None:
-    from math_verify import parse
-
-    for candidate in parse("$" + text + "$", parsing_timeout=timeout_s):
+    for candidate in quiet_parse("$" + text + "$", timeout_s):
         if isinstance(candidate, str):
             continue
         try:
@@ -101,7 +99,8 @@ def parse_quantity(text: str, *, timeout_s: int | None = DEFAULT_MATH_VERIFY_TIM
     r"""Reads one numeric answer (``3.2 \times 10^{-4} \mathrm{~J}``, ``\frac{1}{3}``) as a float.
 
     After ``=`` or ``\approx`` only the last part counts (``\Delta G = -50``). Returns
-    None for text with no finite number, and never raises on odd input.
+    None for text with no finite number, and never raises on odd input (a math-verify
+    timeout raises ``MathVerifyTimeout``).
 
     Args:
         text: the answer text.
@@ -124,6 +123,8 @@ def parse_quantity(text: str, *, timeout_s: int | None = DEFAULT_MATH_VERIFY_TIM
         return None
     try:
         return _sympy_number(text, signal_timeout(timeout_s) if timeout_s else None)
+    except MathVerifyTimeout:
+        raise
     except Exception:  # noqa: BLE001 - math-verify/sympy raise many types on odd LaTeX; no number
         return None
 
@@ -186,7 +187,12 @@ def chemistry_accuracy(
     rewards = []
     for i, completion in enumerate(completions):
         reference = parse_reference(answer[i])
-        predicted = extract_chemistry_answer(completion, timeout_s=int(timeout_s))
+        try:
+            predicted = extract_chemistry_answer(completion, timeout_s=int(timeout_s))
+        except MathVerifyTimeout:  # scored 0; alone (as RewardPool calls it) counted as a timeout
+            if len(completions) == 1:
+                raise
+            predicted = None
         scale = unit_scale(None if unit is None else unit[i])
         rewards.append(1.0 if predicted is not None and is_close(predicted, reference, scale) else 0.0)
     return rewards

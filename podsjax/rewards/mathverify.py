@@ -15,6 +15,40 @@ DEFAULT_MATH_VERIFY_TIMEOUT_S = 3
 _LATEX_MARKERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
 
 
+class MathVerifyTimeout(TimeoutError):
+    """math-verify ran out of its own time budget on one item (RewardPool counts it in ``reward/timeouts``)."""
+
+
+def quiet_parse(text: str, timeout_s: int | None) -> list:
+    """math-verify's ``parse``, silent: an unreadable answer is ``[]``, a timeout raises MathVerifyTimeout.
+
+    Left to itself math-verify logs every failure with the whole input (megabytes for
+    a runaway completion) and hides its timeouts; with ``raise_on_error`` neither happens.
+    """
+    from math_verify import parse
+    from math_verify.errors import TimeoutException
+
+    try:
+        return parse(text, parsing_timeout=timeout_s, raise_on_error=True)
+    except TimeoutException:
+        raise MathVerifyTimeout(f"math-verify parse ran past {timeout_s} s") from None
+    except Exception:  # noqa: BLE001 - sympy/latex2sympy raise many types on odd input: no answer
+        return []
+
+
+def quiet_verify(gold: list, predicted: list, timeout_s: int | None) -> bool:
+    """math-verify's ``verify`` (gold first), silent like :func:`quiet_parse`."""
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
+    try:
+        return bool(verify(gold, predicted, timeout_seconds=timeout_s, raise_on_error=True))
+    except TimeoutException:
+        raise MathVerifyTimeout(f"math-verify comparison ran past {timeout_s} s") from None
+    except Exception:  # noqa: BLE001 - an answer sympy cannot compare is not equal
+        return False
+
+
 def signal_timeout(timeout_s: int) -> int | None:
     """``timeout_s`` on the main thread, else None: math-verify's timeouts use SIGALRM, which only it may arm."""
     return timeout_s if threading.current_thread() is threading.main_thread() else None
@@ -39,27 +73,26 @@ def math_gold(answer: Any = None, solution: Any = None) -> str:
 def _parse_gold(gold: str, timeout_s: int | None) -> tuple:
     from math_verify import parse
 
-    parsed = parse("\\boxed{" + gold + "}", parsing_timeout=timeout_s)
+    parsed = parse("\\boxed{" + gold + "}", parsing_timeout=timeout_s)  # a data bug should be loud
     if not parsed:
         raise ValueError(f"MATH gold does not parse: {gold[:80]!r}")
     return tuple(parsed)
 
 
 def _parse_prediction(completion: str, timeout_s: int | None) -> list:
-    from math_verify import parse
-
+    parse = quiet_parse
     tagged = extract_answer_tag(completion)
     if tagged is None:
-        return parse(completion, parsing_timeout=timeout_s)
+        return parse(completion, timeout_s)
     tagged = tagged.strip()
     if not tagged:
         return []
     unescaped = tagged.replace("\\$", "")  # "\$36" is a dollar sign, not a math delimiter
     if any(marker in unescaped for marker in _LATEX_MARKERS):
-        return parse(tagged, parsing_timeout=timeout_s)
+        return parse(tagged, timeout_s)
     # Bare LaTeX inside the tags ("\frac{1}{2}", "3, 5, 7", "p - q") is only read
     # as math between delimiters; plain text such as "1/2" parses either way.
-    return parse("$" + tagged + "$", parsing_timeout=timeout_s) or parse(tagged, parsing_timeout=timeout_s)
+    return parse("$" + tagged + "$", timeout_s) or parse(tagged, timeout_s)
 
 
 def math_accuracy(
@@ -86,9 +119,10 @@ def math_accuracy(
         **_: other dataset columns, ignored.
 
     Returns:
-        [B] rewards in {0.0, 1.0}.
+        [B] rewards in {0.0, 1.0}. An item on which math-verify times out scores 0;
+        called on one completion, as ``RewardPool`` calls every reward, it raises
+        :class:`MathVerifyTimeout` instead, so the pool counts it in ``reward/timeouts``.
     """
-    from math_verify import verify
 
     check_lengths("math_accuracy", len(completions), answer=answer, solution=solution)
     if answer is None and solution is None:
@@ -99,7 +133,12 @@ def math_accuracy(
         gold = _parse_gold(
             math_gold(None if answer is None else answer[i], None if solution is None else solution[i]), timeout
         )
-        predicted = _parse_prediction(completion, timeout)
-        ok = bool(predicted) and verify(list(gold), predicted, timeout_seconds=timeout)
+        try:
+            predicted = _parse_prediction(completion, timeout)
+            ok = bool(predicted) and quiet_verify(list(gold), predicted, timeout)
+        except MathVerifyTimeout:
+            if len(completions) == 1:
+                raise
+            ok = False
         rewards.append(1.0 if ok else 0.0)
     return rewards
