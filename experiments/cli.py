@@ -216,6 +216,20 @@ def mesh_device_count(spec: str | None) -> int:
     return count
 
 
+# Host devices are threads sharing the CPU's cores. On a loaded machine one of them can
+# reach a collective long after the others, and past XLA's default 40 s the process aborts.
+CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=1800"
+
+
+def host_device_flags(count: int, flags: str) -> str:
+    """``flags`` (XLA_FLAGS) plus ``count`` CPU host devices and a patient collective timeout."""
+    if count > 1 and "xla_force_host_platform_device_count" not in flags:
+        flags = f"{flags} --xla_force_host_platform_device_count={count}"
+    if "xla_force_host_platform_device_count" in flags and "collective_call_terminate_timeout" not in flags:
+        flags = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}"
+    return flags.strip()
+
+
 def prepare_devices(spec: str | None) -> None:
     """Gives the CPU platform enough host devices for the mesh and keeps freed host
     memory for reuse (``podsjax.host_memory``); must run before JAX starts."""
@@ -224,10 +238,7 @@ def prepare_devices(spec: str | None) -> None:
     host_memory.retain_freed_memory()
     if "jax" in sys.modules:
         return
-    count = mesh_device_count(spec)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if count > 1 and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ["XLA_FLAGS"] = host_device_flags(mesh_device_count(spec), os.environ.get("XLA_FLAGS", ""))
 
 
 def resolve_config(args, task: str) -> dict:

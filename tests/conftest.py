@@ -8,9 +8,9 @@ multi-device meshes: those are pinned to the 8 CPU devices (their default device
 import os
 import tempfile
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+from experiments.cli import host_device_flags  # noqa: E402 - imports no JAX
+
+os.environ["XLA_FLAGS"] = host_device_flags(8, os.environ.get("XLA_FLAGS", ""))
 # CLI runs in tests keep their compiled programs out of the user's compile cache.
 os.environ.setdefault("PODSJAX_CACHE_DIR", tempfile.mkdtemp(prefix="podsjax-test-compile-cache-"))
 # Tests never touch the network.
