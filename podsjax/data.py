@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -52,6 +53,13 @@ MATH_TRAIN_SUBJECTS = (
 CHEMISTRY_DATA_HINT = "../shared/data/chemistry (SciBench's chemistry problems)"
 _BAD_ROW_MODES = ("error", "skip")
 _SUFFIXES = (".jsonl", ".json", ".parquet")
+# The longest row accepted, in characters: a JSONL line, and any row's prompt. GSM8K and
+# MATH rows are a few KB; a longer one is a broken file, and would otherwise be read whole.
+MAX_ROW_CHARS = 64 * 1024
+_MAX_LINE_BYTES = 4 * MAX_ROW_CHARS  # UTF-8 takes at most 4 bytes a character
+_DISCARD_BYTES = 64 * 1024
+_JSON_KINDS = {"list": "array", "str": "string", "int": "number", "float": "number", "bool": "boolean",
+               "NoneType": "null"}
 
 
 class DataError(ValueError):
@@ -168,6 +176,8 @@ def _gsm8k_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
 def _math_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
     problem = _text(row, "problem")
     answer = row.get("answer")
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise DataError(f"field 'answer' is {answer}, not a finite number")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
     if not (isinstance(answer, str) and answer.strip()):
@@ -242,29 +252,82 @@ def _resolve(path: str, split: str) -> str:
         raise DataError(f"no {split}.jsonl or {split}.parquet in {path}")
     if not os.path.exists(path):
         raise DataError(f"dataset file not found: {path}")
+    if not os.path.isfile(path):  # a FIFO or device would block or never end
+        raise DataError(f"dataset path is not a regular file: {path}")
     if not path.endswith(_SUFFIXES):
         raise DataError(f"unsupported dataset file {path}: expected .jsonl, .json or .parquet")
     return path
 
 
-def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
+def _open(path: str):
+    try:
+        return open(path, "rb")
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _lines(path: str) -> Iterator[tuple[int, str | DataError]]:
+    """A text file's numbered lines; an over-long or non-UTF-8 line comes as a DataError.
+
+    Bytes, read a bounded piece at a time, so that one bad byte costs only its own line
+    and a giant line is never held in memory whole.
+    """
+    with _open(path) as handle:
+        number = 0
+        while line := handle.readline(_MAX_LINE_BYTES + 1):
+            number += 1
+            if len(line) > _MAX_LINE_BYTES and not line.endswith(b"\n"):
+                while line and not line.endswith(b"\n"):
+                    line = handle.readline(_DISCARD_BYTES)
+                yield number, DataError(f"line longer than {MAX_ROW_CHARS} characters")
                 continue
-            where = f"{path}:{number}"
             try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield where, DataError(f"invalid JSON ({exc.msg} at column {exc.colno})")
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield number, DataError(f"not UTF-8 text: byte {exc.start + 1} of the line is 0x{line[exc.start]:02x}")
+                continue
+            if number == 1:
+                text = text.removeprefix("\ufeff")  # a byte-order mark some editors write
+            if len(text.rstrip("\r\n")) > MAX_ROW_CHARS:
+                yield number, DataError(f"line longer than {MAX_ROW_CHARS} characters")
+            else:
+                yield number, text
+
+
+def _json_failure(exc: Exception) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at column {exc.colno}"
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).split(";")[0]  # ValueError: an integer of more digits than Python converts
+
+
+def _read_jsonl(path: str) -> Iterator[tuple[str, Any]]:
+    for number, line in _lines(path):
+        where = f"{path}:{number}"
+        if isinstance(line, DataError):
+            yield where, line
+        elif line.strip():
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError) as exc:
+                row = DataError(f"invalid JSON ({_json_failure(exc)})")
+            yield where, row
 
 
 def _read_json(path: str) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        try:
-            rows = json.load(handle)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+    with _open(path) as handle:
+        # Undecodable bytes become lone surrogates, so that only the rows holding them are bad.
+        text = handle.read().decode("utf-8", "surrogateescape").removeprefix("\ufeff")
+    if not text.strip():
+        return
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as exc:
+        hint = "; is it JSON Lines, to be named .jsonl?" if exc.msg == "Extra data" else ""
+        raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg}{hint})") from None
+    except (ValueError, RecursionError) as exc:
+        raise DataError(f"{path}: invalid JSON ({_json_failure(exc)})") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: expected a JSON list of rows")
     for index, row in enumerate(rows):
@@ -278,8 +341,22 @@ def _read_parquet(path: str) -> Iterator[tuple[str, Any]]:
         table = pq.read_table(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types; report one line
         raise DataError(f"{path}: cannot read parquet ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
-    for index, row in enumerate(table.to_pylist()):
-        yield f"{path}:row {index}", row
+    step = 1024  # Python objects for a slice at a time, not the whole table
+    for start in range(0, table.num_rows, step):
+        chunk = table.slice(start, step)
+        try:
+            rows = chunk.to_pylist()
+        except UnicodeDecodeError:  # a string column holding bytes that are not UTF-8: find the rows
+            rows = [_parquet_row(chunk.slice(i, 1)) for i in range(chunk.num_rows)]
+        for index, row in enumerate(rows, start=start):
+            yield f"{path}:row {index}", row
+
+
+def _parquet_row(table) -> Any:
+    try:
+        return table.to_pylist()[0]
+    except UnicodeDecodeError:
+        return DataError("not UTF-8 text")
 
 
 def _read_hub(name: str, split: str, cache_dir: str | None) -> tuple[str, Iterator[tuple[str, Any]]]:
@@ -313,6 +390,25 @@ def _read_hub(name: str, split: str, cache_dir: str | None) -> tuple[str, Iterat
 # -------------------------------------------------------------------------- API
 
 
+def _valid_text(row: Mapping[str, Any]) -> bool:
+    """False where a string in the row (keys and nested values too) cannot be encoded as UTF-8."""
+    stack: list[Any] = [row]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return False
+        elif isinstance(value, Mapping):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return True
+
+
 def load_task(
     name: str,
     split: str,
@@ -341,7 +437,9 @@ def load_task(
         A Task.
 
     Raises:
-        DataError: unknown task, missing path, or (with on_bad_row="error") a bad row.
+        DataError: unknown task, missing or unreadable path, no usable rows, or (with
+            on_bad_row="error") a bad row: invalid JSON or UTF-8, a line or prompt over
+            ``MAX_ROW_CHARS``, a missing or malformed field.
     """
     if name not in _ROW_RULES:
         raise DataError(f"unknown task {name!r}; expected one of {sorted(_ROW_RULES)}")
@@ -372,8 +470,13 @@ def load_task(
             if isinstance(row, Exception):
                 raise row
             if not isinstance(row, Mapping):
-                raise DataError(f"row is a JSON {type(row).__name__}, not an object")
+                kind = _JSON_KINDS.get(type(row).__name__, type(row).__name__)
+                raise DataError(f"row is a JSON {kind}, not an object")
+            if not _valid_text(row):
+                raise DataError("text is not valid UTF-8 (undecodable bytes or a lone \\u surrogate escape)")
             prompt, answer, extra = rule(row)
+            if len(prompt) > MAX_ROW_CHARS:
+                raise DataError(f"prompt is {len(prompt)} characters, over the limit of {MAX_ROW_CHARS}")
             examples.append(Example(prompt, answer, extra, where))
         except DataError as exc:
             message = str(exc) if str(exc).startswith(where) else f"{where}: {exc}"
@@ -382,4 +485,8 @@ def load_task(
             num_skipped += 1
             if len(skipped) < max_skipped_reasons:
                 skipped.append(message)
+    if not examples and limit != 0:
+        source = origin if path is not None else f"{origin} split {split!r}"
+        detail = f"{num_skipped} skipped" + (f": {skipped[0]}" if skipped else "") if num_skipped else "it is empty"
+        raise DataError(f"no usable {name} rows in {source} ({detail})")
     return Task(name, split, tuple(examples), num_skipped, tuple(skipped), origin)
