@@ -43,7 +43,7 @@ import time
 from benchmarks.qwen_model import add_shape_args, podsjax_config, resolve
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA = os.path.join(REPO_ROOT, "..", "shared", "data")
+DEFAULT_DATA = os.path.join(REPO_ROOT, "tests", "data")  # real GSM8K / MATH-500 rows
 PHASES = ("generation", "scoring", "selection", "update")
 POLL_S = 0.05
 

@@ -58,7 +58,7 @@ from benchmarks.machine import (
 from benchmarks.qwen_model import add_model_args, build_hf_model, describe, jax_dtype, resolve, to_podsjax
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA = os.path.join(REPO_ROOT, "..", "shared", "data")
+DEFAULT_DATA = os.path.join(REPO_ROOT, "tests", "data")  # real GSM8K / MATH-500 rows
 TASK_DIRS = {"gsm8k": "gsm8k", "math": "math500"}
 LOGIT_CHUNK_BYTES = 2**30  # the log-prob check runs this much of fp32 logits at a time
 

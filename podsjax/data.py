@@ -20,7 +20,7 @@ removed; the full solution stays in the ``solution`` column). MATH's is the
 ``answer`` field, else the last ``\\boxed{...}`` of ``solution`` (braces nested).
 
 Chemistry stands in for the paper's setting (d), whose dataset is not named in what
-is reachable: SciBench's 223 chemistry problems (``../shared/data/chemistry``, MIT
+is reachable: SciBench's 223 chemistry problems (``data/chemistry`` in the repository, MIT
 License), rows of ``problem``, a numeric ``answer`` and its ``unit``. SciBench's own
 column names (``problem_text``, ``answer_number``) load too. The prompt is the
 problem plus a sentence asking for a bare number in the reference unit
@@ -50,7 +50,7 @@ MATH_TRAIN_SUBJECTS = (
     "prealgebra",
     "precalculus",
 )
-CHEMISTRY_DATA_HINT = "../shared/data/chemistry (SciBench's chemistry problems)"
+CHEMISTRY_DATA_HINT = "data/chemistry in the podsjax repository (SciBench's chemistry problems)"
 _BAD_ROW_MODES = ("error", "skip")
 _SUFFIXES = (".jsonl", ".json", ".parquet")
 # The longest row accepted, in characters: a JSONL line, and any row's prompt. GSM8K and

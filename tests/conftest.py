@@ -72,12 +72,12 @@ def _pin_mesh_tests_to_cpu(request, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def shared_data_dir():
-    """../shared/data beside the checkout (GSM8K and MATH-500 jsonl files)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.normpath(os.path.join(here, "..", "..", "shared", "data"))
-    if not os.path.isdir(path):
-        if os.environ.get("CI"):  # CI always has shared/ beside the clone: a skip would hide a failure
-            pytest.fail(f"shared data not found at {path}")
-        pytest.skip(f"shared data not found at {path}")
-    return path
+def data_dir():
+    """tests/data: real GSM8K and MATH-500 rows kept in the repository (see its README)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+@pytest.fixture(scope="session")
+def chemistry_dir():
+    """data/chemistry: SciBench's 223 chemistry problems, the dataset users run setting d on."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "chemistry")

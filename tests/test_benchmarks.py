@@ -41,9 +41,9 @@ def test_forward_benchmark_checks_logits_and_prints_a_ratio():
     assert last_column(row) < 1e-4, row  # fp32 on CPU: the same logits
 
 
-def test_generate_benchmark_runs_both_contenders(shared_data_dir):
+def test_generate_benchmark_runs_both_contenders(data_dir):
     printed = run("benchmarks.generate", "--rows", "2", "--prompt-len", "8", "--new-tokens", "4", *TINY_MODEL,
-                  "--data", shared_data_dir, "--reward-limit", "8", "--workers", "1")
+                  "--data", data_dir, "--reward-limit", "8", "--workers", "1")
     assert "a/b speed-up" in printed and "| gsm8k |" in printed
     assert "% of floor" in printed and "| (a) podsjax |" in printed and "measured here" in printed
 
@@ -61,9 +61,9 @@ def test_train_step_benchmark_checks_lora_and_full_gradients():
     assert "MFU a / b" in printed and "podsjax compile" in printed
 
 
-def test_cli_step_benchmark_times_a_cold_and_a_warm_run(shared_data_dir):
+def test_cli_step_benchmark_times_a_cold_and_a_warm_run(data_dir):
     printed = run("benchmarks.cli_step", *TINY_SHAPE, "--max-steps", "2", "--eval-limit", "1", "--train-examples",
-                  "8", "--tokenizer-vocab", "512", "--data", shared_data_dir,
+                  "8", "--tokenizer-vocab", "512", "--data", data_dir,
                   "--cli-flags", "--n", "4", "--m", "2", "--max-completion-length", "8", timeout=240)
     assert "| 1: cold compile cache |" in printed and "| 2: warm compile cache |" in printed, printed
 

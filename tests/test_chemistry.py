@@ -110,9 +110,9 @@ def test_every_fixture_row_scores_its_own_answer_and_rejects_6_percent_off():
     assert chemistry_accuracy(far, golds, units) == [0.0] * len(table)
 
 
-def test_every_shared_row_scores_its_reference_with_the_unit_after_it(shared_data_dir):
+def test_every_row_of_the_dataset_scores_its_reference_with_the_unit_after_it(chemistry_dir):
     examples = [e for split in ("train", "test")
-                for e in data.load_task("chemistry", split, os.path.join(shared_data_dir, "chemistry"))]
+                for e in data.load_task("chemistry", split, chemistry_dir)]
     assert len(examples) == 223
     columns = data.reward_columns(examples)
     completions = [tagged(f"{e.answer} {e.columns['unit']}") for e in examples]

@@ -21,9 +21,9 @@ def _write_jsonl(path, rows):
 # ---------------------------------------------------------------- real files
 
 
-@pytest.mark.parametrize("split, count", [("train", 7473), ("test", 1319)])
-def test_gsm8k_real_files(shared_data_dir, split, count):
-    path = os.path.join(shared_data_dir, "gsm8k", f"{split}.jsonl")
+@pytest.mark.parametrize("split, count", [("train", 382), ("test", 215)])  # tests/data/README.md
+def test_gsm8k_real_files(data_dir, split, count):
+    path = os.path.join(data_dir, "gsm8k", f"{split}.jsonl")
     task = load_task("gsm8k", split, path)
     assert len(task) == count and task.num_skipped == 0
     with open(path) as handle:
@@ -36,17 +36,17 @@ def test_gsm8k_real_files(shared_data_dir, split, count):
     assert task[0].source == f"{path}:1"
 
 
-def test_gsm8k_directory_path_picks_the_split(shared_data_dir):
-    task = load_task("gsm8k", "test", os.path.join(shared_data_dir, "gsm8k"))
+def test_gsm8k_directory_path_picks_the_split(data_dir):
+    task = load_task("gsm8k", "test", os.path.join(data_dir, "gsm8k"))
     assert task.origin.endswith(os.path.join("gsm8k", "test.jsonl"))
     assert task[0].answer == "18" and task[0].prompt.startswith("Janet")
-    assert len(load_task("gsm8k", "test", os.path.join(shared_data_dir, "gsm8k"), limit=5)) == 5
+    assert len(load_task("gsm8k", "test", os.path.join(data_dir, "gsm8k"), limit=5)) == 5
 
 
-def test_math500_real_file(shared_data_dir):
-    path = os.path.join(shared_data_dir, "math500", "test.jsonl")
+def test_math500_real_file(data_dir):
+    path = os.path.join(data_dir, "math500", "test.jsonl")
     task = load_task("math", "test", path)
-    assert len(task) == 500 and task.num_skipped == 0
+    assert len(task) == 150 and task.num_skipped == 0  # the first 150 rows (tests/data/README.md)
     with open(path) as handle:
         raw = [json.loads(line) for line in handle]
     assert [example.answer for example in task] == [row["answer"].strip() for row in raw]
@@ -58,8 +58,8 @@ def test_math500_real_file(shared_data_dir):
 
 
 @pytest.mark.parametrize("split, count", [("train", 179), ("test", 44)])
-def test_chemistry_real_files(shared_data_dir, split, count):
-    path = os.path.join(shared_data_dir, "chemistry", f"{split}.jsonl")
+def test_chemistry_real_files(chemistry_dir, split, count):
+    path = os.path.join(chemistry_dir, f"{split}.jsonl")
     task = load_task("chemistry", split, path)
     assert len(task) == count and task.num_skipped == 0
     with open(path) as handle:
@@ -69,7 +69,7 @@ def test_chemistry_real_files(shared_data_dir, split, count):
     for example, row in zip(task, raw):
         assert example.prompt.startswith(row["problem"].rstrip())
         assert (row["unit"].strip() or "plain number") in example.prompt.split("\n\n")[-1]
-    assert load_task("chemistry", split, os.path.join(shared_data_dir, "chemistry")).origin == path
+    assert load_task("chemistry", split, chemistry_dir).origin == path
 
 
 def test_math_gold_from_last_boxed_with_nested_braces(tmp_path):

@@ -89,7 +89,7 @@ def test_a_run_that_does_not_fit_fails_with_one_line(tmp_path, capsys, monkeypat
     assert "1.0 MiB" in err and "--remat full" in err and "--lora-rank" in err
 
 
-def test_remat_reaches_the_model_and_config_json(tmp_path, shared_data_dir, monkeypatch, restore_jax_cache_config):
+def test_remat_reaches_the_model_and_config_json(tmp_path, data_dir, monkeypatch, restore_jax_cache_config):
     seen = {}
 
     class Loaded(Exception):
@@ -103,7 +103,7 @@ def test_remat_reaches_the_model_and_config_json(tmp_path, shared_data_dir, monk
 
     monkeypatch.setattr(runner.pm, "from_pretrained", from_pretrained)
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
-    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    gsm8k = os.path.join(data_dir, "gsm8k")
     out = tmp_path / "run"
     with pytest.raises(Loaded):
         cli.main("gsm8k", ["--model", checkpoint, "--data", os.path.join(gsm8k, "train.jsonl"),

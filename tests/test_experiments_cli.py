@@ -37,8 +37,8 @@ def run_cli(args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, shared_data_dir, tmp_path):
-    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_path):
+    gsm8k = os.path.join(data_dir, "gsm8k")
     out = str(tmp_path / "run")
     common = ["--model", checkpoint, "--data", os.path.join(gsm8k, "train.jsonl"),
               "--eval-data", os.path.join(gsm8k, "test.jsonl"), "--eval-limit", "8", "--mesh", "8",
@@ -100,10 +100,10 @@ def test_bad_flags_give_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert not out.exists()  # nothing written for a bad command
 
 
-def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, shared_data_dir, tmp_path, capsys):
+def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, data_dir, tmp_path, capsys):
     from experiments import compare
 
-    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    gsm8k = os.path.join(data_dir, "gsm8k")
     out = tmp_path / "cmp"
     flags = ["--methods", "grpo,pods", "--seeds", "0,1", "--out", str(out), "--model", checkpoint,
              "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data", os.path.join(gsm8k, "test.jsonl"),
@@ -141,7 +141,7 @@ def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, t
         assert not (out / "tiny_warmup").exists()  # the shared warm-up was used
 
 
-def test_a_chat_template_that_fails_gives_one_line_and_exit_2(checkpoint, shared_data_dir, tmp_path):
+def test_a_chat_template_that_fails_gives_one_line_and_exit_2(checkpoint, data_dir, tmp_path):
     broken = tmp_path / "broken_ckpt"
     shutil.copytree(checkpoint, broken)
     jinja = broken / "chat_template.jinja"
@@ -152,7 +152,7 @@ def test_a_chat_template_that_fails_gives_one_line_and_exit_2(checkpoint, shared
         config = json.loads(config_path.read_text())
         config["chat_template"] = "{{ messages | no_such_filter }}"
         config_path.write_text(json.dumps(config))
-    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    gsm8k = os.path.join(data_dir, "gsm8k")
     done = run_cli(["--model", str(broken), "--data", os.path.join(gsm8k, "train.jsonl"),
                     "--eval-data", os.path.join(gsm8k, "test.jsonl"), "--max-steps", "1", "--no-progress",
                     "--reward-workers", "1", "--out", str(tmp_path / "run")])
@@ -178,7 +178,7 @@ class TrainerBuilt(Exception):
 
 
 def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_and_a_resume(
-        checkpoint, shared_data_dir, tmp_path, capsys, monkeypatch):
+        checkpoint, data_dir, tmp_path, capsys, monkeypatch):
     from podsjax import loop
     from podsjax.rewards import format_score_reward
 
@@ -190,7 +190,7 @@ def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_
 
     monkeypatch.setattr(loop, "Trainer", trainer)
     out = tmp_path / "run"
-    flags = ["--setting", "a", "--model", checkpoint, "--dataset", os.path.join(shared_data_dir, "gsm8k"),
+    flags = ["--setting", "a", "--model", checkpoint, "--dataset", os.path.join(data_dir, "gsm8k"),
              "--max-completion-length", "8", "--mesh", "8", "--no-compile-cache", "--out", str(out)]
     with pytest.raises(TrainerBuilt):
         cli.main("gsm8k", flags)

@@ -120,11 +120,11 @@ def _size_kb(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(path) for f in names) // 1024
 
 
-def test_a_full_disk_stops_with_one_line_and_resume_is_exact(tmp_path, shared_data_dir):
+def test_a_full_disk_stops_with_one_line_and_resume_is_exact(tmp_path, data_dir):
     """--out on a tmpfs too small for the run: one line, status 2; after room is made, --resume
     finishes with the same per-step losses as a run that never stopped."""
     model = save_tiny_checkpoint(tmp_path / "ckpt")
-    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    gsm8k = os.path.join(data_dir, "gsm8k")
     common = ["--model", model, "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data",
               os.path.join(gsm8k, "test.jsonl"), "--eval-limit", "4", "--method", "pods", "--n", "4", "--m", "2",
               "--prompts-per-step", "2", "--max-completion-length", "8", "--lora-rank", "2", "--eval-every", "1000",

@@ -12,11 +12,11 @@ from podsjax import data, dry_run, loop, metrics, prompts, train
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, shared_data_dir):
+def setup(tmp_path_factory, data_dir):
     checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("loop_ckpt"))
     tokenizer = prompts.load_tokenizer(checkpoint)
     model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
-    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    gsm8k = os.path.join(data_dir, "gsm8k")
     train_set = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=8).examples
     test_set = data.load_task("gsm8k", "test", path=os.path.join(gsm8k, "test.jsonl"), limit=2).examples
     return model, params, tokenizer, train_set, test_set
@@ -114,14 +114,14 @@ def test_each_program_compiles_once_and_the_console_says_so(setup, tmp_path):
     assert sum(line.startswith("eval at step") for line in lines) == 4  # before each step and at the end
 
 
-def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, shared_data_dir, tmp_path):
+def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_dir, tmp_path):
     from experiments import runner
     from podsjax import mesh as mesh_lib
 
     checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("fit_ckpt"))
     model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32, mesh=mesh_lib.make_mesh("8"))
     tokenizer = prompts.load_tokenizer(checkpoint)
-    gsm8k = os.path.join(shared_data_dir, "gsm8k")
+    gsm8k = os.path.join(data_dir, "gsm8k")
     example = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=1).examples
     run = loop.RunConfig(out_dir=str(tmp_path / "run"), max_steps=1, prompts_per_step=2, max_new_tokens=8,
                          max_prompt_length=256, eval_every_s=None, reward_workers=1, progress=False, console=False)

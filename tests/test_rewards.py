@@ -140,8 +140,8 @@ def _reference_gsm8k_gold(solution):
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
-def test_every_gsm8k_gold_extracts_to_the_right_number(shared_data_dir, split):
-    with open(os.path.join(shared_data_dir, "gsm8k", f"{split}.jsonl")) as handle:
+def test_every_gsm8k_gold_extracts_to_the_right_number(data_dir, split):
+    with open(os.path.join(data_dir, "gsm8k", f"{split}.jsonl")) as handle:
         solutions = [json.loads(line)["answer"] for line in handle]
     references = [_reference_gsm8k_gold(s) for s in solutions]
     assert [parse_gsm8k_gold(s) for s in solutions] == [Fraction(r) for r in references]
@@ -235,8 +235,8 @@ def test_math_accuracy_tags_and_edge_cases():
         math_accuracy(["x"])
 
 
-def test_every_math500_answer_verifies_and_a_perturbed_one_does_not(shared_data_dir):
-    with open(os.path.join(shared_data_dir, "math500", "test.jsonl")) as handle:
+def test_every_math500_answer_verifies_and_a_perturbed_one_does_not(data_dir):
+    with open(os.path.join(data_dir, "math500", "test.jsonl")) as handle:
         rows = [json.loads(line) for line in handle]
     answers = [row["answer"] for row in rows]
     # The reference solutions end in \boxed{answer}; math-verify must pick that box out of the prose.

@@ -12,12 +12,12 @@ from podsjax import data, grpo, prompts, rewards, selection
 from podsjax.sampling import generate
 
 
-def test_prompts_to_selected_advantages_on_gsm8k(tmp_path, shared_data_dir):
+def test_prompts_to_selected_advantages_on_gsm8k(tmp_path, data_dir):
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt")
     tokenizer = prompts.load_tokenizer(checkpoint)
     model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
 
-    task = data.load_task("gsm8k", "test", path=os.path.join(shared_data_dir, "gsm8k", "test.jsonl"), limit=2)
+    task = data.load_task("gsm8k", "test", path=os.path.join(data_dir, "gsm8k", "test.jsonl"), limit=2)
     batch = prompts.prepare_prompts(tokenizer, [e.prompt for e in task.examples], max_prompt_length=512)
     assert batch.num_dropped == 0 and batch.ids_PL.shape[1] in prompts.Bucketing().lengths(512)  # bucketed length
     n, m = 6, 2
