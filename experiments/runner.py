@@ -17,6 +17,9 @@ from podsjax import rewards as rewards_lib
 from podsjax import dry_run as dry_run_lib
 from podsjax import mesh as mesh_lib
 from podsjax import models as pm
+from podsjax.models import peft_io
+
+ADAPTER_DIRNAME = "final_adapter"
 
 
 def _mesh(spec):
@@ -166,6 +169,11 @@ def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None
         final_params = trainer.state.params
     export_dir = os.path.join(out_dir, "final_model")
     pm.save_pretrained(model, final_params, export_dir, lora=state_lora, overwrite=True, tokenizer_from=checkpoint)
+    if state_lora is not None:  # the adapters alone too, for PEFT users: PeftModel.from_pretrained(base, dir)
+        adapter_dir = os.path.join(out_dir, ADAPTER_DIRNAME)
+        peft_io.save_peft_adapter(model, state_lora, adapter_dir, overwrite=True,
+                                  base_model_name_or_path=config["model"].get("hub_name") or checkpoint)
+        export_dir += f" (merged); PEFT adapter: {adapter_dir}"
     print_summary(config, history, int(trainer.state.step), trainer.host["elapsed_train_s"], time.time() - start,
                   export_dir)
     return 0

@@ -8,6 +8,7 @@ Example:
     >>> logits_BLV = model.apply({"params": params}, ids_BL, attention_mask=mask_BL)
     >>> lora = podsjax.models.init_lora(jax.random.key(0), model, LoraConfig(rank=64, alpha=64))
     >>> podsjax.models.save_pretrained(model, params, "/out/merged", lora=lora)
+    >>> podsjax.models.save_peft_adapter(model, lora, "/out/adapter")   # for PeftModel.from_pretrained
 """
 
 from podsjax.models.cache import KVCache, cache_shardings, decode_step, init_cache, prefill
@@ -22,6 +23,7 @@ from podsjax.models.config import (
 from podsjax.models.decoder import REMAT_POLICIES, Decoder, apply_rope, rope_inv_freq, rope_tables
 from podsjax.models.hf_io import CheckpointError, from_pretrained, load_params, save_pretrained, tensor_specs
 from podsjax.models.lora import DEFAULT_TARGETS, LoraConfig, LoraParams, init_lora, lora_logical_axes, merge_lora
+from podsjax.models.peft_io import save_peft_adapter
 from podsjax.models.params import abstract_params, init_params, param_logical_axes, param_shardings
 
 __all__ = [
@@ -29,5 +31,5 @@ __all__ = [
     "ModelConfig", "PRESETS", "REMAT_POLICIES", "SUPPORTED_ARCHITECTURES", "abstract_params", "apply_rope", "cache_shardings",
     "decode_step", "from_hf_config", "from_pretrained", "init_cache", "init_lora", "init_params", "load_params",
     "lora_logical_axes", "merge_lora", "param_logical_axes", "param_shardings", "prefill", "preset",
-    "rope_inv_freq", "rope_tables", "save_pretrained", "tensor_specs",
+    "rope_inv_freq", "rope_tables", "save_peft_adapter", "save_pretrained", "tensor_specs",
 ]
