@@ -85,6 +85,10 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--setting", help="one of the paper's settings a-f (sets every hyperparameter below; "
                                      "flags given beside it win)")
     p.add_argument("--method", choices=("grpo", "grpo-ga", "pods"), default="pods")
+    p.add_argument("--reward", action="append", default=[], metavar="NAME[=WEIGHT]",
+                   help="repeatable. accuracy, format or tag_count set the weight of the task's own rewards "
+                        "(0 keeps one as a metric only); a registered name or package.module:function adds "
+                        "your reward fn(completions, **columns) -> list[float] (weight 1 unless given)")
     p.add_argument("--rule", help="selection rule for pods (max_variance, max_reward, random, percentile)")
     p.add_argument("--n", type=int, help="rollouts generated per prompt (grpo: n = m)")
     p.add_argument("--m", type=int, help="rollouts trained per prompt (pods), micro-batch size (grpo-ga), "
@@ -298,10 +302,34 @@ def resolve_config(args, task: str) -> dict:
         model["dtype"] = args.dtype
     if args.mesh is not None:
         model["mesh"] = args.mesh
+    extra_rewards = _parse_rewards(args.reward, rewards)
     _validate(algo, run, task, args.out)
     return {"task": task, "model_path": args.model, "warmup_dir": args.warmup_dir, "warmup_steps": args.warmup_steps,
             "data": args.data, "eval_data": args.eval_data, "algorithm": algo, "run": run, "model": model,
-            "rewards": rewards}
+            "rewards": rewards, "extra_rewards": extra_rewards}
+
+
+_TASK_REWARDS = ("accuracy", "format", "tag_count")  # default_rewards' weights
+
+
+def _parse_rewards(specs: list[str], weights: dict) -> list[list]:
+    """``--reward`` values: the task's own names update ``weights``; others come back as [name, weight]."""
+    extra = []
+    for spec in specs:
+        name, equals, value = spec.partition("=")
+        try:
+            weight = float(value) if equals else 1.0
+        except ValueError:
+            raise UsageError(f"--reward {spec}: the weight after '=' must be a number") from None
+        if not math.isfinite(weight):
+            raise UsageError(f"--reward {spec}: the weight must be finite")
+        if not name:
+            raise UsageError(f"--reward {spec}: give a reward name or package.module:function")
+        if name in _TASK_REWARDS:
+            weights[name] = weight
+        else:
+            extra.append([name, weight])
+    return extra
 
 
 def _validate(algo: dict, run: dict, task: str, out: str) -> None:

@@ -111,14 +111,18 @@ def _configs(config, out_dir):
 
 
 def make_rewards(config: dict):
-    """The run's reward functions and weights: ``default_rewards(task, **config["rewards"])``.
+    """The run's reward functions and weights: ``default_rewards(task, **config["rewards"])``,
+    then the user's own (``config["extra_rewards"]``: ``[name or module:function, weight]`` pairs).
 
     Runs from before the config carried ``rewards`` used the defaults (weights 1, exact format).
     """
     try:
-        return rewards_lib.default_rewards(config["task"], **config.get("rewards", {}))
-    except (TypeError, ValueError) as exc:
-        raise UsageError(f"config rewards {config.get('rewards')}: {exc}") from None
+        defaults = rewards_lib.default_rewards(config["task"], **config.get("rewards", {}))
+        extra = tuple(rewards_lib.WeightedReward(name, weight) for name, weight in config.get("extra_rewards", ()))
+        return rewards_lib.as_weighted((*defaults, *extra))
+    except (KeyError, TypeError, ValueError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise UsageError(f"--reward: {message}") from None
 
 
 def _check_rows(mesh, algo, run_config) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 import time
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -58,11 +59,23 @@ def register_reward(name: str, fn: RewardFn) -> None:
 
 
 def get_reward(name: str) -> RewardFn:
-    """Returns the registered reward function called ``name``."""
-    try:
+    """The reward function called ``name``: a registered name, or ``"package.module:function"``.
+
+    A ``module:function`` is imported here, and again by each ``RewardPool`` worker, so it
+    must be importable from the working directory or the installed packages.
+    """
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown reward {name!r}; known: {sorted(_REGISTRY)}") from None
+    module_name, colon, attribute = name.partition(":")
+    if not colon:
+        raise KeyError(f"unknown reward {name!r}; known: {sorted(_REGISTRY)}, or give package.module:function")
+    try:
+        fn = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"reward {name!r} cannot be imported ({type(exc).__name__}: {exc})") from None
+    if not callable(fn):
+        raise KeyError(f"reward {name!r} is not a function")
+    return fn
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
