@@ -82,6 +82,10 @@ def build_parser(task: str) -> argparse.ArgumentParser:
                                      ".parquet): both splits at once, instead of --data and --eval-data")
     p.add_argument("--data", help="local .jsonl/.parquet file or directory for the train split (default: the Hub)")
     p.add_argument("--eval-data", help="local file or directory for the test split (default: the Hub)")
+    p.add_argument("--prompt-column", help="your dataset's column holding the prompt (default: the task's own, "
+                                           "question for gsm8k, problem for math and chemistry)")
+    p.add_argument("--answer-column", help="your dataset's column holding the gold answer (default: answer); "
+                                           "for gsm8k a bare number or a solution ending in '#### N'")
     p.add_argument("--setting", help="one of the paper's settings a-f (sets every hyperparameter below; "
                                      "flags given beside it win)")
     p.add_argument("--method", choices=("grpo", "grpo-ga", "pods"), default="pods")
@@ -306,7 +310,15 @@ def resolve_config(args, task: str) -> dict:
     _validate(algo, run, task, args.out)
     return {"task": task, "model_path": args.model, "warmup_dir": args.warmup_dir, "warmup_steps": args.warmup_steps,
             "data": args.data, "eval_data": args.eval_data, "algorithm": algo, "run": run, "model": model,
-            "rewards": rewards, "extra_rewards": extra_rewards}
+            "rewards": rewards, "extra_rewards": extra_rewards, "data_columns": _data_columns(args, task)}
+
+
+def _data_columns(args, task: str) -> dict[str, str]:
+    """The task's fields read from the user's columns (``data.load_task(columns=...)``)."""
+    from podsjax.data import PROMPT_FIELD
+
+    columns = {PROMPT_FIELD[task]: args.prompt_column, "answer": args.answer_column}
+    return {field: column for field, column in columns.items() if column}
 
 
 _TASK_REWARDS = ("accuracy", "format", "tag_count")  # default_rewards' weights

@@ -36,13 +36,14 @@ def _mesh(spec):
 
 
 def _load_tasks(config):
-    return tuple(_load_split(config["task"], split, config[key]) for split, key in (("train", "data"),
-                                                                                   ("test", "eval_data")))
+    columns = config.get("data_columns") or None
+    return tuple(_load_split(config["task"], split, config[key], columns) for split, key in (("train", "data"),
+                                                                                            ("test", "eval_data")))
 
 
-def _load_split(task: str, split: str, path: str | None):
+def _load_split(task: str, split: str, path: str | None, columns: dict | None = None):
     try:
-        return data.load_task(task, split, path=path).examples
+        return data.load_task(task, split, path=path, columns=columns).examples
     except data.DataError as exc:
         hint = "" if path is not None else " (on the command line: --dataset DIR, or --data and --eval-data)"
         raise UsageError(f"{exc}{hint}") from None

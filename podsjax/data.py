@@ -162,9 +162,12 @@ def _gsm8k_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
     question = _text(row, "question")
     solution = _text(row, "answer")
     marker = solution.rfind(GSM8K_MARKER)
-    if marker < 0:
-        raise DataError("answer has no '####' final-answer marker")
-    final = solution[marker + len(GSM8K_MARKER):]
+    if marker >= 0:
+        final = solution[marker + len(GSM8K_MARKER):]
+    elif parse_number(solution.strip()) is not None:  # a dataset of bare final answers ("42")
+        final = solution
+    else:
+        raise DataError("answer has no '####' final-answer marker and is not a bare number")
     numbers = find_numbers(final)
     if not numbers or parse_number(numbers[0]) is None:
         raise DataError(f"no number after '####': {final.strip()[:40]!r}")
@@ -228,6 +231,20 @@ def _chemistry_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
     extra = {k: v for k, v in row.items() if k not in (problem_field, answer_field)}
     extra.update(problem=problem, unit=unit)
     return chemistry_question(problem, unit), str(answer).strip(), extra
+
+
+# Each task's prompt field, which --prompt-column maps a dataset's own column onto.
+PROMPT_FIELD = {"gsm8k": "question", "math": "problem", "chemistry": "problem"}
+
+
+def _renamed(row: Mapping[str, Any], columns: Mapping[str, str]) -> dict[str, Any]:
+    """``row`` with each task field taken from the user's column (``columns``: field -> column)."""
+    out = dict(row)
+    for field, column in columns.items():
+        if column not in row:
+            raise DataError(f"missing column {column!r} (read as the task's {field!r})")
+        out[field] = out.pop(column)
+    return out
 
 
 _ROW_RULES: dict[str, Callable[[Mapping[str, Any]], tuple[str, str, dict[str, Any]]]] = {
@@ -418,6 +435,7 @@ def load_task(
     limit: int | None = None,
     cache_dir: str | None = None,
     max_skipped_reasons: int = 20,
+    columns: Mapping[str, str] | None = None,
 ) -> Task:
     """Loads a split of GSM8K, MATH or chemistry.
 
@@ -432,6 +450,9 @@ def load_task(
         limit: keep at most this many examples (the first ones).
         cache_dir: the ``datasets`` cache directory for Hub loads.
         max_skipped_reasons: how many skip reasons ``Task.skipped`` keeps.
+        columns: the task's fields read from other columns of your data, e.g.
+            ``{"question": "prompt", "answer": "final"}`` (``PROMPT_FIELD`` names each
+            task's prompt field).
 
     Returns:
         A Task.
@@ -474,7 +495,7 @@ def load_task(
                 raise DataError(f"row is a JSON {kind}, not an object")
             if not _valid_text(row):
                 raise DataError("text is not valid UTF-8 (undecodable bytes or a lone \\u surrogate escape)")
-            prompt, answer, extra = rule(row)
+            prompt, answer, extra = rule(_renamed(row, columns) if columns else row)
             if len(prompt) > MAX_ROW_CHARS:
                 raise DataError(f"prompt is {len(prompt)} characters, over the limit of {MAX_ROW_CHARS}")
             examples.append(Example(prompt, answer, extra, where))

@@ -105,7 +105,7 @@ def test_parquet(tmp_path):
 _GOOD = {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}
 _BAD_ROWS = [
     ({"answer": "#### 4"}, "missing field 'question'"),
-    ({"question": "Q?", "answer": "4"}, "no '####'"),
+    ({"question": "Q?", "answer": "2 + 2 is four"}, "no '####'"),
     ({"question": "   ", "answer": "#### 4"}, "field 'question' is empty"),
     ({"question": "Q?", "answer": "#### four"}, "no number after '####'"),
     ({"question": 7, "answer": "#### 4"}, "field 'question' is int"),
@@ -226,3 +226,15 @@ def test_reward_columns_repeat_each_example_per_sample():
     }
     with pytest.raises(DataError, match="empty answer"):
         Example("q", " ")
+
+
+def test_your_own_columns_and_bare_final_answers(tmp_path):
+    rows = [{"prompt": "One plus one?", "final": "2", "id": 7}, {"prompt": "Half of 3?", "final": "1.5", "id": 8}]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = load_task("gsm8k", "train", path, columns={"question": "prompt", "answer": "final"})
+    assert [(e.prompt, e.answer, e.columns["id"]) for e in task] == [("One plus one?", "2", 7), ("Half of 3?", "1.5", 8)]
+    with pytest.raises(DataError, match=r"mine\.jsonl:1: missing column 'question_text' \(read as the task's 'question'\)"):
+        load_task("gsm8k", "train", path, columns={"question": "question_text", "answer": "final"})
+    math_task = load_task("math", "train", path, columns={"problem": "prompt", "answer": "final"})
+    assert [e.answer for e in math_task] == ["2", "1.5"]

@@ -160,9 +160,10 @@ def test_empty_parquet_is_an_error_naming_it(tmp_path):
 
 
 def test_every_row_skipped_is_an_error_with_the_first_reason(tmp_path):
-    path = _write(tmp_path / "rows.jsonl", [{"question": "Q?", "answer": "4"}, b"not json"])
+    path = _write(tmp_path / "rows.jsonl", [{"question": "Q?", "answer": "four"}, b"not json"])
     message = _one_line_error("gsm8k", "test", path, on_bad_row="skip")
-    assert message == f"no usable gsm8k rows in {path} (2 skipped: {path}:1: answer has no '####' final-answer marker)"
+    assert message == (f"no usable gsm8k rows in {path} (2 skipped: {path}:1: answer has no '####' final-answer "
+                       "marker and is not a bare number)")
     message = _one_line_error("gsm8k", "test", path, on_bad_row="skip", max_skipped_reasons=0)
     assert message == f"no usable gsm8k rows in {path} (2 skipped)"
 

@@ -42,3 +42,19 @@ def test_bad_rewards_are_one_line_before_anything_is_written(tmp_path, capsys, f
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not out.exists()
+
+
+def test_your_own_dataset_columns_reach_the_loader(tmp_path):
+    import json
+
+    rows = [{"prompt": f"What is {i} + {i}?", "final": str(2 * i)} for i in range(3)]
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = _config(tmp_path, "--data", str(tmp_path), "--eval-data", str(tmp_path), "--prompt-column", "prompt",
+                     "--answer-column", "final")
+    assert config["data_columns"] == {"question": "prompt", "answer": "final"}
+    train, test = runner._load_tasks(config)
+    assert [(e.prompt, e.answer) for e in test] == [(r["prompt"], r["final"]) for r in rows]
+    without = _config(tmp_path, "--data", str(tmp_path), "--eval-data", str(tmp_path))
+    with pytest.raises(cli.UsageError, match="missing field 'question'"):
+        runner._load_tasks(without)
