@@ -20,6 +20,7 @@ from podsjax import models as pm
 from podsjax.models import peft_io
 
 ADAPTER_DIRNAME = "final_adapter"
+BEST_MODEL_DIRNAME = "best_model"
 
 
 def _mesh(spec):
@@ -179,6 +180,13 @@ def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None
         peft_io.save_peft_adapter(model, state_lora, adapter_dir, overwrite=True,
                                   base_model_name_or_path=config["model"].get("hub_name") or checkpoint)
         export_dir += f" (merged); PEFT adapter: {adapter_dir}"
+    best = trainer.best.restore(trainer.state.params) if trainer.best is not None else None
+    if best is not None:
+        best_dir = os.path.join(out_dir, BEST_MODEL_DIRNAME)
+        base, lora = (params, best) if lora is not None else (best, None)
+        pm.save_pretrained(model, base, best_dir, lora=lora, overwrite=True, tokenizer_from=checkpoint)
+        export_dir += (f"\nbest model ({trainer.best.accuracy:.1%} at step {trainer.best.step}; "
+                       f"chosen on the eval split): {best_dir}")
     print_summary(config, history, int(trainer.state.step), trainer.host["elapsed_train_s"], time.time() - start,
                   export_dir)
     return 0

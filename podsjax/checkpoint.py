@@ -419,6 +419,11 @@ class Checkpointer:
             if np.dtype(s.dtype) != np.dtype(t.dtype):
                 raise CheckpointMismatch(f"{where}: leaf {p!r} has dtype {np.dtype(s.dtype)}, target expects {np.dtype(t.dtype)}")
 
+    def delete(self, step: int) -> None:
+        """Deletes the checkpoint of ``step`` (after any pending save has committed)."""
+        self._manager.wait_until_finished()
+        self._manager.delete(int(step))
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def wait_until_finished(self) -> None:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from podsjax import best as best_lib
 from podsjax import checkpoint as ckpt_lib
 from podsjax import compilation
 from podsjax import data as data_lib
@@ -65,6 +66,9 @@ class RunConfig:
     A non-finite loss or gradient skips its update (params and moments stay as they
     were; ``train/skipped`` counts it); ``max_nonfinite_updates`` of them in a row stop
     the run with :class:`TrainingDiverged`, leaving the last checkpoint as it was.
+
+    With ``keep_best`` every evaluation that beats the earlier ones saves the policy
+    (``podsjax.best``), so the run can export its best policy as well as its last.
     """
 
     out_dir: str
@@ -93,6 +97,7 @@ class RunConfig:
     console: bool = True
     progress_every_s: float = 30.0
     max_nonfinite_updates: int = 3
+    keep_best: bool = True
 
     def __post_init__(self):
         for name in ("time_budget_s", "eval_every_s", "checkpoint_every_s", "reward_timeout_s", "progress_every_s",
@@ -246,6 +251,7 @@ class Trainer:
             _rewind_logs(run.out_dir, dict.fromkeys(_LOGS, 0))
         self.state, self.host = state, host
         self.stream = DataStream(train_examples, run.seed, host["data_position"])
+        self.best = best_lib.BestPolicy(run.out_dir, self.host, restored) if run.keep_best else None
         self.writer = metrics_lib.MetricsWriter(run.out_dir, resume_step=restored)
         self.pool = rewards_lib.RewardPool(run.reward_workers, timeout_s=run.reward_timeout_s)
         self._compiled_once = False
@@ -483,6 +489,8 @@ class Trainer:
                     history.append(evaluation)
                     _append_history(self.run_config.out_dir, evaluation)
                     self.log(_eval_line(evaluation, run))
+                    if self.best is not None:
+                        self.best.offer(evaluation["step"], evaluation["eval/accuracy"], self.state.params)
                 if self.done():
                     break
                 scalars = self.train_step()
@@ -500,13 +508,17 @@ class Trainer:
                 elif not bar.enabled:
                     lines.update(step, lambda: self._progress_line(step, scalars, accuracy), force=self.done())
                 # Saved before the next step donates the state's buffers.
-                self.checkpointer.save(step, self.state, self._host_with_log_sizes())
-            self.checkpointer.save(int(self.state.step), self.state, self._host_with_log_sizes(), force=True)
+                self._save_checkpoint(step)
+            self._save_checkpoint(int(self.state.step), force=True)
         finally:
             bar.close()
             self._bar = None
             self.close()
         return history
+
+    def _save_checkpoint(self, step: int, force: bool = False) -> None:
+        if self.checkpointer.save(step, self.state, self._host_with_log_sizes(), force=force) and self.best is not None:
+            self.best.checkpoint_started()
 
     def _check_finite(self, step: int, scalars: dict[str, float]) -> None:
         """Counts skipped (non-finite) updates in a row; too many stop the run before the next save."""
@@ -535,6 +547,9 @@ class Trainer:
 
     def close(self):
         self.checkpointer.close()
+        if self.best is not None:
+            self.best.checkpoints_committed()
+            self.best.close()
         self.writer.close()
         self.pool.close()
 

@@ -56,6 +56,7 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     assert os.path.isfile(os.path.join(out, "final_model", "config.json"))
     adapter = json.load(open(os.path.join(out, "final_adapter", "adapter_config.json")))  # LoRA: PEFT's format too
     assert (adapter["r"], adapter["base_model_name_or_path"]) == (2, checkpoint)
+    assert os.path.isfile(os.path.join(out, "best_model", "config.json")) and "best model (" in first.stdout
     assert os.path.isfile(os.path.join(out, "metrics.jsonl"))
 
     # The same directory again without --resume is refused, and nothing changes.

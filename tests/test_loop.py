@@ -3,12 +3,16 @@
 import json
 import os
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
+from podsjax import checkpoint as ckpt_lib
 from podsjax import data, dry_run, loop, metrics, prompts, train
+from podsjax import mesh as mesh_lib
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +246,34 @@ def test_updates_that_stay_non_finite_stop_the_run_with_one_line(setup, tmp_path
     assert "\n" not in str(error.value) and "the last checkpoint is step 2" in str(error.value)
     # The steps before the third were saved (checkpoint_every_steps=1); the third was not.
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1", "2"]
+
+
+def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    accuracies = iter([0.1, 0.5, 0.3, 0.2, 0.6])
+
+    def scripted_eval(self):
+        return {"eval/accuracy": next(accuracies), "eval/examples": 2.0}
+
+    monkeypatch.setattr(loop.Trainer, "evaluate", scripted_eval)
+    trainer = make_trainer(setup, out, max_steps=3)
+    trainer.run()  # evaluations at steps 0..3: 0.1, 0.5, 0.3, 0.2
+    assert (trainer.best.step, trainer.best.accuracy) == (1, 0.5)
+    assert sorted(os.listdir(out / "best")) == ["1"]  # older bests pruned once a checkpoint recorded step 1
+    best = trainer.best.restore(trainer.state.params)
+    with ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(str(out / "checkpoints"), keep_last=None)) as ck:
+        at_step_1, _ = ck.restore(jax.tree.map(mesh_lib.abstract, trainer.state), step=1)
+    for got, want in zip(jax.tree.leaves(best), jax.tree.leaves(at_step_1.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not all(np.array_equal(np.asarray(a), np.asarray(b))  # step 3's params differ: a real choice
+                   for a, b in zip(jax.tree.leaves(best), jax.tree.leaves(trainer.state.params)))
+
+    accuracies = iter([0.4, 0.6])  # the resumed run evaluates at step 3 again, then at 4, which beats 0.5
+    monkeypatch.setattr(loop.Trainer, "evaluate", scripted_eval)
+    resumed = make_trainer(setup, out, max_steps=4)
+    assert (resumed.best.step, resumed.best.accuracy) == (1, 0.5)
+    resumed.run()
+    assert (resumed.best.step, resumed.best.accuracy) == (4, 0.6)
+    # The last checkpoint (step 4, saved before its evaluation) still records step 1 as the best,
+    # so that one stays on disk until a later checkpoint records step 4.
+    assert sorted(os.listdir(out / "best")) == ["1", "4"]
