@@ -118,14 +118,6 @@ class Task:
     def __getitem__(self, index):
         return self.examples[index]
 
-    def reward_columns(self, indices: Sequence[int], num_samples: int = 1) -> dict[str, list[Any]]:
-        """Columns for a reward call on examples ``indices``, each repeated ``num_samples`` times.
-
-        Completions are laid out prompt-major ([P * N], the N samples of a prompt
-        adjacent), so this repeats each example's values N times in a row.
-        """
-        return reward_columns([self.examples[i] for i in indices], num_samples)
-
 
 def reward_columns(examples: Sequence[Example], num_samples: int = 1) -> dict[str, list[Any]]:
     """Builds reward-function columns ([P * num_samples] lists) from examples.

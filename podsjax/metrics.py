@@ -8,10 +8,8 @@ the restored checkpoint and moves the cut records to ``<log>.superseded``
   ``{"step": s, "wall_time": t, "<name>": value, ...}``. Nested dicts are flattened with
   ``/`` (``{"reward": {"mean": 1}}`` -> ``"reward/mean"``). Non-finite floats (NaN, +-inf)
   are written as ``null`` so every line is strict JSON; TensorBoard gets the real value.
-- ``samples.jsonl`` (and ``samples/*.parquet`` with ``parquet=True``): completion samples.
-- ``events.out.tfevents.*``: TensorBoard scalars. The records are encoded here (TFRecord
-  framing + the few ``Event`` protobuf fields needed), so neither TensorFlow nor
-  tensorboardX is a runtime dependency.
+- ``samples.jsonl``: completion samples.
+- ``events.out.tfevents.*``: TensorBoard scalars, through tensorboardX.
 
 A writer opened with ``resume_step=S`` appends a marker ``{"event": "resume", "step": S}``;
 :func:`read_jsonl` then drops the earlier run's records with ``step > S`` (they were
@@ -27,8 +25,6 @@ import contextlib
 import json
 import math
 import os
-import socket
-import struct
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -120,95 +116,17 @@ def read_jsonl(path: str | os.PathLike, *, apply_resumes: bool = True) -> list[d
 
 # -- TensorBoard event file ------------------------------------------------------------
 
-def _crc32c_of_byte(crc: int) -> int:
-    for _ in range(8):
-        crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
-    return crc
-
-
-_CRC_TABLE = [_crc32c_of_byte(i) for i in range(256)]  # CRC-32C (Castagnoli), as TFRecord uses
-
-
-def _masked_crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    crc ^= 0xFFFFFFFF
-    # TFRecord masks the CRC so that CRCs of data containing CRCs stay well distributed.
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # protobuf int64 encodes negatives as 10-byte two's complement
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:  # length-delimited field (wire type 2)
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _float32_le(value: float) -> bytes:
-    with np.errstate(over="ignore"):  # beyond float32 range becomes +-inf, like TF does
-        return np.asarray(value, dtype="<f4").tobytes()
-
-
-def _event(wall_time: float, step: int, body: bytes) -> bytes:
-    # Event: wall_time=1 (double), step=2 (int64), then one of file_version=3,
-    # summary=5, session_log=7 already encoded in `body`.
-    return b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step) + body
-
-
-class _EventFile:
-    """Appends scalar summaries to a fresh ``events.out.tfevents.*`` file."""
-
-    def __init__(self, logdir: str, purge_step: int | None):
-        # TensorBoard reads a directory's files in name order: seconds, then zero-padded ns.
-        secs, nanos = divmod(time.time_ns(), 10**9)
-        name = f"events.out.tfevents.{secs}.{socket.gethostname()}.{os.getpid()}.{nanos:09d}"
-        self.path = os.path.join(logdir, name)
-        self._f = open(self.path, "ab")
-        now = time.time()
-        self._record(_event(now, 0, _field(3, b"brain.Event:2")))
-        if purge_step is not None:
-            # SessionLog(status=START) at step S makes TensorBoard hide older events >= S.
-            self._record(_event(now, purge_step, _field(7, b"\x08\x01")))
-        self._f.flush()
-
-    def _record(self, data: bytes) -> None:
-        header = struct.pack("<Q", len(data))
-        self._f.write(header + struct.pack("<I", _masked_crc32c(header)) + data
-                      + struct.pack("<I", _masked_crc32c(data)))
-
-    def scalars(self, step: int, values: Mapping[str, float], wall_time: float) -> None:
-        # Summary.value=1 -> Value{tag=1 (string), simple_value=2 (float32)}.
-        summary = b"".join(
-            _field(1, _field(1, tag.encode("utf-8")) + b"\x15" + _float32_le(value))
-            for tag, value in values.items()
-        )
-        self._record(_event(wall_time, step, _field(5, summary)))
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
 # -- writer ----------------------------------------------------------------------------
 
 
 class MetricsWriter:
-    """Appends per-step scalars to JSONL and TensorBoard, and samples to JSONL/parquet.
+    """Appends per-step scalars to JSONL and TensorBoard, and samples to JSONL.
 
     Args:
         out_dir: directory for all files (created if missing).
         tensorboard: also write a TensorBoard event file.
         jsonl_name: metrics file name inside ``out_dir``.
         samples_name: samples file name inside ``out_dir``.
-        parquet: also write each :meth:`write_samples` call to ``samples/*.parquet``.
         resume_step: the checkpoint step a resumed run restarted from (see module doc).
         enabled: False makes every method a no-op; pass ``jax.process_index() == 0`` so
             only one host of a multi-host run writes.
@@ -217,14 +135,13 @@ class MetricsWriter:
 
     def __init__(self, out_dir: str | os.PathLike, *, tensorboard: bool = True,
                  jsonl_name: str = "metrics.jsonl", samples_name: str = "samples.jsonl",
-                 parquet: bool = False, resume_step: int | None = None, enabled: bool = True,
+                 resume_step: int | None = None, enabled: bool = True,
                  clock: Callable[[], float] = time.time):
         self.out_dir = os.fspath(out_dir)
         self.enabled = enabled
-        self.parquet = parquet
         self._clock = clock
         self._files: dict[str, Any] = {}
-        self._events: _EventFile | None = None
+        self._events: Any = None  # tensorboardX.SummaryWriter
         self._closed = False
         self.metrics_path = os.path.join(self.out_dir, jsonl_name)
         self.samples_path = os.path.join(self.out_dir, samples_name)
@@ -237,7 +154,12 @@ class MetricsWriter:
                 if os.path.exists(path):
                     self._append(path, marker)
         if tensorboard:
-            self._events = _EventFile(self.out_dir, None if resume_step is None else int(resume_step) + 1)
+            from tensorboardX import SummaryWriter
+
+            # purge_step: TensorBoard hides the earlier run's events from the redone steps on.
+            # The suffix keeps a resumed run's file apart from one opened in the same second.
+            self._events = SummaryWriter(self.out_dir, purge_step=None if resume_step is None else int(resume_step) + 1,
+                                         flush_secs=10, filename_suffix=f".{os.getpid()}.{time.time_ns() % 10**9:09d}")
 
     def _append(self, path: str, record: Mapping[str, Any]) -> None:
         if self._closed:
@@ -278,8 +200,9 @@ class MetricsWriter:
         record = {"step": int(step), "wall_time": wall_time, **{k: _finite_or_none(v) for k, v in flat.items()}}
         if self.enabled:
             self._append(self.metrics_path, record)
-            if self._events is not None and flat:
-                self._events.scalars(int(step), {k: float(v) for k, v in flat.items()}, wall_time)
+            if self._events is not None:
+                for name, value in flat.items():
+                    self._events.add_scalar(name, float(value), int(step), walltime=wall_time)
         return record
 
     def write_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
@@ -298,18 +221,6 @@ class MetricsWriter:
             return
         for row in rows:
             self._append(self.samples_path, row)
-        if self.parquet:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            folder = os.path.join(self.out_dir, "samples")
-            os.makedirs(folder, exist_ok=True)
-            base = os.path.join(folder, f"step{int(step):09d}")
-            path, n = base + ".parquet", 1
-            while os.path.exists(path):  # a resumed run redoing a step keeps both files
-                path, n = f"{base}-{n}.parquet", n + 1
-            pq.write_table(pa.Table.from_pylist(rows), path + ".tmp")
-            os.replace(path + ".tmp", path)  # readers never see half a file
 
     def close(self) -> None:
         """Flushes and closes all files. Idempotent."""
@@ -429,29 +340,6 @@ def print_line(line: str) -> None:
     print(line, file=sys.stdout, flush=True)
 
 
-class Stopwatch:
-    """Measures one interval: ``with Stopwatch() as sw: ...``, then ``sw.seconds``."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self._clock = clock
-        self._start: float | None = None
-        self._stop: float | None = None
-
-    def __enter__(self) -> Stopwatch:
-        self._start, self._stop = self._clock(), None
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop = self._clock()
-
-    @property
-    def seconds(self) -> float:
-        """Elapsed seconds (so far, if still running)."""
-        if self._start is None:
-            raise RuntimeError("Stopwatch was never started")
-        return (self._clock() if self._stop is None else self._stop) - self._start
-
-
 class PhaseTimer:
     """Accumulates seconds per named phase (generation, scoring, selection, update)."""
 
@@ -473,12 +361,6 @@ class PhaseTimer:
 
     def totals(self) -> dict[str, float]:
         return dict(self._seconds)
-
-    def pop(self, prefix: str = "time/") -> dict[str, float]:
-        """Returns ``{prefix + phase: seconds}`` and resets, ready for the next step."""
-        out = {prefix + k: v for k, v in self._seconds.items()}
-        self._seconds.clear()
-        return out
 
 
 def tokens_per_second(num_tokens: Any, seconds: float) -> float:

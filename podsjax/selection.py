@@ -337,12 +337,6 @@ def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
     return jnp.any(indices[..., :, None] == positions_N, axis=-2)
 
 
-def subset_variance(rewards: jax.Array, indices: jax.Array) -> jax.Array:
-    """Population variance of the selected rewards per group: [..., N], [..., M] -> [...]."""
-    chosen = jnp.take_along_axis(jnp.asarray(rewards), indices, axis=-1)
-    return jnp.var(chosen, axis=-1)
-
-
 for _name, _fn, _needs_key in (
     ("max_variance", max_variance, False),
     ("max_reward", max_reward, False),

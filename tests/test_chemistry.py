@@ -164,7 +164,7 @@ def test_default_rewards_for_chemistry_through_the_task_columns(task):
     examples = list(task)
     completions = [tagged(e.answer) for e in examples for _ in range(2)]
     rewards = default_rewards("chemistry", format=0.01, tag_count=0.01, format_style="score")
-    scores = score_rewards(completions, rewards, **task.reward_columns(range(len(examples)), 2))
+    scores = score_rewards(completions, rewards, **data.reward_columns(examples, 2))
     assert scores.per_function["accuracy"].tolist() == [1.0] * len(completions)
     # format_score 1 (nothing outside the tags) and four tags: 1 + 0.01 + 0.01.
     assert scores.total_B.tolist() == pytest.approx([1.02] * len(completions))

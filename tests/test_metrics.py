@@ -4,14 +4,13 @@ import glob
 import io
 import json
 import math
-import os
 import struct
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from podsjax.metrics import (MetricsWriter, PhaseTimer, Progress, Stopwatch, flatten_metrics, read_jsonl,
+from podsjax.metrics import (MetricsWriter, PhaseTimer, Progress, flatten_metrics, read_jsonl,
                              to_jsonable, tokens_per_second)
 
 
@@ -105,19 +104,20 @@ def test_resume_appends_and_supersedes(tmp_path):
     files = sorted(glob.glob(str(tmp_path / "events.out.tfevents.*")))  # name order is creation order
     assert len(files) == 2
     second = read_events(files[1])
-    assert second[1].step == 3 and second[1].session_log.status == second[1].session_log.START
+    # tensorboardX marks the purge as the file-version event at step 3, which TensorBoard reads as
+    # "drop the earlier events from step 3 on".
+    assert second[1].file_version == "brain.Event:2" and second[1].step == 3
     assert [(s, t) for s, t, _ in scalars_of(second)] == [(3, "r"), (4, "r")]
 
 
-def test_samples_jsonl_and_parquet(tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet")
+def test_samples_jsonl(tmp_path):
     records = [
         {"prompt": "1+1?", "completion": "<answer>2</answer>", "rewards": {"accuracy": np.float32(1.0), "format": 0.5},
          "selected": np.bool_(True), "logprobs": jnp.array([-0.5, -1.0])},
         {"prompt": "1+1?", "completion": "3", "rewards": {"accuracy": 0.0, "format": float("nan")},
          "selected": False, "logprobs": np.array([-2.0, -0.25])},
     ]
-    with MetricsWriter(tmp_path, tensorboard=False, parquet=True) as w:
+    with MetricsWriter(tmp_path, tensorboard=False) as w:
         w.write_samples(5, records)
         w.write_samples(5, records[:1])  # same step again (e.g. after a resume): kept, not overwritten
         with pytest.raises(ValueError, match="sample 0 has a 'step' field"):
@@ -127,15 +127,10 @@ def test_samples_jsonl_and_parquet(tmp_path):
     assert rows[0] == {"step": 5, "prompt": "1+1?", "completion": "<answer>2</answer>",
                        "rewards": {"accuracy": 1.0, "format": 0.5}, "selected": True, "logprobs": [-0.5, -1.0]}
     assert rows[1]["rewards"] == {"accuracy": 0.0, "format": None} and rows[1]["selected"] is False
-    files = sorted(os.listdir(tmp_path / "samples"))
-    assert files == ["step000000005-1.parquet", "step000000005.parquet"]
-    table = pq.read_table(tmp_path / "samples" / "step000000005.parquet").to_pylist()
-    assert [r["completion"] for r in table] == ["<answer>2</answer>", "3"]
-    assert table[0]["rewards"]["accuracy"] == 1.0 and table[1]["selected"] is False
 
 
 def test_disabled_writer_writes_nothing(tmp_path):
-    with MetricsWriter(tmp_path / "off", enabled=False, parquet=True) as w:
+    with MetricsWriter(tmp_path / "off", enabled=False) as w:
         record = w.write(1, {"x": 1.5})
         w.write_samples(1, [{"a": 1}])
     assert record["x"] == 1.5
@@ -170,13 +165,6 @@ def test_timers_and_throughput():
         with timer.phase("generation"):
             raise RuntimeError("boom")  # still timed
     assert timer.totals() == {"generation": 2.5, "update": 0.25}
-    assert timer.pop() == {"time/generation": 2.5, "time/update": 0.25}
-    assert timer.totals() == {}
-
-    sw_ticks = iter([5.0, 7.25, 9.0]).__next__
-    with Stopwatch(clock=sw_ticks) as sw:
-        pass
-    assert sw.seconds == 2.25
     assert tokens_per_second(jnp.int32(300), 1.5) == 200.0
     assert math.isnan(tokens_per_second(10, 0.0))
 

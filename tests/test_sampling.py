@@ -143,7 +143,6 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
 
     _, model, params = tiny["qwen2_tied_gqa"]
     ids, mask = left_padded_prompts(5)
-    cfg = sampling.SamplingConfig(num_samples=16, max_new_tokens=4, temperature=1.0, eos_token_ids=(EOS,))
     jaxpr = jax.make_jaxpr(lambda p, i, m: sampling._prefill(model, 16, 4, p, None, i, m))(params, ids, mask)
 
     def dot_shapes(jaxpr):  # the layers run inside a scan: walk nested jaxprs too
