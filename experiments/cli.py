@@ -213,20 +213,21 @@ def _check_data(args) -> None:
 
 
 def mesh_device_count(spec: str | None) -> int:
+    """Devices a ``--mesh`` spec needs (parsed without importing JAX)."""
+    from podsjax.mesh_spec import parse_mesh_spec
+
     if spec is None:
         return 1
     try:
-        count = int(spec) if "=" not in spec else math.prod(int(part.split("=", 1)[1]) for part in spec.split(","))
-    except (ValueError, IndexError):
-        count = 0
-    if count < 1:
-        raise UsageError(f"--mesh {spec!r}: expected a count like 8 or axes like data=2,fsdp=4")
-    return count
+        return math.prod(parse_mesh_spec(spec, None).values())
+    except ValueError as exc:
+        raise UsageError(f"--mesh {spec!r}: {exc}") from None
 
 
 # Host devices are threads sharing the CPU's cores. On a loaded machine one of them can
-# reach a collective long after the others, and past XLA's default 40 s the process aborts.
-CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=1800"
+# reach a collective long after the others, and past XLA's default 40 s the process aborts;
+# 5 minutes tolerates that, and still ends a collective that will never complete.
+CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
 
 
 def host_device_flags(count: int, flags: str) -> str:

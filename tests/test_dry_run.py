@@ -92,7 +92,7 @@ def test_a_run_that_does_not_fit_fails_with_one_line(tmp_path, capsys, monkeypat
 def test_remat_reaches_the_model_and_config_json(tmp_path, data_dir, monkeypatch, restore_jax_cache_config):
     seen = {}
 
-    class Loaded(Exception):
+    class Loaded(BaseException):  # past the CLI's handler for unexpected errors
         pass
 
     def from_pretrained(path, **kwargs):

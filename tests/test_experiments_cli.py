@@ -176,8 +176,10 @@ def test_a_dataset_directory_without_a_test_file_and_chemistry_without_data_name
     assert err.count("\n") == 1 and "--dataset DIR" in err and "--data and --eval-data" in err, err
 
 
-class TrainerBuilt(Exception):
-    """Raised by the stand-in Trainer: the run was wired up, and nothing needs to train."""
+class TrainerBuilt(BaseException):
+    """Raised by the stand-in Trainer: the run was wired up, and nothing needs to train.
+
+    A BaseException, so the CLI's handler for unexpected errors lets it through to the test."""
 
 
 def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_and_a_resume(
