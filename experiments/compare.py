@@ -116,13 +116,19 @@ def format_summary(rows, baseline, seeds) -> str:
     def times(x):
         return "never" if x == 0 else f"{x:.2f}x"
 
+    def interval(pair, fmt):
+        return "-" if any(math.isnan(x) for x in pair) else f"{fmt(pair[0])} to {fmt(pair[1])}"
+
     lines = [f"| method | peak accuracy (mean of {seeds} seeds) | time to 99% of {baseline}'s peak on the seed "
              f"(median) | speed-up vs {baseline} (median of per-seed ratios) | peak of the mean curve "
-             f"| time to 99% of {baseline}'s mean-curve peak | speed-up vs {baseline} (authors': mean curves) |",
-             "|---|---|---|---|---|---|---|"]
+             f"| time to 99% of {baseline}'s mean-curve peak | speed-up vs {baseline} (authors': mean curves) "
+             f"| peak, 95% CI over seeds | per-seed speed-up, 95% CI (geometric) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.label} | {r.peak:.1%} | {seconds(r.time_to_target)} | {times(r.speedup)} "
-                     f"| {r.mean_curve_peak:.1%} | {seconds(r.mean_curve_time)} | {times(r.mean_curve_speedup)} |")
+                     f"| {r.mean_curve_peak:.1%} | {seconds(r.mean_curve_time)} | {times(r.mean_curve_speedup)} "
+                     f"| {interval(r.peak_ci95, lambda x: f'{x:.1%}')} "
+                     f"| {interval(r.speedup_ci95, lambda x: f'{x:.2f}x')} |")
     return "\n".join(lines)
 
 

@@ -102,6 +102,30 @@ class MethodSummary:
     mean_curve_peak: float = math.nan  # best point of this method's mean curve
     mean_curve_time: float = math.inf  # first time its mean curve reaches 99% of the baseline mean curve's best
     mean_curve_speedup: float = 0.0  # the authors' estimator: baseline mean-curve time / this one; 0 if never
+    seed_peaks: tuple[float, ...] = ()  # per seed, the best accuracy
+    peak_ci95: tuple[float, float] = (math.nan, math.nan)  # Student-t interval of the mean peak over seeds
+    speedup_ci95: tuple[float, float] = (math.nan, math.nan)  # of the geometric-mean per-seed speed-up
+
+
+def ci95(values: Sequence[float]) -> tuple[float, float]:
+    """The two-sided 95% Student-t interval of the mean of ``values`` (NaNs with fewer than two)."""
+    values = np.asarray(values, np.float64)
+    if len(values) < 2:
+        return math.nan, math.nan
+    half = t_critical_95(len(values) - 1) * float(values.std(ddof=1)) / math.sqrt(len(values))
+    return float(values.mean()) - half, float(values.mean()) + half
+
+
+def ratio_ci95(ratios: Sequence[float]) -> tuple[float, float]:
+    """A 95% interval of the geometric mean of ratios (a t-interval of their logs, mapped back).
+
+    NaNs when a ratio is 0 ("never reached") or infinite: no interval of a mean covers those.
+    """
+    ratios = np.asarray(ratios, np.float64)
+    if not np.all(np.isfinite(ratios) & (ratios > 0)):
+        return math.nan, math.nan
+    low, high = ci95(np.log(ratios))
+    return math.exp(low), math.exp(high)
 
 
 def summarize(groups: Mapping[str, Sequence[Curve]], baseline: str, fraction: float = 0.99) -> list[MethodSummary]:
@@ -132,11 +156,11 @@ def summarize(groups: Mapping[str, Sequence[Curve]], baseline: str, fraction: fl
     for label, curves in groups.items():
         times = [c.first_time_reaching(t) for c, t in zip(curves, targets)]
         ratios = [_speedup(b, t) for b, t in zip(base_times, times)]
-        peak = float(np.mean([c.accuracy.max() for c in curves]))
+        peaks = tuple(float(c.accuracy.max()) for c in curves)
         mean_time = means[label].first_time_reaching(mean_target)
-        out.append(MethodSummary(label, peak, float(np.median(times)), float(np.median(ratios)),
+        out.append(MethodSummary(label, float(np.mean(peaks)), float(np.median(times)), float(np.median(ratios)),
                                  tuple(times), tuple(ratios), float(means[label].accuracy.max()), mean_time,
-                                 _speedup(mean_base_time, mean_time)))
+                                 _speedup(mean_base_time, mean_time), peaks, ci95(peaks), ratio_ci95(ratios)))
     return out
 
 

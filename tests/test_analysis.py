@@ -43,6 +43,16 @@ def test_speedup_to_99_percent_of_the_baseline_peak_per_seed():
     assert rows["pods"].peak == pytest.approx(0.5)
     assert rows["pods"].seed_times == (50, 40) and rows["pods"].seed_speedups == (4.0, 2.5)
     assert rows["slow"].time_to_target == math.inf and rows["slow"].speedup == 0.0
+    # Peaks 0.7 and 0.3: mean 0.5, sample std sqrt(0.08), t(0.975, 1) = 12.7062047.
+    half = 12.7062047 * math.sqrt(0.08) / math.sqrt(2)
+    assert rows["pods"].seed_peaks == (0.7, 0.3)
+    assert rows["pods"].peak_ci95 == pytest.approx((0.5 - half, 0.5 + half))
+    # Speed-ups 4 and 2.5: a t-interval of their logs, mapped back (geometric mean sqrt(10)).
+    logs = [math.log(4.0), math.log(2.5)]
+    log_half = 12.7062047 * abs(logs[0] - logs[1]) / math.sqrt(2) / math.sqrt(2)
+    assert rows["pods"].speedup_ci95 == pytest.approx((math.sqrt(10) * math.exp(-log_half),
+                                                        math.sqrt(10) * math.exp(log_half)))
+    assert all(math.isnan(x) for x in rows["slow"].speedup_ci95)  # "never" has no interval
     with pytest.raises(ValueError, match="baseline 'ppo' is not among"):
         analysis.summarize({"grpo": grpo}, "ppo")
     with pytest.raises(ValueError, match="same seeds"):
@@ -96,4 +106,4 @@ def test_compare_reports_both_estimators():
     pods = [curve([(0, 0.2), (50, 0.6), (200, 0.7)]), curve([(0, 0.1), (40, 0.3), (200, 0.3)])]
     table = format_summary(analysis.summarize({"grpo": grpo, "pods": pods}, "grpo"), "grpo", 2)
     assert "median of per-seed ratios" in table and "authors': mean curves" in table
-    assert "| pods | 50.0% | 45 s | 3.25x | 50.0% | 45 s | 4.44x |" in table
+    assert "| pods | 50.0% | 45 s | 3.25x | 50.0% | 45 s | 4.44x | -204.1% to 304.1% | 0.16x to 62.63x |" in table
