@@ -176,7 +176,7 @@ def abstract_state(model, algo: train.AlgorithmConfig, optimizer, lora_config: p
 
 def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int) -> train.TrainBatch:
     """The update's input batch, sharded over the batch axes when the rows split evenly."""
-    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = mesh_lib.shard_count(mesh, "batch")
 
     def struct(shape, dtype):
         sharding = None if mesh is None or rows % shards else mesh_lib.batch_sharding(mesh, len(shape))

@@ -266,7 +266,7 @@ def host_batch_to_global(local_batch: Any, mesh: Mesh) -> Any:
     mesh's batch axes, ready for a jitted step.
     """
 
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = shard_count(mesh, "batch")
 
     def globalize(x):
         x = np.asarray(x)
