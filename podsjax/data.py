@@ -39,7 +39,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from podsjax.rewards.chemistry import parse_reference
 from podsjax.rewards.gsm8k import GSM8K_MARKER
-from podsjax.rewards.text import find_numbers, last_boxed, normalize_number_text, parse_number
+from podsjax.rewards.mathverify import math_gold
+from podsjax.rewards.text import find_numbers, normalize_number_text, parse_number
 
 MATH_TRAIN_SUBJECTS = (
     "algebra",
@@ -178,10 +179,11 @@ def _math_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
     if not (isinstance(answer, str) and answer.strip()):
         if "answer" in row and "solution" not in row:
             raise DataError("field 'answer' is empty and there is no 'solution'")
-        boxed = last_boxed(_text(row, "solution")) if "solution" in row else None
-        if boxed is None or not boxed.strip():
-            raise DataError("no 'answer' field and no \\boxed{...} in 'solution'")
-        answer = boxed
+        solution = _text(row, "solution") if "solution" in row else None
+        try:
+            answer = math_gold(None, solution)  # the reward's own rule: the solution's last \boxed{}
+        except ValueError:
+            raise DataError("no 'answer' field and no \\boxed{...} in 'solution'") from None
     extra = {k: v for k, v in row.items() if k not in ("problem", "answer")}
     return problem, answer.strip(), extra
 
