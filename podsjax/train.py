@@ -348,7 +348,7 @@ def make_train_step(
         entropy = jnp.sum(entropy_BT * mb.completion_mask)
         return terms.numerator / denominator, (metrics, entropy)
 
-    def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator):
+    def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator, lr):
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
         def accumulate(carry, xs):
@@ -395,7 +395,7 @@ def make_train_step(
         metrics = StepMetrics(
             loss=loss,
             grad_norm=grad_norm,
-            learning_rate=jnp.zeros((), jnp.float32),
+            learning_rate=lr,
             skipped=(~finite).astype(jnp.int32),
             entropy=sums[3] / tokens,
             clip_frac_low=sums[0] / tokens,
@@ -428,11 +428,11 @@ def make_train_step(
                 return completion_logprobs(functools.partial(reference_fn, frozen), mb, temperature)[0]
 
             ref_kBT = per_micro(ref_logprobs)
-        lr = schedule(state.step)
+        lr = jnp.asarray(schedule(state.step), jnp.float32)  # the rate of this batch's updates
         metrics = None
         for _ in range(config.num_iterations):
-            state, metrics = update_once(state, batches, frozen, old_kBT, ref_kBT, denominator)
-        return state, metrics.replace(learning_rate=jnp.asarray(lr, jnp.float32))
+            state, metrics = update_once(state, batches, frozen, old_kBT, ref_kBT, denominator, lr)
+        return state, metrics
 
     return step
 

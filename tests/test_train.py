@@ -1,5 +1,7 @@
 """The update step: GA equivalence, LoRA isolation, sharding, non-finite skips, batch assembly."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,7 +67,7 @@ def test_ga_micro_batches_equal_one_big_batch(model_and_params):
 
 def test_lora_step_leaves_base_params_bit_identical(model_and_params):
     model, params = model_and_params
-    config = train.preset("pods", n=N, m=M, learning_rate=1e-2, beta=0.04)
+    config = train.preset("pods", n=N, m=M, learning_rate=1e-2, beta=0.04, schedule="cosine", total_steps=4)
     lora = pm.init_lora(jax.random.key(3), model, pm.LoraConfig(rank=4, alpha=8.0))
     optimizer = train.make_optimizer(config)
     policy, reference = train.lora_apply_fn(model)
@@ -81,6 +83,8 @@ def test_lora_step_leaves_base_params_bit_identical(model_and_params):
     assert {x.shape for x in jax.tree.leaves(new_state.opt_state)} <= {x.shape for x in jax.tree.leaves(lora)} | {()}
     assert tree_max_diff(new_state.params, lora) > 0
     assert float(metrics.kl_mean) > 0 and int(new_state.step) == 2
+    # The reported rate is the schedule's at the step the update ran: cosine over 4 steps, step 1.
+    assert float(metrics.learning_rate) == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi / 4)))
 
 
 def test_sharded_step_equals_single_device(model_and_params):
