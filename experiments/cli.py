@@ -224,18 +224,21 @@ def mesh_device_count(spec: str | None) -> int:
         raise UsageError(f"--mesh {spec!r}: {exc}") from None
 
 
-# Host devices are threads sharing the CPU's cores. On a loaded machine one of them can
-# reach a collective long after the others, and past XLA's default 40 s the process aborts;
-# 5 minutes tolerates that, and still ends a collective that will never complete.
-CPU_COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
+# Host devices are threads of one pool sharing the CPU's cores. With multi-threaded Eigen a
+# device can run two independent collectives of a step at once, and the pool runs out of
+# threads for the last device: a deadlock (reproduced with PODS on the tiny preset, --mesh 8,
+# at its second step). One thread per device op avoids it, at the same speed on 2 cores.
+# On a loaded machine a device can still reach a collective late; XLA's default 40 s then
+# aborts the process, 5 minutes tolerates it.
+CPU_DEVICE_FLAGS = {"xla_cpu_multi_thread_eigen": "false", "xla_cpu_collective_call_terminate_timeout_seconds": "300"}
 
 
 def host_device_flags(count: int, flags: str) -> str:
-    """``flags`` (XLA_FLAGS) plus ``count`` CPU host devices and a patient collective timeout."""
+    """``flags`` (XLA_FLAGS) plus ``count`` CPU host devices, run safely (``CPU_DEVICE_FLAGS``)."""
     if count > 1 and "xla_force_host_platform_device_count" not in flags:
         flags = f"{flags} --xla_force_host_platform_device_count={count}"
-    if "xla_force_host_platform_device_count" in flags and "collective_call_terminate_timeout" not in flags:
-        flags = f"{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}"
+    if "xla_force_host_platform_device_count" in flags:
+        flags += "".join(f" --{name}={value}" for name, value in CPU_DEVICE_FLAGS.items() if name not in flags)
     return flags.strip()
 
 

@@ -150,3 +150,14 @@ def test_a_full_disk_stops_with_one_line_and_resume_is_exact(tmp_path, data_dir)
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
         shutil.rmtree(disk, ignore_errors=True)
+
+
+def test_host_devices_start_with_the_flags_that_keep_cpu_collectives_from_deadlocking():
+    flags = cli.host_device_flags(8, "--xla_dump_to=/tmp/x")
+    assert flags.split() == ["--xla_dump_to=/tmp/x", "--xla_force_host_platform_device_count=8",
+                             "--xla_cpu_multi_thread_eigen=false",
+                             "--xla_cpu_collective_call_terminate_timeout_seconds=300"]
+    assert cli.host_device_flags(1, "") == ""  # one device: nothing to add
+    mine = "--xla_force_host_platform_device_count=4 --xla_cpu_multi_thread_eigen=true"
+    assert cli.host_device_flags(8, mine) == mine + " --xla_cpu_collective_call_terminate_timeout_seconds=300"
+    assert "xla_cpu_multi_thread_eigen=false" in os.environ["XLA_FLAGS"]  # the tests run this way too
