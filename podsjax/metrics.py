@@ -9,7 +9,8 @@ the restored checkpoint and moves the cut records to ``<log>.superseded``
   ``/`` (``{"reward": {"mean": 1}}`` -> ``"reward/mean"``). Non-finite floats (NaN, +-inf)
   are written as ``null`` so every line is strict JSON; TensorBoard gets the real value.
 - ``samples.jsonl``: completion samples.
-- ``events.out.tfevents.*``: TensorBoard scalars, through tensorboardX.
+- ``events.out.tfevents.*``: TensorBoard scalars, encoded by tensorboardX and written
+  synchronously (:class:`_EventFile`).
 
 A writer opened with ``resume_step=S`` appends a marker ``{"event": "resume", "step": S}``;
 :func:`read_jsonl` then drops the earlier run's records with ``step > S`` (they were
@@ -25,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -116,6 +118,44 @@ def read_jsonl(path: str | os.PathLike, *, apply_resumes: bool = True) -> list[d
 
 # -- TensorBoard event file ------------------------------------------------------------
 
+class _EventFile:
+    """A TensorBoard event file written in the caller's thread.
+
+    tensorboardX's own ``SummaryWriter`` writes from a background thread; when that thread
+    dies (a full disk), the next ``add_scalar`` blocks forever on its queue. Here a failed
+    write raises in the training loop, which stops with one line. The encoding (Event
+    protos, TFRecord framing with CRC32C) is tensorboardX's.
+    """
+
+    def __init__(self, logdir: str, purge_step: int | None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.record_writer import RecordWriter
+
+        # TensorBoard reads a directory's files in name order: seconds, then the suffix.
+        secs, nanos = divmod(time.time_ns(), 10**9)
+        name = f"events.out.tfevents.{secs}.{socket.gethostname()}.{os.getpid()}.{nanos:09d}"
+        self._event = Event
+        self._writer = RecordWriter(os.path.join(logdir, name))
+        now = time.time()
+        self._write(Event(wall_time=now, step=0, file_version="brain.Event:2"))
+        if purge_step is not None:
+            # A SessionLog START at step S: TensorBoard hides the earlier run's events from S on.
+            self._write(Event(wall_time=now, step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def _write(self, event) -> None:
+        self._writer.write(event.SerializeToString())
+        self._writer.flush()
+
+    def scalars(self, step: int, values: Mapping[str, float], wall_time: float) -> None:
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
+        self._write(self._event(wall_time=wall_time, step=step, summary=summary))
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 # -- writer ----------------------------------------------------------------------------
 
 
@@ -141,7 +181,7 @@ class MetricsWriter:
         self.enabled = enabled
         self._clock = clock
         self._files: dict[str, Any] = {}
-        self._events: Any = None  # tensorboardX.SummaryWriter
+        self._events: _EventFile | None = None
         self._closed = False
         self.metrics_path = os.path.join(self.out_dir, jsonl_name)
         self.samples_path = os.path.join(self.out_dir, samples_name)
@@ -154,12 +194,7 @@ class MetricsWriter:
                 if os.path.exists(path):
                     self._append(path, marker)
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            # purge_step: TensorBoard hides the earlier run's events from the redone steps on.
-            # The suffix keeps a resumed run's file apart from one opened in the same second.
-            self._events = SummaryWriter(self.out_dir, purge_step=None if resume_step is None else int(resume_step) + 1,
-                                         flush_secs=10, filename_suffix=f".{os.getpid()}.{time.time_ns() % 10**9:09d}")
+            self._events = _EventFile(self.out_dir, None if resume_step is None else int(resume_step) + 1)
 
     def _append(self, path: str, record: Mapping[str, Any]) -> None:
         if self._closed:
@@ -200,9 +235,8 @@ class MetricsWriter:
         record = {"step": int(step), "wall_time": wall_time, **{k: _finite_or_none(v) for k, v in flat.items()}}
         if self.enabled:
             self._append(self.metrics_path, record)
-            if self._events is not None:
-                for name, value in flat.items():
-                    self._events.add_scalar(name, float(value), int(step), walltime=wall_time)
+            if self._events is not None and flat:
+                self._events.scalars(int(step), {k: float(v) for k, v in flat.items()}, wall_time)
         return record
 
     def write_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
