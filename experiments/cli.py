@@ -224,12 +224,12 @@ def mesh_device_count(spec: str | None) -> int:
         raise UsageError(f"--mesh {spec!r}: {exc}") from None
 
 
-# Host devices are threads of one pool sharing the CPU's cores. With multi-threaded Eigen a
-# device can run two independent collectives of a step at once, and the pool runs out of
-# threads for the last device: a deadlock (reproduced with PODS on the tiny preset, --mesh 8,
-# at its second step). One thread per device op avoids it, at the same speed on 2 cores.
-# On a loaded machine a device can still reach a collective late; XLA's default 40 s then
-# aborts the process, 5 minutes tolerates it.
+# Host devices share the CPU's threads. XLA's CPU runtime may run two independent collectives
+# of one program on a device at once (the update's loss-denominator all-reduce beside the
+# layer scan's all-gathers), and a device can then wait forever for another that never
+# arrives. Single-threaded Eigen makes it rarer without slowing 2 cores down; it does not
+# rule it out. A late device on a loaded machine is waited for 5 minutes (XLA's default is
+# 40 s); a collective that never completes then aborts the run, which --resume continues.
 CPU_DEVICE_FLAGS = {"xla_cpu_multi_thread_eigen": "false", "xla_cpu_collective_call_terminate_timeout_seconds": "300"}
 
 
