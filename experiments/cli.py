@@ -225,11 +225,11 @@ def mesh_device_count(spec: str | None) -> int:
 
 
 # Host devices share the CPU's threads. XLA's CPU runtime may run two independent collectives
-# of one program on a device at once (the update's loss-denominator all-reduce beside the
-# layer scan's all-gathers), and a device can then wait forever for another that never
-# arrives. Single-threaded Eigen makes it rarer without slowing 2 cores down; it does not
-# rule it out. A late device on a loaded machine is waited for 5 minutes (XLA's default is
-# 40 s); a collective that never completes then aborts the run, which --resume continues.
+# of one program on a device at once, and a device can then wait forever for another that
+# never arrives (train.TrainBatch removes the case seen in the update). Single-threaded Eigen
+# makes it rarer without slowing 2 cores down. A late device on a loaded machine is waited
+# for 5 minutes (XLA's default is 40 s); a collective that never completes then aborts the
+# run, which --resume continues.
 CPU_DEVICE_FLAGS = {"xla_cpu_multi_thread_eigen": "false", "xla_cpu_collective_call_terminate_timeout_seconds": "300"}
 
 

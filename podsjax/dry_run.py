@@ -186,7 +186,8 @@ def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int) -> tra
     return train.TrainBatch(input_ids=struct((rows, length), jnp.int32),
                             attention_mask=struct((rows, length), jnp.int32),
                             completion_mask=struct((rows, max_new_tokens), jnp.float32),
-                            advantages=struct((rows,), jnp.float32))
+                            advantages=struct((rows,), jnp.float32),
+                            loss_denominator=struct((), jnp.float32), advantage_mean=struct((), jnp.float32))
 
 
 def _temp(compiled) -> int:

@@ -203,7 +203,11 @@ def bytes_per_device(tree: Any) -> int:
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Sharding for a ``[B, ...]`` input: batch over ("data", "fsdp"), the rest replicated."""
+    """Sharding for a ``[B, ...]`` input: batch over ("data", "fsdp"), the rest replicated.
+
+    A scalar (a whole-batch statistic) is replicated."""
+    if ndim == 0:
+        return NamedSharding(mesh, PartitionSpec())
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh))
 
 
@@ -263,9 +267,12 @@ def host_batch_to_global(local_batch: Any, mesh: Mesh) -> Any:
 
     Every process passes its own rows ``[B / num_processes, ...]`` (for example the
     prompts its data loader read); the result is ``[B, ...]`` sharded over the
-    mesh's batch axes, ready for a jitted step.
+    mesh's batch axes, ready for a jitted step. A ``TrainBatch``'s whole-batch statistics
+    are dropped: each process computed them over its own rows only, so the step computes
+    them again over the global batch.
     """
-
+    if hasattr(local_batch, "loss_denominator"):
+        local_batch = local_batch.replace(loss_denominator=None, advantage_mean=None)
     shards = shard_count(mesh, "batch")
 
     def globalize(x):

@@ -215,12 +215,19 @@ class TrainBatch:
       attention_mask: int32 [B, Lp + T], 1 on prompt and valid completion tokens.
       completion_mask: float32 [B, T], 1 on completion tokens that count in the loss.
       advantages: float32 [B].
+      loss_denominator, advantage_mean: float32 scalars over the whole batch, or None to
+        have the step compute them. ``build_batch`` fills them, so the update program holds
+        no batch-only collective that could run beside the layer scan's: XLA's CPU runtime
+        can run two independent collectives of one program on a device at once and then
+        deadlock with fake host devices.
     """
 
     input_ids: jax.Array
     attention_mask: jax.Array
     completion_mask: jax.Array
     advantages: jax.Array
+    loss_denominator: jax.Array | None = None
+    advantage_mean: jax.Array | None = None
 
     @property
     def completion_length(self) -> int:
@@ -264,11 +271,15 @@ def build_batch(
     prompt_ids = jnp.repeat(prompt_ids_PL, rows, axis=0)
     prompt_mask = jnp.repeat(prompt_mask_PL, rows, axis=0).astype(jnp.int32)
     t = tokens_PNT.shape[-1]
+    completion_mask = mask_PMT.reshape(p * rows, t).astype(jnp.float32)
+    advantages = adv_PM.reshape(p * rows)
     batch = TrainBatch(
         input_ids=jnp.concatenate([prompt_ids, tokens_PMT.reshape(p * rows, t)], axis=1).astype(jnp.int32),
         attention_mask=jnp.concatenate([prompt_mask, mask_PMT.reshape(p * rows, t)], axis=1),
-        completion_mask=mask_PMT.reshape(p * rows, t).astype(jnp.float32),
-        advantages=adv_PM.reshape(p * rows),
+        completion_mask=completion_mask,
+        advantages=advantages,
+        loss_denominator=grpo.loss_denominator(completion_mask, config.loss_config),
+        advantage_mean=jnp.mean(advantages),
     )
     return batch, idx_PM
 
@@ -348,7 +359,8 @@ def make_train_step(
         entropy = jnp.sum(entropy_BT * mb.completion_mask)
         return terms.numerator / denominator, (metrics, entropy)
 
-    def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator, lr):
+    def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator, lr,
+                    advantage_mean):
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
         def accumulate(carry, xs):
@@ -401,7 +413,7 @@ def make_train_step(
             clip_frac_low=sums[0] / tokens,
             clip_frac_high=sums[1] / tokens,
             kl_mean=sums[2] / tokens,
-            advantage_mean=jnp.mean(batches.advantages),
+            advantage_mean=advantage_mean,
             num_tokens=sums[4],
         )
         return state, metrics
@@ -412,8 +424,12 @@ def make_train_step(
         b = batch.advantages.shape[0]
         if b % k:
             raise ValueError(f"batch of {b} rows does not split into {k} micro-batches")
-        batches = _split(batch, k)
-        denominator = grpo.loss_denominator(batch.completion_mask, loss_config)
+        denominator, advantage_mean = batch.loss_denominator, batch.advantage_mean
+        if denominator is None:
+            denominator = grpo.loss_denominator(batch.completion_mask, loss_config)
+        if advantage_mean is None:
+            advantage_mean = jnp.mean(batch.advantages)
+        batches = _split(batch.replace(loss_denominator=None, advantage_mean=None), k)
 
         def per_micro(fn):
             return jax.lax.map(lambda mb: jax.lax.stop_gradient(fn(mb)), batches)
@@ -431,7 +447,8 @@ def make_train_step(
         lr = jnp.asarray(schedule(state.step), jnp.float32)  # the rate of this batch's updates
         metrics = None
         for _ in range(config.num_iterations):
-            state, metrics = update_once(state, batches, frozen, old_kBT, ref_kBT, denominator, lr)
+            state, metrics = update_once(state, batches, frozen, old_kBT, ref_kBT, denominator, lr,
+                                         advantage_mean)
         return state, metrics
 
     return step
