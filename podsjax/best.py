@@ -38,7 +38,11 @@ class BestPolicy:
         self.directory = directory = os.path.join(out_dir, BEST_DIRNAME)
         if resumed_step is None:
             shutil.rmtree(directory, ignore_errors=True)  # a killed first attempt's bests belong to no run
-        self._checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(directory, keep_last=None))
+        # Saved synchronously: with fake CPU devices, orbax's background thread running device
+        # work beside the training step's collectives deadlocked the devices. A save happens
+        # right after an evaluation, off the training clock.
+        self._checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(directory, keep_last=None,
+                                                                             async_save=False))
         recorded = host.get("best_step")
         for step in self._checkpointer.all_steps():
             if resumed_step is not None and step > resumed_step or recorded is None or step < recorded:
