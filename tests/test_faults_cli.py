@@ -140,8 +140,10 @@ def test_a_full_disk_stops_with_one_line_and_resume_is_exact(tmp_path, data_dir)
         out = disk / "run"
         full = _run_cli([*common, "--out", str(out)])
         assert full.returncode == 2, (full.returncode, full.stderr[-3000:])
-        last = full.stderr.strip().splitlines()[-1]
-        assert last.startswith("error: no space left on device writing") and "--resume" in last, full.stderr[-3000:]
+        # One error line of ours (orbax's own thread errors may surround it; the README says so).
+        errors = [line for line in full.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1, full.stderr[-3000:]
+        assert errors[0].startswith("error: no space left on device writing") and "--resume" in errors[0]
         subprocess.run(["mount", "-o", "remount,size=65536k", str(disk)], check=True)
         resumed = _run_cli(["--out", str(out), "--resume", "--no-progress", "--no-compile-cache"])
         assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -103,7 +103,7 @@ def test_bad_setting_fields_raise_one_line_errors():
     (dict(eval_metric="both"), "eval_metric must be one of accuracy, accuracy_and_format"),
     (dict(eval_repeats=0), "eval_repeats must be >= 1"),
     (dict(eval_temperature=-0.1), "eval_temperature must be >= 0"),
-    (dict(eval_temperature=float("nan")), "eval_temperature must be >= 0"),
+    (dict(eval_temperature=float("nan")), "eval_temperature must be a finite number; got nan"),
     (dict(eval_temperature=0.0), "eval_repeats 5 needs eval_temperature > 0"),
 ])
 def test_a_settings_run_with_a_bad_eval_protocol_is_refused(changes, message):
