@@ -1,7 +1,7 @@
 """The best policy a run has evaluated, kept on disk so the run can export it at the end.
 
 Each evaluation that beats every earlier one saves the trainable params (the LoRA tree,
-or the full params) into ``<out>/best/<step>`` with an async orbax save. The run's own
+or the full params) into ``<out>/best/<step>``, synchronously (see ``__init__``). The run's own
 checkpoints record the best step (``host["best_step"]``), so a resumed run knows which
 saved policy is its best:
 
