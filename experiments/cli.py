@@ -123,6 +123,12 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every-steps", type=int,
                    help="also checkpoint every N steps (besides every 30 min of training clock)")
     p.add_argument("--mesh", default=None, help='"8" (all on fsdp), "data=2,fsdp=4", "fsdp=4,tensor=2"')
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="multi-host: process 0's address, with --num-processes and --process-id (or "
+                        "$PODSJAX_COORDINATOR, $PODSJAX_NUM_PROCESSES, $PODSJAX_PROCESS_ID); TPU pods and "
+                        "SLURM or Open MPI jobs of several tasks need none of them")
+    p.add_argument("--num-processes", type=int, help="multi-host: processes in the run, one per host")
+    p.add_argument("--process-id", type=int, help="multi-host: this process's index, 0 to --num-processes - 1")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="param dtype (default: the setting's, else float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="run directory (default: runs/<task>-<method>-<date>-<time>)")
@@ -242,15 +248,81 @@ def host_device_flags(count: int, flags: str) -> str:
     return flags.strip()
 
 
-def prepare_devices(spec: str | None) -> None:
-    """Gives the CPU platform enough host devices for the mesh and keeps freed host
-    memory for reuse (``podsjax.host_memory``); must run before JAX starts."""
+def prepare_devices(spec: str | None, processes: int = 1) -> None:
+    """Gives the CPU platform enough host devices for this process's part of the mesh and
+    keeps freed host memory for reuse (``podsjax.host_memory``); must run before JAX starts."""
     from podsjax import host_memory
 
     host_memory.retain_freed_memory()
     if "jax" in sys.modules:
         return
-    os.environ["XLA_FLAGS"] = host_device_flags(mesh_device_count(spec), os.environ.get("XLA_FLAGS", ""))
+    count = mesh_device_count(spec)
+    if count % processes:
+        raise UsageError(f"--mesh {spec} ({count} devices) does not split over {processes} processes")
+    os.environ["XLA_FLAGS"] = host_device_flags(count // processes, os.environ.get("XLA_FLAGS", ""))
+
+
+# Cluster managers that start one process per task and tell jax.distributed who its peers
+# are: (variable holding the task count, or the TPU worker list, and how to count it).
+_CLUSTERS = (("SLURM_NTASKS", int), ("OMPI_COMM_WORLD_SIZE", int),
+             ("TPU_WORKER_HOSTNAMES", lambda hosts: len(hosts.split(","))))
+
+
+def distributed_plan(args) -> tuple[str, int, int] | str | None:
+    """How this process joins a multi-host run.
+
+    Returns (coordinator, processes, process id) from the flags or the ``PODSJAX_*``
+    variables; "auto" in a SLURM or Open MPI job of several tasks or on a multi-host TPU
+    slice, where jax finds its peers itself; None for a single process.
+    """
+    from podsjax.mesh import DISTRIBUTED_ENV
+
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    values = []
+    for flag, value, variable in zip(("--coordinator", "--num-processes", "--process-id"), flags, DISTRIBUTED_ENV):
+        if value is None and os.environ.get(variable):
+            value = os.environ[variable]
+            if flag != "--coordinator":
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise UsageError(f"${variable} must be an integer; got {value!r}") from None
+        values.append(value)
+    coordinator, processes, process_id = values
+    if any(v is not None for v in values):
+        if not all(v is not None for v in values):
+            raise UsageError("multi-host needs all of --coordinator, --num-processes and --process-id "
+                             "(or their PODSJAX_* variables)")
+        if processes < 1 or not 0 <= process_id < processes:
+            raise UsageError(f"--process-id must be in 0..{processes - 1} and --num-processes >= 1; "
+                             f"got {process_id} of {processes}")
+        return None if processes == 1 else (coordinator, processes, process_id)
+    for variable, count in _CLUSTERS:
+        value = os.environ.get(variable)
+        if value:
+            try:
+                if count(value) > 1:
+                    return "auto"
+            except ValueError:
+                continue
+    return None
+
+
+def start_distributed(plan) -> None:
+    """Joins the multi-host run ``distributed_plan`` gave (nothing for a single process)."""
+    if plan is None:
+        return
+    from podsjax import mesh as mesh_lib
+
+    try:
+        if plan == "auto":
+            mesh_lib.initialize_distributed()
+        else:
+            mesh_lib.initialize_distributed(*plan)
+    except (RuntimeError, ValueError) as exc:
+        where = "the cluster's coordinator" if plan == "auto" else plan[0]
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot join the multi-host run at {where}: {first}") from None
 
 
 def resolve_config(args, task: str) -> dict:
@@ -406,6 +478,9 @@ def main(task: str, argv=None) -> int:
     args = None
     try:
         args = build_parser(task).parse_args(argv)
+        args.distributed = distributed_plan(args)
+        if args.out is None and args.distributed is not None:
+            raise UsageError("a multi-host run needs --out: every process must name the same run directory")
         if args.out is None:
             args.out = os.path.join("runs", f"{task}-{args.method}-{time.strftime('%Y%m%d-%H%M%S')}")
         check_args(args)
@@ -422,7 +497,8 @@ def main(task: str, argv=None) -> int:
         else:
             config = None
         mesh_spec = args.mesh if config is None else config["model"]["mesh"]
-        prepare_devices(mesh_spec)
+        prepare_devices(mesh_spec, args.distributed[1] if isinstance(args.distributed, tuple) else 1)
+        start_distributed(args.distributed)
         cache = setup_compile_cache(args)
         print(f"compile cache: {cache or 'off'}", flush=True)
         if config is None:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments.cli import DRY_RUN_FILE, TINY_HINT, UsageError, mesh_device_count
-from podsjax import compilation, data, loop, prompts, train
+from podsjax import compilation, data, hosts, loop, prompts, train
 from podsjax import rewards as rewards_lib
 from podsjax import dry_run as dry_run_lib
 from podsjax import mesh as mesh_lib
@@ -56,12 +56,19 @@ def _tiny(config, out_dir):
     print(TINY_HINT, flush=True)
     directory = config.get("warmup_dir") or os.path.join(out_dir, tiny.WARMUP_DIRNAME)
     seed = config["run"]["seed"]
-    try:
-        steps = {"steps": config["warmup_steps"]} if config.get("warmup_steps") else {}
-        stats = tiny.warm_up(directory, seed=seed, data_seed=seed, task=config["task"],
-                             log=lambda line: print(line, flush=True), **steps)
-    except tiny.WarmupError as exc:
-        raise UsageError(str(exc)) from None
+    steps = {"steps": config["warmup_steps"]} if config.get("warmup_steps") else {}
+
+    def warm_up():
+        try:
+            return tiny.warm_up(directory, seed=seed, data_seed=seed, task=config["task"],
+                                log=lambda line: print(line, flush=True), **steps)
+        except tiny.WarmupError as exc:
+            raise UsageError(str(exc)) from None
+
+    # Process 0 warms up; the others then find the cached result (its directory is shared).
+    stats = warm_up() if hosts.is_primary() else None
+    hosts.barrier("tiny warm-up")
+    stats = stats or warm_up()
     how = "reused" if stats.cached else f"trained in {stats.total_seconds:.0f} s"
     print(f"tiny preset: warm-up test accuracy {stats.test_accuracy:.0%} ({how}; cached in {directory})",
           flush=True)
@@ -78,15 +85,18 @@ def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool, dry_run: b
     _check_rows(mesh, algo, run_config)
     make_rewards(config)
     tasks = None if dry_run or config["model_path"] is None else _load_tasks(config)
+    hosts.barrier("run checked")  # every process has looked at out_dir before process 0 writes to it
     try:
-        if overwrite and os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.makedirs(out_dir, exist_ok=True)
-        if not resume and not dry_run:
-            with open(os.path.join(out_dir, "config.json"), "w") as f:
-                json.dump(config, f, indent=2, sort_keys=True)
+        if hosts.is_primary():
+            if overwrite and os.path.isdir(out_dir):
+                shutil.rmtree(out_dir)
+            os.makedirs(out_dir, exist_ok=True)
+            if not resume and not dry_run:
+                with open(os.path.join(out_dir, "config.json"), "w") as f:
+                    json.dump(config, f, indent=2, sort_keys=True)
     except OSError as exc:
         raise UsageError(f"cannot write the run directory {out_dir}: {exc.strerror or exc}") from None
+    hosts.barrier("run directory ready")
     if dry_run:
         return _dry_run(config, out_dir, mesh)
     return _train_and_export(config, out_dir, mesh, started_at, tasks)
@@ -187,8 +197,9 @@ def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None
         pm.save_pretrained(model, base, best_dir, lora=lora, overwrite=True, tokenizer_from=checkpoint)
         export_dir += (f"\nbest model ({trainer.best.accuracy:.1%} at step {trainer.best.step}; "
                        f"chosen on the eval split): {best_dir}")
-    print_summary(config, history, int(trainer.state.step), trainer.host["elapsed_train_s"], time.time() - start,
-                  export_dir)
+    if hosts.is_primary():
+        print_summary(config, history, int(trainer.state.step), trainer.host["elapsed_train_s"],
+                      time.time() - start, export_dir)
     return 0
 
 
@@ -256,8 +267,9 @@ def _dry_run(config: dict, out_dir: str, mesh) -> int:
                                              "update_rows": rows, "prompt_len": prompt_len,
                                              "max_new_tokens": run_config.max_new_tokens}}
     path = os.path.join(out_dir, DRY_RUN_FILE)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2, sort_keys=True)
+    if hosts.is_primary():
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, sort_keys=True)
     memory.check_fits()
     fits = "fits" if memory.limit else "no device limit reported; nothing to check against"
     print(f"dry run done ({fits}); figures in {path}", flush=True)

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from podsjax import checkpoint as ckpt_lib
+from podsjax import hosts
 from podsjax import mesh as mesh_lib
 
 BEST_DIRNAME = "best"
@@ -36,8 +37,9 @@ class BestPolicy:
     def __init__(self, out_dir: str, host: dict[str, Any], resumed_step: int | None):
         self.host = host
         self.directory = directory = os.path.join(out_dir, BEST_DIRNAME)
-        if resumed_step is None:
+        if resumed_step is None and hosts.is_primary():
             shutil.rmtree(directory, ignore_errors=True)  # a killed first attempt's bests belong to no run
+        hosts.barrier("best policy directory")
         # Saved synchronously: with fake CPU devices, orbax's background thread running device
         # work beside the training step's collectives deadlocked the devices. A save happens
         # right after an evaluation, off the training clock.

@@ -28,6 +28,7 @@ from podsjax import best as best_lib
 from podsjax import checkpoint as ckpt_lib
 from podsjax import compilation
 from podsjax import data as data_lib
+from podsjax import hosts
 from podsjax import mesh as mesh_lib
 from podsjax import metrics as metrics_lib
 from podsjax import prompts as prompts_lib
@@ -52,6 +53,29 @@ EVAL_METRICS: dict[str, tuple[str, ...]] = {
 def prompt_rows(run: "RunConfig", algo: train.AlgorithmConfig) -> int:
     """Prompt rows one step generates for: each prompt once per group (``groups_per_prompt``)."""
     return run.prompts_per_step * algo.groups_per_prompt
+
+
+def batch_program(mesh, rows: int):
+    """``train.build_batch`` over flat rollouts ``[P * N, T]``, jitted.
+
+    With a mesh the batch comes out split over its batch axes (replicated when its
+    ``rows`` do not divide evenly), so the update takes it as it is, on every host.
+    """
+    def build(prompt_ids_PL, prompt_mask_PL, tokens_BT, mask_BT, rewards_PN, config, key):
+        p, n = rewards_PN.shape
+        return train.build_batch(prompt_ids_PL, prompt_mask_PL, tokens_BT.reshape(p, n, -1),
+                                 mask_BT.reshape(p, n, -1), rewards_PN, config=config, key=key)
+
+    if mesh is None:
+        return jax.jit(build, static_argnames="config")
+    split = rows % mesh_lib.shard_count(mesh, "batch") == 0
+
+    def sharding(ndim):
+        return mesh_lib.batch_sharding(mesh, ndim if split else 0)
+
+    batch = train.TrainBatch(input_ids=sharding(2), attention_mask=sharding(2), completion_mask=sharding(2),
+                             advantages=sharding(1), loss_denominator=sharding(0), advantage_mean=sharding(0))
+    return jax.jit(build, static_argnames="config", out_shardings=(batch, sharding(0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +236,8 @@ class Trainer:
         self.rewards = rewards_lib.as_weighted(rewards or rewards_lib.default_rewards(run.task))
         self.eval_rewards = _with_strict_format(self.rewards)
         self.eos_ids = _eos_ids(tokenizer)
-        self._print = log or (metrics_lib.print_line if run.console else None)
+        # Process 0 speaks for a multi-host run; the others print nothing.
+        self._print = log or (metrics_lib.print_line if run.console and hosts.is_primary() else None)
         self._bar: metrics_lib.Progress | None = None
         self.started_at = time.time() if started_at is None else started_at
         self.compile_log = compilation.CompileLog(self.log)
@@ -232,7 +257,7 @@ class Trainer:
 
         with self.compile_log.label("init"):
             state = jax.jit(init)(trainable, key)
-        self.batch_fn = jax.jit(train.build_batch, static_argnames="config")
+        self.batch_fn = batch_program(model.mesh, prompt_rows(run, algo) * algo.trained_per_prompt)
         os.makedirs(run.out_dir, exist_ok=True)
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(
             os.path.join(run.out_dir, "checkpoints"), save_every_steps=run.checkpoint_every_steps,
@@ -242,17 +267,18 @@ class Trainer:
         found = self.checkpointer.restore_latest(jax.tree.map(mesh_lib.abstract, state), warn=self.log)
         if found is not None:
             state, host, restored = found
-            if "log_sizes" in host:  # absent in checkpoints from before log rewinding
+            if "log_sizes" in host and hosts.is_primary():  # absent in checkpoints from before log rewinding
                 _rewind_logs(run.out_dir, host["log_sizes"])
         else:
             # No checkpoint committed (a first run, or one killed before its first save):
             # the run starts over, so logs from a killed attempt go.
             restored = None
-            _rewind_logs(run.out_dir, dict.fromkeys(_LOGS, 0))
+            if hosts.is_primary():
+                _rewind_logs(run.out_dir, dict.fromkeys(_LOGS, 0))
         self.state, self.host = state, host
         self.stream = DataStream(train_examples, run.seed, host["data_position"])
         self.best = best_lib.BestPolicy(run.out_dir, self.host, restored) if run.keep_best else None
-        self.writer = metrics_lib.MetricsWriter(run.out_dir, resume_step=restored)
+        self.writer = metrics_lib.MetricsWriter(run.out_dir, resume_step=restored, enabled=hosts.is_primary())
         self.pool = rewards_lib.RewardPool(run.reward_workers, timeout_s=run.reward_timeout_s)
         self._compiled_once = False
         self._skips_reported = False
@@ -299,24 +325,25 @@ class Trainer:
             examples, prompts, skipped = self._draw_prompts()
             params, lora = self.policy_params()
             key = jax.random.fold_in(jax.random.key(run.seed + 1), int(self.state.step))
+            ids, prompt_mask = (hosts.place_rows(x, self.model.mesh) for x in (prompts.ids_PL, prompts.mask_PL))
             with self.compile_log.label("generate", _shape(prompts.ids_PL, algo.n, run.max_new_tokens)):
-                rollouts = generate(self.model, params, prompts.ids_PL, prompts.mask_PL, key, num_samples=algo.n,
+                rollouts = generate(self.model, params, ids, prompt_mask, key, num_samples=algo.n,
                                     max_new_tokens=run.max_new_tokens, temperature=algo.temperature,
                                     top_p=run.top_p, top_k=run.top_k, eos_token_ids=self.eos_ids,
                                     pad_token_id=prompts.pad_id, lora=lora)
-            tokens, mask = np.asarray(rollouts.tokens), np.asarray(rollouts.mask)
+            start, tokens = hosts.local_rows(rollouts.tokens)
+            mask, truncated = (hosts.local_rows(x)[1] for x in (rollouts.mask, rollouts.truncated))
         with timer.phase("scoring"):
-            completions = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
-            scores = self.pool.score(completions, self.rewards, **data_lib.reward_columns(examples, algo.n))
+            scored = self._score(examples, start, tokens, mask, truncated)
         p = len(examples)
-        rewards_PN = np.asarray(scores.total_B, np.float32).reshape(p, algo.n)
+        rewards_PN = scored["total"].reshape(p, algo.n)
         with timer.phase("selection"):
             select_key = jax.random.fold_in(key, 7)
             with self.compile_log.label("select"):
-                batch, idx_PM = self.batch_fn(prompts.ids_PL, prompts.mask_PL, tokens.reshape(p, algo.n, -1),
-                                              mask.reshape(p, algo.n, -1), rewards_PN, config=algo, key=select_key)
+                # The rollouts stay on device: only the rewards come from the host.
+                batch, idx_PM = self.batch_fn(ids, prompt_mask, rollouts.tokens, rollouts.mask, rewards_PN,
+                                              config=algo, key=select_key)
                 idx_PM = np.asarray(idx_PM)
-            batch = self._shard_batch(batch)
         with timer.phase("update"):
             rows, length = batch.input_ids.shape
             with self.compile_log.label("update", f"{rows} rows x {length} tokens"):
@@ -324,7 +351,7 @@ class Trainer:
                 step_metrics = jax.device_get(step_metrics)
         phases = timer.totals()
         if self._compiled_once:
-            self.host["elapsed_train_s"] += sum(phases.values())
+            self.host["elapsed_train_s"] += hosts.agree(sum(phases.values()))
         # The first step of a process compiles generation and the update; JAX's
         # one-time compile is left off the clock (later steps reuse the programs).
         self._compiled_once = True
@@ -333,14 +360,33 @@ class Trainer:
         np.put_along_axis(selected, idx_PM, True, axis=1)
         return {
             **{f"train/{k}": float(v) for k, v in dataclasses.asdict(step_metrics).items()},
-            **_reward_stats(scores, rewards_PN, selected, p, algo.n),
+            **_reward_stats(scored, rewards_PN, selected, p, algo.n),
             "data/prompts_skipped": float(skipped),
-            "completion/length_mean": float(mask.sum(1).mean()),
-            "completion/truncated_frac": float(np.asarray(rollouts.truncated).mean()),
+            "completion/length_mean": float(scored["length"].mean()),
+            "completion/truncated_frac": float(scored["truncated"].mean()),
             **{f"time/{k}": v for k, v in phases.items()},
-            "time/tokens_per_s": metrics_lib.tokens_per_second(int(mask.sum()), phases["generation"]),
+            "time/tokens_per_s": metrics_lib.tokens_per_second(int(scored["length"].sum()), phases["generation"]),
             "time/elapsed_train_s": self.host["elapsed_train_s"],
         }
+
+    def _score(self, examples, start: int, tokens, mask, truncated) -> dict[str, np.ndarray]:
+        """Scores this process's rollout rows (global rows ``start`` on) and gathers every host's.
+
+        Returns the whole step's per-row ``total``, ``length``, ``truncated`` and
+        ``reward/<function>`` arrays, and the reward pool's failure counts summed over hosts
+        (``count/<metric>``, one entry each).
+        """
+        n, end = self.algo.n, start + len(tokens)
+        completions = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
+        columns = {name: values[start:end] for name, values in data_lib.reward_columns(examples, n).items()}
+        scores = self.pool.score(completions, self.rewards, **columns)
+        rows = {"total": np.asarray(scores.total_B, np.float32), "length": mask.sum(1).astype(np.int32),
+                "truncated": np.asarray(truncated, np.float32),
+                **{f"reward/{k}": np.asarray(v, np.float32) for k, v in scores.per_function.items()}}
+        scored = hosts.gather_rows(start, rows, len(examples) * n)
+        counts = {k: v for k, v in scores.metrics.items() if k.endswith(("timeouts", "crashes", "errors"))}
+        scored.update({f"count/{k}": np.float64(v) for k, v in hosts.sum_over_processes(counts).items()})
+        return scored
 
     def _draw_prompts(self) -> tuple[list[data_lib.Example], prompts_lib.PromptBatch, int]:
         """The next ``prompts_per_step`` training examples whose prompts fit, and how many were skipped.
@@ -383,13 +429,6 @@ class Trainer:
     def _batch_shards(self) -> int:
         return mesh_lib.shard_count(self.model.mesh, "batch")
 
-    def _shard_batch(self, batch: train.TrainBatch) -> train.TrainBatch:
-        """Rows over the mesh's batch axes, when they split evenly (else replicated)."""
-        mesh = self.model.mesh
-        if mesh is None or batch.advantages.shape[0] % self._batch_shards():
-            return batch
-        return jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), batch)
-
     # -- evaluation -------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
@@ -427,9 +466,9 @@ class Trainer:
             # shape, so a new compile), split evenly over the mesh's batch shards: repeat the
             # last prompt and drop its copies' results.
             rows = -(-size // self._batch_shards()) * self._batch_shards()
-            ids, prompt_mask = (np.concatenate([x, np.repeat(x[-1:], rows - len(x), axis=0)])
-                                for x in (prompts.ids_PL, prompts.mask_PL))
-            columns = data_lib.reward_columns(chunk, 1)
+            ids, prompt_mask = (hosts.place_rows(np.concatenate([x, np.repeat(x[-1:], rows - len(x), axis=0)]),
+                                                 self.model.mesh) for x in (prompts.ids_PL, prompts.mask_PL))
+            padded = chunk + [chunk[-1]] * (rows - len(chunk))
             breakdowns = []  # [R] of name -> [e]
             for repeat in range(repeats):
                 key = jax.random.fold_in(jax.random.fold_in(eval_key, repeat), index)
@@ -437,14 +476,21 @@ class Trainer:
                     r = generate(self.model, params, ids, prompt_mask, key, num_samples=1,
                                  max_new_tokens=run.max_new_tokens, temperature=run.eval_temperature,
                                  eos_token_ids=self.eos_ids, pad_token_id=prompts.pad_id, lora=lora)
-                tokens, mask = np.asarray(r.tokens)[: len(chunk)], np.asarray(r.mask)[: len(chunk)]
+                first, tokens = hosts.local_rows(r.tokens)
+                mask = hosts.local_rows(r.mask)[1]
+                mine = padded[first : first + len(tokens)]
                 texts = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
-                breakdowns.append(self.pool.score(texts, self.eval_rewards, **columns).per_function)
-                if repeat == 0:
+                columns = data_lib.reward_columns(mine, 1)
+                scores = self.pool.score(texts, self.eval_rewards, **columns).per_function
+                local = {name: np.asarray(scores[name], np.float64) for name in _EVAL_PARTS}
+                breakdowns.append({name: values[: len(chunk)]
+                                   for name, values in hosts.gather_rows(first, local, rows).items()})
+                if repeat == 0:  # this host's rows of the chunk (process 0's are the first)
+                    real = max(0, min(len(tokens), len(chunk) - first))
                     samples.extend({"prompt": e.prompt, "completion": t, "answer": e.answer, "accuracy": float(a),
                                     "format_correct": float(f)}
-                                   for e, t, a, f in zip(chunk, texts, breakdowns[0]["accuracy"],
-                                                         breakdowns[0]["strict_format"]))
+                                   for e, t, a, f in zip(mine[:real], texts, scores["accuracy"],
+                                                         scores["strict_format"]))
             for name in _EVAL_PARTS:
                 parts[name].append(np.stack([np.asarray(b[name], np.float64) for b in breakdowns]))
         step = int(self.state.step)
@@ -487,7 +533,8 @@ class Trainer:
                     self.writer.write(int(self.state.step), evaluation)
                     evaluation["step"] = int(self.state.step)
                     history.append(evaluation)
-                    _append_history(self.run_config.out_dir, evaluation)
+                    if hosts.is_primary():
+                        _append_history(self.run_config.out_dir, evaluation)
                     self.log(_eval_line(evaluation, run))
                     if self.best is not None:
                         self.best.offer(evaluation["step"], evaluation["eval/accuracy"], self.state.params)
@@ -610,16 +657,18 @@ def _eos_ids(tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _reward_stats(scores, rewards_PN, selected_PN, p, n) -> dict[str, float]:
+def _reward_stats(scored: dict[str, np.ndarray], rewards_PN, selected_PN, p, n) -> dict[str, float]:
     out = {"reward/mean": float(rewards_PN.mean()), "reward/std": float(rewards_PN.std()),
            "reward/selected_mean": float(rewards_PN[selected_PN].mean()),
            "reward/selected_std": float(rewards_PN[selected_PN].std()),
            "reward/zero_std_groups": float(np.mean(rewards_PN.std(axis=1) == 0))}
-    for name, values in scores.per_function.items():
-        values_PN = np.asarray(values, np.float32).reshape(p, n)
-        out[f"reward/{name}"] = float(values_PN.mean())
-        out[f"reward/{name}_selected"] = float(values_PN[selected_PN].mean())
-    out.update({k: float(v) for k, v in scores.metrics.items() if k.endswith(("timeouts", "crashes", "errors"))})
+    for name, values in scored.items():
+        if name.startswith("reward/"):
+            values_PN = values.reshape(p, n)
+            out[name] = float(values_PN.mean())
+            out[f"{name}_selected"] = float(values_PN[selected_PN].mean())
+        elif name.startswith("count/"):
+            out[name.removeprefix("count/")] = float(values)
     return out
 
 

@@ -7,3 +7,8 @@ def brevity(completions, **_):
 
 
 NOT_A_FUNCTION = 3
+
+
+def length_mod_3(completions, **_):
+    """len(completion) mod 3: rewards that differ within a group even for a random model."""
+    return [float(len(c) % 3) for c in completions]
