@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import importlib.util
 import json
 import math
 import os
@@ -138,6 +139,11 @@ def build_parser(task: str) -> argparse.ArgumentParser:
                                         "(default: <out>/tiny_warmup); runs that share it start identically")
     p.add_argument("--warmup-steps", type=int, help="tiny preset only: cap the supervised warm-up's steps")
     p.add_argument("--reward-workers", type=int, default=2)
+    p.add_argument("--log", default=None, metavar="BACKENDS",
+                   help="where metrics go, comma-separated: jsonl (always: metrics.jsonl), tensorboard, wandb "
+                        "(pip install 'podsjax[wandb]'; WANDB_MODE=offline keeps it on disk). "
+                        "Default: jsonl,tensorboard")
+    p.add_argument("--wandb-project", help="W&B project (default: $WANDB_PROJECT, else podsjax)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (progress lines are still printed)")
     p.add_argument("--remat", choices=("none", "full", "dots"), default=None,
                    help="what each layer keeps for the backward pass: full (default) recomputes the layer, "
@@ -253,12 +259,12 @@ def prepare_devices(spec: str | None, processes: int = 1) -> None:
     keeps freed host memory for reuse (``podsjax.host_memory``); must run before JAX starts."""
     from podsjax import host_memory
 
-    host_memory.retain_freed_memory()
-    if "jax" in sys.modules:
-        return
     count = mesh_device_count(spec)
     if count % processes:
         raise UsageError(f"--mesh {spec} ({count} devices) does not split over {processes} processes")
+    host_memory.retain_freed_memory()
+    if "jax" in sys.modules:
+        return
     os.environ["XLA_FLAGS"] = host_device_flags(count // processes, os.environ.get("XLA_FLAGS", ""))
 
 
@@ -370,6 +376,12 @@ def resolve_config(args, task: str) -> dict:
     if args.eval_temperature == 0 and args.eval_repeats is None:
         run["eval_repeats"] = 1  # greedy asked for over a sampled setting: one pass, as greedy repeats itself
     run.update(seed=args.seed, reward_workers=args.reward_workers, progress=not args.no_progress)
+    if args.log is not None:
+        run["log"] = args.log.split(",")
+    if args.wandb_project is not None:
+        run["wandb_project"] = args.wandb_project
+    if "wandb" in run.get("log", ()) and importlib.util.find_spec("wandb") is None:
+        raise UsageError("--log wandb needs the wandb package: pip install 'podsjax[wandb]'")
     if run.get("time_budget_s") is None and run.get("max_steps") is None:
         raise UsageError("give a budget: --time-budget SECONDS or --max-steps N")
     if args.full:

@@ -105,3 +105,12 @@ def sum_over_processes(values: dict[str, float]) -> dict[str, float]:
 
     stacked = multihost_utils.process_allgather({k: np.float32(v) for k, v in values.items()})
     return {k: float(np.sum(v)) for k, v in stacked.items()}
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """The whole of a (possibly sharded across hosts) array on every process; a collective."""
+    if count() == 1 or x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

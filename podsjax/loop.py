@@ -29,6 +29,7 @@ from podsjax import checkpoint as ckpt_lib
 from podsjax import compilation
 from podsjax import data as data_lib
 from podsjax import hosts
+from podsjax import log_backends
 from podsjax import mesh as mesh_lib
 from podsjax import metrics as metrics_lib
 from podsjax import prompts as prompts_lib
@@ -122,8 +123,14 @@ class RunConfig:
     progress_every_s: float = 30.0
     max_nonfinite_updates: int = 3
     keep_best: bool = True
+    log: tuple[str, ...] = log_backends.DEFAULT_BACKENDS
+    wandb_project: str | None = None
 
     def __post_init__(self):
+        try:
+            object.__setattr__(self, "log", log_backends.parse_backends(self.log))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"RunConfig.log: {exc}") from None
         for name in ("time_budget_s", "eval_every_s", "checkpoint_every_s", "reward_timeout_s", "progress_every_s",
                      "top_p", "eval_temperature"):
             value = getattr(self, name)
@@ -278,7 +285,11 @@ class Trainer:
         self.state, self.host = state, host
         self.stream = DataStream(train_examples, run.seed, host["data_position"])
         self.best = best_lib.BestPolicy(run.out_dir, self.host, restored) if run.keep_best else None
-        self.writer = metrics_lib.MetricsWriter(run.out_dir, resume_step=restored, enabled=hosts.is_primary())
+        self.writer = metrics_lib.MetricsWriter(
+            run.out_dir, backends=run.log, config={"algorithm": dataclasses.asdict(algo), "run": dataclasses.asdict(run)},
+            wandb_project=run.wandb_project, resume_step=restored, enabled=hosts.is_primary())
+        # Decided from the config, not the writer: in a multi-host run every process joins the fetch.
+        self._histograms = any(name in run.log for name in ("tensorboard", "wandb"))
         self.pool = rewards_lib.RewardPool(run.reward_workers, timeout_s=run.reward_timeout_s)
         self._compiled_once = False
         self._skips_reported = False
@@ -356,6 +367,9 @@ class Trainer:
         # one-time compile is left off the clock (later steps reuse the programs).
         self._compiled_once = True
         self.host["data_position"] = self.stream.position
+        if self._histograms:
+            self.writer.histograms(int(self.state.step), {"reward/total": scored["total"],
+                                                          "train/advantages": hosts.fetch(batch.advantages)})
         selected = np.zeros((p, algo.n), bool)
         np.put_along_axis(selected, idx_PM, True, axis=1)
         return {

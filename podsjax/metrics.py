@@ -9,8 +9,9 @@ the restored checkpoint and moves the cut records to ``<log>.superseded``
   ``/`` (``{"reward": {"mean": 1}}`` -> ``"reward/mean"``). Non-finite floats (NaN, +-inf)
   are written as ``null`` so every line is strict JSON; TensorBoard gets the real value.
 - ``samples.jsonl``: completion samples.
-- ``events.out.tfevents.*``: TensorBoard scalars, encoded by tensorboardX and written
-  synchronously (:class:`_EventFile`).
+- ``events.out.tfevents.*``: TensorBoard scalars, histograms and sample text
+  (``podsjax.log_backends``), when the backends include ``tensorboard``; ``wandb/``, when
+  they include ``wandb``.
 
 A writer opened with ``resume_step=S`` appends a marker ``{"event": "resume", "step": S}``;
 :func:`read_jsonl` then drops the earlier run's records with ``step > S`` (they were
@@ -26,13 +27,14 @@ import contextlib
 import json
 import math
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from podsjax import log_backends
 
 # -- value conversion ------------------------------------------------------------------
 
@@ -116,55 +118,17 @@ def read_jsonl(path: str | os.PathLike, *, apply_resumes: bool = True) -> list[d
     return records
 
 
-# -- TensorBoard event file ------------------------------------------------------------
-
-class _EventFile:
-    """A TensorBoard event file written in the caller's thread.
-
-    tensorboardX's own ``SummaryWriter`` writes from a background thread; when that thread
-    dies (a full disk), the next ``add_scalar`` blocks forever on its queue. Here a failed
-    write raises in the training loop, which stops with one line. The encoding (Event
-    protos, TFRecord framing with CRC32C) is tensorboardX's.
-    """
-
-    def __init__(self, logdir: str, purge_step: int | None):
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.record_writer import RecordWriter
-
-        # TensorBoard reads a directory's files in name order: seconds, then the suffix.
-        secs, nanos = divmod(time.time_ns(), 10**9)
-        name = f"events.out.tfevents.{secs}.{socket.gethostname()}.{os.getpid()}.{nanos:09d}"
-        self._event = Event
-        self._writer = RecordWriter(os.path.join(logdir, name))
-        now = time.time()
-        self._write(Event(wall_time=now, step=0, file_version="brain.Event:2"))
-        if purge_step is not None:
-            # A SessionLog START at step S: TensorBoard hides the earlier run's events from S on.
-            self._write(Event(wall_time=now, step=purge_step, session_log=SessionLog(status=SessionLog.START)))
-
-    def _write(self, event) -> None:
-        self._writer.write(event.SerializeToString())
-        self._writer.flush()
-
-    def scalars(self, step: int, values: Mapping[str, float], wall_time: float) -> None:
-        from tensorboardX.proto.summary_pb2 import Summary
-
-        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
-        self._write(self._event(wall_time=wall_time, step=step, summary=summary))
-
-    def close(self) -> None:
-        self._writer.close()
-
-
 # -- writer ----------------------------------------------------------------------------
 
 
 class MetricsWriter:
-    """Appends per-step scalars to JSONL and TensorBoard, and samples to JSONL.
+    """Appends per-step scalars to JSONL and the other backends, and samples to JSONL.
 
     Args:
         out_dir: directory for all files (created if missing).
-        tensorboard: also write a TensorBoard event file.
+        backends: names from ``podsjax.log_backends.BACKENDS``; "jsonl" must be one.
+        config: the run's config, for backends that show it (W&B).
+        wandb_project: W&B project (default ``$WANDB_PROJECT``, else "podsjax").
         jsonl_name: metrics file name inside ``out_dir``.
         samples_name: samples file name inside ``out_dir``.
         resume_step: the checkpoint step a resumed run restarted from (see module doc).
@@ -173,15 +137,17 @@ class MetricsWriter:
         clock: wall clock for the ``wall_time`` field.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, *, tensorboard: bool = True,
-                 jsonl_name: str = "metrics.jsonl", samples_name: str = "samples.jsonl",
-                 resume_step: int | None = None, enabled: bool = True,
+    def __init__(self, out_dir: str | os.PathLike, *, backends: Sequence[str] = log_backends.DEFAULT_BACKENDS,
+                 config: Mapping[str, Any] | None = None, wandb_project: str | None = None, jsonl_name: str = "metrics.jsonl",
+                 samples_name: str = "samples.jsonl", resume_step: int | None = None, enabled: bool = True,
                  clock: Callable[[], float] = time.time):
         self.out_dir = os.fspath(out_dir)
         self.enabled = enabled
+        self.backends = log_backends.parse_backends(backends)
         self._clock = clock
         self._files: dict[str, Any] = {}
-        self._events: _EventFile | None = None
+        self._tensorboard: log_backends.TensorBoard | None = None
+        self._wandb: log_backends.WandB | None = None
         self._closed = False
         self.metrics_path = os.path.join(self.out_dir, jsonl_name)
         self.samples_path = os.path.join(self.out_dir, samples_name)
@@ -193,8 +159,19 @@ class MetricsWriter:
             for path in (self.metrics_path, self.samples_path):
                 if os.path.exists(path):
                     self._append(path, marker)
-        if tensorboard:
-            self._events = _EventFile(self.out_dir, None if resume_step is None else int(resume_step) + 1)
+        if "tensorboard" in self.backends:
+            self._tensorboard = log_backends.TensorBoard(self.out_dir,
+                                                         None if resume_step is None else int(resume_step) + 1)
+        if "wandb" in self.backends:
+            self._wandb = log_backends.WandB(self.out_dir, config, resume_step, project=wandb_project)
+
+    @property
+    def wants_histograms(self) -> bool:
+        """Whether some backend draws histograms (so the caller need not fetch their data)."""
+        return self.enabled and (self._tensorboard is not None or self._wandb is not None)
+
+    def _others(self):
+        return [b for b in (self._tensorboard, self._wandb) if b is not None]
 
     def _append(self, path: str, record: Mapping[str, Any]) -> None:
         if self._closed:
@@ -235,9 +212,18 @@ class MetricsWriter:
         record = {"step": int(step), "wall_time": wall_time, **{k: _finite_or_none(v) for k, v in flat.items()}}
         if self.enabled:
             self._append(self.metrics_path, record)
-            if self._events is not None and flat:
-                self._events.scalars(int(step), {k: float(v) for k, v in flat.items()}, wall_time)
+            if flat:
+                for backend in self._others():
+                    backend.scalars(int(step), {k: float(v) for k, v in flat.items()}, wall_time)
         return record
+
+    def histograms(self, step: int, arrays: Mapping[str, Any]) -> None:
+        """Distributions at ``step`` (name -> array of values) for the backends that draw them."""
+        if not self.wants_histograms:
+            return
+        wall_time = self._clock()
+        for backend in self._others():
+            backend.histograms(int(step), {k: np.asarray(v) for k, v in arrays.items()}, wall_time)
 
     def write_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
         """Appends completion samples (e.g. prompt, completion, rewards, selected).
@@ -255,6 +241,11 @@ class MetricsWriter:
             return
         for row in rows:
             self._append(self.samples_path, row)
+        columns = list(dict.fromkeys(k for r in rows for k in r if k != "step"))
+        if self._tensorboard is not None:
+            self._tensorboard.text(int(step), "samples", log_backends.samples_markdown(rows, columns), self._clock())
+        if self._wandb is not None:
+            self._wandb.table(int(step), "samples", rows, columns)
 
     def close(self) -> None:
         """Flushes and closes all files. Idempotent."""
@@ -262,9 +253,9 @@ class MetricsWriter:
         for f in self._files.values():
             f.close()
         self._files.clear()
-        if self._events is not None:
-            self._events.close()
-            self._events = None
+        for backend in self._others():
+            backend.close()
+        self._tensorboard = self._wandb = None
 
     def __enter__(self) -> MetricsWriter:
         return self

@@ -1,5 +1,6 @@
 """The experiment CLIs: a real-checkpoint run on 8 devices, bad flags, no clobbering, resume."""
 
+import glob
 import json
 import os
 import shutil
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from test_metrics import read_events
 from tiny_checkpoint import save_tiny_checkpoint
 
 from experiments import cli
@@ -58,6 +60,10 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     assert (adapter["r"], adapter["base_model_name_or_path"]) == (2, checkpoint)
     assert os.path.isfile(os.path.join(out, "best_model", "config.json")) and "best model (" in first.stdout
     assert os.path.isfile(os.path.join(out, "metrics.jsonl"))
+    events = read_events(glob.glob(os.path.join(out, "events.out.tfevents.*"))[0])
+    histograms = [(e.step, v.tag, v.histo.num) for e in events for v in e.summary.value if v.HasField("histo")]
+    # Each step: the rewards of its 8 rollouts and the advantages of the 4 trained.
+    assert histograms == [(s, tag, num) for s in (1, 2) for tag, num in (("reward/total", 8), ("train/advantages", 4))]
 
     # The same directory again without --resume is refused, and nothing changes.
     before = sorted(os.listdir(out))
@@ -94,6 +100,12 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--lr", "inf"], "learning_rate must be finite"),  # before the warm-up, not after it
     (["--beta", "nan"], "beta must be finite"),
     (["--method", "pods", "--rule", "best"], "unknown selection rule 'best'"),
+    (["--log", "tensorboard"], "log backends must include jsonl"),
+    (["--log", "jsonl,mlflow"], "unknown log backend 'mlflow'"),
+    (["--coordinator", "127.0.0.1:1"], "multi-host needs all of --coordinator, --num-processes and --process-id"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in 0..1"),
+    (["--coordinator", "h:1", "--num-processes", "3", "--process-id", "0", "--mesh", "8"],
+     "--mesh 8 (8 devices) does not split over 3 processes"),
 ])
 def test_bad_flags_give_one_line_and_exit_2(tmp_path, capsys, args, message):
     out = tmp_path / "never"

@@ -42,7 +42,7 @@ def scalars_of(events):
 
 def test_jsonl_lines_convert_jax_numpy_and_nonfinite(tmp_path):
     clock = iter([1000.0, 1001.5]).__next__
-    with MetricsWriter(tmp_path, tensorboard=False, clock=clock) as w:
+    with MetricsWriter(tmp_path, backends=("jsonl",), clock=clock) as w:
         w.write(1, {"loss": jnp.float32(0.25), "reward": {"mean": np.float64(0.5), "std": 0.125},
                     "skipped": jnp.int32(0), "truncated": np.bool_(True)})
         w.write(2, {"loss": float("nan"), "grad_norm": jnp.array(float("inf")), "lr": 5e-6})
@@ -56,7 +56,7 @@ def test_jsonl_lines_convert_jax_numpy_and_nonfinite(tmp_path):
 
 
 def test_bad_scalars_raise_one_line(tmp_path):
-    with MetricsWriter(tmp_path, tensorboard=False) as w:
+    with MetricsWriter(tmp_path, backends=("jsonl",)) as w:
         with pytest.raises(ValueError, match=r"metric 'x' must be a real scalar") as e:
             w.write(1, {"x": jnp.ones(3)})
         assert "\n" not in str(e.value)
@@ -115,7 +115,7 @@ def test_samples_jsonl(tmp_path):
         {"prompt": "1+1?", "completion": "3", "rewards": {"accuracy": 0.0, "format": float("nan")},
          "selected": False, "logprobs": np.array([-2.0, -0.25])},
     ]
-    with MetricsWriter(tmp_path, tensorboard=False) as w:
+    with MetricsWriter(tmp_path, backends=("jsonl",)) as w:
         w.write_samples(5, records)
         w.write_samples(5, records[:1])  # same step again (e.g. after a resume): kept, not overwritten
         with pytest.raises(ValueError, match="sample 0 has a 'step' field"):
