@@ -91,12 +91,12 @@ def run_generate(args) -> dict:
     ids, mask = jnp.asarray(ids_np, jnp.int32), jnp.asarray(mask_np, jnp.int32)
     calls = [0]
 
-    def podsjax_generate():
+    def podsjax_generate(return_logprobs=False):  # timed as the training loop runs it: no log-probs
         calls[0] += 1
         rollouts = generate(
             model, params, ids, mask, jax.random.key(calls[0]),
             num_samples=1, max_new_tokens=t_new, temperature=1.0, top_p=1.0, top_k=0,
-            eos_token_ids=(never_eos,),
+            eos_token_ids=(never_eos,), return_logprobs=return_logprobs,
         )
         return jax.block_until_ready(rollouts)
 
@@ -124,8 +124,10 @@ def run_generate(args) -> dict:
     lengths = np.asarray(rollouts.lengths)
     if not (lengths == t_new).all():
         raise SystemExit(f"error: podsjax rows ended early (lengths {sorted(set(lengths.tolist()))}); EOS must be off")
-    lp_diff = logprob_diff(hf_model, ids_pt, np.asarray(rollouts.tokens, np.int64), np.asarray(rollouts.logprobs))
     del rollouts
+    checked = podsjax_generate(return_logprobs=True)  # untimed: the sampled tokens' log-probs against torch's
+    lp_diff = logprob_diff(hf_model, ids_pt, np.asarray(checked.tokens, np.int64), np.asarray(checked.logprobs))
+    del checked
 
     out = torch_generate()
     if tuple(out.shape) != (p, length + t_new):

@@ -33,14 +33,16 @@ class Rollouts:
       tokens: int32 [B*n, T]; positions after the first EOS hold the pad id.
       logprobs: float32 [B*n, T] log-probs of the sampled tokens under
         softmax(logits / temperature), before any top-p/top-k filtering (what
-        the train step recomputes); temperature 0 reports temperature 1.
+        the train step recomputes); temperature 0 reports temperature 1. None
+        unless asked for (``generate(..., return_logprobs=True)``): the update
+        recomputes them, so a training step does not pay a log-softmax per token.
       mask: bool [B*n, T], valid completion tokens up to and including the first EOS.
       lengths: int32 [B*n], number of valid tokens.
       truncated: bool [B*n], no EOS within T tokens.
     """
 
     tokens: jax.Array
-    logprobs: jax.Array
+    logprobs: jax.Array | None
     mask: jax.Array
     lengths: jax.Array
     truncated: jax.Array
@@ -62,6 +64,7 @@ class SamplingConfig:
     top_k: int = 0
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    return_logprobs: bool = False
 
     def __post_init__(self):
         if self.num_samples < 1:
@@ -112,8 +115,9 @@ def _argmax(x_BV: jax.Array) -> jax.Array:
 
 
 def _sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
-            cfg: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-    """One token per row and its log-prob under the unfiltered tempered policy.
+            cfg: SamplingConfig) -> tuple[jax.Array, jax.Array | None]:
+    """One token per row and (with ``cfg.return_logprobs``) its log-prob under the
+    unfiltered tempered policy.
 
     ``temperature`` is a traced scalar; 0 is greedy and reports log-probs at temperature 1.
     """
@@ -127,6 +131,8 @@ def _sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
         return _argmax(filtered_BV + jax.random.gumbel(key, filtered_BV.shape, jnp.float32))
 
     tokens_B = lax.cond(greedy, lambda: _argmax(logits_BV), sampled)
+    if not cfg.return_logprobs:
+        return tokens_B, None
     picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, picked_B - jax.nn.logsumexp(scaled_BV, axis=-1)
 
@@ -136,7 +142,7 @@ class _Carry:
     step: jax.Array
     logits_BV: jax.Array
     tokens_BT: jax.Array
-    logprobs_BT: jax.Array
+    logprobs_BT: jax.Array | None
     done_B: jax.Array
     cache: KVCache
 
@@ -173,10 +179,12 @@ def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key,
     def body(c: _Carry) -> _Carry:
         token_B, logprob_B = _sample(c.logits_BV, jax.random.fold_in(key, c.step), temperature, cfg)
         token_B = jnp.where(c.done_B, cfg.pad_token_id, token_B)
-        logprob_B = jnp.where(c.done_B, 0.0, logprob_B)
         done_B = c.done_B | jnp.any(token_B[:, None] == eos_E, axis=-1)
         tokens_BT = lax.dynamic_update_index_in_dim(c.tokens_BT, token_B, c.step, axis=1)
-        logprobs_BT = lax.dynamic_update_index_in_dim(c.logprobs_BT, logprob_B, c.step, axis=1)
+        logprobs_BT = None
+        if cfg.return_logprobs:
+            logprob_B = jnp.where(c.done_B, 0.0, logprob_B)
+            logprobs_BT = lax.dynamic_update_index_in_dim(c.logprobs_BT, logprob_B, c.step, axis=1)
         # Finished rows still run (the batch is static) but write masked slots.
         logits_BV, cache = decode_step(
             model, params, token_B[:, None], c.cache, lora=lora, attention_mask_B1=~c.done_B[:, None]
@@ -187,7 +195,7 @@ def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key,
         step=jnp.int32(0),
         logits_BV=logits_BV,
         tokens_BT=_constrain_rows(model, jnp.full((rows, t_max), cfg.pad_token_id, jnp.int32)),
-        logprobs_BT=_constrain_rows(model, jnp.zeros((rows, t_max), jnp.float32)),
+        logprobs_BT=_constrain_rows(model, jnp.zeros((rows, t_max), jnp.float32)) if cfg.return_logprobs else None,
         done_B=_constrain_rows(model, jnp.zeros((rows,), bool)),
         cache=cache,
     )
@@ -198,7 +206,7 @@ def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key,
     mask_BT = (eos_before_BT == 0) & (jnp.arange(t_max) < final.step)
     rollouts = Rollouts(
         tokens=jnp.where(mask_BT, final.tokens_BT, cfg.pad_token_id),
-        logprobs=jnp.where(mask_BT, final.logprobs_BT, 0.0),
+        logprobs=jnp.where(mask_BT, final.logprobs_BT, 0.0) if cfg.return_logprobs else None,
         mask=mask_BT,
         lengths=jnp.sum(mask_BT, axis=1, dtype=jnp.int32),
         truncated=~jnp.any(is_eos_BT & mask_BT, axis=1),
@@ -278,6 +286,7 @@ def generate(
     eos_token_ids,
     pad_token_id: int = 0,
     lora=None,
+    return_logprobs: bool = False,
 ) -> Rollouts:
     """Samples ``num_samples`` completions per left-padded prompt.
 
@@ -302,6 +311,8 @@ def generate(
       eos_token_ids: an int or ints that end a completion.
       pad_token_id: fills positions after EOS.
       lora: optional LoRA params to sample from the adapted policy.
+      return_logprobs: also return each sampled token's log-prob (``Rollouts.logprobs``;
+        costs a log-softmax over the vocabulary per token).
 
     Returns:
       :class:`Rollouts` with B*n rows.
@@ -320,6 +331,7 @@ def generate(
         top_k=int(top_k),
         eos_token_ids=eos,
         pad_token_id=int(pad_token_id),
+        return_logprobs=bool(return_logprobs),
     )
     prompt_ids_BL = jnp.asarray(prompt_ids_BL)
     prompt_mask_BL = jnp.asarray(prompt_mask_BL)

@@ -95,11 +95,16 @@ def test_sampled_logprobs_match_a_full_forward_pass(tiny):
     ids, mask = left_padded_prompts(2)
     n, temperature = 3, 0.8
     rollouts = generate(model, params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
-                        temperature=temperature, top_p=0.9, eos_token_ids=EOS)
+                        temperature=temperature, top_p=0.9, eos_token_ids=EOS, return_logprobs=True)
     recomputed = completion_logprobs(model, params, ids, mask, rollouts, n, temperature)
     valid = np.asarray(rollouts.mask)
     np.testing.assert_allclose(np.asarray(rollouts.logprobs)[valid], recomputed[valid], atol=1e-5)
     assert np.all(np.asarray(rollouts.logprobs)[~valid] == 0)
+    # Off by default (the update recomputes them), and the tokens do not depend on it.
+    plain = generate(model, params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
+                     temperature=temperature, top_p=0.9, eos_token_ids=EOS)
+    assert plain.logprobs is None
+    np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(rollouts.tokens))
 
 
 def test_mask_lengths_and_truncation_follow_the_first_eos(tiny):
@@ -198,7 +203,7 @@ def test_sharded_generation_matches_single_device(tmp_path):
     sharded_model, sharded_params = pm.from_pretrained(path, dtype=jnp.float32, mesh=mesh)
     ids, mask = left_padded_prompts(8)
     ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # 4 prompts x 2 = 8 rows
-    kwargs = dict(num_samples=2, max_new_tokens=6, temperature=0.0, eos_token_ids=EOS)
+    kwargs = dict(num_samples=2, max_new_tokens=6, temperature=0.0, eos_token_ids=EOS, return_logprobs=True)
     ref = generate(model, params, ids, mask, jax.random.key(0), **kwargs)
     out = generate(sharded_model, sharded_params, ids, mask, jax.random.key(0), **kwargs)
     assert np.array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
@@ -304,7 +309,7 @@ def test_bf16_generation_runs_and_follows_the_bf16_forward(tiny):
     params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     ids, mask = left_padded_prompts(9)
     out = generate(bf16, params16, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=4, temperature=0.0,
-                   eos_token_ids=EOS)
+                   eos_token_ids=EOS, return_logprobs=True)
     assert np.isfinite(np.asarray(out.logprobs)).all()
     logits = np.asarray(jax.jit(lambda p: bf16.apply({"params": p}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)))(
         params16))
