@@ -198,7 +198,7 @@ def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None
         export_dir += (f"\nbest model ({trainer.best.accuracy:.1%} at step {trainer.best.step}; "
                        f"chosen on the eval split): {best_dir}")
     if hosts.is_primary():
-        print_summary(config, history, int(trainer.state.step), trainer.host["elapsed_train_s"],
+        print_summary(config, history, int(trainer.state.step), trainer.host.elapsed_train_s,
                       time.time() - start, export_dir)
     return 0
 

@@ -2,7 +2,7 @@
 
 Each evaluation that beats every earlier one saves the trainable params (the LoRA tree,
 or the full params) into ``<out>/best/<step>``, synchronously (see ``__init__``). The run's own
-checkpoints record the best step (``host["best_step"]``), so a resumed run knows which
+checkpoints record the best step (``HostState.best_step``), so a resumed run knows which
 saved policy is its best:
 
 - a best saved after the checkpoint the run resumes from was never recorded, and goes;
@@ -21,6 +21,7 @@ import jax
 from podsjax import checkpoint as ckpt_lib
 from podsjax import hosts
 from podsjax import mesh as mesh_lib
+from podsjax.run_state import HostState
 
 BEST_DIRNAME = "best"
 
@@ -30,11 +31,11 @@ class BestPolicy:
 
     Args:
         out_dir: the run directory.
-        host: the run's host state as restored (``best_step`` / ``best_accuracy`` if any).
+        host: the run's host state as restored (its ``best_step`` / ``best_accuracy``, if any).
         resumed_step: the step the run resumed from (None: a fresh start).
     """
 
-    def __init__(self, out_dir: str, host: dict[str, Any], resumed_step: int | None):
+    def __init__(self, out_dir: str, host: HostState, resumed_step: int | None):
         self.host = host
         self.directory = directory = os.path.join(out_dir, BEST_DIRNAME)
         if resumed_step is None and hosts.is_primary():
@@ -45,7 +46,7 @@ class BestPolicy:
         # right after an evaluation, off the training clock.
         self._checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(directory, keep_last=None,
                                                                              async_save=False))
-        recorded = host.get("best_step")
+        recorded = host.best_step
         for step in self._checkpointer.all_steps():
             if resumed_step is not None and step > resumed_step or recorded is None or step < recorded:
                 self._checkpointer.delete(step)
@@ -53,18 +54,18 @@ class BestPolicy:
 
     @property
     def step(self) -> int | None:
-        return self.host.get("best_step")
+        return self.host.best_step
 
     @property
     def accuracy(self) -> float | None:
-        return self.host.get("best_accuracy")
+        return self.host.best_accuracy
 
     def offer(self, step: int, accuracy: float, params: Any) -> bool:
         """Saves ``params`` as the new best when ``accuracy`` beats every earlier evaluation."""
         if self.accuracy is not None and not accuracy > self.accuracy:
             return False
         self._checkpointer.save(step, {"params": params}, {"accuracy": accuracy}, force=True)
-        self.host.update(best_step=step, best_accuracy=accuracy)
+        self.host.best_step, self.host.best_accuracy = step, accuracy
         return True
 
     def checkpoint_started(self) -> None:

@@ -35,6 +35,7 @@ from podsjax import metrics as metrics_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
 from podsjax import train
+from podsjax.run_state import HostState
 from podsjax.models import LoraConfig, init_lora
 from podsjax.sampling import generate
 
@@ -266,24 +267,25 @@ class Trainer:
             state = jax.jit(init)(trainable, key)
         self.batch_fn = batch_program(model.mesh, prompt_rows(run, algo) * algo.trained_per_prompt)
         os.makedirs(run.out_dir, exist_ok=True)
+        self.host = HostState()  # replaced by a checkpoint's, if one is restored below
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(
             os.path.join(run.out_dir, "checkpoints"), save_every_steps=run.checkpoint_every_steps,
             save_every_seconds=run.checkpoint_every_s, keep_last=run.keep_last),
-            clock=lambda: self.host["elapsed_train_s"])  # the training clock, eval excluded
-        host = {"data_position": 0, "elapsed_train_s": 0.0, "last_eval_s": None}
+            clock=lambda: self.host.elapsed_train_s)  # the training clock, eval excluded
         found = self.checkpointer.restore_latest(jax.tree.map(mesh_lib.abstract, state), warn=self.log)
         if found is not None:
-            state, host, restored = found
-            if "log_sizes" in host and hosts.is_primary():  # absent in checkpoints from before log rewinding
-                _rewind_logs(run.out_dir, host["log_sizes"])
+            state, saved, restored = found
+            self.host = HostState.from_json(saved)
+            if "log_sizes" in saved and hosts.is_primary():  # absent in checkpoints from before log rewinding
+                _rewind_logs(run.out_dir, self.host.log_sizes)
         else:
             # No checkpoint committed (a first run, or one killed before its first save):
             # the run starts over, so logs from a killed attempt go.
             restored = None
             if hosts.is_primary():
                 _rewind_logs(run.out_dir, dict.fromkeys(_LOGS, 0))
-        self.state, self.host = state, host
-        self.stream = DataStream(train_examples, run.seed, host["data_position"])
+        self.state = state
+        self.stream = DataStream(train_examples, run.seed, self.host.data_position)
         self.best = best_lib.BestPolicy(run.out_dir, self.host, restored) if run.keep_best else None
         self.writer = metrics_lib.MetricsWriter(
             run.out_dir, backends=run.log, config={"algorithm": dataclasses.asdict(algo), "run": dataclasses.asdict(run)},
@@ -362,11 +364,11 @@ class Trainer:
                 step_metrics = jax.device_get(step_metrics)
         phases = timer.totals()
         if self._compiled_once:
-            self.host["elapsed_train_s"] += hosts.agree(sum(phases.values()))
+            self.host.elapsed_train_s += hosts.agree(sum(phases.values()))
         # The first step of a process compiles generation and the update; JAX's
         # one-time compile is left off the clock (later steps reuse the programs).
         self._compiled_once = True
-        self.host["data_position"] = self.stream.position
+        self.host.data_position = self.stream.position
         if self._histograms:
             self.writer.histograms(int(self.state.step), {"reward/total": scored["total"],
                                                           "train/advantages": hosts.fetch(batch.advantages)})
@@ -380,7 +382,7 @@ class Trainer:
             "completion/truncated_frac": float(scored["truncated"].mean()),
             **{f"time/{k}": v for k, v in phases.items()},
             "time/tokens_per_s": metrics_lib.tokens_per_second(int(scored["length"].sum()), phases["generation"]),
-            "time/elapsed_train_s": self.host["elapsed_train_s"],
+            "time/elapsed_train_s": self.host.elapsed_train_s,
         }
 
     def _score(self, examples, start: int, tokens, mask, truncated) -> dict[str, np.ndarray]:
@@ -519,11 +521,11 @@ class Trainer:
         run = self.run_config
         if run.max_steps is not None and int(self.state.step) >= run.max_steps:
             return True
-        return run.time_budget_s is not None and self.host["elapsed_train_s"] >= run.time_budget_s
+        return run.time_budget_s is not None and self.host.elapsed_train_s >= run.time_budget_s
 
     def eval_due(self) -> bool:
-        every, last = self.run_config.eval_every_s, self.host["last_eval_s"]
-        return every is not None and (last is None or self.host["elapsed_train_s"] - last >= every)
+        every, last = self.run_config.eval_every_s, self.host.last_eval_s
+        return every is not None and (last is None or self.host.elapsed_train_s - last >= every)
 
     def run(self) -> list[dict[str, float]]:
         """Trains until the budget is spent; returns the eval history (one dict per eval)."""
@@ -533,7 +535,7 @@ class Trainer:
         if run.max_steps is not None:
             bar = metrics_lib.Progress(run.max_steps, unit="step", initial=int(self.state.step), enabled=enabled)
         else:
-            bar = metrics_lib.Progress(run.time_budget_s, unit="s", initial=self.host["elapsed_train_s"],
+            bar = metrics_lib.Progress(run.time_budget_s, unit="s", initial=self.host.elapsed_train_s,
                                        enabled=enabled)
         self._bar = bar
         # Without a bar (no TTY: logs, nohup, SLURM) one line every progress_every_s says how it goes.
@@ -542,8 +544,8 @@ class Trainer:
         try:
             while True:
                 if self.eval_due():
-                    evaluation = {**self.evaluate(), "time/elapsed_train_s": self.host["elapsed_train_s"]}
-                    self.host["last_eval_s"] = self.host["elapsed_train_s"]
+                    evaluation = {**self.evaluate(), "time/elapsed_train_s": self.host.elapsed_train_s}
+                    self.host.last_eval_s = self.host.elapsed_train_s
                     self.writer.write(int(self.state.step), evaluation)
                     evaluation["step"] = int(self.state.step)
                     history.append(evaluation)
@@ -558,7 +560,7 @@ class Trainer:
                 step = int(self.state.step)
                 self.writer.write(step, scalars)
                 self._check_finite(step, scalars)
-                position = step if run.max_steps is not None else self.host["elapsed_train_s"]
+                position = step if run.max_steps is not None else self.host.elapsed_train_s
                 accuracy = history[-1]["eval/accuracy"] if history else float("nan")
                 bar.update(position, step=step, reward=scalars["reward/mean"], acc=accuracy)
                 if first:
@@ -583,8 +585,8 @@ class Trainer:
 
     def _check_finite(self, step: int, scalars: dict[str, float]) -> None:
         """Counts skipped (non-finite) updates in a row; too many stop the run before the next save."""
-        in_a_row = self.host.get("nonfinite_in_a_row", 0) + 1 if scalars["train/skipped"] else 0
-        self.host["nonfinite_in_a_row"] = in_a_row
+        in_a_row = self.host.nonfinite_in_a_row + 1 if scalars["train/skipped"] else 0
+        self.host.nonfinite_in_a_row = in_a_row
         if in_a_row >= self.run_config.max_nonfinite_updates:
             last = self.checkpointer.latest_step()
             kept = "no checkpoint was saved yet" if last is None else f"the last checkpoint is step {last}"
@@ -598,13 +600,13 @@ class Trainer:
         of = f"/{run.max_steps}" if run.max_steps is not None else ""
         budget = f"/{run.time_budget_s:.0f}" if run.time_budget_s is not None else ""
         acc = "-" if accuracy != accuracy else f"{accuracy:.1%}"
-        return (f"step {step}{of} | train clock {self.host['elapsed_train_s']:.0f}{budget} s | "
+        return (f"step {step}{of} | train clock {self.host.elapsed_train_s:.0f}{budget} s | "
                 f"reward {scalars['reward/mean']:.3f} | eval acc {acc} | {_phases_text(scalars)}")
 
     def _host_with_log_sizes(self) -> dict[str, Any]:
         """The host state plus each log's size now, which a resume from this checkpoint cuts back to."""
-        self.host["log_sizes"] = _log_sizes(self.run_config.out_dir)
-        return self.host
+        self.host.log_sizes = _log_sizes(self.run_config.out_dir)
+        return self.host.to_json()
 
     def close(self):
         self.checkpointer.close()

@@ -54,7 +54,7 @@ def test_steps_write_metrics_checkpoints_and_resume_exactly(setup, tmp_path):
     # A new trainer in the same directory resumes at step 2 with the saved data position.
     resumed = make_trainer(setup, out, max_steps=4, lora=pm.LoraConfig(rank=2, alpha=4.0))
     assert int(resumed.state.step) == 2 and resumed.stream.position == 4
-    elapsed = resumed.host["elapsed_train_s"]
+    elapsed = resumed.host.elapsed_train_s
     assert elapsed > 0  # step 2 counted; step 1 compiled, off the clock
     history = resumed.run()
     # Step 3 compiles in the new process (off the clock), step 4 counts.
