@@ -101,7 +101,7 @@ def podsjax_step(model, params, lora, batch, config):
     else:
         policy, _ = train.full_apply_fn(model)
         trainable, frozen = params, None
-    state = train.init_state(trainable, optimizer, jax.random.key(0))
+    state = train.init_state(trainable, optimizer)
     train_batch = train.TrainBatch(
         input_ids=jnp.asarray(batch["ids"], jnp.int32),
         attention_mask=jnp.asarray(batch["attention_mask"], jnp.int32),

@@ -164,7 +164,7 @@ def abstract_state(model, algo: train.AlgorithmConfig, optimizer, lora_config: p
     else:
         trainable = base_params
         frozen = base_params if algo.beta > 0 else None  # the Trainer's frozen KL reference copy
-    state = jax.eval_shape(lambda t, k: train.init_state(t, optimizer, k), trainable, key)
+    state = jax.eval_shape(lambda t: train.init_state(t, optimizer), trainable)
     if mesh is None:
         return state.replace(params=trainable), frozen
     opt_state = optax.tree_utils.tree_map_params(

@@ -260,11 +260,11 @@ class Trainer:
             self.frozen = jax.tree.map(jnp.copy, base_params) if algo.beta > 0 else None
         shardings = jax.tree.map(lambda x: x.sharding, trainable) if model.mesh is not None else None
 
-        def init(trainable, key):
-            return self._init_state(trainable, key, shardings)
+        def init(trainable):
+            return self._init_state(trainable, shardings)
 
         with self.compile_log.label("init"):
-            state = jax.jit(init)(trainable, key)
+            state = jax.jit(init)(trainable)
         self.batch_fn = batch_program(model.mesh, prompt_rows(run, algo) * algo.trained_per_prompt)
         os.makedirs(run.out_dir, exist_ok=True)
         self.host = HostState()  # replaced by a checkpoint's, if one is restored below
@@ -310,13 +310,13 @@ class Trainer:
         else:
             self._print(line)
 
-    def _init_state(self, trainable, key, shardings) -> train.TrainState:
+    def _init_state(self, trainable, shardings) -> train.TrainState:
         """The first state, with optimizer moments born in their params' shardings.
 
         Without the constraint XLA creates the moments replicated; the first step
         then reshards them and compiles twice, and a big full fine-tune may not fit.
         """
-        state = train.init_state(trainable, self.optimizer, key)
+        state = train.init_state(trainable, self.optimizer)
         if shardings is None:
             return state
         opt_state = optax.tree_utils.tree_map_params(

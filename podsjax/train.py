@@ -192,16 +192,14 @@ class TrainState:
     params: Any
     opt_state: Any
     step: jax.Array
-    rng: jax.Array
     skipped_updates: jax.Array
 
 
-def init_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+def init_state(params: Any, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(
         params=params,
         opt_state=optimizer.init(params),
         step=jnp.zeros((), jnp.int32),
-        rng=rng,
         skipped_updates=jnp.zeros((), jnp.int32),
     )
 

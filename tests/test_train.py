@@ -37,7 +37,7 @@ def random_rollouts(seed, p=P, n=N):
 def full_ft(model, config, params, seed=1):
     policy, reference = train.full_apply_fn(model)
     optimizer = train.make_optimizer(config)
-    state = train.init_state(params, optimizer, jax.random.key(seed))
+    state = train.init_state(params, optimizer)
     return train.make_train_step(policy, optimizer, config, reference), state
 
 
@@ -72,7 +72,7 @@ def test_lora_step_leaves_base_params_bit_identical(model_and_params):
     optimizer = train.make_optimizer(config)
     policy, reference = train.lora_apply_fn(model)
     step = jax.jit(train.make_train_step(policy, optimizer, config, reference))
-    state = train.init_state(lora, optimizer, jax.random.key(1))
+    state = train.init_state(lora, optimizer)
     base_before = jax.tree.map(np.asarray, params)
     batch, idx = train.build_batch(*random_rollouts(1), config)
     assert idx.shape == (P, M)

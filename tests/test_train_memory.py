@@ -36,7 +36,7 @@ def update_memory(config):
     optimizer = train.make_optimizer(config)
     policy, reference = train.lora_apply_fn(model)
     step = train.make_train_step(policy, optimizer, config, reference)
-    state = jax.eval_shape(lambda t: train.init_state(t, optimizer, jax.random.key(0)), lora)
+    state = jax.eval_shape(lambda t: train.init_state(t, optimizer), lora)
     # The update batch as the loop builds it from n rollouts per prompt (PODS selects first).
     S = jax.ShapeDtypeStruct
     batch, _ = jax.eval_shape(functools.partial(train.build_batch, config=config),

@@ -52,7 +52,7 @@ def setup(mesh):
     params = pm.init_params(model, jax.random.key(0), mesh)
     policy, reference = train.full_apply_fn(model)
     optimizer = train.make_optimizer(ALGO)
-    state = jax.jit(lambda p: train.init_state(p, optimizer, jax.random.key(1)))(params)  # one compile, not one per op
+    state = jax.jit(lambda p: train.init_state(p, optimizer))(params)  # one compile, not one per op
     return jax.jit(train.make_train_step(policy, optimizer, ALGO, reference)), state
 
 
