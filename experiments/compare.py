@@ -58,15 +58,15 @@ def variants(args) -> dict[str, list[str]]:
 
 
 def run_one(task, flags, out) -> list[dict]:
-    history_path = os.path.join(out, "eval_history.jsonl")
     done = os.path.isfile(os.path.join(out, "final_model", "config.json"))
     if not done:
         resume = ["--resume"] if os.path.isfile(os.path.join(out, "config.json")) else []
         code = cli.main(task, [*flags, "--out", out, *resume])
         if code != 0:
             raise SystemExit(code)
-    with open(history_path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    from podsjax.loop import read_history  # JAX starts only after cli.main has set up the devices
+
+    return read_history(out)
 
 
 def main(argv=None) -> int:

@@ -529,7 +529,7 @@ class Trainer:
 
     def run(self) -> list[dict[str, float]]:
         """Trains until the budget is spent; returns the eval history (one dict per eval)."""
-        history = _read_history(self.run_config.out_dir)
+        history = read_history(self.run_config.out_dir)
         run = self.run_config
         enabled = None if run.progress else False
         if run.max_steps is not None:
@@ -688,7 +688,8 @@ def _reward_stats(scored: dict[str, np.ndarray], rewards_PN, selected_PN, p, n) 
     return out
 
 
-_LOGS = ("metrics.jsonl", "samples.jsonl", "eval_history.jsonl")
+HISTORY_FILE = "eval_history.jsonl"
+_LOGS = ("metrics.jsonl", "samples.jsonl", HISTORY_FILE)
 
 
 def _log_sizes(out_dir) -> dict[str, int]:
@@ -716,18 +717,17 @@ def _rewind_logs(out_dir, sizes: dict[str, int]) -> None:
                 f.truncate(size)
 
 
-def _history_path(out_dir):
-    return os.path.join(out_dir, "eval_history.jsonl")
+def history_path(out_dir) -> str:
+    """The run's evaluation history: one JSON line per evaluation."""
+    return os.path.join(out_dir, HISTORY_FILE)
 
 
-def _read_history(out_dir) -> list[dict[str, float]]:
-    path = _history_path(out_dir)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_history(out_dir) -> list[dict[str, float]]:
+    """Every evaluation of the run in ``out_dir`` so far (none before the first)."""
+    path = history_path(out_dir)
+    return metrics_lib.read_jsonl(path) if os.path.exists(path) else []
 
 
 def _append_history(out_dir, record):
-    with open(_history_path(out_dir), "a") as f:
+    with open(history_path(out_dir), "a") as f:
         f.write(json.dumps(record) + "\n")

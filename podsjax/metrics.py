@@ -13,9 +13,9 @@ the restored checkpoint and moves the cut records to ``<log>.superseded``
   (``podsjax.log_backends``), when the backends include ``tensorboard``; ``wandb/``, when
   they include ``wandb``.
 
-A writer opened with ``resume_step=S`` appends a marker ``{"event": "resume", "step": S}``;
-:func:`read_jsonl` then drops the earlier run's records with ``step > S`` (they were
-redone after the restore), and the TensorBoard file starts with the matching purge event.
+The JSONL logs are the loop's to cut back on a resume; a writer opened with
+``resume_step=S`` only starts its new TensorBoard file with a purge event at S + 1 (an
+event file cannot be cut back) and names its W&B run after the resume.
 
 Time phases with :class:`PhaseTimer`; JAX dispatch is asynchronous, so block on a phase's
 outputs (``jax.block_until_ready``) inside the phase or it measures only the dispatch.
@@ -91,16 +91,10 @@ def to_jsonable(value: Any, where: str = "value") -> Any:
     raise ValueError(f"{where}: cannot store a {type(value).__name__} in JSON")
 
 
-def read_jsonl(path: str | os.PathLike, *, apply_resumes: bool = True) -> list[dict[str, Any]]:
-    """Reads a metrics/samples JSONL file written by :class:`MetricsWriter`.
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a JSONL log a run wrote (metrics, samples, eval history), in file order.
 
-    Args:
-        path: the file.
-        apply_resumes: drop records superseded by a resume (``step`` greater than a later
-            resume marker's) and the markers themselves; False returns every record.
-
-    Returns:
-        The records in file order. A torn last line from a killed process is skipped.
+    A torn last line from a killed process is skipped.
     """
     records: list[dict[str, Any]] = []
     with open(path, encoding="utf-8") as f:
@@ -109,12 +103,8 @@ def read_jsonl(path: str | os.PathLike, *, apply_resumes: bool = True) -> list[d
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if not isinstance(record, dict):
-                continue
-            if apply_resumes and record.get("event") == "resume":
-                records = [r for r in records if r.get("step", -1) <= record["step"]]
-                continue
-            records.append(record)
+            if isinstance(record, dict):
+                records.append(record)
     return records
 
 
@@ -154,11 +144,6 @@ class MetricsWriter:
         if not enabled:
             return
         os.makedirs(self.out_dir, exist_ok=True)
-        if resume_step is not None:
-            marker = {"event": "resume", "step": int(resume_step), "wall_time": clock()}
-            for path in (self.metrics_path, self.samples_path):
-                if os.path.exists(path):
-                    self._append(path, marker)
         if "tensorboard" in self.backends:
             self._tensorboard = log_backends.TensorBoard(self.out_dir,
                                                          None if resume_step is None else int(resume_step) + 1)
@@ -205,7 +190,7 @@ class MetricsWriter:
             ValueError: a value is not a real scalar, or a name is ``step``/``wall_time``.
         """
         flat = {name: to_scalar(name, v) for name, v in flatten_metrics(scalars).items()}
-        for reserved in ("step", "wall_time", "event"):
+        for reserved in ("step", "wall_time"):
             if reserved in flat:
                 raise ValueError(f"metric name {reserved!r} is reserved")
         wall_time = self._clock()

@@ -82,30 +82,26 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path):
     assert events[1].wall_time > 1e9
 
 
-def test_resume_appends_and_supersedes(tmp_path):
+def test_a_resumed_writer_appends_and_purges_tensorboard_from_the_resume(tmp_path):
     with MetricsWriter(tmp_path) as w:
         for step in (1, 2, 3):
             w.write(step, {"r": step / 10})
-    # Killed mid-line: a torn record at the end.
+    # Killed mid-line: a torn record at the end. (The loop cuts the logs back to the
+    # checkpoint before a resumed writer opens them; the writer itself only appends.)
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "r": 0.')
     with MetricsWriter(tmp_path, resume_step=2) as w:
         w.write(3, {"r": 0.33})
-        w.write(4, {"r": 0.44})
     raw = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(raw) == 3 + 1 + 1 + 2  # nothing truncated: old lines, torn line, marker, new lines
-    assert raw[3] == '{"step": 4, "r": 0.'
-    everything = read_jsonl(tmp_path / "metrics.jsonl", apply_resumes=False)
-    assert [(r.get("event"), r["step"]) for r in everything] == [(None, 1), (None, 2), (None, 3), ("resume", 2),
-                                                                  (None, 3), (None, 4)]
-    effective = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [(r["step"], r["r"]) for r in effective] == [(1, 0.1), (2, 0.2), (3, 0.33), (4, 0.44)]
+    assert raw[3] == '{"step": 4, "r": 0.' and len(raw) == 5  # the torn line stays one line of its own
+    assert [(r["step"], r["r"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(1, 0.1), (2, 0.2), (3, 0.3),
+                                                                                      (3, 0.33)]
     # TensorBoard: two event files; the second purges steps >= 3 of the first.
     files = sorted(glob.glob(str(tmp_path / "events.out.tfevents.*")))  # name order is creation order
     assert len(files) == 2
     second = read_events(files[1])
     assert second[1].step == 3 and second[1].session_log.status == second[1].session_log.START
-    assert [(s, t) for s, t, _ in scalars_of(second)] == [(3, "r"), (4, "r")]
+    assert [(s, t) for s, t, _ in scalars_of(second)] == [(3, "r")]
 
 
 def test_samples_jsonl(tmp_path):
