@@ -278,6 +278,8 @@ class Trainer:
             self.host = HostState.from_json(saved)
             if "log_sizes" in saved and hosts.is_primary():  # absent in checkpoints from before log rewinding
                 _rewind_logs(run.out_dir, self.host.log_sizes)
+            self.log(f"resumed from the checkpoint of step {restored} (training clock "
+                     f"{self.host.elapsed_train_s:.0f} s); what was logged after it moved to *.superseded")
         else:
             # No checkpoint committed (a first run, or one killed before its first save):
             # the run starts over, so logs from a killed attempt go.
