@@ -170,10 +170,6 @@ def check_args(args) -> None:
     _positive(args, ("n", "m", "grad_accum", "groups_per_prompt", "prompts_per_step", "lora_rank", "lora_alpha", "lr",
                      "max_completion_length", "max_prompt_length", "time_budget", "max_steps", "eval_limit",
                      "checkpoint_every_steps", "reward_workers", "warmup_steps", "eval_repeats"))
-    if args.temperature is not None and not args.temperature > 0:
-        raise UsageError(f"--temperature must be > 0; got {args.temperature}")
-    if args.eval_temperature is not None and not args.eval_temperature >= 0:
-        raise UsageError(f"--eval-temperature must be >= 0 (0 = greedy); got {args.eval_temperature}")
     if args.full and args.lora_rank is not None:
         raise UsageError("--full and --lora-rank exclude each other")
     mesh_device_count(args.mesh)

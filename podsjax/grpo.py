@@ -70,6 +70,12 @@ def group_advantages(
     return centered / jnp.where(scale > 0, scale, 1.0)
 
 
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (log-probs and entropies are of softmax(logits / T)); "
+                         f"got {temperature}")
+
+
 def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature: float = 1.0) -> jax.Array:
     """Log-probability of each target token under softmax(logits / temperature).
 
@@ -86,8 +92,7 @@ def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature:
     Returns:
       [..., L] float32 log-probs.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs; got {temperature}")
+    _check_temperature(temperature)
     if logits_BLV.shape[:-1] != targets_BL.shape:
         raise ValueError(f"logits {logits_BLV.shape} and targets {targets_BL.shape} disagree on the leading axes")
     scaled = logits_BLV.astype(jnp.float32) / temperature
@@ -100,8 +105,7 @@ def token_entropy(logits_BLV: jax.Array, *, temperature: float = 1.0) -> jax.Arr
 
     H = logsumexp(x) - sum softmax(x) * x, written as reductions so XLA fuses it.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0; got {temperature}")
+    _check_temperature(temperature)
     scaled = logits_BLV.astype(jnp.float32) / temperature
     lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
     return lse[..., 0] - jnp.sum(jnp.exp(scaled - lse) * scaled, axis=-1)
@@ -141,8 +145,7 @@ def head_logprobs(
     Returns:
       ``(logprobs_BT, entropy_BT)`` float32; the entropy carries no gradient.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs; got {temperature}")
+    _check_temperature(temperature)
     b, t, _ = hidden_BTD.shape
     chunk = logits_chunk(b, t, head_VD.shape[0], max_elements)
 

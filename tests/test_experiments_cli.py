@@ -94,7 +94,8 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--dataset", ROOT, "--eval-data", ROOT], "--dataset and --data / --eval-data exclude each other"),
     (["--dataset", ROOT], f"--dataset {ROOT}: no train.jsonl or train.parquet in {ROOT}"),
     (["--dataset", os.path.join(ROOT, "README.md")], "not a directory"),
-    (["--eval-temperature", "-1"], "--eval-temperature must be >= 0"),
+    (["--eval-temperature", "-1"], "eval_temperature must be >= 0 (0 = greedy); got -1.0"),
+    (["--temperature", "0"], "training temperature must be > 0; got 0.0"),
     (["--eval-repeats", "3"], "eval_repeats 3 needs eval_temperature > 0"),
     (["--eval-metric", "both"], "eval_metric must be one of accuracy, accuracy_and_format"),
     (["--lr", "inf"], "learning_rate must be finite"),  # before the warm-up, not after it
