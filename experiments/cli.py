@@ -20,16 +20,7 @@ import sys
 import time
 import traceback
 
-TINY_HINT = ("no --model given: using the built-in tiny preset (a small Qwen2-architecture model warmed up "
-             "in-process). For a real run, download a checkpoint first and pass --model /path/to/Qwen2.5-3B-Instruct")
-
-
-DRY_RUN_FILE = "dry_run.json"
-
-
-class UsageError(Exception):
-    """A bad flag, path or combination; reported as one line with exit status 2."""
-
+from experiments.usage import DRY_RUN_FILE, UsageError, mesh_device_count
 
 # The library's errors about what the user gave it (module, class): one line, status 2.
 # Looked up in sys.modules so that this module never imports JAX itself.
@@ -218,18 +209,6 @@ def _check_data(args) -> None:
     if hint and missing and args.model is not None and not args.resume:
         raise UsageError(f"{args.task} has no Hub dataset: pass --dataset DIR (its train and test files), or "
                          f"{' and '.join(missing)}; e.g. --dataset {hint}")
-
-
-def mesh_device_count(spec: str | None) -> int:
-    """Devices a ``--mesh`` spec needs (parsed without importing JAX)."""
-    from podsjax.mesh_spec import parse_mesh_spec
-
-    if spec is None:
-        return 1
-    try:
-        return math.prod(parse_mesh_spec(spec, None).values())
-    except ValueError as exc:
-        raise UsageError(f"--mesh {spec!r}: {exc}") from None
 
 
 # Host devices share the CPU's threads. XLA's CPU runtime may run two independent collectives

@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments.cli import DRY_RUN_FILE, TINY_HINT, UsageError, mesh_device_count
+from experiments.usage import DRY_RUN_FILE, UsageError, mesh_device_count
 from podsjax import compilation, data, hosts, loop, prompts, train
 from podsjax import rewards as rewards_lib
 from podsjax import dry_run as dry_run_lib
@@ -19,6 +19,8 @@ from podsjax import mesh as mesh_lib
 from podsjax import models as pm
 from podsjax.models import peft_io
 
+TINY_HINT = ("no --model given: using the built-in tiny preset (a small Qwen2-architecture model warmed up "
+             "in-process). For a real run, download a checkpoint first and pass --model /path/to/Qwen2.5-3B-Instruct")
 ADAPTER_DIRNAME = "final_adapter"
 BEST_MODEL_DIRNAME = "best_model"
 
