@@ -384,11 +384,10 @@ def _data_columns(args, task: str) -> dict[str, str]:
     return {field: column for field, column in columns.items() if column}
 
 
-_TASK_REWARDS = ("accuracy", "format", "tag_count")  # default_rewards' weights
-
-
 def _parse_rewards(specs: list[str], weights: dict) -> list[list]:
     """``--reward`` values: the task's own names update ``weights``; others come back as [name, weight]."""
+    from podsjax.rewards import TASK_REWARD_NAMES
+
     extra = []
     for spec in specs:
         name, equals, value = spec.partition("=")
@@ -400,7 +399,7 @@ def _parse_rewards(specs: list[str], weights: dict) -> list[list]:
             raise UsageError(f"--reward {spec}: the weight must be finite")
         if not name:
             raise UsageError(f"--reward {spec}: give a reward name or package.module:function")
-        if name in _TASK_REWARDS:
+        if name in TASK_REWARD_NAMES:
             weights[name] = weight
         else:
             extra.append([name, weight])

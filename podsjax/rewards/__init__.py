@@ -13,6 +13,7 @@ processes, per-item timeouts, crash recovery).
 
 from podsjax.rewards.chemistry import chemistry_accuracy, extract_chemistry_answer, parse_quantity
 from podsjax.rewards.combine import (
+    TASK_REWARD_NAMES,
     RewardScores,
     WeightedReward,
     as_weighted,
@@ -36,6 +37,7 @@ from podsjax.rewards.pool import PoolConfig, RewardPool, RewardPoolError
 from podsjax.rewards.text import extract_answer_tag, last_boxed
 
 __all__ = [
+    "TASK_REWARD_NAMES",
     "PoolConfig",
     "RewardPool",
     "RewardPoolError",

@@ -152,6 +152,10 @@ def as_weighted(rewards: RewardsLike) -> tuple[WeightedReward, ...]:
     return tuple(items)
 
 
+# The names default_rewards gives the task's own rewards, also its keyword weights.
+TASK_REWARD_NAMES = ("accuracy", "format", "tag_count")
+
+
 def default_rewards(task: str, *, accuracy: float = 1.0, format: float = 1.0, tag_count: float = 1.0,
                     format_style: str = "exact"):
     """The paper's reward for a task: accuracy + format + tag count, weighted.
@@ -173,11 +177,9 @@ def default_rewards(task: str, *, accuracy: float = 1.0, format: float = 1.0, ta
         raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASK_ACCURACY)}")
     if format_style not in FORMAT_STYLES:
         raise ValueError(f"unknown format_style {format_style!r}; expected one of {sorted(FORMAT_STYLES)}")
-    return (
-        WeightedReward(TASK_ACCURACY[task], accuracy, "accuracy"),
-        WeightedReward(FORMAT_STYLES[format_style], format, "format"),
-        WeightedReward(tag_count_reward, tag_count, "tag_count"),
-    )
+    functions = (TASK_ACCURACY[task], FORMAT_STYLES[format_style], tag_count_reward)
+    weights = (accuracy, format, tag_count)
+    return tuple(WeightedReward(f, w, name) for f, w, name in zip(functions, weights, TASK_REWARD_NAMES))
 
 
 @dataclasses.dataclass(frozen=True)
