@@ -101,7 +101,7 @@ def write_checkpoint(args, path: str, tokenizer_corpus: str) -> int:
 
 
 def cli_supports(flag: str) -> bool:
-    from experiments.cli import build_parser
+    from experiments.flags import build_parser
 
     return flag in build_parser("gsm8k")._option_string_actions
 

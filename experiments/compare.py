@@ -17,6 +17,7 @@ import os
 import sys
 
 from experiments import cli
+from experiments import flags as flags_lib
 
 ABLATIONS = {
     # label -> extra flags; the paper's sweeps (n-sweep at m=16, m-sweep at n=64, rule ablation)
@@ -28,7 +29,7 @@ ABLATIONS = {
 
 
 def parse(argv):
-    parser = cli._Parser(prog="python -m experiments.compare", description=__doc__, allow_abbrev=False,
+    parser = flags_lib._Parser(prog="python -m experiments.compare", description=__doc__, allow_abbrev=False,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("gsm8k", "math", "chemistry"), default="gsm8k")
     parser.add_argument("--methods", default="grpo,pods", help="comma-separated methods (grpo, grpo-ga, pods)")
@@ -76,9 +77,10 @@ def main(argv=None) -> int:
         baseline = args.baseline or ("grpo" if "grpo" in chosen else next(iter(chosen)))
         if baseline not in chosen:
             raise cli.UsageError(f"--baseline {baseline!r} is not among {sorted(chosen)}")
-        cli.check_args(cli.build_parser(args.task).parse_args([*passthrough, "--out", os.path.join(args.out, "x")]))
-        mesh = passthrough[passthrough.index("--mesh") + 1] if "--mesh" in passthrough else None
-        cli.prepare_devices(mesh)
+        # The shared flags checked once, before any run (each run checks its own again).
+        run_args, config = flags_lib.parse(args.task, [*passthrough, "--out", os.path.join(args.out, "x")])
+        flags_lib.check(run_args, config)
+        cli.prepare_devices(config.model.mesh)
     except cli.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -11,8 +11,10 @@ import time
 import jax
 import jax.numpy as jnp
 
+from experiments import flags
+from experiments.config import ExperimentConfig
 from experiments.usage import DRY_RUN_FILE, UsageError, mesh_device_count
-from podsjax import compilation, data, hosts, loop, prompts, train
+from podsjax import compilation, data, hosts, loop, prompts
 from podsjax import rewards as rewards_lib
 from podsjax import dry_run as dry_run_lib
 from podsjax import mesh as mesh_lib
@@ -38,10 +40,10 @@ def _mesh(spec):
         raise UsageError(f"--mesh {spec}: {exc}") from None
 
 
-def _load_tasks(config):
-    columns = config.get("data_columns") or None
-    return tuple(_load_split(config["task"], split, config[key], columns) for split, key in (("train", "data"),
-                                                                                            ("test", "eval_data")))
+def _load_tasks(config: ExperimentConfig):
+    columns = config.data.columns(config.task) or None
+    return tuple(_load_split(config.task, split, path, columns)
+                 for split, path in (("train", config.data.train), ("test", config.data.test)))
 
 
 def _load_split(task: str, split: str, path: str | None, columns: dict | None = None):
@@ -56,13 +58,13 @@ def _tiny(config, out_dir):
     from podsjax import tiny
 
     print(TINY_HINT, flush=True)
-    directory = config.get("warmup_dir") or os.path.join(out_dir, tiny.WARMUP_DIRNAME)
-    seed = config["run"]["seed"]
-    steps = {"steps": config["warmup_steps"]} if config.get("warmup_steps") else {}
+    directory = config.tiny.warmup_dir or os.path.join(out_dir, tiny.WARMUP_DIRNAME)
+    seed = config.run.seed
+    steps = {"steps": config.tiny.warmup_steps} if config.tiny.warmup_steps else {}
 
     def warm_up():
         try:
-            return tiny.warm_up(directory, seed=seed, data_seed=seed, task=config["task"],
+            return tiny.warm_up(directory, seed=seed, data_seed=seed, task=config.task,
                                 log=lambda line: print(line, flush=True), **steps)
         except tiny.WarmupError as exc:
             raise UsageError(str(exc)) from None
@@ -74,19 +76,19 @@ def _tiny(config, out_dir):
     how = "reused" if stats.cached else f"trained in {stats.total_seconds:.0f} s"
     print(f"tiny preset: warm-up test accuracy {stats.test_accuracy:.0%} ({how}; cached in {directory})",
           flush=True)
-    train_set, test_set = tiny.tiny_tasks(seed, task=config["task"])
+    train_set, test_set = tiny.tiny_tasks(seed, task=config.task)
     return stats.path, train_set, test_set
 
 
-def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
+def run(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
         started_at: float | None = None) -> int:
-    mesh = _mesh(config["model"]["mesh"])
+    config = flags.replace_run(config, out_dir=out_dir)
+    mesh = _mesh(config.model.mesh)
     # Every check that needs no model comes before anything is written to out_dir, so a
     # corrected rerun is not refused as "not empty".
-    algo, run_config, _ = _configs(config, out_dir)
-    _check_rows(mesh, algo, run_config)
+    _check_rows(mesh, config.algorithm, config.run)
     make_rewards(config)
-    tasks = None if dry_run or config["model_path"] is None else _load_tasks(config)
+    tasks = None if dry_run or config.model.path is None else _load_tasks(config)
     hosts.barrier("run checked")  # every process has looked at out_dir before process 0 writes to it
     try:
         if hosts.is_primary():
@@ -95,7 +97,7 @@ def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool, dry_run: b
             os.makedirs(out_dir, exist_ok=True)
             if not resume and not dry_run:
                 with open(os.path.join(out_dir, "config.json"), "w") as f:
-                    json.dump(config, f, indent=2, sort_keys=True)
+                    json.dump(flags.as_json(config), f, indent=2, sort_keys=True)
     except OSError as exc:
         raise UsageError(f"cannot write the run directory {out_dir}: {exc.strerror or exc}") from None
     hosts.barrier("run directory ready")
@@ -104,35 +106,17 @@ def run(config: dict, out_dir: str, *, overwrite: bool, resume: bool, dry_run: b
     return _train_and_export(config, out_dir, mesh, started_at, tasks)
 
 
-def _dtype(config):
-    return jnp.bfloat16 if config["model"]["dtype"] == "bfloat16" else jnp.float32
+def _dtype(config: ExperimentConfig):
+    return jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
 
 
-def _remat(config) -> str:
-    return config["model"].get("remat", "full")  # runs from before --remat trained with remat
-
-
-def _configs(config, out_dir):
-    """(algorithm, run config, LoRA config or None), each validated."""
-    try:
-        algo = train.AlgorithmConfig(**config["algorithm"])
-        run_config = loop.RunConfig(out_dir=out_dir, task=config["task"], **config["run"])
-        lora_rank = config["model"]["lora_rank"]
-        lora = pm.LoraConfig(rank=lora_rank, alpha=config["model"]["lora_alpha"]) if lora_rank else None
-    except (TypeError, ValueError) as exc:  # TypeError: a config.json field that no config has
-        raise UsageError(f"config: {exc}") from None
-    return algo, run_config, lora
-
-
-def make_rewards(config: dict):
-    """The run's reward functions and weights: ``default_rewards(task, **config["rewards"])``,
-    then the user's own (``config["extra_rewards"]``: ``[name or module:function, weight]`` pairs).
-
-    Runs from before the config carried ``rewards`` used the defaults (weights 1, exact format).
+def make_rewards(config: ExperimentConfig):
+    """The run's reward functions and weights: ``default_rewards(task, **rewards.weights())``,
+    then the user's own (``rewards.extra``: a registered name or module:function, weighted).
     """
     try:
-        defaults = rewards_lib.default_rewards(config["task"], **config.get("rewards", {}))
-        extra = tuple(rewards_lib.WeightedReward(name, weight) for name, weight in config.get("extra_rewards", ()))
+        defaults = rewards_lib.default_rewards(config.task, **config.rewards.weights())
+        extra = tuple(rewards_lib.WeightedReward(name, weight) for name, weight in config.rewards.extras())
         return rewards_lib.as_weighted((*defaults, *extra))
     except (KeyError, TypeError, ValueError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
@@ -157,14 +141,14 @@ def _prompt_len(run_config) -> int:
     return max(prompts.Bucketing().lengths(run_config.max_prompt_length))
 
 
-def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None, tasks) -> int:
-    if config["model_path"] is None:
+def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: float | None, tasks) -> int:
+    if config.model.path is None:
         checkpoint, train_set, test_set = _tiny(config, out_dir)
     else:
-        checkpoint = config["model_path"]
+        checkpoint = config.model.path
         train_set, test_set = tasks
-    algo, run_config, lora = _configs(config, out_dir)
-    dtype, remat = _dtype(config), _remat(config)
+    algo, run_config, lora = config.algorithm, config.run, config.lora
+    dtype, remat = _dtype(config), config.model.remat
     print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
     load_start = time.time()
     model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
@@ -190,7 +174,7 @@ def _train_and_export(config: dict, out_dir: str, mesh, started_at: float | None
     if state_lora is not None:  # the adapters alone too, for PEFT users: PeftModel.from_pretrained(base, dir)
         adapter_dir = os.path.join(out_dir, ADAPTER_DIRNAME)
         peft_io.save_peft_adapter(model, state_lora, adapter_dir, overwrite=True,
-                                  base_model_name_or_path=config["model"].get("hub_name") or checkpoint)
+                                  base_model_name_or_path=config.model.hub_name or checkpoint)
         export_dir += f" (merged); PEFT adapter: {adapter_dir}"
     best = trainer.best.restore(trainer.state.params) if trainer.best is not None else None
     if best is not None:
@@ -230,7 +214,7 @@ def _check_fits(trainer, limit: int | None = None) -> dry_run_lib.MemoryPlan | N
 
 def _dry_run_model(config, mesh):
     """The decoder from config.json alone (or the tiny preset's shape): no weights are read."""
-    path = config["model_path"]
+    path = config.model.path
     if path is None:
         from podsjax.tiny import TinyModelSpec
 
@@ -242,18 +226,18 @@ def _dry_run_model(config, mesh):
         except (ValueError, KeyError, TypeError) as exc:
             raise UsageError(f"--model {path}: cannot read config.json ({exc})") from None
     dtype = _dtype(config)
-    return pm.Decoder(model_config, dtype=dtype, param_dtype=dtype, remat=_remat(config), mesh=mesh), source
+    return pm.Decoder(model_config, dtype=dtype, param_dtype=dtype, remat=config.model.remat, mesh=mesh), source
 
 
-def _dry_run(config: dict, out_dir: str, mesh) -> int:
+def _dry_run(config: ExperimentConfig, out_dir: str, mesh) -> int:
     """Compiles generate and the update, prints and writes memory and compile times; trains nothing."""
-    algo, run_config, lora = _configs(config, out_dir)
+    algo, run_config, lora = config.algorithm, config.run, config.lora
     _check_rows(mesh, algo, run_config)
     model, source = _dry_run_model(config, mesh)
     prompt_len = _prompt_len(run_config)
     prompt_rows = loop.prompt_rows(run_config, algo)
     rows = prompt_rows * algo.trained_per_prompt
-    print(f"dry run: {source} ({_millions(model.config.num_params)} params, {config['model']['dtype']}, "
+    print(f"dry run: {source} ({_millions(model.config.num_params)} params, {config.model.dtype}, "
           f"{'LoRA rank ' + str(lora.rank) if lora else 'full fine-tune'}), {algo.algorithm}: "
           f"{prompt_rows} prompt rows x {algo.n} samples, update on {rows} rows x "
           f"{prompt_len} + {run_config.max_new_tokens} tokens", flush=True)
@@ -283,8 +267,8 @@ def print_summary(config, history, steps, train_seconds, wall_seconds, export_di
     peak = max(accuracies) if accuracies else float("nan")
     peak_at = history[accuracies.index(peak)]["time/elapsed_train_s"] if accuracies else float("nan")
     rows = [
-        ("method", config["algorithm"]["algorithm"]),
-        ("n / m", f"{config['algorithm']['n']} / {config['algorithm']['m']}"),
+        ("method", config.algorithm.algorithm),
+        ("n / m", f"{config.algorithm.n} / {config.algorithm.m}"),
         ("steps", str(steps)),
         ("training clock", f"{train_seconds:.0f} s (wall {wall_seconds:.0f} s)"),
         ("accuracy first / last", f"{accuracies[0]:.1%} / {accuracies[-1]:.1%}" if accuracies else "-"),

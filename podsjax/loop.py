@@ -97,35 +97,35 @@ class RunConfig:
     (``podsjax.best``), so the run can export its best policy as well as its last.
     """
 
-    out_dir: str
-    task: str = "gsm8k"
-    prompts_per_step: int = 1
-    max_prompt_length: int = 512
-    max_new_tokens: int = 512
-    top_p: float = 1.0
-    top_k: int = 0
-    time_budget_s: float | None = None
-    max_steps: int | None = None
-    eval_every_s: float | None = 120.0
-    eval_limit: int | None = None
-    eval_batch_size: int | None = None  # None: the rollouts' rows (prompt_rows x n)
-    eval_repeats: int = 1
-    eval_temperature: float = 0.0
-    eval_metric: str = "accuracy"
-    checkpoint_every_steps: int | None = None
-    checkpoint_every_s: float | None = 1800.0
-    keep_last: int = 3
-    seed: int = 0
-    reward_workers: int = 2
-    reward_timeout_s: float = 10.0
-    log_samples: int = 8
-    progress: bool = True
-    console: bool = True
-    progress_every_s: float = 30.0
-    max_nonfinite_updates: int = 3
-    keep_best: bool = True
-    log: tuple[str, ...] = log_backends.DEFAULT_BACKENDS
-    wandb_project: str | None = None
+    out_dir: str  # the run directory
+    task: str = "gsm8k"  # gsm8k, math or chemistry
+    prompts_per_step: int = 1  # prompts drawn per step
+    max_prompt_length: int = 512  # longer prompts are skipped (never cut), tokens
+    max_new_tokens: int = 512  # completion length limit, tokens
+    top_p: float = 1.0  # nucleus sampling mass kept (1: off)
+    top_k: int = 0  # sample among the k most likely tokens (0: off)
+    time_budget_s: float | None = None  # seconds of training clock (evaluation excluded)
+    max_steps: int | None = None  # steps (with or instead of a time budget)
+    eval_every_s: float | None = 120.0  # seconds of training clock between evaluations (null: never)
+    eval_limit: int | None = None  # evaluate on the first N test examples (null: all)
+    eval_batch_size: int | None = None  # rows per evaluation chunk (null: a step's rollout rows)
+    eval_repeats: int = 1  # evaluation passes averaged (needs eval_temperature > 0 for more than 1)
+    eval_temperature: float = 0.0  # evaluation sampling temperature (0: greedy)
+    eval_metric: str = "accuracy"  # accuracy, or accuracy_and_format (the answer and the strict format)
+    checkpoint_every_steps: int | None = None  # also checkpoint every N steps
+    checkpoint_every_s: float | None = 1800.0  # checkpoint every this many seconds of training clock
+    keep_last: int = 3  # checkpoints kept
+    seed: int = 0  # seeds the data order, sampling, selection and LoRA init
+    reward_workers: int = 2  # reward-scoring processes
+    reward_timeout_s: float = 10.0  # a reward call slower than this scores 0 and its worker is replaced
+    log_samples: int = 8  # evaluation completions written to samples.jsonl per evaluation
+    progress: bool = True  # draw a progress bar on a terminal
+    console: bool = True  # print progress lines
+    progress_every_s: float = 30.0  # seconds between progress lines without a bar
+    max_nonfinite_updates: int = 3  # non-finite updates in a row that stop the run
+    keep_best: bool = True  # save each new best evaluated policy and export it as best_model/
+    log: tuple[str, ...] = log_backends.DEFAULT_BACKENDS  # metric backends: jsonl (always), tensorboard, wandb
+    wandb_project: str | None = None  # W&B project (null: $WANDB_PROJECT, else podsjax)
 
     def __post_init__(self):
         try:
@@ -156,12 +156,14 @@ class RunConfig:
         if self.max_nonfinite_updates < 1:
             raise ValueError(f"RunConfig.max_nonfinite_updates must be >= 1; got {self.max_nonfinite_updates}")
         if self.time_budget_s is None and self.max_steps is None:
-            raise ValueError("RunConfig needs a time budget (time_budget_s) or a step limit (max_steps)")
+            raise ValueError("RunConfig needs a budget: a time budget (run.time_budget_s, --time-budget) or a "
+                             "step limit (run.max_steps, --max-steps)")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"RunConfig.time_budget_s must be > 0 seconds; got {self.time_budget_s}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"RunConfig.max_steps must be >= 1; got {self.max_steps}")
-        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "eval_batch_size", "reward_workers"):
+        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "eval_batch_size", "reward_workers",
+                     "eval_limit", "checkpoint_every_steps", "keep_last"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
         if self.eval_repeats < 1:

@@ -36,49 +36,32 @@ _FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "learning_rat
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
-    """Everything that decides what one update does (validated, hashable).
+    """Everything that decides what one update does (validated, hashable). One comment per field."""
 
-    Attributes:
-      n: rollouts generated per prompt.
-      m: rollouts trained per prompt (PODS), or the micro-batch group size (GA).
-      algorithm: "grpo" (n = m), "grpo-ga" (all n, n / m micro-batches), "pods".
-      rule: selection rule name for "pods".
-      grad_accum: micro-batches each update is split into (>= 1).
-      groups_per_prompt: groups of n rollouts drawn for each prompt of a step, each
-        selected and normalized on its own (the authors' 8-GPU trainer draws one group
-        per accumulation micro-batch for the same prompt). 1: one group per prompt.
-      beta: k3 KL weight (0: no reference model is evaluated).
-      epsilon, epsilon_high: clip range of the ratio.
-      num_iterations: updates per generated batch (1: the ratio is 1).
-      aggregation: loss aggregation mode (see ``grpo.AGGREGATIONS``).
-      temperature: sampling temperature; log-probs are recomputed at it.
-      learning_rate, schedule, warmup_ratio, total_steps: optimizer schedule.
-      max_grad_norm, weight_decay, adam_b1, adam_b2: AdamW with clipping.
-      advantage_eps, std_scaling: group advantage normalization.
-    """
-
-    n: int = 16
-    m: int = 16
-    algorithm: str = "grpo"
-    rule: str = "max_variance"
-    grad_accum: int = 1
+    n: int = 16  # rollouts generated per prompt
+    m: int = 16  # rollouts trained per prompt (pods), or the micro-batch group size (grpo-ga)
+    algorithm: str = "grpo"  # grpo (n = m), grpo-ga (all n, in n / m micro-batches) or pods
+    rule: str = "max_variance"  # pods selection rule: max_variance, max_reward, random, percentile
+    grad_accum: int = 1  # micro-batches each update is split into
+    # groups of n rollouts drawn per prompt each step, each selected and normalized on its own
+    # (the authors' 8-GPU trainer draws one per accumulation micro-batch)
     groups_per_prompt: int = 1
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    num_iterations: int = 1
-    aggregation: str = "token-mean"
-    temperature: float = 0.9
-    learning_rate: float = 5e-6
-    schedule: str = "constant"
-    warmup_ratio: float = 0.0
-    total_steps: int = 1000
-    max_grad_norm: float = 0.1
-    weight_decay: float = 0.1
-    adam_b1: float = 0.9
-    adam_b2: float = 0.99
-    advantage_eps: float = 1e-4
-    std_scaling: str = "group"
+    beta: float = 0.0  # k3 KL weight (0: no reference model is evaluated)
+    epsilon: float = 0.2  # clip range of the ratio
+    epsilon_high: float | None = None  # upper clip range (null: epsilon)
+    num_iterations: int = 1  # updates per generated batch (1: the ratio is 1)
+    aggregation: str = "token-mean"  # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm
+    temperature: float = 0.9  # sampling temperature of the rollouts; log-probs are recomputed at it
+    learning_rate: float = 5e-6  # peak learning rate
+    schedule: str = "constant"  # learning-rate schedule: constant or cosine
+    warmup_ratio: float = 0.0  # cosine: fraction of total_steps spent warming up
+    total_steps: int = 1000  # cosine: the schedule's length in updates
+    max_grad_norm: float = 0.1  # gradients are clipped to this global norm
+    weight_decay: float = 0.1  # AdamW weight decay
+    adam_b1: float = 0.9  # AdamW beta1
+    adam_b2: float = 0.99  # AdamW beta2
+    advantage_eps: float = 1e-4  # added to the group's reward std before dividing
+    std_scaling: str = "group"  # advantage scale: group (the group's std), batch or none
 
     def __post_init__(self):
         def bad(message):

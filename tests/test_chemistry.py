@@ -184,13 +184,12 @@ def test_reward_runs_in_the_worker_pool(task):
 
 
 def test_setting_d_resolves_for_the_chemistry_command(tmp_path):
-    from experiments import cli
+    from experiments import cli, flags
 
-    args = cli.build_parser("chemistry").parse_args(["--setting", "d", "--out", str(tmp_path / "o")])
-    config = cli.resolve_config(args, "chemistry")
-    assert config["task"] == "chemistry" and config["model"]["hub_name"] == "Qwen/Qwen2.5-3B-Instruct"
-    assert config["algorithm"]["aggregation"] == "seq-mean-token-mean" and config["run"]["eval_repeats"] == 5
-    assert cli.main("chemistry", ["--setting", "a", "--out", str(tmp_path / "never")]) == 2
+    _, config = flags.parse("chemistry", ["--setting", "d", "--model", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert config.task == "chemistry" and config.model.hub_name == "Qwen/Qwen2.5-3B-Instruct"
+    assert config.algorithm.aggregation == "seq-mean-token-mean" and config.run.eval_repeats == 5
+    assert cli.main("chemistry", ["--setting", "a", "--model", str(tmp_path), "--out", str(tmp_path / "never")]) == 2
 
 
 def test_chemistry_command_trains_and_evaluates_on_the_fixture(tmp_path):

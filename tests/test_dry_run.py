@@ -9,7 +9,8 @@ import jax
 import pytest
 
 import podsjax.models as pm
-from experiments import cli, runner
+from experiments import cli, flags, runner
+from experiments.config import ModelSection
 from podsjax import compilation
 from podsjax import dry_run as dry_run_lib
 
@@ -114,12 +115,11 @@ def test_remat_reaches_the_model_and_config_json(tmp_path, data_dir, monkeypatch
 
 
 def test_remat_defaults_to_full(tmp_path):
-    args = cli.build_parser("gsm8k").parse_args(["--out", str(tmp_path / "x")])
-    assert cli.resolve_config(args, "gsm8k")["model"]["remat"] == "full"
+    assert flags.parse("gsm8k", ["--out", str(tmp_path / "x")])[1].model.remat == "full"
 
 
 def test_compile_cache_is_on_by_default_and_off_with_the_flag(tmp_path, monkeypatch, restore_jax_cache_config):
-    parser = cli.build_parser("gsm8k")
+    parser = flags.build_parser("gsm8k")
     monkeypatch.setenv("PODSJAX_CACHE_DIR", str(tmp_path / "cache"))
     assert cli.setup_compile_cache(parser.parse_args([])) == str(tmp_path / "cache")
     assert compilation.compile_cache_dir() == str(tmp_path / "cache") and (tmp_path / "cache").is_dir()
@@ -146,7 +146,7 @@ def test_an_unusable_cache_dir_gives_one_line(tmp_path, capsys, restore_jax_cach
 
 @pytest.mark.parametrize("flags,message", [
     (["--mesh", "8", "--n", "3", "--m", "3", "--prompts-per-step", "1"], "must divide evenly over the mesh's 8"),
-    (["--n", "8", "--m", "4"], "give a budget: --time-budget SECONDS or --max-steps N"),
+    (["--n", "8", "--m", "4"], "needs a budget: a time budget (run.time_budget_s, --time-budget)"),
 ])
 def test_bad_shapes_give_one_line(tmp_path, capsys, flags, message, restore_jax_cache_config):
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
@@ -167,8 +167,11 @@ def test_an_unsupported_config_gives_one_line(tmp_path, capsys, restore_jax_cach
     assert code == 2 and err.count("\n") == 1 and "GPT2LMHeadModel" in err, err
 
 
-def test_cli_remat_choices_are_the_decoders():
-    assert cli.build_parser("gsm8k")._option_string_actions["--remat"].choices == pm.REMAT_POLICIES
+def test_the_configs_remat_choices_are_the_decoders():
+    for policy in pm.REMAT_POLICIES:
+        assert ModelSection(remat=policy).remat == policy
+    with pytest.raises(ValueError, match="model.remat must be one of none, full, dots"):
+        ModelSection(remat="all")
 
 
 def run_cli(args, tmp_path):

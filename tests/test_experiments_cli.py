@@ -79,16 +79,22 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--n", "0"], "--n must be > 0"),
-    (["--model", "/no/such/dir"], "no such file or directory"),
+    (["--n", "0"], "need 1 <= m <= n; got n=0"),
+    (["--model", "/no/such/dir", "--max-steps", "1"], "no such file or directory"),
     (["--full", "--lora-rank", "4"], "exclude each other"),
     (["--setting", "z"], "unknown setting 'z'"),
     (["--setting", "c"], "is a math setting"),
-    (["--mesh", "eight"], "--mesh 'eight'"),
+    (["--mesh", "eight"], "model.mesh: mesh spec 'eight'"),
     (["--method", "ppo"], "invalid choice"),
     (["--resume"], "holds no run to resume"),
-    (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps must be > 0"),
-    (["--remat", "some"], "invalid choice"),
+    (["--checkpoint-every-steps", "0"], "checkpoint_every_steps must be >= 1; got 0"),
+    (["--remat", "some"], "model.remat must be one of none, full, dots; got 'some'"),
+    (["--warmup-steps", "0"], "tiny.warmup_steps must be an integer >= 1; got 0"),
+    (["--algorithm.nope", "1"], "unrecognized argument --algorithm.nope"),
+    (["--nope"], "unrecognized argument --nope"),
+    (["--n", "x"], "`algorithm.n`"),
+    (["--config", "/no/such.yaml"], "--config /no/such.yaml: No such file or directory"),
+    (["--setting", "a"], "--setting a trains a real checkpoint: pass --model DIR"),
     (["--no-compile-cache", "--compile-cache-dir", "x"], "exclude each other"),
     (["--dataset", "/no/such/dir"], "--dataset /no/such/dir: no such file or directory"),
     (["--dataset", ROOT, "--eval-data", ROOT], "--dataset and --data / --eval-data exclude each other"),
@@ -217,13 +223,14 @@ def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_
     assert described < printed.index("loading model from")
     for line in ("algorithm.aggregation = seq-mean-token-mean", "run.eval_repeats = 5", "run.eval_temperature = 0.9",
                  "rewards.format = 0.01", "rewards.tag_count = 0.01", "rewards.format_style = score",
-                 "flag over the setting: run.max_new_tokens = 8 (setting: 512)",
-                 "flag over the setting: model.mesh = 8 (setting: 1)"):
+                 "set over the setting: run.max_new_tokens = 8 (setting: 512)",
+                 "set over the setting: model.mesh = 8 (setting: 1)"):
         assert line in printed, (line, printed)
     config = json.load(open(out / "config.json"))
-    assert config["rewards"] == {"accuracy": 1.0, "format": 0.01, "tag_count": 0.01, "format_style": "score"}
-    assert config["data"].endswith(os.path.join("gsm8k", "train.jsonl"))
-    assert config["eval_data"].endswith(os.path.join("gsm8k", "test.jsonl"))
+    assert config["rewards"] == {"accuracy": 1.0, "format": 0.01, "tag_count": 0.01, "format_style": "score",
+                                 "extra": []}
+    assert config["data"]["train"].endswith(os.path.join("gsm8k", "train.jsonl"))
+    assert config["data"]["test"].endswith(os.path.join("gsm8k", "test.jsonl"))
 
     with pytest.raises(TrainerBuilt):  # a resumed run reads its weights back from config.json
         cli.main("gsm8k", ["--resume", "--no-compile-cache", "--out", str(out)])
@@ -236,11 +243,10 @@ def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_
 
 
 def test_without_a_setting_the_rewards_are_the_defaults(tmp_path):
-    from experiments import runner
+    from experiments import flags, runner
+    from experiments.config import RewardSection
 
-    args = cli.build_parser("gsm8k").parse_args(["--model", ROOT, "--max-steps", "1", "--out", str(tmp_path)])
-    config = cli.resolve_config(args, "gsm8k")
-    assert config["rewards"] == {}
-    assert [w.weight for w in runner.make_rewards(config)] == [1.0, 1.0, 1.0]
-    del config["rewards"]  # a config.json from before rewards were recorded
-    assert [w.weight for w in runner.make_rewards(config)] == [1.0, 1.0, 1.0]
+    _, config = flags.parse("gsm8k", ["--model", ROOT, "--max-steps", "1", "--out", str(tmp_path)])
+    assert config.rewards == RewardSection()
+    assert [(w.name, w.weight) for w in runner.make_rewards(config)] == [("accuracy", 1.0), ("format", 1.0),
+                                                                         ("tag_count", 1.0)]

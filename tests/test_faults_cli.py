@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--method", "pods", "--n", "4", "--m", "8"], "need 1 <= m <= n"),
     (["--method", "grpo-ga", "--n", "6", "--m", "4"], "n must be a multiple of m"),
     (["--beta", "-1"], "beta must be >= 0; got -1.0"),
-    (["--groups-per-prompt", "0"], "--groups-per-prompt must be > 0"),
+    (["--groups-per-prompt", "0"], "groups_per_prompt must be >= 1; got 0"),
 ])
 def test_a_bad_config_is_one_line_before_anything_is_written(tmp_path, capsys, args, message):
     out = tmp_path / "never"
@@ -39,10 +39,11 @@ def test_a_bad_config_is_one_line_before_anything_is_written(tmp_path, capsys, a
     ("{not json", "cannot read"),
     (b"\xff\xfe\x00binary", "cannot read"),
     ("[1, 2]", "holds a JSON list"),
-    ('{"task": "gsm8k"}', "has no model_path, algorithm, run, model"),
-    ('{"task": "gsm8k", "model_path": null, "algorithm": [], "run": {}, "model": {}}', "'algorithm' must be an object"),
-    ('{"task": "gsm8k", "model_path": null, "algorithm": {}, "run": {}, "model": {"mesh": null}}',
-     "'model' has no dtype, lora_rank, lora_alpha"),
+    ('{"task": "gsm8k"}', "not a podsjax run config of this version"),
+    ('{"task": "gsm8k", "model_path": null, "algorithm": {}, "run": {}, "model": {}}', "an older layout"),
+    ('{"run": {"max_steps": 1}, "algorithm": []}', "'algorithm' must be an object of fields, got list"),
+    ('{"run": {"max_steps": 1}, "model": {"dtype": "float16"}}', "model.dtype must be one of float32, bfloat16"),
+    ('{"run": {"max_steps": "two"}}', "max_steps"),
 ])
 def test_resume_with_a_broken_config_json_is_one_line(tmp_path, capsys, content, message):
     out = tmp_path / "run"
@@ -55,9 +56,8 @@ def test_resume_with_a_broken_config_json_is_one_line(tmp_path, capsys, content,
 
 
 def test_a_config_json_with_a_field_no_config_has_is_one_line(tmp_path, capsys):
-    config = {"task": "gsm8k", "model_path": None, "algorithm": {"n": 4, "m": 2, "algorithm": "pods", "nosuch": 1},
-              "run": {"max_steps": 1}, "model": {"mesh": None, "dtype": "float32", "lora_rank": None,
-                                                   "lora_alpha": 64}}
+    config = {"algorithm": {"n": 4, "m": 2, "algorithm": "pods", "nosuch": 1}, "run": {"max_steps": 1},
+              "model": {"mesh": None, "dtype": "float32", "lora_rank": None, "lora_alpha": 64}}
     out = tmp_path / "run"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(config))

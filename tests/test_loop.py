@@ -64,7 +64,7 @@ def test_steps_write_metrics_checkpoints_and_resume_exactly(setup, tmp_path):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(time_budget_s=0.0), "time_budget_s must be > 0"),
-    (dict(time_budget_s=None, max_steps=None), "needs a time budget"),
+    (dict(time_budget_s=None, max_steps=None), "needs a budget"),
     (dict(max_steps=0), "max_steps must be >= 1"),
     (dict(max_steps=1, prompts_per_step=0), "prompts_per_step must be >= 1"),
     (dict(time_budget_s=float("inf")), "time_budget_s must be a finite number; got inf"),

@@ -16,7 +16,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _env(cache):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("PODSJAX_")}
     # user_rewards (this directory) is the reward module a user would pass.
-    return {**env, "PODSJAX_CACHE_DIR": cache, "PYTHONPATH": HERE, "JAX_PLATFORMS": "cpu"}
+    path = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
+    return {**env, "PODSJAX_CACHE_DIR": cache, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
 
 
 def _records(out):

@@ -2,20 +2,19 @@
 
 import pytest
 
-from experiments import cli, runner
+from experiments import cli, flags, runner
 from podsjax import rewards
 
 
-def _config(tmp_path, *flags):
-    args = cli.build_parser("gsm8k").parse_args([*flags, "--out", str(tmp_path / "run"), "--max-steps", "1"])
-    return cli.resolve_config(args, "gsm8k")
+def _config(tmp_path, *given):
+    return flags.parse("gsm8k", [*given, "--out", str(tmp_path / "run"), "--max-steps", "1"])[1]
 
 
 def test_task_weights_by_name_and_user_functions_by_module(tmp_path):
     config = _config(tmp_path, "--reward", "format=0", "--reward", "user_rewards:brevity=0.5",
                      "--reward", "strict_format")
-    assert config["rewards"]["format"] == 0.0
-    assert config["extra_rewards"] == [["user_rewards:brevity", 0.5], ["strict_format", 1.0]]
+    assert config.rewards.format == 0.0
+    assert config.rewards.extras() == [("user_rewards:brevity", 0.5), ("strict_format", 1.0)]
     weighted = runner.make_rewards(config)
     assert [(w.name, w.weight) for w in weighted] == [
         ("accuracy", 1.0), ("format", 0.0), ("tag_count", 1.0), ("user_rewards:brevity", 0.5),
@@ -52,7 +51,7 @@ def test_your_own_dataset_columns_reach_the_loader(tmp_path):
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = _config(tmp_path, "--data", str(tmp_path), "--eval-data", str(tmp_path), "--prompt-column", "prompt",
                      "--answer-column", "final")
-    assert config["data_columns"] == {"question": "prompt", "answer": "final"}
+    assert config.data.columns("gsm8k") == {"question": "prompt", "answer": "final"}
     train, test = runner._load_tasks(config)
     assert [(e.prompt, e.answer) for e in test] == [(r["prompt"], r["final"]) for r in rows]
     without = _config(tmp_path, "--data", str(tmp_path), "--eval-data", str(tmp_path))
