@@ -170,24 +170,24 @@ def abstract_state(model, algo: train.AlgorithmConfig, optimizer, lora_config: p
     opt_state = optax.tree_utils.tree_map_params(
         optimizer, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), state.opt_state,
         trainable, transform_non_params=lambda x: _replicated(mesh, x))
-    scalars = {name: _replicated(mesh, getattr(state, name)) for name in ("step", "rng", "skipped_updates")}
+    scalars = {name: _replicated(mesh, getattr(state, name)) for name in ("step", "skipped_updates")}
     return state.replace(params=trainable, opt_state=opt_state, **scalars), frozen
 
 
 def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int) -> train.TrainBatch:
-    """The update's input batch, sharded over the batch axes when the rows split evenly."""
-    shards = mesh_lib.shard_count(mesh, "batch")
+    """The update's input batch, placed as the loop's batch program places it."""
+    shardings = loop.batch_shardings(mesh, rows) if mesh is not None else None
 
-    def struct(shape, dtype):
-        sharding = None if mesh is None or rows % shards else mesh_lib.batch_sharding(mesh, len(shape))
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    def struct(name, shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(shardings, name) if shardings else None)
 
     length = prompt_len + max_new_tokens
-    return train.TrainBatch(input_ids=struct((rows, length), jnp.int32),
-                            attention_mask=struct((rows, length), jnp.int32),
-                            completion_mask=struct((rows, max_new_tokens), jnp.float32),
-                            advantages=struct((rows,), jnp.float32),
-                            loss_denominator=struct((), jnp.float32), advantage_mean=struct((), jnp.float32))
+    return train.TrainBatch(input_ids=struct("input_ids", (rows, length), jnp.int32),
+                            attention_mask=struct("attention_mask", (rows, length), jnp.int32),
+                            completion_mask=struct("completion_mask", (rows, max_new_tokens), jnp.float32),
+                            advantages=struct("advantages", (rows,), jnp.float32),
+                            loss_denominator=struct("loss_denominator", (), jnp.float32),
+                            advantage_mean=struct("advantage_mean", (), jnp.float32))
 
 
 def _temp(compiled) -> int:

@@ -63,21 +63,27 @@ def batch_program(mesh, rows: int):
     With a mesh the batch comes out split over its batch axes (replicated when its
     ``rows`` do not divide evenly), so the update takes it as it is, on every host.
     """
-    def build(prompt_ids_PL, prompt_mask_PL, tokens_BT, mask_BT, rewards_PN, config, key):
+    def build_batch(prompt_ids_PL, prompt_mask_PL, tokens_BT, mask_BT, rewards_PN, config, key):  # the compile label
         p, n = rewards_PN.shape
         return train.build_batch(prompt_ids_PL, prompt_mask_PL, tokens_BT.reshape(p, n, -1),
                                  mask_BT.reshape(p, n, -1), rewards_PN, config=config, key=key)
 
     if mesh is None:
-        return jax.jit(build, static_argnames="config")
+        return jax.jit(build_batch, static_argnames="config")
+    replicated = mesh_lib.batch_sharding(mesh, 0)
+    return jax.jit(build_batch, static_argnames="config", out_shardings=(batch_shardings(mesh, rows), replicated))
+
+
+def batch_shardings(mesh, rows: int) -> train.TrainBatch:
+    """Where the update's input batch lives: rows over the mesh's batch axes when they
+    divide evenly, else replicated; the whole-batch scalars replicated."""
     split = rows % mesh_lib.shard_count(mesh, "batch") == 0
 
     def sharding(ndim):
         return mesh_lib.batch_sharding(mesh, ndim if split else 0)
 
-    batch = train.TrainBatch(input_ids=sharding(2), attention_mask=sharding(2), completion_mask=sharding(2),
-                             advantages=sharding(1), loss_denominator=sharding(0), advantage_mean=sharding(0))
-    return jax.jit(build, static_argnames="config", out_shardings=(batch, sharding(0)))
+    return train.TrainBatch(input_ids=sharding(2), attention_mask=sharding(2), completion_mask=sharding(2),
+                            advantages=sharding(1), loss_denominator=sharding(0), advantage_mean=sharding(0))
 
 
 @dataclasses.dataclass(frozen=True)

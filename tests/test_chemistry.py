@@ -208,5 +208,5 @@ def test_chemistry_command_trains_and_evaluates_on_the_fixture(tmp_path):
          "--reward-workers", "1", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.load(open(out / "config.json"))["task"] == "chemistry"
+    assert json.load(open(out / "config.json"))["run"]["task"] == "chemistry"
     assert "peak accuracy" in done.stdout and (out / "final_model" / "config.json").is_file()

@@ -190,7 +190,7 @@ def test_a_dataset_directory_without_a_test_file_and_chemistry_without_data_name
     assert cli.main("gsm8k", ["--dataset", str(only_train), "--out", str(tmp_path / "a")]) == 2
     assert f"no test.jsonl or test.parquet in {only_train}" in capsys.readouterr().err
     # Chemistry has no Hub dataset: with a real model the run needs local files, and says which flags.
-    assert cli.main("chemistry", ["--model", str(tmp_path), "--out", str(tmp_path / "b")]) == 2
+    assert cli.main("chemistry", ["--model", str(tmp_path), "--max-steps", "1", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dataset DIR" in err and "--data and --eval-data" in err, err
 

@@ -18,6 +18,8 @@ from tiny_checkpoint import save_tiny_checkpoint
 import podsjax.models as pm
 from experiments import runner
 from experiments.cli import UsageError
+from experiments.config import ExperimentConfig, ModelSection
+from podsjax.loop import RunConfig
 from podsjax.models import hf_io
 from podsjax.models.safetensors_io import SafetensorsFile
 
@@ -286,7 +288,8 @@ def test_bad_config_json_names_file_and_key(source, tmp_path, case):
     raises_one_line(lambda: pm.from_hf_config(config_path), config_path, *needles)
     # The dry run reads config.json alone; it too reports one line naming the file.
     with pytest.raises(UsageError) as err:
-        runner._dry_run_model({"model_path": str(path)}, None)
+        runner._dry_run_model(ExperimentConfig(run=RunConfig(out_dir="run", max_steps=1),
+                                               model=ModelSection(path=str(path))), None)
     assert "\n" not in str(err.value) and config_path in str(err.value), err.value
 
 
