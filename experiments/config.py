@@ -121,6 +121,9 @@ class DataSection:
 
     train: str | None = None  # local .jsonl/.json/.parquet file or directory for the train split
     test: str | None = None  # local file or directory for the test split
+    hub: str | None = None  # a Hub dataset "owner/name" or "owner/name:config" (default: the task's own)
+    train_split: str = "train"  # the train split's name (a directory's file stem, or the Hub split)
+    test_split: str = "test"  # the test split's name
     prompt_column: str | None = None  # your column holding the prompt (default: the task's own)
     answer_column: str | None = None  # your column holding the gold answer (default: answer)
 

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -39,9 +40,11 @@ SHORTCUTS: dict[str, str] = {
     "--seed": "run.seed", "--reward-workers": "run.reward_workers", "--log": "run.log",
     "--wandb-project": "run.wandb_project", "--data": "data.train", "--eval-data": "data.test",
     "--prompt-column": "data.prompt_column", "--answer-column": "data.answer_column",
+    "--train-split": "data.train_split", "--test-split": "data.test_split", "--system-prompt": "run.system_prompt",
     "--warmup-dir": "tiny.warmup_dir", "--warmup-steps": "tiny.warmup_steps",
 }
 SECTIONS = tuple(f.name for f in dataclasses.fields(ExperimentConfig))
+_HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+(:[\w.-]+)?")
 # What a resumed run may change: how long it goes on, and memory (the same numbers either way).
 RESUMABLE = ("run.time_budget_s", "run.max_steps", "model.remat", "run.progress")
 
@@ -69,8 +72,9 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="compile generate and the update, report memory per device and compile times "
                         "(also in <out>/dry_run.json), then exit without training")
-    p.add_argument("--dataset", help="local directory with train and test files (train.jsonl and test.jsonl, or "
-                                     ".parquet): both splits at once, instead of --data and --eval-data")
+    p.add_argument("--dataset", help="both splits at once: a local directory with <split>.jsonl/.json/.parquet "
+                                     "files (--train-split, --test-split name them), or a Hub dataset "
+                                     "owner/name[:config]; or a file, the train split (then --eval-data too)")
     p.add_argument("--reward", action="append", default=[], metavar="NAME[=WEIGHT]",
                    help="repeatable. accuracy, format or tag_count set the weight of the task's own rewards "
                         "(0 keeps one as a metric only); a registered name or package.module:function adds "
@@ -229,22 +233,32 @@ def parse(task: str, argv: list[str] | None) -> tuple[argparse.Namespace, Experi
 
 
 def _dataset(args, values: dict[str, Any], given: dict[str, str]) -> None:
-    """--dataset DIR becomes data.train and data.test (its train and test files)."""
+    """--dataset: a directory becomes data.train and data.test (its split files), a file
+    data.train, and an ``owner/name`` that is no local path data.hub."""
     if args.dataset is None:
         return
     from podsjax import data  # no JAX
 
-    if "data.train" in given or "data.test" in given:
-        raise UsageError("--dataset and --data / --eval-data exclude each other")
-    if not os.path.isdir(args.dataset):
-        if not os.path.exists(args.dataset):
-            raise UsageError(f"--dataset {args.dataset}: no such file or directory")
-        raise UsageError(f"--dataset {args.dataset}: not a directory (pass a file with --data / --eval-data)")
-    try:  # the file load_task reads for a split of a directory
-        train, test = (data._resolve(args.dataset, split) for split in ("train", "test"))
-    except data.DataError as exc:
-        raise UsageError(f"--dataset {args.dataset}: {exc}") from None
-    values["data"] = {**values.get("data", {}), "train": train, "test": test}
+    dataset, section = args.dataset, dict(values.get("data", {}))
+    if os.path.isfile(dataset):
+        if "data.train" in given:
+            raise UsageError("--dataset FILE and --data both name the train split")
+        if "data.test" not in given:
+            raise UsageError(f"--dataset {dataset} is one file, the train split: pass --eval-data for the test split")
+        section["train"] = dataset
+    elif os.path.isdir(dataset):
+        if "data.train" in given or "data.test" in given:
+            raise UsageError("--dataset and --data / --eval-data exclude each other")
+        splits = [given.get(f"data.{key}_split") or section.get(f"{key}_split") or key for key in ("train", "test")]
+        try:  # the file load_task reads for a split of a directory
+            section["train"], section["test"] = (data._resolve(dataset, split) for split in splits)
+        except data.DataError as exc:
+            raise UsageError(f"--dataset {dataset}: {exc}") from None
+    elif _HUB_NAME.fullmatch(dataset):
+        section["hub"] = dataset
+    else:
+        raise UsageError(f"--dataset {dataset}: no such file or directory, and not a Hub name (owner/name)")
+    values["data"] = section
 
 
 def _rewards(specs: list[str], rewards: dict[str, Any]) -> dict[str, Any]:
@@ -283,7 +297,7 @@ def check(args, config: ExperimentConfig) -> None:
     hint = data._LOCAL_ONLY.get(config.task)  # the tasks without a Hub dataset
     missing = [flag for flag, path in (("--data", config.data.train), ("--eval-data", config.data.test))
                if path is None]
-    if hint and missing and config.model.path is not None and not args.resume:
+    if hint and missing and config.data.hub is None and config.model.path is not None and not args.resume:
         raise UsageError(f"{config.task} has no Hub dataset: pass --dataset DIR (its train and test files), or "
                          f"{' and '.join(missing)}; e.g. --dataset {hint}")
     if config.model.path is not None and not os.path.isfile(os.path.join(config.model.path, "config.json")):

@@ -41,16 +41,17 @@ def _mesh(spec):
 
 
 def _load_tasks(config: ExperimentConfig):
-    columns = config.data.columns(config.task) or None
-    return tuple(_load_split(config.task, split, path, columns)
-                 for split, path in (("train", config.data.train), ("test", config.data.test)))
+    d = config.data
+    columns = d.columns(config.task) or None
+    return tuple(_load_split(config.task, split, path, columns, d.hub)
+                 for split, path in ((d.train_split, d.train), (d.test_split, d.test)))
 
 
-def _load_split(task: str, split: str, path: str | None, columns: dict | None = None):
+def _load_split(task: str, split: str, path: str | None, columns: dict | None = None, hub: str | None = None):
     try:
-        return data.load_task(task, split, path=path, columns=columns).examples
+        return data.load_task(task, split, path=path, columns=columns, hub=hub).examples
     except data.DataError as exc:
-        hint = "" if path is not None else " (on the command line: --dataset DIR, or --data and --eval-data)"
+        hint = "" if path is not None else " (on the command line: --dataset DIR or a Hub name, or --data and --eval-data)"
         raise UsageError(f"{exc}{hint}") from None
 
 

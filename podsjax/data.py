@@ -370,8 +370,12 @@ def _parquet_row(table) -> Any:
         return DataError("not UTF-8 text")
 
 
-def _read_hub(name: str, split: str, cache_dir: str | None) -> tuple[str, Iterator[tuple[str, Any]]]:
-    if name == "gsm8k":
+def _read_hub(name: str, split: str, cache_dir: str | None,
+              hub: str | None = None) -> tuple[str, Iterator[tuple[str, Any]]]:
+    if hub is not None:
+        repo, _, config = hub.partition(":")
+        parts = [(repo, config or None)]
+    elif name == "gsm8k":
         parts = [("openai/gsm8k", "main")]
     elif split == "test":
         parts = [("HuggingFaceH4/MATH-500", None)]
@@ -430,15 +434,17 @@ def load_task(
     cache_dir: str | None = None,
     max_skipped_reasons: int = 20,
     columns: Mapping[str, str] | None = None,
+    hub: str | None = None,
 ) -> Task:
     """Loads a split of GSM8K, MATH or chemistry.
 
     Args:
         name: "gsm8k", "math" or "chemistry".
-        split: "train" or "test" (any split name for local files).
+        split: the split's name: the file stem in a directory, the Hub split ("train" or
+            "test" for the task's own Hub datasets).
         path: a local .jsonl/.json/.parquet file, or a directory holding
-            ``<split>.jsonl``/``<split>.parquet``. None loads from the Hub
-            (GSM8K and MATH only).
+            ``<split>.jsonl``/``<split>.parquet``. None loads from the Hub: ``hub``, else
+            the task's own dataset (GSM8K and MATH only).
         on_bad_row: "error" raises DataError naming the file and line of the first
             bad row; "skip" drops bad rows and counts them in ``Task.num_skipped``.
         limit: keep at most this many examples (the first ones).
@@ -447,6 +453,8 @@ def load_task(
         columns: the task's fields read from other columns of your data, e.g.
             ``{"question": "prompt", "answer": "final"}`` (``PROMPT_FIELD`` names each
             task's prompt field).
+        hub: a Hub dataset, ``"owner/name"`` or ``"owner/name:config"``, read with
+            ``datasets.load_dataset`` (instead of the task's own).
 
     Returns:
         A Task.
@@ -462,13 +470,13 @@ def load_task(
         raise DataError(f"on_bad_row must be one of {_BAD_ROW_MODES}, got {on_bad_row!r}")
     if limit is not None and limit < 0:
         raise DataError(f"limit must be >= 0, got {limit}")
-    if path is None and name in _LOCAL_ONLY:
+    if path is None and hub is None and name in _LOCAL_ONLY:
         raise DataError(f"{name} has no Hub dataset here; pass a local .jsonl/.parquet file or directory, "
                         f"e.g. {_LOCAL_ONLY[name]}")
     if path is None:
-        if split not in ("train", "test"):
-            raise DataError(f"Hub split must be 'train' or 'test', got {split!r}")
-        origin, rows = _read_hub(name, split, cache_dir)
+        if hub is None and split not in ("train", "test"):
+            raise DataError(f"the {name} Hub dataset has splits 'train' and 'test', not {split!r}")
+        origin, rows = _read_hub(name, split, cache_dir, hub)
     else:
         origin = _resolve(path, split)
         reader = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}

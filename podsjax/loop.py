@@ -130,6 +130,7 @@ class RunConfig:
     progress_every_s: float = 30.0  # seconds between progress lines without a bar
     max_nonfinite_updates: int = 3  # non-finite updates in a row that stop the run
     keep_best: bool = True  # save each new best evaluated policy and export it as best_model/
+    system_prompt: str | None = prompts_lib.DEFAULT_SYSTEM_PROMPT  # instructions before each question (null: none)
     log: tuple[str, ...] = log_backends.DEFAULT_BACKENDS  # metric backends: jsonl (always), tensorboard, wandb
     wandb_project: str | None = None  # W&B project (null: $WANDB_PROJECT, else podsjax)
 
@@ -433,7 +434,8 @@ class Trainer:
         while len(kept) < wanted:
             drawn = self.stream.take(wanted - len(kept))
             batch = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in drawn],
-                                                max_prompt_length=run.max_prompt_length)
+                                                max_prompt_length=run.max_prompt_length,
+                                                system_prompt=run.system_prompt)
             kept += [drawn[i] for i in batch.kept_P]
             skipped += batch.num_dropped
             if len(kept) < wanted and skipped >= limit:
@@ -449,7 +451,8 @@ class Trainer:
         if skipped or groups > 1:
             kept = [example for example in kept for _ in range(groups)]
             batch = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in kept],
-                                                max_prompt_length=run.max_prompt_length)
+                                                max_prompt_length=run.max_prompt_length,
+                                                system_prompt=run.system_prompt)
         return kept, batch, skipped
 
     def _batch_shards(self) -> int:
@@ -484,7 +487,8 @@ class Trainer:
         for index, start in enumerate(range(0, len(examples), size)):
             chunk = examples[start : start + size]
             prompts = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in chunk],
-                                                  max_prompt_length=run.max_prompt_length)
+                                                  max_prompt_length=run.max_prompt_length,
+                                                  system_prompt=run.system_prompt)
             chunk = [chunk[i] for i in prompts.kept_P]
             if not chunk:
                 continue

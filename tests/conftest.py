@@ -39,22 +39,58 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Modules whose tests build meshes of up to 8 devices (or run the CLI with --mesh).
 CPU_MESH_MODULES = {
     "test_checkpoint", "test_dry_run", "test_experiments_cli", "test_loop", "test_mesh", "test_mesh_multihost",
+    "test_multihost_cli",
     "test_models_io", "test_resume_killed", "test_sampling", "test_selection", "test_train", "test_train_memory",
     "test_train_multihost", "test_tiny",
 }
 ON_ACCELERATOR = jax.default_backend() != "cpu"
 
+# Tests of several seconds each (end-to-end runs, subprocesses, compiles of real programs,
+# long property searches): `pytest` runs them, `pytest -m "not slow"` leaves them out.
+SLOW_MODULES = {
+    "test_benchmarks", "test_mesh_multihost", "test_multihost_cli", "test_resume_killed", "test_train_multihost",
+}
+SLOW_TESTS = {
+    "test_chemistry.py::test_chemistry_command_trains_and_evaluates_on_the_fixture",
+    "test_dry_run.py::test_a_second_run_loads_its_programs_from_the_compile_cache",
+    "test_dry_run.py::test_qwen_0_5b_setting_a_update_fits_in_8_gb",
+    "test_experiments_cli.py::test_compare_runs_methods_over_seeds_and_reports_speedups",
+    "test_experiments_cli.py::test_each_method_runs_on_the_tiny_preset_through_the_cli",
+    "test_experiments_cli.py::test_real_checkpoint_run_on_mesh_8_then_resume",
+    "test_faults_cli.py::test_a_full_disk_stops_with_one_line_and_resume_is_exact",
+    "test_grpo.py::test_equal_rewards_give_exactly_zero_advantages",
+    "test_loop.py::test_steps_write_metrics_checkpoints_and_resume_exactly",
+    "test_loop.py::test_the_best_evaluated_policy_is_kept_and_survives_a_resume",
+    "test_loop.py::test_the_fit_check_compiles_what_the_first_step_runs",
+    "test_loop.py::test_updates_that_stay_non_finite_stop_the_run_with_one_line",
+    "test_selection.py::test_indices_unique_and_in_range",
+    "test_selection.py::test_jit_equals_no_jit_and_vmap_equals_loop",
+    "test_selection.py::test_max_reward_keeps_the_highest",
+    "test_selection.py::test_theorem1_on_the_network_sort_path",
+    "test_selection.py::test_theorem1_variance_equals_brute_force_maximum",
+    "test_tiny.py::test_short_warm_up_writes_a_cache_that_a_second_call_reuses",
+    "test_train.py::test_ga_micro_batches_equal_one_big_batch",
+    "test_train.py::test_lora_step_leaves_base_params_bit_identical",
+    "test_train.py::test_sharded_step_equals_single_device",
+    "test_train_memory.py::test_pods_update_needs_the_memory_of_grpo_on_m_not_on_n",
+    "test_user_rewards.py::test_the_cli_trains_on_your_dataset_with_your_reward_and_system_prompt",
+}
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cpu_mesh: runs on the 8 CPU devices even when an accelerator is present")
+    config.addinivalue_line("markers", "slow: takes seconds (an end-to-end run, a subprocess, a real compile)")
     cpus = jax.devices("cpu")
     assert len(cpus) == 8, f"expected 8 fake CPU devices, got {len(cpus)}"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in CPU_MESH_MODULES:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in CPU_MESH_MODULES:
             item.add_marker(pytest.mark.cpu_mesh)
+        if module in SLOW_MODULES or f"{module}.py::{item.originalname}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -99,7 +99,7 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--dataset", "/no/such/dir"], "--dataset /no/such/dir: no such file or directory"),
     (["--dataset", ROOT, "--eval-data", ROOT], "--dataset and --data / --eval-data exclude each other"),
     (["--dataset", ROOT], f"--dataset {ROOT}: no train.jsonl or train.parquet in {ROOT}"),
-    (["--dataset", os.path.join(ROOT, "README.md")], "not a directory"),
+    (["--dataset", os.path.join(ROOT, "README.md")], "is one file, the train split: pass --eval-data"),
     (["--eval-temperature", "-1"], "eval_temperature must be >= 0 (0 = greedy); got -1.0"),
     (["--temperature", "0"], "training temperature must be > 0; got 0.0"),
     (["--eval-repeats", "3"], "eval_repeats 3 needs eval_temperature > 0"),

@@ -350,3 +350,32 @@ def test_random_init_is_born_sharded_and_matches_loaded_layout(checkpoints):
         lambda a: (a.shape, a.dtype, a.sharding.spec), loaded)
     np.testing.assert_array_equal(np.asarray(fresh["layers"]["mlp_norm"]["scale"][1]), np.ones(64, np.float32))
     assert 0.015 < float(jnp.std(fresh["layers"]["mlp"]["up"]["kernel"][0])) < 0.025  # N(0, 0.02)
+
+
+def test_the_streaming_writer_holds_one_tensor_where_the_package_holds_them_all(tmp_path):
+    """Why export keeps its own writer: safetensors.numpy.save_file takes the whole model at once."""
+    import tracemalloc
+
+    from podsjax.models.safetensors_io import write_safetensors
+
+    shape, count = (512, 1024), 8  # 2 MiB each, 16 MiB in all
+    tensor_bytes = int(np.prod(shape)) * 4
+
+    def make(i):
+        return np.full(shape, i, np.float32)
+
+    tracemalloc.start()
+    write_safetensors(str(tmp_path / "ours.safetensors"),
+                      [(f"t{i}", shape, np.float32, lambda i=i: make(i)) for i in range(count)])
+    _, ours = tracemalloc.get_traced_memory()
+    tracemalloc.reset_peak()
+    safetensors.numpy.save_file({f"t{i}": make(i) for i in range(count)}, str(tmp_path / "package.safetensors"))
+    _, package = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    print(f"\npeak host memory writing {count} x {tensor_bytes / 2**20:.0f} MiB: streaming writer "
+          f"{ours / 2**20:.1f} MiB, safetensors.numpy.save_file {package / 2**20:.1f} MiB")
+    assert ours < 2 * tensor_bytes and package >= count * tensor_bytes
+    # The same file either way: the package reads ours back tensor for tensor.
+    with safetensors.safe_open(str(tmp_path / "ours.safetensors"), framework="np") as f:
+        for i in range(count):
+            np.testing.assert_array_equal(f.get_tensor(f"t{i}"), make(i))

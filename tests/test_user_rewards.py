@@ -57,3 +57,58 @@ def test_your_own_dataset_columns_reach_the_loader(tmp_path):
     without = _config(tmp_path, "--data", str(tmp_path), "--eval-data", str(tmp_path))
     with pytest.raises(cli.UsageError, match="missing field 'question'"):
         runner._load_tasks(without)
+
+
+def test_the_cli_trains_on_your_dataset_with_your_reward_and_system_prompt(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tiny_checkpoint import save_tiny_checkpoint
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    dataset = tmp_path / "mine"
+    dataset.mkdir()
+    rows = [{"prompt": f"What is {i} + {i}?", "final": str(2 * i), "level": i % 3} for i in range(8)]
+    for split in ("learn", "check"):  # split names of your own
+        (dataset / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)  # user_rewards lives here
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.gsm8k", "--model", checkpoint, "--dataset", str(dataset),
+         "--train-split", "learn", "--test-split", "check", "--prompt-column", "prompt", "--answer-column", "final",
+         "--reward", "user_rewards:length_mod_3=0.5", "--system-prompt", "Answer with one number.",
+         "--n", "4", "--m", "2", "--prompts-per-step", "2", "--max-completion-length", "6", "--lora-rank", "2",
+         "--max-steps", "1", "--eval-limit", "2", "--eval-every", "1000", "--no-progress", "--reward-workers", "1",
+         "--no-compile-cache", "--out", str(out)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = json.load(open(out / "config.json"))
+    assert config["data"]["train"].endswith("learn.jsonl") and config["data"]["prompt_column"] == "prompt"
+    assert config["rewards"]["extra"] == ["user_rewards:length_mod_3=0.5"]
+    assert config["run"]["system_prompt"] == "Answer with one number."
+    step = [json.loads(line) for line in open(out / "metrics.jsonl") if "train/loss" in line][0]
+    assert "reward/user_rewards:length_mod_3" in step  # scored in the reward pool, every step
+    samples = [json.loads(line) for line in open(out / "samples.jsonl")]
+    assert {s["prompt"] for s in samples} <= {r["prompt"] for r in rows}
+    assert {s["answer"] for s in samples} <= {r["final"] for r in rows}
+
+
+def test_a_hub_dataset_that_cannot_be_loaded_is_one_line(tmp_path, capsys, monkeypatch):
+    from tiny_checkpoint import save_tiny_checkpoint
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    checkpoint = save_tiny_checkpoint(tmp_path / "ckpt")
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    out = tmp_path / "never"
+    code = cli.main("gsm8k", ["--model", checkpoint, "--dataset", "someone/no-such-dataset-xyz", "--max-steps", "1",
+                              "--no-compile-cache", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "cannot load someone/no-such-dataset-xyz split 'train' from the Hugging Face Hub" in err
+    assert not out.exists()
