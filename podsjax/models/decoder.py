@@ -215,8 +215,8 @@ class LayerCache:
     slots_BL: jax.Array
 
 
-class Attention(nn.Module):
-    """GQA self-attention with RoPE; reads and writes layer ``layer_index`` of the KV cache."""
+class _LayerModule(nn.Module):
+    """The settings every layer-level module shares (positional, in this order)."""
 
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -224,6 +224,10 @@ class Attention(nn.Module):
     mesh: Mesh | None = None
     implementation: str = "xla"
     lora_scale: float = 1.0
+
+
+class Attention(_LayerModule):
+    """GQA self-attention with RoPE; reads and writes layer ``layer_index`` of the KV cache."""
 
     @nn.compact
     def __call__(self, x_BLD, rope, allowed_BLS, cache: LayerCache | None, layer_index, lora_attn):
@@ -288,19 +292,12 @@ class Mlp(nn.Module):
         return proj("down", (d,), act_BLF)
 
 
-class Block(nn.Module):
+class Block(_LayerModule):
     """Pre-norm decoder block, one step of the layer scan: x + attn(norm(x)), then x + mlp(norm(x)).
 
     ``carry`` is ``(x_BLD, cache)``; ``layer_index`` and ``lora_layer`` are this layer's
     slices of the scanned inputs; the rest is broadcast to every layer.
     """
-
-    config: ModelConfig
-    dtype: Any = jnp.float32
-    param_dtype: Any = jnp.float32
-    mesh: Mesh | None = None
-    implementation: str = "xla"
-    lora_scale: float = 1.0
 
     @nn.compact
     def __call__(self, carry, layer_index, lora_layer, rope, allowed_BLS):
