@@ -43,6 +43,10 @@ from podsjax.sampling import generate
 # Streams folded into ``jax.random.key(seed)``, so each use of randomness draws its own keys.
 _LORA_INIT_STREAM = 1
 _EVAL_STREAM = 2
+# A step's rollouts draw from key(seed + _ROLLOUT_SEED_OFFSET) folded with the step, and its
+# selection from that key folded with _SELECTION_STREAM.
+_ROLLOUT_SEED_OFFSET = 1
+_SELECTION_STREAM = 7
 # eval_metric -> the reward-breakdown entries whose product scores one completion.
 # "accuracy_and_format" is the Llama runs' "answer and format both correct" (the authors'
 # both_acc): the task's accuracy times the authors' strict format check.
@@ -348,7 +352,7 @@ class Trainer:
         with timer.phase("generation"):
             examples, prompts, skipped = self._draw_prompts()
             params, lora = self.policy_params()
-            key = jax.random.fold_in(jax.random.key(run.seed + 1), int(self.state.step))
+            key = jax.random.fold_in(jax.random.key(run.seed + _ROLLOUT_SEED_OFFSET), int(self.state.step))
             ids, prompt_mask = (hosts.place_rows(x, self.model.mesh) for x in (prompts.ids_PL, prompts.mask_PL))
             with self.compile_log.label("generate", _shape(prompts.ids_PL, algo.n, run.max_new_tokens)):
                 rollouts = generate(self.model, params, ids, prompt_mask, key, num_samples=algo.n,
@@ -362,7 +366,7 @@ class Trainer:
         p = len(examples)
         rewards_PN = scored["total"].reshape(p, algo.n)
         with timer.phase("selection"):
-            select_key = jax.random.fold_in(key, 7)
+            select_key = jax.random.fold_in(key, _SELECTION_STREAM)
             with self.compile_log.label("select"):
                 # The rollouts stay on device: only the rewards come from the host.
                 batch, idx_PM = self.batch_fn(ids, prompt_mask, rollouts.tokens, rollouts.mask, rewards_PN,

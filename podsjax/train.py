@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -265,6 +265,16 @@ def build_batch(
     return batch, idx_PM
 
 
+class _TokenSums(NamedTuple):
+    """Per-token statistics summed over the micro-batches of one update (each weighted by its tokens)."""
+
+    clip_low: jax.Array
+    clip_high: jax.Array
+    kl: jax.Array
+    entropy: jax.Array
+    tokens: jax.Array
+
+
 @flax.struct.dataclass
 class StepMetrics:
     loss: jax.Array
@@ -345,28 +355,25 @@ def make_train_step(
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
         def accumulate(carry, xs):
-            grads, loss, metric_sums = carry
+            grads, loss, sums = carry
             mb, old_BT, ref_BT = xs
             (mb_loss, (metrics, entropy)), mb_grads = grad_fn(state.params, frozen, mb, old_BT, ref_BT, denominator)
             grads = mb_grads if grads is None else jax.tree.map(jnp.add, grads, mb_grads)
             tokens = metrics.num_tokens
-            sums = (
-                metric_sums[0] + metrics.clip_frac_low * tokens,
-                metric_sums[1] + metrics.clip_frac_high * tokens,
-                metric_sums[2] + metrics.kl_mean * tokens,
-                metric_sums[3] + entropy,
-                metric_sums[4] + tokens,
-            )
+            sums = _TokenSums(clip_low=sums.clip_low + metrics.clip_frac_low * tokens,
+                              clip_high=sums.clip_high + metrics.clip_frac_high * tokens,
+                              kl=sums.kl + metrics.kl_mean * tokens, entropy=sums.entropy + entropy,
+                              tokens=sums.tokens + tokens)
             return (grads, loss + mb_loss, sums), None
 
+        zero = jnp.zeros((), jnp.float32)
+        no_sums = _TokenSums(zero, zero, zero, zero, zero)
         if k == 1:
             # One micro-batch: no scan, so no zero-filled accumulator to add into.
             one = jax.tree.map(lambda x: x[0], (batches, old_kBT, ref_kBT))
-            zero = jnp.zeros((), jnp.float32)
-            (grads, loss, sums), _ = accumulate((None, zero, (zero,) * 5), one)
+            (grads, loss, sums), _ = accumulate((None, zero, no_sums), one)
         else:
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            init = (zeros, jnp.zeros((), jnp.float32), (jnp.zeros((), jnp.float32),) * 5)
+            init = (jax.tree.map(jnp.zeros_like, state.params), zero, no_sums)
             (grads, loss, sums), _ = jax.lax.scan(accumulate, init, (batches, old_kBT, ref_kBT))
         grad_norm = _tree_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -384,18 +391,18 @@ def make_train_step(
             step=state.step + 1,
             skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
         )
-        tokens = jnp.maximum(sums[4], 1.0)
+        tokens = jnp.maximum(sums.tokens, 1.0)
         metrics = StepMetrics(
             loss=loss,
             grad_norm=grad_norm,
             learning_rate=lr,
             skipped=(~finite).astype(jnp.int32),
-            entropy=sums[3] / tokens,
-            clip_frac_low=sums[0] / tokens,
-            clip_frac_high=sums[1] / tokens,
-            kl_mean=sums[2] / tokens,
+            entropy=sums.entropy / tokens,
+            clip_frac_low=sums.clip_low / tokens,
+            clip_frac_high=sums.clip_high / tokens,
+            kl_mean=sums.kl / tokens,
             advantage_mean=advantage_mean,
-            num_tokens=sums[4],
+            num_tokens=sums.tokens,
         )
         return state, metrics
 
