@@ -219,14 +219,14 @@ def print_machine(torch, transformers, retain_memory: bool = True) -> float | No
     """Prints the machine line (and a warning when it is busy); returns the cores other work kept busy.
 
     Runs before JAX starts, so it also applies the host allocator settings the
-    podsjax CLI uses (``podsjax.host_memory``) unless ``retain_memory`` is False;
+    podsjax CLI uses (``experiments.host_memory``) unless ``retain_memory`` is False;
     they are process-wide, so every contender runs under them.
     """
-    from podsjax import host_memory
+    from experiments import host_memory
 
     allocator = "glibc defaults"
     if retain_memory and host_memory.retain_freed_memory():
-        allocator = "freed memory retained (podsjax.host_memory, for every contender)"
+        allocator = "freed memory retained (experiments.host_memory, for every contender)"
     import jax
 
     busy = busy_cores()

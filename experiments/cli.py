@@ -77,8 +77,8 @@ def host_device_flags(count: int, flags: str) -> str:
 
 def prepare_devices(spec: str | None, processes: int = 1) -> None:
     """Gives the CPU platform enough host devices for this process's part of the mesh and
-    keeps freed host memory for reuse (``podsjax.host_memory``); must run before JAX starts."""
-    from podsjax import host_memory
+    keeps freed host memory for reuse (``experiments.host_memory``); must run before JAX starts."""
+    from experiments import host_memory
 
     count = mesh_device_count(spec)
     if count % processes:

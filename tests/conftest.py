@@ -19,7 +19,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # The CLI and the benchmarks keep freed host memory for reuse; tests run the same way.
-from podsjax import host_memory  # noqa: E402
+from experiments import host_memory  # noqa: E402
 
 host_memory.retain_freed_memory()
 

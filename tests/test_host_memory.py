@@ -1,4 +1,4 @@
-"""podsjax.host_memory: freed blocks are reused instead of being faulted in again."""
+"""experiments.host_memory: freed blocks are reused instead of being faulted in again."""
 
 import platform
 import subprocess
@@ -12,7 +12,7 @@ SCRIPT = """
 import resource, sys
 import numpy as np
 if sys.argv[1] == "retain":
-    from podsjax import host_memory
+    from experiments import host_memory
     assert host_memory.retain_freed_memory()
 for i in range(2):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
