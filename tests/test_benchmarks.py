@@ -1,4 +1,4 @@
-"""The benchmark scripts still run (tiny shapes; the real numbers live in the README), and their floors are right."""
+"""The benchmark scripts still run (tiny shapes; the measured figures live in docs/benchmarks.md), and their floors are right."""
 
 import math
 import os
