@@ -9,7 +9,7 @@ and their field comments.
 
 Named settings are entries of :data:`SETTINGS`: each gives the fields it sets, for a
 method. A run's config is the dataclass defaults, then the method's
-(:func:`podsjax.train.preset`), then the named setting's, then the config file, then
+(:func:`podsjax.train.method_config`), then the named setting's, then the config file, then
 the flags.
 """
 
@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from podsjax import presets, train
+from podsjax import paper_settings, train
 from podsjax.loop import RunConfig
 from podsjax.mesh_spec import parse_mesh_spec
 
@@ -180,8 +180,8 @@ class ExperimentConfig:
 # -- named settings ----------------------------------------------------------------------
 
 def _method(method: str, task: str) -> dict[str, Any]:
-    """The paper's three algorithms with its single-GPU n / m (``train.preset``)."""
-    return {"algorithm": dataclasses.asdict(train.preset(method))}
+    """The paper's three algorithms with its single-GPU n / m (``train.method_config``)."""
+    return {"algorithm": dataclasses.asdict(train.method_config(method))}
 
 
 def _tiny(method: str, task: str) -> dict[str, Any]:
@@ -189,7 +189,7 @@ def _tiny(method: str, task: str) -> dict[str, Any]:
     from podsjax.tiny import TINY_RL_DEFAULTS as d
 
     n = d["m"] if method == "grpo" else d["n"]  # GRPO trains every rollout it generates
-    algorithm = dataclasses.asdict(train.preset(method, n=n, m=d["m"], learning_rate=d["learning_rate"],
+    algorithm = dataclasses.asdict(train.method_config(method, n=n, m=d["m"], learning_rate=d["learning_rate"],
                                                 temperature=d["temperature"]))
     run = {key: d[key] for key in ("prompts_per_step", "max_new_tokens", "max_prompt_length", "time_budget_s",
                                    "eval_every_s", "eval_limit")}
@@ -199,7 +199,7 @@ def _tiny(method: str, task: str) -> dict[str, Any]:
 
 def _paper(letter: str) -> Callable[[str, str], dict[str, Any]]:
     def overrides(method: str, task: str) -> dict[str, Any]:
-        setting = presets.get_setting(letter)
+        setting = paper_settings.get_setting(letter)
         if setting.task != task:
             raise ValueError(f"setting {setting.name} is a {setting.task} setting; run experiments.{setting.task}")
         return {"algorithm": setting.algorithm_config(method), "run": dict(setting.run),
@@ -207,14 +207,14 @@ def _paper(letter: str) -> Callable[[str, str], dict[str, Any]]:
                 "model": {"lora_rank": setting.lora_rank, "dtype": setting.dtype, "mesh": setting.mesh,
                           "hub_name": setting.model}}
 
-    overrides.__doc__ = f"The paper's setting ({letter}) (``podsjax.presets``)."
+    overrides.__doc__ = f"The paper's setting ({letter}) (``podsjax.paper_settings``)."
     return overrides
 
 
 # name -> (method, task) -> the fields the setting sets. "tiny" is the default without a
 # model; a-f are the paper's settings and need one.
 SETTINGS: dict[str, Callable[[str, str], dict[str, Any]]] = {
-    "tiny": _tiny, **{letter: _paper(letter) for letter in presets.SETTINGS},
+    "tiny": _tiny, **{letter: _paper(letter) for letter in paper_settings.SETTINGS},
 }
 
 

@@ -347,9 +347,9 @@ def read_run_config(out: str, flags: list[str] = ()) -> ExperimentConfig:
 
 def describe_setting(setting: str, method: str, config: ExperimentConfig) -> str:
     """What ``--setting`` sets for the method (``Setting.describe``), then the fields set over it."""
-    from podsjax import presets
+    from podsjax import paper_settings
 
-    lines = [presets.get_setting(setting).describe(method)]
+    lines = [paper_settings.get_setting(setting).describe(method)]
     for section, values in SETTINGS[setting.lower()](method, config.task).items():
         for key, value in values.items():
             final = getattr(getattr(config, section), key)

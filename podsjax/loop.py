@@ -97,7 +97,7 @@ class RunConfig:
     Evaluation decodes every eval example once per repeat: ``eval_repeats`` passes at
     ``eval_temperature`` (0 = greedy, which allows one pass only), scored by
     ``eval_metric`` (a key of ``EVAL_METRICS``) and averaged over the passes. The
-    paper's settings a-d sample 5 passes at 0.9 (see ``podsjax.presets``).
+    paper's settings a-d sample 5 passes at 0.9 (see ``podsjax.paper_settings``).
 
     A non-finite loss or gradient skips its update (params and moments stay as they
     were; ``train/skipped`` counts it); ``max_nonfinite_updates`` of them in a row stop

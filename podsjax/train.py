@@ -133,7 +133,7 @@ class AlgorithmConfig:
         return per_group * self.grad_accum
 
 
-def preset(name: str, **overrides) -> AlgorithmConfig:
+def method_config(name: str, **overrides) -> AlgorithmConfig:
     """The paper's three algorithms with its single-GPU settings (a-d); override any field.
 
     "grpo": n = m = 16. "grpo-ga": n = 64 in micro-batches of 16. "pods": n = 64, m = 16,
@@ -145,7 +145,7 @@ def preset(name: str, **overrides) -> AlgorithmConfig:
         "pods": dict(algorithm="pods", n=64, m=16, rule="max_variance"),
     }
     if name not in base:
-        raise ValueError(f"unknown algorithm preset {name!r}; choose one of {', '.join(base)}")
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(base)}")
     return AlgorithmConfig(**{**base[name], **overrides})
 
 

@@ -29,9 +29,27 @@ def last_column(row: str) -> float:
     return float(row.rstrip(" |").rsplit("|", 1)[1])
 
 
-def test_selection_benchmark_prints_its_ratio_table():
-    printed = run("benchmarks.selection", "--shapes", "8x16", "--min-time", "0.01")
-    assert "| a/b | c/a | a/d |" in printed and "| 8 | 16 | 4 |" in printed
+def test_selection_benchmarks_reference_loop_finds_the_maximum_variance_subset():
+    """The benchmark's reference (the authors' O(M^2) loop) against brute force, in-process."""
+    import itertools
+
+    import numpy as np
+
+    from benchmarks import selection
+
+    rng = np.random.default_rng(3)
+    rewards = (rng.integers(0, 2, (20, 8)) + 0.25 * rng.integers(0, 3, (20, 8))).astype(np.float32)
+    chosen = selection.reference_loop(rewards, 3)
+    for row, picked in zip(rewards, chosen):
+        best = max(np.var(row[list(c)]) for c in itertools.combinations(range(8), 3))
+        assert len(set(picked)) == 3 and np.var(row[picked]) == pytest.approx(best, rel=1e-6)
+    # One timed shape: the run checks podsjax against the reference, and the table holds its ratios.
+    (row,) = selection.run([(4, 16)], min_time=0.0)
+    b, n, m, *times = row
+    assert (b, n, m) == (4, 16, 4) and all(t > 0 for t in times)
+    line = selection.format_table([row]).splitlines()[-1]
+    assert line.startswith("| 4 | 16 | 4 |") and f"| {times[0] / times[1]:.2f} |" in line
+    assert selection.parse_shapes("64x16,8x4") == [(64, 16), (8, 4)]
 
 
 def test_forward_benchmark_checks_logits_and_prints_a_ratio():

@@ -7,7 +7,7 @@ import pytest
 from experiments import cli, flags
 from experiments.config import SETTINGS, ExperimentConfig
 from experiments.usage import UsageError
-from podsjax import presets
+from podsjax import paper_settings
 
 
 def parse(*argv, task="gsm8k"):
@@ -32,7 +32,7 @@ def test_values_come_from_defaults_then_method_then_setting_then_file_then_flags
     assert base.run.max_new_tokens == 512 and base.model.lora_rank == 64
     a = parse("--model", checkpoint, "--setting", "a")
     assert a.algorithm.aggregation == "seq-mean-token-mean" and a.run.eval_repeats == 5 and a.model.dtype == "bfloat16"
-    assert a.rewards.format == 0.01 and a.model.hub_name == presets.get_setting("a").model
+    assert a.rewards.format == 0.01 and a.model.hub_name == paper_settings.get_setting("a").model
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text("algorithm: {n: 32, m: 8}\nrun: {eval_repeats: 3}\nmodel: {lora_rank: 16}\n")
     filed = parse("--model", checkpoint, "--setting", "a", "--config", str(run_yaml), "--m", "4")
@@ -53,7 +53,7 @@ def test_a_runs_config_json_starts_a_new_run_like_it(tmp_path):
 
 def test_each_named_setting_gives_a_valid_config(tmp_path):
     for name in SETTINGS:
-        setting = None if name == "tiny" else presets.get_setting(name)
+        setting = None if name == "tiny" else paper_settings.get_setting(name)
         task = setting.task if setting else "gsm8k"
         methods = setting.algorithm if setting else ("grpo", "grpo-ga", "pods")
         for method in methods:

@@ -201,7 +201,7 @@ def test_a_second_run_loads_its_programs_from_the_compile_cache(tmp_path):
 # every layer's attention scores (about 22 GB). Measured with remat full, the scan and the
 # chunked LM head: 7.41 GiB, most of it one layer's XLA attention backward on CPU.
 def test_qwen_0_5b_setting_a_update_fits_in_8_gb(tmp_path):
-    checkpoint = config_only_checkpoint(tmp_path / "qwen0.5b", pm.preset("Qwen2.5-0.5B"))
+    checkpoint = config_only_checkpoint(tmp_path / "qwen0.5b", pm.checkpoint_shape("Qwen2.5-0.5B"))
     out = tmp_path / "run"
     done = run_cli(["--model", checkpoint, "--setting", "a", "--method", "pods", "--dry-run", "--out", str(out)],
                    tmp_path)  # setting a's mesh is one device: its own process

@@ -26,7 +26,7 @@ def make_trainer(setup, out_dir, rewards=None, **run_fields):
     model, params, tokenizer, examples = setup
     run = loop.RunConfig(out_dir=str(out_dir), max_steps=1, prompts_per_step=2, max_new_tokens=7,
                          reward_workers=1, progress=False, console=False, **run_fields)
-    return loop.Trainer(model, params, tokenizer, examples, examples, train.preset("pods", n=4, m=2), run,
+    return loop.Trainer(model, params, tokenizer, examples, examples, train.method_config("pods", n=4, m=2), run,
                         lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards)
 
 

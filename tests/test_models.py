@@ -1,4 +1,4 @@
-"""Decoder numerics: parity with transformers, padding, KV cache, LoRA, jit, presets.
+"""Decoder numerics: parity with transformers, padding, KV cache, LoRA, jit, checkpoint shapes.
 
 Tiny random HF models are built locally once per session. Their weights are re-drawn at
 a scale that makes logits O(1) (HF's default init gives logits near 0, where a 1e-4
@@ -120,7 +120,7 @@ def test_from_hf_config_accepts_legacy_hub_layout():
                            "original_max_position_embeddings": 8192}, "max_position_embeddings": 131072,
           "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
     config = pm.from_hf_config(hf)
-    assert config == pm.preset("meta-llama/Llama-3.2-1B-Instruct")
+    assert config == pm.checkpoint_shape("meta-llama/Llama-3.2-1B-Instruct")
     hash(config)  # usable as a jit static
 
 
@@ -143,13 +143,13 @@ def test_unsupported_configs_raise_clear_errors(override, message):
 
 
 def test_model_config_validation():
-    base = pm.preset("Qwen2.5-0.5B")
+    base = pm.checkpoint_shape("Qwen2.5-0.5B")
     with pytest.raises(ValueError, match="hidden_size"):
         pm.ModelConfig(**{**base.__dict__, "hidden_size": 0})
     with pytest.raises(ValueError, match="arch"):
         pm.ModelConfig(**{**base.__dict__, "arch": "gpt2"})
-    with pytest.raises(ValueError, match="unknown preset"):
-        pm.preset("Qwen2.5-14B")
+    with pytest.raises(ValueError, match="unknown checkpoint shape"):
+        pm.checkpoint_shape("Qwen2.5-14B")
 
 
 # Published parameter counts of the real checkpoints.
@@ -159,7 +159,7 @@ PRESET_PARAMS = {"Qwen2.5-0.5B": 494_032_768, "Qwen2.5-1.5B": 1_543_714_304, "Qw
 
 @pytest.mark.parametrize("name", sorted(PRESET_PARAMS))
 def test_presets_build_abstractly_with_published_sizes(name):
-    model = pm.Decoder(pm.preset(name), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model = pm.Decoder(pm.checkpoint_shape(name), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     shapes = pm.abstract_params(model)  # eval_shape: nothing is allocated
     leaves = jax.tree.leaves(shapes)
     assert all(isinstance(x, jax.ShapeDtypeStruct) and x.dtype == jnp.bfloat16 for x in leaves)
@@ -285,7 +285,7 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_heads=
 
 
 def test_optimized_program_size_does_not_grow_with_depth():
-    config = dataclasses.replace(pm.preset("Qwen2.5-0.5B"), **SMALL)
+    config = dataclasses.replace(pm.checkpoint_shape("Qwen2.5-0.5B"), **SMALL)
 
     def hlo_size(layers):
         model = pm.Decoder(dataclasses.replace(config, num_layers=layers))
@@ -358,9 +358,9 @@ def test_remat_gives_same_values_and_gradients(hf_models, remat):
 
 def test_remat_and_attention_names_are_checked():
     with pytest.raises(ValueError, match="remat must be one of"):
-        pm.Decoder(pm.preset("Qwen2.5-0.5B"), remat="some")
+        pm.Decoder(pm.checkpoint_shape("Qwen2.5-0.5B"), remat="some")
     with pytest.raises(ValueError, match="attention must be one of"):
-        pm.Decoder(pm.preset("Qwen2.5-0.5B"), attention="flash")
+        pm.Decoder(pm.checkpoint_shape("Qwen2.5-0.5B"), attention="flash")
 
 
 # --------------------------------------------------------------------------- KV cache

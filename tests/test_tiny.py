@@ -266,7 +266,7 @@ def test_model_spec_is_validated():
 
 def test_rl_defaults_make_valid_configs(tmp_path):
     d = tiny.TINY_RL_DEFAULTS
-    algo = train.preset("pods", n=d["n"], m=d["m"], learning_rate=d["learning_rate"], temperature=d["temperature"])
+    algo = train.method_config("pods", n=d["n"], m=d["m"], learning_rate=d["learning_rate"], temperature=d["temperature"])
     assert algo.m < algo.n
     run = loop.RunConfig(out_dir=str(tmp_path), prompts_per_step=d["prompts_per_step"],
                          max_prompt_length=d["max_prompt_length"], max_new_tokens=d["max_new_tokens"],

@@ -67,7 +67,7 @@ def test_ga_micro_batches_equal_one_big_batch(model_and_params):
 
 def test_lora_step_leaves_base_params_bit_identical(model_and_params):
     model, params = model_and_params
-    config = train.preset("pods", n=N, m=M, learning_rate=1e-2, beta=0.04, schedule="cosine", total_steps=4)
+    config = train.method_config("pods", n=N, m=M, learning_rate=1e-2, beta=0.04, schedule="cosine", total_steps=4)
     lora = pm.init_lora(jax.random.key(3), model, pm.LoraConfig(rank=4, alpha=8.0))
     optimizer = train.make_optimizer(config)
     policy, reference = train.lora_apply_fn(model)
@@ -92,7 +92,7 @@ def test_sharded_step_equals_single_device(model_and_params):
     # Adam's first step is ~lr * g / |g|, which turns 1e-9 float noise in near-zero
     # gradients into ~lr / 10 differences; lr 1e-3 keeps that under the 1e-5 bound
     # while the loss and gradient norm are compared directly below.
-    config = train.preset("pods", n=N, m=M, learning_rate=1e-3, max_grad_norm=1e6)
+    config = train.method_config("pods", n=N, m=M, learning_rate=1e-3, max_grad_norm=1e6)
     batch, _ = train.build_batch(*random_rollouts(2), config)
     step, state = full_ft(model, config, params)
     ref_state, ref_metrics = jax.jit(step)(state, batch, None)
@@ -116,7 +116,7 @@ def test_sharded_step_equals_single_device(model_and_params):
 
 def test_non_finite_loss_skips_the_update(model_and_params):
     model, params = model_and_params
-    config = train.preset("grpo", n=N, m=N, learning_rate=1e-2)
+    config = train.method_config("grpo", n=N, m=N, learning_rate=1e-2)
     batch, _ = train.build_batch(*random_rollouts(3), config)
     step, state = full_ft(model, config, params)
     bad = batch.replace(advantages=batch.advantages.at[0].set(jnp.nan))
@@ -131,7 +131,7 @@ def test_non_finite_loss_skips_the_update(model_and_params):
 
 def test_build_batch_selects_and_normalizes_over_the_subset():
     prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(4)
-    config = train.preset("pods", n=N, m=M)
+    config = train.method_config("pods", n=N, m=M)
     batch, idx = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, config)
     idx = np.asarray(idx)
     for p in range(P):
@@ -166,5 +166,5 @@ def test_config_validation_errors():
         with pytest.raises(ValueError, match=message) as err:
             train.AlgorithmConfig(**kwargs)
         assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="unknown algorithm preset"):
-        train.preset("dapo")
+    with pytest.raises(ValueError, match="unknown method"):
+        train.method_config("dapo")

@@ -21,10 +21,10 @@ P, LP, T = 1, 32, 64  # prompts per step, prompt and completion lengths
 MB = 2**20
 
 CASES = {
-    "pods n=64 m=16": train.preset("pods"),  # selection runs before the update: 16 rows enter it
-    "grpo n=m=16": train.preset("grpo"),
-    "grpo-ga n=64, 4 x 16": train.preset("grpo-ga"),
-    "grpo n=m=64": train.preset("grpo", n=64, m=64),
+    "pods n=64 m=16": train.method_config("pods"),  # selection runs before the update: 16 rows enter it
+    "grpo n=m=16": train.method_config("grpo"),
+    "grpo-ga n=64, 4 x 16": train.method_config("grpo-ga"),
+    "grpo n=m=64": train.method_config("grpo", n=64, m=64),
 }
 
 

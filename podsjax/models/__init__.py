@@ -13,12 +13,12 @@ Example:
 
 from podsjax.models.cache import KVCache, cache_shardings, decode_step, init_cache, prefill
 from podsjax.models.config import (
-    PRESETS,
+    CHECKPOINT_SHAPES,
     SUPPORTED_ARCHITECTURES,
     Llama3RopeScaling,
     ModelConfig,
     from_hf_config,
-    preset,
+    checkpoint_shape,
 )
 from podsjax.models.decoder import REMAT_POLICIES, Decoder, apply_rope, rope_inv_freq, rope_tables
 from podsjax.models.hf_io import CheckpointError, from_pretrained, load_params, save_pretrained, tensor_specs
@@ -28,8 +28,8 @@ from podsjax.models.params import abstract_params, init_params, param_logical_ax
 
 __all__ = [
     "CheckpointError", "DEFAULT_TARGETS", "Decoder", "KVCache", "Llama3RopeScaling", "LoraConfig", "LoraParams",
-    "ModelConfig", "PRESETS", "REMAT_POLICIES", "SUPPORTED_ARCHITECTURES", "abstract_params", "apply_rope", "cache_shardings",
+    "ModelConfig", "CHECKPOINT_SHAPES", "REMAT_POLICIES", "SUPPORTED_ARCHITECTURES", "abstract_params", "apply_rope", "cache_shardings",
     "decode_step", "from_hf_config", "from_pretrained", "init_cache", "init_lora", "init_params", "load_params",
-    "lora_logical_axes", "merge_lora", "param_logical_axes", "param_shardings", "prefill", "preset",
+    "lora_logical_axes", "merge_lora", "param_logical_axes", "param_shardings", "prefill", "checkpoint_shape",
     "rope_inv_freq", "rope_tables", "save_peft_adapter", "save_pretrained", "tensor_specs",
 ]

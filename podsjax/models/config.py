@@ -297,7 +297,7 @@ _LLAMA32 = dict(arch="llama", vocab_size=128256, intermediate_size=8192, rope_th
 
 # Shapes of the public checkpoints (Instruct and base share them). For eval_shape,
 # sharding plans and benchmarks; real weights always come from a local directory.
-PRESETS: dict[str, ModelConfig] = {
+CHECKPOINT_SHAPES: dict[str, ModelConfig] = {
     "Qwen2.5-0.5B": ModelConfig(**{**_QWEN25, "head_dim": 64}, vocab_size=151936, hidden_size=896,
                                 intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
                                 tie_word_embeddings=True),
@@ -314,9 +314,9 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def preset(name: str) -> ModelConfig:
-    """Returns the preset config ``name`` (an "-Instruct" suffix is accepted)."""
+def checkpoint_shape(name: str) -> ModelConfig:
+    """The config of the public checkpoint ``name`` (a Hub name or its last part; "-Instruct" is accepted)."""
     key = name.split("/")[-1].removesuffix("-Instruct")
-    if key not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
-    return PRESETS[key]
+    if key not in CHECKPOINT_SHAPES:
+        raise ValueError(f"unknown checkpoint shape {name!r}; known: {sorted(CHECKPOINT_SHAPES)}")
+    return CHECKPOINT_SHAPES[key]

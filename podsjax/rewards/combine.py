@@ -162,7 +162,7 @@ def default_rewards(task: str, *, accuracy: float = 1.0, format: float = 1.0, ta
 
     The defaults are the 8-GPU settings' (e-f: weights 1/1/1, exact format). Settings
     a-d use ``format=0.01, tag_count=0.01, format_style="score"`` (see
-    ``podsjax.presets``).
+    ``podsjax.paper_settings``).
 
     Args:
         task: "gsm8k", "math" or "chemistry".

@@ -2,7 +2,7 @@
 
 import pytest
 
-from podsjax import loop, presets, train
+from podsjax import loop, paper_settings, train
 from podsjax.rewards import default_rewards
 
 # The paper's table: task, model, hardware, LoRA rank (None = full fine-tune), mesh.
@@ -18,17 +18,17 @@ SINGLE, MULTI = "abcd", "ef"
 
 
 def test_letters_follow_the_papers_table():
-    assert list(presets.SETTINGS) == list(PAPER_TABLE)
+    assert list(paper_settings.SETTINGS) == list(PAPER_TABLE)
     for name, (task, model, hardware, rank, mesh) in PAPER_TABLE.items():
-        s = presets.get_setting(name.upper())
+        s = paper_settings.get_setting(name.upper())
         assert (s.name, s.task, s.model, s.hardware, s.lora_rank, s.mesh) == (name, task, model, hardware, rank, mesh)
     with pytest.raises(ValueError, match="unknown setting 'z'; choose one of a, b, c, d, e, f"):
-        presets.get_setting("z")
+        paper_settings.get_setting("z")
 
 
 @pytest.mark.parametrize("name", list(PAPER_TABLE))
 def test_every_method_builds_valid_configs_and_rewards(name, tmp_path):
-    s = presets.get_setting(name)
+    s = paper_settings.get_setting(name)
     for method in s.algorithm:
         config = train.AlgorithmConfig(**s.algorithm_config(method))
         assert config.algorithm == method
@@ -43,12 +43,12 @@ def test_every_method_builds_valid_configs_and_rewards(name, tmp_path):
 
 
 def config(name, method):
-    return train.AlgorithmConfig(**presets.get_setting(name).algorithm_config(method))
+    return train.AlgorithmConfig(**paper_settings.get_setting(name).algorithm_config(method))
 
 
 @pytest.mark.parametrize("name", SINGLE)
 def test_single_gpu_defaults_are_the_authors(name):
-    s = presets.get_setting(name)
+    s = paper_settings.get_setting(name)
     c = config(name, "pods")
     assert (c.learning_rate, c.schedule, c.warmup_ratio) == (5e-6, "constant", 0.0)
     assert (c.adam_b1, c.adam_b2, c.weight_decay, c.max_grad_norm, c.temperature) == (0.9, 0.99, 0.1, 0.1, 0.9)
@@ -74,7 +74,7 @@ def test_single_gpu_rollout_counts(name, grpo, pods):
 
 @pytest.mark.parametrize("name", MULTI)
 def test_eight_gpu_settings_follow_the_run_script(name):
-    s = presets.get_setting(name)
+    s = paper_settings.get_setting(name)
     assert set(s.algorithm) == {"grpo-ga", "pods"}  # the paper's two methods at this scale
     c = config(name, "pods")
     assert (c.learning_rate, c.schedule, c.warmup_ratio) == (5e-6, "constant", 0.0)
@@ -92,11 +92,11 @@ def test_eight_gpu_settings_follow_the_run_script(name):
 
 
 def test_bad_setting_fields_raise_one_line_errors():
-    base = presets.get_setting("a")
+    base = paper_settings.get_setting("a")
     fields = {f: getattr(base, f) for f in ("name", "model", "task", "lora_rank", "dtype", "algorithm", "common",
                                              "run")}
     with pytest.raises(ValueError, match="lora_rank must be >= 1 or None"):
-        presets.Setting(**{**fields, "lora_rank": 0})
+        paper_settings.Setting(**{**fields, "lora_rank": 0})
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -108,4 +108,4 @@ def test_bad_setting_fields_raise_one_line_errors():
 ])
 def test_a_settings_run_with_a_bad_eval_protocol_is_refused(changes, message):
     with pytest.raises(ValueError, match=message):
-        loop.RunConfig(out_dir="unused", **{**presets.get_setting("a").run, **changes})
+        loop.RunConfig(out_dir="unused", **{**paper_settings.get_setting("a").run, **changes})
