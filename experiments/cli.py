@@ -197,8 +197,6 @@ def main(task: str, argv=None) -> int:
         flags.check_out(args)
         if config is None:  # --resume
             config = flags.read_run_config(args.out, args.field_flags)
-        else:
-            config = flags.replace_run(config, out_dir=args.out)
         flags.check(args, config)
         prepare_devices(config.model.mesh, args.distributed[1] if isinstance(args.distributed, tuple) else 1)
         start_distributed(args.distributed)

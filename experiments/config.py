@@ -58,11 +58,6 @@ class ModelSection:
             except ValueError as exc:
                 raise ValueError(f"model.mesh: {exc}") from None
 
-    @property
-    def devices(self) -> int:
-        """Devices the mesh spans (1 without a mesh)."""
-        return math.prod(parse_mesh_spec(self.mesh, None).values()) if self.mesh is not None else 1
-
 
 @dataclasses.dataclass(frozen=True)
 class RewardSection:

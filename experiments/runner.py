@@ -232,8 +232,7 @@ def _dry_run_model(config, mesh):
 
 def _dry_run(config: ExperimentConfig, out_dir: str, mesh) -> int:
     """Compiles generate and the update, prints and writes memory and compile times; trains nothing."""
-    algo, run_config, lora = config.algorithm, config.run, config.lora
-    _check_rows(mesh, algo, run_config)
+    algo, run_config, lora = config.algorithm, config.run, config.lora  # run() has checked the rows
     model, source = _dry_run_model(config, mesh)
     prompt_len = _prompt_len(run_config)
     prompt_rows = loop.prompt_rows(run_config, algo)

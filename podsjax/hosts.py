@@ -36,8 +36,7 @@ def place_rows(x: np.ndarray, mesh) -> Any:
     if mesh is None or count() == 1:
         return x
     x = np.asarray(x)
-    split = x.shape[0] % mesh_lib.shard_count(mesh, "batch") == 0
-    sharding = mesh_lib.batch_sharding(mesh, x.ndim if split else 0)
+    sharding = mesh_lib.rows_sharding(mesh, x.shape[0], x.ndim)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 

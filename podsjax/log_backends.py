@@ -35,6 +35,11 @@ def parse_backends(spec: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def draws_histograms(backends) -> bool:
+    """Whether any of ``backends`` draws histograms (TensorBoard and W&B do)."""
+    return any(name in backends for name in ("tensorboard", "wandb"))
+
+
 def samples_markdown(records: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
     """Sample records as a markdown table (TensorBoard's text plugin renders it)."""
     def cell(value):

@@ -81,10 +81,8 @@ def batch_program(mesh, rows: int):
 def batch_shardings(mesh, rows: int) -> train.TrainBatch:
     """Where the update's input batch lives: rows over the mesh's batch axes when they
     divide evenly, else replicated; the whole-batch scalars replicated."""
-    split = rows % mesh_lib.shard_count(mesh, "batch") == 0
-
     def sharding(ndim):
-        return mesh_lib.batch_sharding(mesh, ndim if split else 0)
+        return mesh_lib.rows_sharding(mesh, rows, ndim)
 
     return train.TrainBatch(input_ids=sharding(2), attention_mask=sharding(2), completion_mask=sharding(2),
                             advantages=sharding(1), loss_denominator=sharding(0), advantage_mean=sharding(0))
@@ -306,7 +304,7 @@ class Trainer:
             run.out_dir, backends=run.log, config={"algorithm": dataclasses.asdict(algo), "run": dataclasses.asdict(run)},
             wandb_project=run.wandb_project, resume_step=restored, enabled=hosts.is_primary())
         # Decided from the config, not the writer: in a multi-host run every process joins the fetch.
-        self._histograms = any(name in run.log for name in ("tensorboard", "wandb"))
+        self._histograms = log_backends.draws_histograms(run.log)
         self.pool = rewards_lib.RewardPool(run.reward_workers, timeout_s=run.reward_timeout_s)
         self._compiled_once = False
         self._skips_reported = False
@@ -408,7 +406,7 @@ class Trainer:
         (``count/<metric>``, one entry each).
         """
         n, end = self.algo.n, start + len(tokens)
-        completions = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
+        completions = self._decode(tokens, mask)
         columns = {name: values[start:end] for name, values in data_lib.reward_columns(examples, n).items()}
         scores = self.pool.score(completions, self.rewards, **columns)
         rows = {"total": np.asarray(scores.total_B, np.float32), "length": mask.sum(1).astype(np.int32),
@@ -437,9 +435,7 @@ class Trainer:
         skipped = 0
         while len(kept) < wanted:
             drawn = self.stream.take(wanted - len(kept))
-            batch = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in drawn],
-                                                max_prompt_length=run.max_prompt_length,
-                                                system_prompt=run.system_prompt)
+            batch = self._prompts(drawn)
             kept += [drawn[i] for i in batch.kept_P]
             skipped += batch.num_dropped
             if len(kept) < wanted and skipped >= limit:
@@ -454,10 +450,18 @@ class Trainer:
         groups = self.algo.groups_per_prompt
         if skipped or groups > 1:
             kept = [example for example in kept for _ in range(groups)]
-            batch = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in kept],
-                                                max_prompt_length=run.max_prompt_length,
-                                                system_prompt=run.system_prompt)
+            batch = self._prompts(kept)
         return kept, batch, skipped
+
+    def _prompts(self, examples) -> prompts_lib.PromptBatch:
+        """The examples' questions, templated and tokenized as every step and evaluation feeds them."""
+        run = self.run_config
+        return prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in examples],
+                                           max_prompt_length=run.max_prompt_length, system_prompt=run.system_prompt)
+
+    def _decode(self, tokens, mask) -> list[str]:
+        """Completion texts of token rows, each cut at its mask."""
+        return self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
 
     def _batch_shards(self) -> int:
         return mesh_lib.shard_count(self.model.mesh, "batch")
@@ -490,9 +494,7 @@ class Trainer:
         size = run.eval_batch_size or prompt_rows(run, self.algo) * self.algo.n
         for index, start in enumerate(range(0, len(examples), size)):
             chunk = examples[start : start + size]
-            prompts = prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in chunk],
-                                                  max_prompt_length=run.max_prompt_length,
-                                                  system_prompt=run.system_prompt)
+            prompts = self._prompts(chunk)
             chunk = [chunk[i] for i in prompts.kept_P]
             if not chunk:
                 continue
@@ -513,7 +515,7 @@ class Trainer:
                 first, tokens = hosts.local_rows(r.tokens)
                 mask = hosts.local_rows(r.mask)[1]
                 mine = padded[first : first + len(tokens)]
-                texts = self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
+                texts = self._decode(tokens, mask)
                 columns = data_lib.reward_columns(mine, 1)
                 scores = self.pool.score(texts, self.eval_rewards, **columns).per_function
                 local = {name: np.asarray(scores[name], np.float64) for name in _EVAL_PARTS}

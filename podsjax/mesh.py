@@ -211,6 +211,11 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh))
 
 
+def rows_sharding(mesh: Mesh, rows: int, ndim: int) -> NamedSharding:
+    """``batch_sharding`` for ``rows`` rows when they divide evenly over the batch shards, else replicated."""
+    return batch_sharding(mesh, ndim if rows % shard_count(mesh, "batch") == 0 else 0)
+
+
 # Environment variables read by `initialize_distributed` on GPU / CPU clusters
 # (TPU pods need none: jax finds its peers itself).
 DISTRIBUTED_ENV = ("PODSJAX_COORDINATOR", "PODSJAX_NUM_PROCESSES", "PODSJAX_PROCESS_ID")

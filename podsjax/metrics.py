@@ -153,7 +153,7 @@ class MetricsWriter:
     @property
     def wants_histograms(self) -> bool:
         """Whether some backend draws histograms (so the caller need not fetch their data)."""
-        return self.enabled and (self._tensorboard is not None or self._wandb is not None)
+        return self.enabled and log_backends.draws_histograms(self.backends)
 
     def _others(self):
         return [b for b in (self._tensorboard, self._wandb) if b is not None]
