@@ -105,15 +105,6 @@ def _filter_logits(logits_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
     return logits_BV
 
 
-def _argmax(x_BV: jax.Array) -> jax.Array:
-    """``jnp.argmax(x_BV, -1)`` (first index of the max, NaN counts as max) as two plain
-    reductions: XLA CPU fuses max + iota/where/min far better than argmax's variadic reduce."""
-    max_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
-    iota_BV = lax.broadcasted_iota(jnp.int32, x_BV.shape, x_BV.ndim - 1)
-    hit_BV = (x_BV == max_B1) | jnp.isnan(x_BV)
-    return jnp.min(jnp.where(hit_BV, iota_BV, x_BV.shape[-1]), axis=-1)
-
-
 def _sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
             cfg: SamplingConfig) -> tuple[jax.Array, jax.Array | None]:
     """One token per row and (with ``cfg.return_logprobs``) its log-prob under the
@@ -126,11 +117,9 @@ def _sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
     scaled_BV = logits_BV / jnp.where(greedy, 1.0, temperature)
 
     def sampled():
-        filtered_BV = _filter_logits(scaled_BV, cfg.top_k, cfg.top_p)
-        # Gumbel-max: jax.random.categorical's sampling rule, with a cheaper argmax.
-        return _argmax(filtered_BV + jax.random.gumbel(key, filtered_BV.shape, jnp.float32))
+        return jax.random.categorical(key, _filter_logits(scaled_BV, cfg.top_k, cfg.top_p), axis=-1)
 
-    tokens_B = lax.cond(greedy, lambda: _argmax(logits_BV), sampled)
+    tokens_B = lax.cond(greedy, lambda: jnp.argmax(logits_BV, axis=-1), sampled)
     if not cfg.return_logprobs:
         return tokens_B, None
     picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]

@@ -28,9 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Above this size a compare-exchange network costs more than XLA's sort.
-_NETWORK_MAX_N = 1024
-
 
 class Rule(Protocol):
     def __call__(self, rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array: ...
@@ -66,60 +63,15 @@ def _validate(rewards, m) -> tuple[jax.Array, int]:
     return rewards, m
 
 
-def _network_sort(values_N, idx_N):
-    """Bitonic sort by (value, index) along axis 0 of [N, ...] arrays, N a power of two.
-
-    The sorted axis leads, so each compare-exchange works on two contiguous
-    slabs that vectorize along the batch; pure elementwise jnp that XLA fuses.
-    On CPU it runs 3-4x faster than ``lax.sort`` for the small N of RL groups.
-    """
-    n, rest = values_N.shape[0], values_N.shape[1:]
-
-    def halves(x, width, mirror):
-        x4 = x.reshape(n // (2 * width), 2, width, *rest)
-        lo, hi = x4[:, 0], x4[:, 1]
-        return lo, (hi[:, ::-1] if mirror else hi)
-
-    def join(lo, hi, mirror):
-        return jnp.stack([lo, hi[:, ::-1] if mirror else hi], axis=1).reshape(n, *rest)
-
-    def step(values, idx, width, mirror):
-        # A mirrored first step per merge keeps every step sorting the same way.
-        vl, vh = halves(values, width, mirror)
-        il, ih = halves(idx, width, mirror)
-        swap = (vl > vh) | ((vl == vh) & (il > ih))
-        values = join(jnp.where(swap, vh, vl), jnp.where(swap, vl, vh), mirror)
-        idx = join(jnp.where(swap, ih, il), jnp.where(swap, il, ih), mirror)
-        return values, idx
-
-    size = 2
-    while size <= n:
-        values_N, idx_N = step(values_N, idx_N, size // 2, mirror=True)
-        width = size // 4
-        while width >= 1:
-            values_N, idx_N = step(values_N, idx_N, width, mirror=False)
-            width //= 2
-        size *= 2
-    return values_N, idx_N
-
-
 def _canonical_keys(values):
     # -0.0 and 0.0 must tie (then rank by index) on every sort path.
     return jnp.where(values == 0, jnp.zeros_like(values), values)
 
 
 def _sort_last_axis(values):
-    n = values.shape[-1]
-    if n <= 1 or n > _NETWORK_MAX_N:
-        idx = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
-        return lax.sort((values, idx), dimension=values.ndim - 1, num_keys=2)
-    padded = 1 << (n - 1).bit_length()
-    # Padding ranks last: +inf ties with invalid rewards but has larger indices.
-    values_N = jnp.moveaxis(values, -1, 0)
-    values_N = jnp.pad(values_N, [(0, padded - n)] + [(0, 0)] * (values.ndim - 1), constant_values=jnp.inf)
-    idx_N = lax.broadcasted_iota(jnp.int32, values_N.shape, 0)
-    values_N, idx_N = _network_sort(values_N, idx_N)
-    return jnp.moveaxis(values_N[:n], 0, -1), jnp.moveaxis(idx_N[:n], 0, -1)
+    # One variadic sort keyed on (value, index): a total order, so ties are deterministic.
+    idx = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    return lax.sort((values, idx), dimension=values.ndim - 1, num_keys=2)
 
 
 def sort_with_indices(values: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -148,9 +100,8 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
 
     By Theorem 1 of the PODS paper the best subset is the k highest plus the
     M-k lowest rewards for some k in [0, M]. One sort, prefix sums of r and
-    r^2 from both ends, and all M+1 candidates scored at once. The sort is a
-    bitonic network over (reward, index) pairs, O(N log^2 N) work in
-    log^2 N fused steps; everything after it is O(M).
+    r^2 from both ends, and all M+1 candidates scored at once: O(N log N) for
+    the sort of (reward, index) pairs, O(M) after it.
 
     Ties: candidates are scored by M * sum(r^2) - sum(r)^2 (M^2 times the
     variance); among equal scores the smallest k (fewest top rewards) wins,

@@ -283,7 +283,6 @@ def test_sharded_input_matches_unsharded_and_stays_sharded():
 
 def test_sort_with_indices_matches_stable_argsort():
     rng = np.random.default_rng(5)
-    # n=1500 takes the lax.sort path, the rest the bitonic network.
     for rows, n in ((3, 1), (3, 16), (300, 16), (300, 37), (3, 1500)):
         values = rng.integers(-3, 3, (rows, n)).astype(np.float32)
         values[0, : n // 2] = -0.0  # -0.0 ties with 0.0
@@ -337,7 +336,7 @@ def test_traced_m_and_scalar_rewards_raise_clear_errors():
         selection.max_variance(jnp.float32(1.0), 1)
 
 
-def test_theorem1_on_the_network_sort_path():
+def test_theorem1_holds_on_every_row_of_a_large_batch():
     # Many rows at once, as the benchmark runs it; check every row against brute force.
     rng = np.random.default_rng(6)
     for n in (5, 8, 10):
