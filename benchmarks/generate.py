@@ -257,11 +257,11 @@ def run_rewards(args) -> list[tuple]:
             (t_in, _), (t_pool, _) = interleaved_medians([in_process, pooled], args.repeats)
             metrics = checks["pool"].metrics
             failures = sum(metrics[f"reward/{k}"] for k in ("timeouts", "crashes", "memory_errors", "errors"))
-            acc_in = checks["in_process"].metrics["reward/accuracy"]
-            acc_pool = metrics["reward/accuracy"]
+            acc_in = float(checks["in_process"].per_function["accuracy"].mean())
+            acc_pool = float(checks["pool"].per_function["accuracy"].mean())
             total_max = sum(w.weight for w in rewards)
-            rows.append((name, len(completions), t_in, t_pool, acc_in, acc_pool, metrics["reward/total"], total_max,
-                         int(failures)))
+            rows.append((name, len(completions), t_in, t_pool, acc_in, acc_pool, float(checks["pool"].total_B.mean()),
+                         total_max, int(failures)))
     return rows, startup_s
 
 

@@ -293,8 +293,9 @@ def test_weighted_total_and_breakdown():
     np.testing.assert_array_equal(scores.per_function["format_reward"], [1.0, 0.0, 0.0])
     np.testing.assert_array_equal(scores.per_function["tag_count"], [1.0, 0.5, 0.0])
     np.testing.assert_allclose(scores.total_B, [2.0 + 0.5 + 0.25, 0.125, 2.0], rtol=0, atol=1e-6)
-    assert scores.metrics["reward/acc"] == pytest.approx(2 / 3)
-    assert scores.metrics["reward/total"] == pytest.approx((2.75 + 0.125 + 2.0) / 3)
+    # Means are the caller's: the scores carry only how the scoring went.
+    assert set(scores.metrics) == {"reward/timeouts", "reward/crashes", "reward/memory_errors", "reward/errors",
+                                   "reward/restarts", "reward/seconds"}
 
 
 def test_reward_spec_errors():

@@ -191,9 +191,10 @@ class RewardScores:
         per_function: name -> float32 [B], each function's unweighted values.
         failed_B: bool [B], items where some function timed out, crashed or raised
             (their failing functions count as 0).
-        metrics: flat scalar metrics: ``reward/total``, ``reward/<name>`` (means),
-            and item counts ``reward/timeouts``, ``reward/crashes``, ``reward/memory_errors``,
-            ``reward/errors``, plus ``reward/restarts`` (workers replaced) and ``reward/seconds``.
+        metrics: how the scoring went: item counts ``reward/timeouts``, ``reward/crashes``,
+            ``reward/memory_errors``, ``reward/errors``, plus ``reward/restarts`` (workers
+            replaced) and ``reward/seconds``. Reward means are the caller's to take, over
+            whatever rows it groups (a step's, a selection's, every host's).
     """
 
     total_B: np.ndarray
@@ -228,12 +229,8 @@ def summarize(
     weights_F = np.asarray([w.weight for w in weighted], np.float64)
     total_B = (weights_F[:, None] * values_FB).sum(axis=0).astype(np.float32)
     per_function = {w.name: values_FB[f].astype(np.float32) for f, w in enumerate(weighted)}
-    empty = values_FB.shape[1] == 0
-    metrics = {"reward/total": float("nan") if empty else float(total_B.mean())}
-    for name, values in per_function.items():
-        metrics[f"reward/{name}"] = float("nan") if empty else float(values.mean())
-    for key in ("timeouts", "crashes", "memory_errors", "errors", "restarts"):
-        metrics[f"reward/{key}"] = float(counts.get(key, 0))
+    metrics = {f"reward/{key}": float(counts.get(key, 0))
+               for key in ("timeouts", "crashes", "memory_errors", "errors", "restarts")}
     metrics["reward/seconds"] = float(seconds)
     return RewardScores(total_B, per_function, failed_B.astype(bool), metrics)
 
