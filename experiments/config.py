@@ -183,9 +183,12 @@ def _tiny(method: str, task: str) -> dict[str, Any]:
     """The built-in tiny preset's settings (``podsjax.tiny.TINY_RL_DEFAULTS``)."""
     from podsjax.tiny import TINY_RL_DEFAULTS as d
 
-    n = d["m"] if method == "grpo" else d["n"]  # GRPO trains every rollout it generates
-    algorithm = dataclasses.asdict(train.method_config(method, n=n, m=d["m"], learning_rate=d["learning_rate"],
-                                                temperature=d["temperature"]))
+    # GRPO trains every rollout it generates, as many as PODS trains; GRPO-GA trains all of
+    # PODS's n in micro-batches of PODS's m.
+    sizes = {"grpo": dict(n=d["m"], m=d["m"]), "grpo-ga": dict(n=d["n"], m=d["n"], grad_accum=d["n"] // d["m"]),
+             "pods": dict(n=d["n"], m=d["m"])}[method]
+    algorithm = dataclasses.asdict(train.method_config(method, **sizes, learning_rate=d["learning_rate"],
+                                                       temperature=d["temperature"]))
     run = {key: d[key] for key in ("prompts_per_step", "max_new_tokens", "max_prompt_length", "time_budget_s",
                                    "eval_every_s", "eval_limit")}
     return {"algorithm": algorithm, "run": run,

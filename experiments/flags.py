@@ -219,9 +219,9 @@ def parse(task: str, argv: list[str] | None) -> tuple[argparse.Namespace, Experi
                          "tiny preset has its own settings, --setting tiny)")
     values = merge(values, file_values)
     values = merge(values, {"run": {"task": task, "out_dir": args.out or ""}})
-    if values["algorithm"].get("algorithm", args.method) == "grpo":
-        # GRPO trains every rollout: it generates as many as PODS trains (the paper's GRPO
-        # n=16 against PODS n=64, m=16), so one of --n / --m sets both, and --m wins.
+    if values["algorithm"].get("algorithm", args.method) in ("grpo", "grpo-ga"):
+        # GRPO and GRPO-GA train every rollout (the paper's GRPO n=16 against PODS n=64,
+        # m=16), so one of --n / --m sets both, and --m wins.
         chosen = given.get("algorithm.m") or given.get("algorithm.n")
         if chosen is not None:
             flags += ["--algorithm.n", chosen, "--algorithm.m", chosen]

@@ -125,12 +125,16 @@ def make_rewards(config: ExperimentConfig):
 
 
 def _check_rows(mesh, algo, run_config) -> None:
-    """Rollout rows are split over the mesh's batch shards, so they must divide evenly."""
+    """Rollout rows are split over the mesh's batch shards, and trained rows into micro-batches."""
     shards = mesh_lib.shard_count(mesh, "batch")
     rows = loop.prompt_rows(run_config, algo) * algo.n
     if rows % shards:
         raise UsageError(f"--prompts-per-step x --n = {rows} rollout rows must divide evenly over the mesh's "
                          f"{shards} batch shards; change --n, --prompts-per-step or --mesh")
+    trained = loop.prompt_rows(run_config, algo) * algo.m
+    if trained % algo.grad_accum:
+        raise UsageError(f"{trained} trained rows per update (prompt rows x --m) do not split into --grad-accum "
+                         f"{algo.grad_accum} micro-batches; change --grad-accum, --m or --prompts-per-step")
 
 
 def _millions(n: int) -> str:
@@ -236,7 +240,7 @@ def _dry_run(config: ExperimentConfig, out_dir: str, mesh) -> int:
     model, source = _dry_run_model(config, mesh)
     prompt_len = _prompt_len(run_config)
     prompt_rows = loop.prompt_rows(run_config, algo)
-    rows = prompt_rows * algo.trained_per_prompt
+    rows = prompt_rows * algo.m
     print(f"dry run: {source} ({_millions(model.config.num_params)} params, {config.model.dtype}, "
           f"{'LoRA rank ' + str(lora.rank) if lora else 'full fine-tune'}), {algo.algorithm}: "
           f"{prompt_rows} prompt rows x {algo.n} samples, update on {rows} rows x "

@@ -230,7 +230,7 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
             model, base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
             max_new_tokens=max_new_tokens, top_k=top_k, eos_token_ids=tuple(eos_token_ids),
             pad_token_id=pad_token_id)
-    rows = prompts * algo.trained_per_prompt
+    rows = prompts * algo.m
     batch = abstract_batch(model.mesh, rows, prompt_len, max_new_tokens)
     start = time.perf_counter()
     with log.label("update", f"{rows} rows x {prompt_len + max_new_tokens} tokens"):

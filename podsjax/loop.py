@@ -276,7 +276,7 @@ class Trainer:
 
         with self.compile_log.label("init"):
             state = jax.jit(init)(trainable)
-        self.batch_fn = batch_program(model.mesh, prompt_rows(run, algo) * algo.trained_per_prompt)
+        self.batch_fn = batch_program(model.mesh, prompt_rows(run, algo) * algo.m)
         os.makedirs(run.out_dir, exist_ok=True)
         self.host = HostState()  # replaced by a checkpoint's, if one is restored below
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(

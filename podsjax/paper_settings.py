@@ -61,16 +61,16 @@ _GPUS = 8
 _SINGLE_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0, adam_b1=0.9, adam_b2=0.99,
                       weight_decay=0.1, max_grad_norm=0.1, temperature=0.9, beta=0.0,
                       aggregation="seq-mean-token-mean")
-# [1gpu] results/: GSM8K GRPO 16/16 vs PODS 64/16. GRPO-GA trains all 64 in micro-batches of 16. [podsjax]
+# [1gpu] results/: GSM8K GRPO 16/16 vs PODS 64/16. GRPO-GA trains all 64 in 4 micro-batches of 16. [podsjax]
 _GSM8K_METHODS = {
     "grpo": dict(algorithm="grpo", n=16, m=16),
-    "grpo-ga": dict(algorithm="grpo-ga", n=64, m=16),
+    "grpo-ga": dict(algorithm="grpo-ga", n=64, m=64, grad_accum=4),
     "pods": dict(algorithm="pods", n=64, m=16, rule="max_variance"),
 }
 # [1gpu] results/Instruct-MATH-NF-512-{8-8,32-8}: MATH GRPO 8/8 vs PODS 32/8.
 _MATH_METHODS = {
     "grpo": dict(algorithm="grpo", n=8, m=8),
-    "grpo-ga": dict(algorithm="grpo-ga", n=32, m=8),
+    "grpo-ga": dict(algorithm="grpo-ga", n=32, m=32, grad_accum=4),
     "pods": dict(algorithm="pods", n=32, m=8, rule="max_variance"),
 }
 # [1gpu] one prompt per step, 512 + 512 tokens, 6 h (max_time 21600), a checkpoint every

@@ -5,8 +5,10 @@ One PODS step after generation and scoring, as data:
     rewards_PN --select--> idx_PM --gather--> TrainBatch [P*M rows]
     TrainBatch --train_step--> new TrainState, StepMetrics
 
-GRPO is n = m (no selection); GRPO-GA trains all n rollouts, accumulated over
-n / m micro-batches; GRPO-PODS generates n and trains the m a rule selects.
+m is always the number of rollouts per prompt that the update trains, as in the paper.
+GRPO is n = m (no selection); GRPO-GA is n = m as well, with more rollouts per prompt
+accumulated over ``grad_accum`` micro-batches; GRPO-PODS generates n and trains the m a
+rule selects.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ class AlgorithmConfig:
     """Everything that decides what one update does (validated, hashable). One comment per field."""
 
     n: int = 16  # rollouts generated per prompt
-    m: int = 16  # rollouts trained per prompt (pods), or the micro-batch group size (grpo-ga)
-    algorithm: str = "grpo"  # grpo (n = m), grpo-ga (all n, in n / m micro-batches) or pods
+    m: int = 16  # rollouts trained per prompt: n for grpo and grpo-ga, the m of n a rule selects for pods
+    algorithm: str = "grpo"  # grpo (n = m), grpo-ga (n = m in grad_accum micro-batches) or pods (m of n)
     rule: str = "max_variance"  # pods selection rule: max_variance, max_reward, random, percentile
-    grad_accum: int = 1  # micro-batches each update is split into
+    grad_accum: int = 1  # micro-batches each update is split into (gradients accumulate over them)
     # groups of n rollouts drawn per prompt each step, each selected and normalized on its own
     # (the authors' 8-GPU trainer draws one per accumulation micro-batch)
     groups_per_prompt: int = 1
@@ -80,10 +82,9 @@ class AlgorithmConfig:
             bad(f"algorithm must be one of {ALGORITHMS}; got {self.algorithm!r}")
         if not 1 <= self.m <= self.n:
             bad(f"need 1 <= m <= n; got n={self.n}, m={self.m}")
-        if self.algorithm == "grpo" and self.m != self.n:
-            bad(f"grpo trains every rollout, so m must equal n; got n={self.n}, m={self.m}")
-        if self.algorithm == "grpo-ga" and self.n % self.m:
-            bad(f"grpo-ga splits n={self.n} rollouts into micro-batches of m={self.m}; n must be a multiple of m")
+        if self.algorithm in ("grpo", "grpo-ga") and self.m != self.n:
+            split = " (split the update into micro-batches with grad_accum)" if self.algorithm == "grpo-ga" else ""
+            bad(f"{self.algorithm} trains every rollout, so m must equal n{split}; got n={self.n}, m={self.m}")
         if self.algorithm == "pods":
             selection.get_rule(self.rule)  # unknown names raise, listing the known ones
         if self.grad_accum < 1:
@@ -121,27 +122,16 @@ class AlgorithmConfig:
             epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta, aggregation=self.aggregation
         )
 
-    @property
-    def trained_per_prompt(self) -> int:
-        """Rows per prompt that enter the update."""
-        return self.n if self.algorithm == "grpo-ga" else self.m
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batches per update: n / m for GRPO-GA (times grad_accum), else grad_accum."""
-        per_group = self.n // self.m if self.algorithm == "grpo-ga" else 1
-        return per_group * self.grad_accum
-
 
 def method_config(name: str, **overrides) -> AlgorithmConfig:
     """The paper's three algorithms with its single-GPU settings (a-d); override any field.
 
-    "grpo": n = m = 16. "grpo-ga": n = 64 in micro-batches of 16. "pods": n = 64, m = 16,
-    max-variance selection.
+    "grpo": n = m = 16. "grpo-ga": n = m = 64 in 4 micro-batches of 16 rollouts. "pods":
+    n = 64, m = 16, max-variance selection.
     """
     base = {
         "grpo": dict(algorithm="grpo", n=16, m=16),
-        "grpo-ga": dict(algorithm="grpo-ga", n=64, m=16),
+        "grpo-ga": dict(algorithm="grpo-ga", n=64, m=64, grad_accum=4),
         "pods": dict(algorithm="pods", n=64, m=16, rule="max_variance"),
     }
     if name not in base:
@@ -234,8 +224,8 @@ def build_batch(
       key: PRNG key for rules that need one.
 
     Returns:
-      (TrainBatch with P * rows-per-prompt rows, prompt-major, and the selected
-      indices [P, M'] into the N rollouts; M' = N for GRPO and GRPO-GA).
+      (TrainBatch with P * M rows, prompt-major, and the selected indices [P, M]
+      into the N rollouts; GRPO and GRPO-GA keep all of them, as M = N).
     """
     p, n = rewards_PN.shape
     if n != config.n:
@@ -336,7 +326,7 @@ def make_train_step(
     if config.beta > 0 and reference_fn is None:
         raise ValueError(f"beta={config.beta} > 0 needs a reference_fn")
     loss_config = config.loss_config
-    k = config.micro_batches
+    k = config.grad_accum
     temperature = config.temperature
 
     def logprobs_of(trainable, frozen, mb: TrainBatch):

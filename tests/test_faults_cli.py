@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      "rollout rows must divide evenly over the mesh's 8 batch shards"),
     (["--time-budget", "inf"], "time_budget_s must be a finite number; got inf"),
     (["--method", "pods", "--n", "4", "--m", "8"], "need 1 <= m <= n"),
-    (["--method", "grpo-ga", "--n", "6", "--m", "4"], "n must be a multiple of m"),
+    (["--method", "grpo-ga", "--n", "8", "--prompts-per-step", "1", "--grad-accum", "3"],
+     "8 trained rows per update (prompt rows x --m) do not split into --grad-accum 3 micro-batches"),
     (["--beta", "-1"], "beta must be >= 0; got -1.0"),
     (["--groups-per-prompt", "0"], "groups_per_prompt must be >= 1; got 0"),
 ])

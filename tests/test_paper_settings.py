@@ -69,7 +69,8 @@ def test_single_gpu_defaults_are_the_authors(name):
 def test_single_gpu_rollout_counts(name, grpo, pods):
     assert (config(name, "grpo").n, config(name, "grpo").m) == (grpo, grpo)
     assert (config(name, "pods").n, config(name, "pods").m) == pods
-    assert config(name, "grpo-ga").trained_per_prompt == pods[0]
+    ga = config(name, "grpo-ga")  # PODS's n rollouts, all trained, in micro-batches of PODS's m
+    assert (ga.n, ga.m, ga.grad_accum) == (pods[0], pods[0], pods[0] // pods[1])
 
 
 @pytest.mark.parametrize("name", MULTI)
@@ -87,8 +88,8 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     assert (run.eval_repeats, run.eval_temperature, run.eval_metric) == (1, 0.0, "accuracy")  # greedy [podsjax]
     # GRPO-GA: n = m = 32, 16 accumulation steps; PODS: n = 128, m = 32, 4 accumulation steps.
     ga = config(name, "grpo-ga")
-    assert (ga.n, ga.m, ga.grad_accum, ga.micro_batches, ga.trained_per_prompt) == (32, 32, 16, 16, 32)
-    assert (c.n, c.m, c.grad_accum, c.micro_batches, c.trained_per_prompt) == (128, 32, 4, 4, 32)
+    assert (ga.n, ga.m, ga.grad_accum) == (32, 32, 16)
+    assert (c.n, c.m, c.grad_accum) == (128, 32, 4)
 
 
 def test_bad_setting_fields_raise_one_line_errors():

@@ -49,10 +49,10 @@ def test_ga_micro_batches_equal_one_big_batch(model_and_params):
     model, params = model_and_params
     prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(0)
     # Large max_grad_norm so clipping does not hide a wrong gradient scale; lr big enough to move.
-    common = dict(n=N, m=M, learning_rate=1e-2, max_grad_norm=1e6, aggregation="token-mean")
-    ga = train.AlgorithmConfig(algorithm="grpo-ga", **common)
-    big = train.AlgorithmConfig(algorithm="grpo", **{**common, "m": N})
-    assert ga.micro_batches == N // M and big.micro_batches == 1
+    common = dict(n=N, m=N, learning_rate=1e-2, max_grad_norm=1e6, aggregation="token-mean")
+    ga = train.AlgorithmConfig(algorithm="grpo-ga", grad_accum=N // M, **common)
+    big = train.AlgorithmConfig(algorithm="grpo", **common)
+    assert ga.grad_accum > 1
     batch, _ = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, ga)
     batch_big, _ = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, big)
     step_ga, state = full_ft(model, ga, params)
@@ -147,7 +147,7 @@ def test_build_batch_selects_and_normalizes_over_the_subset():
 def test_config_validation_errors():
     cases = [
         (dict(algorithm="grpo", n=8, m=4), "m must equal n"),
-        (dict(algorithm="grpo-ga", n=10, m=4), "n must be a multiple of m"),
+        (dict(algorithm="grpo-ga", n=16, m=4), "m must equal n \\(split the update into micro-batches"),
         (dict(algorithm="pods", n=4, m=8), "1 <= m <= n"),
         (dict(algorithm="pods", n=8, m=4, rule="best"), "unknown selection rule 'best'"),
         (dict(algorithm="ppo"), "algorithm must be one of"),

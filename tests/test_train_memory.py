@@ -23,7 +23,7 @@ MB = 2**20
 CASES = {
     "pods n=64 m=16": train.method_config("pods"),  # selection runs before the update: 16 rows enter it
     "grpo n=m=16": train.method_config("grpo"),
-    "grpo-ga n=64, 4 x 16": train.method_config("grpo-ga"),
+    "grpo-ga n=m=64, 4 x 16": train.method_config("grpo-ga"),
     "grpo n=m=64": train.method_config("grpo", n=64, m=64),
 }
 
@@ -51,7 +51,7 @@ def test_pods_update_needs_the_memory_of_grpo_on_m_not_on_n():
     rows, stats = {}, {}
     for name, config in CASES.items():
         rows[name], stats[name] = update_memory(config)
-    assert rows == {"pods n=64 m=16": 16, "grpo n=m=16": 16, "grpo-ga n=64, 4 x 16": 64, "grpo n=m=64": 64}
+    assert rows == {"pods n=64 m=16": 16, "grpo n=m=16": 16, "grpo-ga n=m=64, 4 x 16": 64, "grpo n=m=64": 64}
     if any(s is None for s in stats.values()):
         pytest.skip(f"memory_analysis() returns None on the {jax.default_backend()} backend")
     print("\n| update step | rows | temp MB | argument MB | output MB |\n|---|---|---|---|---|")
@@ -63,6 +63,6 @@ def test_pods_update_needs_the_memory_of_grpo_on_m_not_on_n():
     # The PODS update sees exactly GRPO-16's shapes, and GA's scan holds one 16-row
     # micro-batch at a time; measured equal to within 0.1%, 5% leaves room for XLA's scheduling.
     assert temp["pods n=64 m=16"] == pytest.approx(grpo16, rel=0.05)
-    assert temp["grpo-ga n=64, 4 x 16"] == pytest.approx(grpo16, rel=0.05)
+    assert temp["grpo-ga n=m=64, 4 x 16"] == pytest.approx(grpo16, rel=0.05)
     # 4x the rows without accumulation: activations scale with rows (measured 4.0x).
     assert temp["grpo n=m=64"] > 3 * grpo16
