@@ -208,7 +208,7 @@ def _check_fits(trainer, limit: int | None = None) -> dry_run_lib.MemoryPlan | N
     memory = dry_run_lib.plan(
         trainer.model, trainer.algo, trainer.lora_config, base_params=trainer.base_params,
         prompts=loop.prompt_rows(run, trainer.algo), prompt_len=_prompt_len(run), max_new_tokens=run.max_new_tokens,
-        top_k=run.top_k, eos_token_ids=trainer.eos_ids, pad_token_id=prompts.pad_token_id(trainer.tokenizer),
+        eos_token_ids=trainer.eos_ids, pad_token_id=prompts.pad_token_id(trainer.tokenizer),
         update_fn=trainer.step_fn, optimizer=trainer.optimizer, state=trainer.state, frozen=trainer.frozen,
         compile_log=trainer.compile_log)
     memory.limit = limit
@@ -250,7 +250,7 @@ def _dry_run(config: ExperimentConfig, out_dir: str, mesh) -> int:
     compiles = compilation.CompileLog(lambda line: print(line, flush=True), min_report_s=0.0)
     memory = dry_run_lib.plan(model, algo, lora, base_params=dry_run_lib.abstract_base(model),
                               prompts=prompt_rows, prompt_len=prompt_len,
-                              max_new_tokens=run_config.max_new_tokens, top_k=run_config.top_k,
+                              max_new_tokens=run_config.max_new_tokens,
                               eos_token_ids=eos, pad_token_id=model.config.pad_token_id or 0, compile_log=compiles)
     print("\n".join(memory.lines()), flush=True)
     report = {**memory.to_json(), "shapes": {"prompts": prompt_rows, "samples": algo.n,

@@ -196,19 +196,19 @@ def _temp(compiled) -> int:
 
 
 def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, *, base_params: Any,
-         prompts: int, prompt_len: int, max_new_tokens: int, eos_token_ids, pad_token_id: int = 0, top_k: int = 0,
+         prompts: int, prompt_len: int, max_new_tokens: int, eos_token_ids, pad_token_id: int = 0,
          update_fn=None, optimizer=None, state=None, frozen=None, compile_log=None) -> MemoryPlan:
     """Compiles generate and the update for these shapes and measures their memory.
 
     Args:
         model: the decoder (its mesh and remat policy are the run's).
-        algo: the algorithm (rows per prompt, micro-batches, optimizer).
+        algo: the algorithm (rows per prompt, micro-batches, optimizer, the sampler's top-p/top-k).
         lora_config: LoRA, or None for a full fine-tune.
         base_params: the model's params, concrete or abstract.
         prompts: prompts per step.
         prompt_len: the longest padded prompt length.
         max_new_tokens: tokens sampled per completion.
-        eos_token_ids, pad_token_id, top_k: the sampler's static settings.
+        eos_token_ids, pad_token_id: the tokenizer's ids the sampler compiles in.
         update_fn: the jitted update (default: a fresh one, as the Trainer makes it).
         optimizer: its optimizer (needed with ``update_fn``).
         state, frozen: the real train state and frozen tree; default: abstract ones. With
@@ -228,7 +228,7 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
     with log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"):
         gen = sampling.compile_generate(
             model, base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
-            max_new_tokens=max_new_tokens, top_k=top_k, eos_token_ids=tuple(eos_token_ids),
+            max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=tuple(eos_token_ids),
             pad_token_id=pad_token_id)
     rows = prompts * algo.m
     batch = abstract_batch(model.mesh, rows, prompt_len, max_new_tokens)

@@ -110,8 +110,6 @@ class RunConfig:
     prompts_per_step: int = 1  # prompts drawn per step
     max_prompt_length: int = 512  # longer prompts are skipped (never cut), tokens
     max_new_tokens: int = 512  # completion length limit, tokens
-    top_p: float = 1.0  # nucleus sampling mass kept (1: off)
-    top_k: int = 0  # sample among the k most likely tokens (0: off)
     time_budget_s: float | None = None  # seconds of training clock (evaluation excluded)
     max_steps: int | None = None  # steps (with or instead of a time budget)
     eval_every_s: float | None = 120.0  # seconds of training clock between evaluations (null: never)
@@ -142,21 +140,17 @@ class RunConfig:
         except (ValueError, TypeError) as exc:
             raise ValueError(f"RunConfig.log: {exc}") from None
         for name in ("time_budget_s", "eval_every_s", "checkpoint_every_s", "reward_timeout_s", "progress_every_s",
-                     "top_p", "eval_temperature"):
+                     "eval_temperature"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
                 raise ValueError(f"RunConfig.{name} must be a finite number; got {value!r}")
-        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "top_k", "max_steps", "eval_limit",
+        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "max_steps", "eval_limit",
                      "eval_batch_size", "eval_repeats", "checkpoint_every_steps", "keep_last", "seed",
                      "reward_workers", "log_samples", "max_nonfinite_updates"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"RunConfig.{name} must be an integer; got {value!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"RunConfig.top_p must be in (0, 1]; got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"RunConfig.top_k must be >= 0 (0: off); got {self.top_k}")
         for name in ("checkpoint_every_s", "reward_timeout_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"RunConfig.{name} must be > 0; got {getattr(self, name)}")
@@ -355,7 +349,7 @@ class Trainer:
             with self.compile_log.label("generate", _shape(prompts.ids_PL, algo.n, run.max_new_tokens)):
                 rollouts = generate(self.model, params, ids, prompt_mask, key, num_samples=algo.n,
                                     max_new_tokens=run.max_new_tokens, temperature=algo.temperature,
-                                    top_p=run.top_p, top_k=run.top_k, eos_token_ids=self.eos_ids,
+                                    top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=self.eos_ids,
                                     pad_token_id=prompts.pad_id, lora=lora)
             start, tokens = hosts.local_rows(rollouts.tokens)
             mask, truncated = (hosts.local_rows(x)[1] for x in (rollouts.mask, rollouts.truncated))

@@ -31,8 +31,8 @@ _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global
 SCHEDULES = ("constant", "cosine")
 
 
-_INT_FIELDS = ("n", "m", "grad_accum", "groups_per_prompt", "num_iterations", "total_steps")
-_FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "learning_rate", "warmup_ratio", "max_grad_norm",
+_INT_FIELDS = ("n", "m", "grad_accum", "groups_per_prompt", "num_iterations", "total_steps", "top_k")
+_FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "top_p", "learning_rate", "warmup_ratio", "max_grad_norm",
                  "weight_decay", "adam_b1", "adam_b2", "advantage_eps")
 
 
@@ -53,7 +53,10 @@ class AlgorithmConfig:
     epsilon_high: float | None = None  # upper clip range (null: epsilon)
     num_iterations: int = 1  # updates per generated batch (1: the ratio is 1)
     aggregation: str = "token-mean"  # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm
-    temperature: float = 0.9  # sampling temperature of the rollouts; log-probs are recomputed at it
+    # The rollout policy; the update recomputes log-probs at the temperature, unfiltered.
+    temperature: float = 0.9  # sampling temperature of the rollouts
+    top_p: float = 1.0  # nucleus sampling mass kept (1: off)
+    top_k: int = 0  # sample among the k most likely tokens (0: off)
     learning_rate: float = 5e-6  # peak learning rate
     schedule: str = "constant"  # learning-rate schedule: constant or cosine
     warmup_ratio: float = 0.0  # cosine: fraction of total_steps spent warming up
@@ -103,6 +106,10 @@ class AlgorithmConfig:
             bad(f"learning_rate must be > 0; got {self.learning_rate}")
         if not self.temperature > 0:
             bad(f"training temperature must be > 0; got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1]; got {self.top_p}")
+        if self.top_k < 0:
+            bad(f"top_k must be >= 0 (0: off); got {self.top_k}")
         if not self.max_grad_norm > 0:
             bad(f"max_grad_norm must be > 0; got {self.max_grad_norm}")
         if not self.weight_decay >= 0:

@@ -15,9 +15,9 @@ def parse(*argv, task="gsm8k"):
 
 
 def test_every_field_is_a_dotted_flag_and_shortcuts_name_the_same_fields(tmp_path):
-    config = parse("--algorithm.epsilon_high", "0.28", "--run.top_p", "0.95", "--model.lora_rank", "null",
+    config = parse("--algorithm.epsilon_high", "0.28", "--algorithm.top_p", "0.95", "--model.lora_rank", "null",
                    "--rewards.extra", "[my_rewards:brevity=0.1]", "--tiny.warmup_steps", "5", "--n", "32")
-    assert config.algorithm.epsilon_high == 0.28 and config.run.top_p == 0.95 and config.model.lora_rank is None
+    assert config.algorithm.epsilon_high == 0.28 and config.algorithm.top_p == 0.95 and config.model.lora_rank is None
     assert config.rewards.extras() == [("my_rewards:brevity", 0.1)] and config.tiny.warmup_steps == 5
     assert config.algorithm.n == 32
     for flag, field in flags.SHORTCUTS.items():  # each shortcut names a real field
