@@ -248,7 +248,7 @@ class Trainer:
         self.eval_examples = list(eval_examples)
         self.rewards = rewards_lib.as_weighted(rewards or rewards_lib.default_rewards(run.task))
         self.eval_rewards = _with_strict_format(self.rewards)
-        self.eos_ids = _eos_ids(tokenizer)
+        self.eos_ids = prompts_lib.eos_token_ids(tokenizer)
         # Process 0 speaks for a multi-host run; the others print nothing.
         self._print = log or (metrics_lib.print_line if run.console and hosts.is_primary() else None)
         self._bar: metrics_lib.Progress | None = None
@@ -400,7 +400,7 @@ class Trainer:
         (``count/<metric>``, one entry each).
         """
         n, end = self.algo.n, start + len(tokens)
-        completions = self._decode(tokens, mask)
+        completions = prompts_lib.decode_completions(self.tokenizer, tokens, mask)
         columns = {name: values[start:end] for name, values in data_lib.reward_columns(examples, n).items()}
         scores = self.pool.score(completions, self.rewards, **columns)
         rows = {"total": np.asarray(scores.total_B, np.float32), "length": mask.sum(1).astype(np.int32),
@@ -453,10 +453,6 @@ class Trainer:
         return prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in examples],
                                            max_prompt_length=run.max_prompt_length, system_prompt=run.system_prompt)
 
-    def _decode(self, tokens, mask) -> list[str]:
-        """Completion texts of token rows, each cut at its mask."""
-        return self.tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
-
     def _batch_shards(self) -> int:
         return mesh_lib.shard_count(self.model.mesh, "batch")
 
@@ -496,8 +492,7 @@ class Trainer:
             # shape, so a new compile), split evenly over the mesh's batch shards: repeat the
             # last prompt and drop its copies' results.
             rows = -(-size // self._batch_shards()) * self._batch_shards()
-            ids, prompt_mask = (hosts.place_rows(np.concatenate([x, np.repeat(x[-1:], rows - len(x), axis=0)]),
-                                                 self.model.mesh) for x in (prompts.ids_PL, prompts.mask_PL))
+            ids, prompt_mask = (hosts.place_rows(x, self.model.mesh) for x in prompts.padded_rows(rows))
             padded = chunk + [chunk[-1]] * (rows - len(chunk))
             breakdowns = []  # [R] of name -> [e]
             for repeat in range(repeats):
@@ -509,7 +504,7 @@ class Trainer:
                 first, tokens = hosts.local_rows(r.tokens)
                 mask = hosts.local_rows(r.mask)[1]
                 mine = padded[first : first + len(tokens)]
-                texts = self._decode(tokens, mask)
+                texts = prompts_lib.decode_completions(self.tokenizer, tokens, mask)
                 columns = data_lib.reward_columns(mine, 1)
                 scores = self.pool.score(texts, self.eval_rewards, **columns).per_function
                 local = {name: np.asarray(scores[name], np.float64) for name in _EVAL_PARTS}
@@ -676,15 +671,6 @@ def _phases_text(scalars: dict[str, float]) -> str:
     phases = [(name, scalars.get(f"time/{name}")) for name in ("generation", "scoring", "selection", "update")]
     total = sum(v for _, v in phases if v is not None)
     return f"step {total:.2f} s (" + ", ".join(f"{n} {v:.2f}" for n, v in phases if v is not None) + ")"
-
-
-def _eos_ids(tokenizer) -> tuple[int, ...]:
-    ids = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>")
-                                       if t in tokenizer.get_vocab()}
-    ids.discard(None)
-    if not ids:
-        raise ValueError("the tokenizer has no EOS token; set tokenizer.eos_token")
-    return tuple(sorted(ids))
 
 
 def _reward_stats(scored: dict[str, np.ndarray], rewards_PN, selected_PN, p, n) -> dict[str, float]:

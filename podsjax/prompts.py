@@ -165,6 +165,32 @@ class PromptBatch:
     num_dropped: int
     pad_id: int
 
+    def padded_rows(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids [rows, Lp], mask [rows, Lp])``: the kept prompts, then copies of the last one.
+
+        A sampler call of a fixed row count reuses one executable; the copies' results are
+        dropped by the caller (the first P rows are the real prompts).
+        """
+        p = len(self.ids_PL)
+        if not 1 <= p <= rows:
+            raise ValueError(f"cannot pad {p} prompts to {rows} rows")
+        return tuple(np.concatenate([x, np.repeat(x[-1:], rows - p, axis=0)]) for x in (self.ids_PL, self.mask_PL))
+
+
+def eos_token_ids(tokenizer) -> tuple[int, ...]:
+    """Every id that ends a completion: the tokenizer's EOS plus the chat turn ends it knows."""
+    ids = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>")
+                                       if t in tokenizer.get_vocab()}
+    ids.discard(None)
+    if not ids:
+        raise ValueError("the tokenizer has no EOS token; set tokenizer.eos_token")
+    return tuple(sorted(ids))
+
+
+def decode_completions(tokenizer, tokens_BT: np.ndarray, mask_BT: np.ndarray) -> list[str]:
+    """Completion texts of sampled token rows, each cut at its mask."""
+    return tokenizer.batch_decode([t[v] for t, v in zip(tokens_BT, mask_BT)], skip_special_tokens=True)
+
 
 def pad_token_id(tokenizer) -> int:
     """The pad id: the tokenizer's pad token, else its EOS (masked out anyway), else 0."""

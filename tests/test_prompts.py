@@ -10,6 +10,8 @@ from podsjax.prompts import (
     Bucketing,
     PromptError,
     build_prompt,
+    decode_completions,
+    eos_token_ids,
     has_chat_template,
     load_tokenizer,
     pad_token_id,
@@ -171,3 +173,20 @@ def test_pad_id_fallback_and_edge_cases(base_tokenizer, chat_tokenizer):
 
 def test_chatml_template_is_exported_for_other_tests():
     assert "add_generation_prompt" in CHATML_TEMPLATE
+
+
+def test_padded_rows_repeat_the_last_prompt_and_completions_decode_up_to_their_mask(chat_tokenizer):
+    batch = prepare_prompts(chat_tokenizer, ["What is 2 + 3?", "Tom has 4 apples."], max_prompt_length=512)
+    ids, mask = batch.padded_rows(5)
+    assert ids.shape == (5, batch.ids_PL.shape[1]) and mask.shape == ids.shape
+    np.testing.assert_array_equal(ids[:2], batch.ids_PL)
+    np.testing.assert_array_equal(ids[2:], np.repeat(batch.ids_PL[1:], 3, axis=0))
+    np.testing.assert_array_equal(mask[2:], np.repeat(batch.mask_PL[1:], 3, axis=0))
+    with pytest.raises(ValueError, match="cannot pad 2 prompts to 1 rows"):
+        batch.padded_rows(1)
+    end = chat_tokenizer.convert_tokens_to_ids(IM_END)
+    assert eos_token_ids(chat_tokenizer) == (end,)
+    tokens = np.asarray([chat_tokenizer("72", add_special_tokens=False)["input_ids"] + [end, end]])
+    valid = np.ones_like(tokens, bool)
+    valid[0, -1] = False
+    assert decode_completions(chat_tokenizer, tokens, valid) == ["72"]  # special tokens skipped, mask honoured

@@ -30,8 +30,9 @@ def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[E
                     task: str = "gsm8k") -> dict[str, Any]:
     """Greedy accuracy (the task's reward) and format rate, through the RL loop's prompt and sampler path.
 
-    Every generate call gets exactly ``batch_size`` prompts (the last chunk is padded
-    with repeats that are not scored), so the sampler compiles once.
+    Prompts, padding, EOS ids and decoding are the RL loop's evaluation's
+    (``podsjax.prompts``): every generate call gets exactly ``batch_size`` rows (the last
+    prompt repeated, the copies not scored), so the sampler compiles once.
 
     Args:
         model, params: the policy.
@@ -45,22 +46,20 @@ def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[E
     Returns:
         {"accuracy": float, "format": float, "completions": list[str]} over the kept examples.
     """
-    eos = tokenizer.eos_token_id
+    eos = prompts_lib.eos_token_ids(tokenizer)
     completions, kept_examples = [], []
     for start in range(0, len(examples), batch_size):
         chunk = list(examples[start:start + batch_size])
-        padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
-        batch = prompts_lib.prepare_prompts(tokenizer, [e.prompt for e in padded],
-                                            max_prompt_length=max_prompt_length)
-        rollouts = generate(model, params, batch.ids_PL, batch.mask_PL, jax.random.key(0), num_samples=1,
-                            max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=(eos,),
+        batch = prompts_lib.prepare_prompts(tokenizer, [e.prompt for e in chunk], max_prompt_length=max_prompt_length)
+        if not len(batch.kept_P):
+            continue
+        ids, mask = batch.padded_rows(batch_size)
+        rollouts = generate(model, params, ids, mask, jax.random.key(0), num_samples=1,
+                            max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=eos,
                             pad_token_id=batch.pad_id)
-        tokens, mask = np.asarray(rollouts.tokens), np.asarray(rollouts.mask)
-        texts = tokenizer.batch_decode([t[v] for t, v in zip(tokens, mask)], skip_special_tokens=True)
-        for row, index in enumerate(batch.kept_P):
-            if index < len(chunk):
-                completions.append(texts[row])
-                kept_examples.append(chunk[index])
+        texts = prompts_lib.decode_completions(tokenizer, np.asarray(rollouts.tokens), np.asarray(rollouts.mask))
+        completions.extend(texts[: len(batch.kept_P)])
+        kept_examples.extend(chunk[i] for i in batch.kept_P)
     if not completions:
         return {"accuracy": 0.0, "format": 0.0, "completions": []}
     accuracy = TASK_ACCURACY[task](completions, **reward_columns(kept_examples))
