@@ -250,15 +250,9 @@ def tokenize_prompts(
     return PromptBatch(ids_PL, mask_PL, lengths, np.asarray(kept, np.int64), len(prompts) - len(kept), pad_id)
 
 
-def prepare_prompts(
-    tokenizer,
-    questions: Sequence[str],
-    *,
-    max_prompt_length: int,
-    bucketing: Bucketing | None = None,
-    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
-    use_chat_template: bool | None = None,
-) -> PromptBatch:
+def prepare_prompts(tokenizer, questions: Sequence[str], *, max_prompt_length: int, bucketing: Bucketing | None = None,
+                    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+                    use_chat_template: bool | None = None) -> PromptBatch:
     """Questions -> templated prompts -> a PromptBatch (``build_prompts`` then ``tokenize_prompts``)."""
     use_chat = has_chat_template(tokenizer) if use_chat_template is None else use_chat_template
     texts = build_prompts(tokenizer, questions, system_prompt=system_prompt, use_chat_template=use_chat)

@@ -125,13 +125,6 @@ def format_correct(text: str) -> bool:
 
 
 def strict_format_reward(completions: Sequence[str], **_: Any) -> list[float]:
-    """1.0 where ``format_correct``, else 0.0 (the format half of "answer and format both correct").
-
-    Args:
-        completions: [B] decoded completions.
-        **_: dataset columns, ignored.
-
-    Returns:
-        [B] rewards in {0.0, 1.0}.
-    """
+    """[B] rewards: 1.0 where ``format_correct``, else 0.0 (the format half of "answer and
+    format both correct"); dataset columns are ignored, as in :func:`format_reward`."""
     return [1.0 if format_correct(text) else 0.0 for text in completions]
