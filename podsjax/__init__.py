@@ -18,7 +18,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("data", "grpo", "host_memory", "mesh", "models", "prompts", "rewards", "selection")
+_SUBMODULES = ("data", "grpo", "loop", "mesh", "models", "prompts", "rewards", "sampling", "selection", "train")
 _SELECTION_NAMES = ("select", "register_rule", "indices_to_mask")
 __all__ = [*_SUBMODULES, *_SELECTION_NAMES]
 

@@ -363,12 +363,13 @@ class Trainer:
                 # The rollouts stay on device: only the rewards come from the host.
                 batch, idx_PM = self.batch_fn(ids, prompt_mask, rollouts.tokens, rollouts.mask, rewards_PN,
                                               config=algo, key=select_key)
-                idx_PM = np.asarray(idx_PM)
         with timer.phase("update"):
             rows, length = batch.input_ids.shape
             with self.compile_log.label("update", f"{rows} rows x {length} tokens"):
                 self.state, step_metrics = self.step_fn(self.state, batch, self.frozen)
-                step_metrics = jax.device_get(step_metrics)
+                # The indices are only logged: fetched with the metrics, so the update is
+                # dispatched right behind the selection with no host sync between them.
+                step_metrics, idx_PM = jax.device_get((step_metrics, idx_PM))
         phases = timer.totals()
         if self._compiled_once:
             self.host.elapsed_train_s += hosts.agree(sum(phases.values()))
