@@ -15,7 +15,7 @@ from podsjax.rewards import RewardPool, chemistry_accuracy, default_rewards, par
 from podsjax.rewards.chemistry import unit_scale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "chemistry.jsonl")
+FIXTURE = os.path.join(ROOT, "tests", "data", "chemistry", "rows.jsonl")
 
 
 @pytest.fixture(scope="module")
