@@ -59,7 +59,7 @@ def run(args):
 
     ids, mask = jnp.asarray(ids_np, jnp.int32), jnp.asarray(mask_np, jnp.int32)
     t0 = time.perf_counter()
-    forward = jax.jit(lambda p, ids, mask: model.apply({"params": p}, ids, attention_mask=mask)).lower(
+    forward = jax.jit(lambda p, ids, mask: model.apply({"params": p}, ids, attention_mask=mask).logits_BLV).lower(
         params, ids, mask).compile()
     compile_s = time.perf_counter() - t0
 

@@ -439,15 +439,21 @@ def make_train_step(
     return step
 
 
+def _hidden_and_head(model, params, ids, mask, positions, lora=None) -> tuple[jax.Array, jax.Array]:
+    """``(hidden_BTD, head_VD)`` of ``model`` at the static slice ``positions``."""
+    out = model.apply({"params": params}, ids, attention_mask=mask, lora=lora, logits_slice=positions,
+                      return_hidden=True)
+    return out.hidden_BLD, out.head_VD
+
+
 def lora_apply_fn(model) -> tuple[Callable, Callable]:
     """(policy, reference) hidden-state functions for LoRA training on a frozen base."""
 
     def policy(lora, base, ids, mask, positions=None):
-        return model.apply({"params": base}, ids, attention_mask=mask, lora=lora, logits_slice=positions,
-                           return_hidden=True)
+        return _hidden_and_head(model, base, ids, mask, positions, lora)
 
     def reference(base, ids, mask, positions=None):
-        return model.apply({"params": base}, ids, attention_mask=mask, logits_slice=positions, return_hidden=True)
+        return _hidden_and_head(model, base, ids, mask, positions)
 
     return policy, reference
 
@@ -457,10 +463,9 @@ def full_apply_fn(model) -> tuple[Callable, Callable]:
 
     def policy(params, reference_params, ids, mask, positions=None):
         del reference_params
-        return model.apply({"params": params}, ids, attention_mask=mask, logits_slice=positions, return_hidden=True)
+        return _hidden_and_head(model, params, ids, mask, positions)
 
     def reference(reference_params, ids, mask, positions=None):
-        return model.apply({"params": reference_params}, ids, attention_mask=mask, logits_slice=positions,
-                           return_hidden=True)
+        return _hidden_and_head(model, reference_params, ids, mask, positions)
 
     return policy, reference

@@ -82,7 +82,8 @@ def hf_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def jit_apply():
     """One jitted apply per model (Decoder is hashable, so it is a static arg)."""
-    return jax.jit(lambda model, params, ids, mask: model.apply({"params": params}, ids, attention_mask=mask),
+    return jax.jit(lambda model, params, ids, mask: model.apply({"params": params}, ids,
+                                                                attention_mask=mask).logits_BLV,
                    static_argnums=0)
 
 
@@ -213,7 +214,7 @@ def test_long_left_padded_batches_match_transformers(hf_models):
     lengths, width = [256, 200, 131, 64, 9], 256
     ids_BL = random_ids(5, len(lengths), width)
     mask_BL = (np.arange(width)[None] >= width - np.asarray(lengths)[:, None]).astype(np.int32)
-    logits = np.asarray(jax.jit(lambda p, i, m: model.apply({"params": p}, i, attention_mask=m))(
+    logits = np.asarray(jax.jit(lambda p, i, m: model.apply({"params": p}, i, attention_mask=m).logits_BLV)(
         params, jnp.asarray(ids_BL), jnp.asarray(mask_BL)))
     for row, n in enumerate(lengths):
         alone_hf = hf_logits(hf, ids_BL[row:row + 1, width - n:])[0]
@@ -291,7 +292,7 @@ def test_optimized_program_size_does_not_grow_with_depth():
         model = pm.Decoder(dataclasses.replace(config, num_layers=layers))
         params = pm.abstract_params(model)
         ids = jax.ShapeDtypeStruct((2, 32), jnp.int32)
-        loss = lambda p, i: jnp.mean(model.apply({"params": p}, i) ** 2)  # noqa: E731
+        loss = lambda p, i: jnp.mean(model.apply({"params": p}, i).logits_BLV ** 2)  # noqa: E731
         return len(jax.jit(jax.value_and_grad(loss)).lower(params, ids).compile().as_text())
 
     shallow, deep = hlo_size(2), hlo_size(24)
@@ -305,8 +306,9 @@ def test_positions_come_from_the_attention_mask(hf_models):
     ids_BL = jnp.asarray(random_ids(13, 2, 12))
     mask_BL = jnp.ones((2, 12), jnp.int32).at[1, :5].set(0)
     from_mask_BL = jnp.asarray([list(range(12)), [0] * 5 + list(range(7))])
-    run = jax.jit(lambda pos: model.apply({"params": params}, ids_BL, attention_mask=mask_BL, positions_BL=pos))
-    default = np.asarray(jax.jit(lambda: model.apply({"params": params}, ids_BL, attention_mask=mask_BL))())
+    run = jax.jit(lambda pos: model.apply({"params": params}, ids_BL, attention_mask=mask_BL,
+                                          positions_BL=pos).logits_BLV)
+    default = np.asarray(jax.jit(lambda: model.apply({"params": params}, ids_BL, attention_mask=mask_BL).logits_BLV)())
     np.testing.assert_array_equal(default, np.asarray(run(from_mask_BL)))
     shifted = np.asarray(run(jnp.broadcast_to(jnp.arange(12), (2, 12))))
     assert not np.array_equal(default[1, 5:], shifted[1, 5:])  # the check above can fail
@@ -318,7 +320,7 @@ def test_jit_matches_no_jit_and_does_not_recompile(hf_models):
 
     def forward(params, ids, mask):
         traces.append(1)
-        return model.apply({"params": params}, ids, attention_mask=mask)
+        return model.apply({"params": params}, ids, attention_mask=mask).logits_BLV
 
     jitted = jax.jit(forward)
     ids_BL, mask_BL = jnp.asarray(random_ids(3, 2, 16)), jnp.ones((2, 16), jnp.int32).at[0, :5].set(0)
@@ -348,7 +350,7 @@ def test_remat_gives_same_values_and_gradients(hf_models, remat):
     ids_BL = jnp.asarray(random_ids(6, 2, 12))
 
     def loss(m):
-        return jax.jit(jax.value_and_grad(lambda p: jnp.mean(m.apply({"params": p}, ids_BL) ** 2)))(params)
+        return jax.jit(jax.value_and_grad(lambda p: jnp.mean(m.apply({"params": p}, ids_BL).logits_BLV ** 2)))(params)
 
     (v0, g0), (v1, g1) = loss(model.clone(remat="none")), loss(model.clone(remat=remat))
     assert abs(float(v0) - float(v1)) <= 1e-6
@@ -467,7 +469,8 @@ def test_lora_with_zero_b_equals_base_exactly(hf_models, jit_apply):
     assert lora.scale == 2.0
     ids_BL = jnp.asarray(random_ids(10, 2, 16))
     mask_BL = jnp.ones((2, 16), jnp.int32).at[1, :4].set(0)
-    apply = jax.jit(lambda p, adapters: model.apply({"params": p}, ids_BL, attention_mask=mask_BL, lora=adapters))
+    apply = jax.jit(lambda p, adapters: model.apply({"params": p}, ids_BL, attention_mask=mask_BL,
+                                                    lora=adapters).logits_BLV)
     base = np.asarray(jit_apply(model, params, ids_BL, mask_BL))
     np.testing.assert_array_equal(np.asarray(apply(params, lora)), base)
     assert all(float(jnp.abs(ab).max()) > 0 for ab in jax.tree.leaves(lora.weights)[::2])  # A is not zero
@@ -479,7 +482,8 @@ def test_lora_equals_merged_weights_and_base_is_lora_off(hf_models, jit_apply, t
     lora = pm.init_lora(jax.random.key(1), model, pm.LoraConfig(rank=4, alpha=16.0, targets=targets))
     lora = with_random_b(lora, seed=2)
     ids_BL = jnp.asarray(random_ids(11, 2, 20))
-    adapted = np.asarray(jax.jit(lambda adapters: model.apply({"params": params}, ids_BL, lora=adapters))(lora))
+    adapted = np.asarray(jax.jit(
+        lambda adapters: model.apply({"params": params}, ids_BL, lora=adapters).logits_BLV)(lora))
     merged_params = pm.merge_lora(params, lora)
     merged = np.asarray(jit_apply(model, merged_params, ids_BL, None))
     base = np.asarray(jit_apply(model, params, ids_BL, None))
@@ -494,7 +498,8 @@ def test_lora_gradients_flow_only_through_adapters(hf_models):
     _, _, model, params = hf_models["qwen2_untied_mha"]
     lora = pm.init_lora(jax.random.key(3), model, pm.LoraConfig(rank=2, alpha=2.0))
     ids_BL = jnp.asarray(random_ids(12, 2, 8))
-    loss = lambda adapters: jnp.mean(model.apply({"params": params}, ids_BL, lora=adapters) ** 2)  # noqa: E731
+    loss = lambda adapters: jnp.mean(  # noqa: E731
+        model.apply({"params": params}, ids_BL, lora=adapters).logits_BLV ** 2)
     grads = jax.jit(jax.grad(loss))(lora)
     assert isinstance(grads, pm.LoraParams) and grads.scale == lora.scale
     q = grads.weights["layers"]["attn"]["q"]

@@ -53,7 +53,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def apply_fn():
-    return jax.jit(lambda model, params, ids, lora: model.apply({"params": params}, ids, lora=lora),
+    return jax.jit(lambda model, params, ids, lora: model.apply({"params": params}, ids, lora=lora).logits_BLV,
                    static_argnums=0)
 
 

@@ -85,7 +85,7 @@ def completion_logprobs(model, params, prompt_ids, prompt_mask, rollouts, num_sa
     """Recomputes the sampled tokens' log-probs with one full forward pass, as the train step does."""
     ids = np.concatenate([np.repeat(prompt_ids, num_samples, 0), np.asarray(rollouts.tokens)], axis=1)
     mask = np.concatenate([np.repeat(prompt_mask, num_samples, 0), np.asarray(rollouts.mask)], axis=1)
-    logits = model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    logits = model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV
     lp = prompt_ids.shape[1]
     return np.asarray(grpo.token_logprobs(logits[:, lp - 1 : -1], jnp.asarray(ids[:, lp:]), temperature=temperature))
 
@@ -159,9 +159,9 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
 
     shapes = list(dot_shapes(jaxpr.jaxpr))
     prompt_len = ids.shape[1]
-    # Projections run as [rows, features] matmuls over the flattened batch and length.
-    assert any(s[0] == 3 * prompt_len for s in shapes)  # the model runs on the 3 prompts
-    assert not any(s[0] == 48 * prompt_len for s in shapes)  # never on 3 x 16 copies
+    # Projections keep the batch as their leading output dim.
+    assert any(s[:2] == (3, prompt_len) for s in shapes)  # the model runs on the 3 prompts
+    assert not any(s[0] == 48 for s in shapes)  # never on 3 x 16 copies
 
 
 def test_second_call_with_new_prompts_does_not_recompile(tiny):
@@ -190,7 +190,7 @@ def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny):
     _, decode_fn = sampling.jitted_stages(model, sampling.SamplingConfig(1, 5, 0.0, eos_token_ids=(EOS,)))
     assert decode_fn._cache_size() == 1  # one executable served both
     # ...and the traced temperature still decides: greedy rows follow the argmax.
-    logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV)
     np.testing.assert_array_equal(np.asarray(greedy.tokens)[:, 0], logits[:, -1].argmax(-1))
     assert sampled.tokens.shape == greedy.tokens.shape
 
@@ -231,7 +231,7 @@ def test_bad_arguments_raise_one_line_errors(tiny):
 
 
 def first_token_distribution(model, params, ids, mask, temperature):
-    logits = model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask))[0, -1]
+    logits = model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV[0, -1]
     return np.asarray(jax.nn.softmax(logits.astype(jnp.float32) / temperature), np.float64)
 
 
@@ -308,6 +308,7 @@ def test_bf16_generation_runs_and_follows_the_bf16_forward(tiny):
     out = generate(bf16, params16, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=4, temperature=0.0,
                    eos_token_ids=EOS, return_logprobs=True)
     assert np.isfinite(np.asarray(out.logprobs)).all()
-    logits = np.asarray(jax.jit(lambda p: bf16.apply({"params": p}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)))(
-        params16))
+    forward = jax.jit(lambda p: bf16.apply({"params": p}, jnp.asarray(ids),
+                                           attention_mask=jnp.asarray(mask)).logits_BLV)
+    logits = np.asarray(forward(params16))
     np.testing.assert_array_equal(np.asarray(out.tokens)[:, 0], logits[:, -1].argmax(-1))

@@ -122,7 +122,8 @@ def test_checkpoint_loads_through_the_normal_code_paths(checkpoint, tokenizer):
 
     batch = prompts.prepare_prompts(loaded, [e.prompt for e in examples], max_prompt_length=128)
     assert batch.num_dropped == 0
-    logits = model.apply({"params": params}, jnp.asarray(batch.ids_PL), attention_mask=jnp.asarray(batch.mask_PL))
+    logits = model.apply({"params": params}, jnp.asarray(batch.ids_PL),
+                         attention_mask=jnp.asarray(batch.mask_PL)).logits_BLV
     assert logits.shape == (*batch.ids_PL.shape, config.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
 
 
@@ -135,7 +136,7 @@ def test_checkpoint_matches_transformers(checkpoint):
     ids = np.random.default_rng(0).integers(3, model.config.vocab_size, size=(2, 24))
     with torch.no_grad():
         expected = hf(torch.as_tensor(ids)).logits.numpy()
-    actual = np.asarray(model.apply({"params": params}, jnp.asarray(ids, jnp.int32)))
+    actual = np.asarray(model.apply({"params": params}, jnp.asarray(ids, jnp.int32)).logits_BLV)
     np.testing.assert_allclose(actual, expected, atol=1e-4, rtol=0)
 
 
@@ -175,7 +176,7 @@ def test_prefix_shared_loss_equals_the_full_sequence_loss(tokenizer):
         full_ids = jnp.concatenate([jnp.broadcast_to(prefix, (b, n)), ids], axis=1)
         full_mask = jnp.concatenate([jnp.ones((b, n), jnp.int32), mask], axis=1)
         full_weights = jnp.concatenate([jnp.zeros((b, n), jnp.float32), weights], axis=1)
-        logprobs = jax.nn.log_softmax(model.apply({"params": p}, full_ids, attention_mask=full_mask)[:, :-1])
+        logprobs = jax.nn.log_softmax(model.apply({"params": p}, full_ids, attention_mask=full_mask).logits_BLV[:, :-1])
         nll = -jnp.take_along_axis(logprobs, full_ids[:, 1:, None], axis=-1)[..., 0]
         return jnp.sum(nll * full_weights[:, :-1]) / jnp.sum(full_weights[:, :-1])
 

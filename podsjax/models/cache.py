@@ -127,8 +127,9 @@ def prefill(model, params, input_ids_BL: jax.Array, attention_mask_BL: jax.Array
     Returns:
         ``(logits_BLV, cache)``; ``logits_BLV[:, -1]`` predicts each row's first new token.
     """
-    return model.apply({"params": params}, input_ids_BL, attention_mask_BL, cache=cache, lora=lora,
-                       logits_slice=slice(-1, None) if last_only else None)
+    out = model.apply({"params": params}, input_ids_BL, attention_mask_BL, cache=cache, lora=lora,
+                      logits_slice=slice(-1, None) if last_only else None)
+    return out.logits_BLV, out.cache
 
 
 def decode_step(model, params, token_B1: jax.Array, cache: KVCache, *, lora=None,
@@ -145,5 +146,5 @@ def decode_step(model, params, token_B1: jax.Array, cache: KVCache, *, lora=None
         ``(logits_BV, cache)`` with fp32 logits.
     """
     token_B1 = token_B1.reshape(token_B1.shape[0], 1)
-    logits_B1V, cache = model.apply({"params": params}, token_B1, attention_mask_B1, cache=cache, lora=lora)
-    return logits_B1V[:, 0], cache
+    out = model.apply({"params": params}, token_B1, attention_mask_B1, cache=cache, lora=lora)
+    return out.logits_BLV[:, 0], out.cache

@@ -93,19 +93,6 @@ class RMSNorm(nn.Module):
         return scale.astype(self.dtype) * normed.astype(self.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array, n_in: int, **kwargs) -> jax.Array:
-    """``tensordot(x, w, n_in)`` computed as one 2-D matmul.
-
-    Flattening the leading dims of ``x`` and both sides of ``w`` first matters for
-    speed: XLA CPU lays out the backward of a 3-D dot_general with strided transposed
-    copies (the MLP backward ran 1.6x slower); as a 2-D matmul it picks plain layouts.
-    """
-    lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
-    k = int(np.prod(w.shape[:n_in]))
-    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), **kwargs)
-    return y.reshape(lead + out)
-
-
 class Projection(nn.Module):
     """``y = x @ W (+ b)`` contracting the last ``len(in_names)`` dims, plus optional LoRA.
 
@@ -128,15 +115,15 @@ class Projection(nn.Module):
         kernel = self.param("kernel", nn.with_logical_partitioning(_INIT, self.in_names + self.out_names),
                             x.shape[-n_in:] + self.out_shape, self.param_dtype)
         x = x.astype(self.dtype)
-        y = matmul(x, kernel.astype(self.dtype), n_in)
+        y = jnp.tensordot(x, kernel.astype(self.dtype), n_in)
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.out_names),
                               self.out_shape, self.param_dtype)
             y = y + bias.astype(self.dtype)
         if lora_ab is not None:
             # Low-rank path: rank-r intermediate, so the merged W is never built.
-            low = matmul(x, lora_ab["a"].astype(self.dtype), n_in)
-            y = y + matmul(low, lora_ab["b"].astype(self.dtype), 1) * jnp.asarray(lora_scale, self.dtype)
+            low = jnp.tensordot(x, lora_ab["a"].astype(self.dtype), n_in)
+            y = y + jnp.tensordot(low, lora_ab["b"].astype(self.dtype), 1) * jnp.asarray(lora_scale, self.dtype)
         return y
 
 
@@ -330,8 +317,8 @@ def scanned_blocks(remat: str):
 
 
 def lm_logits(x_BLD: jax.Array, head_VD: jax.Array) -> jax.Array:
-    """fp32 logits ``x @ head^T``: the LM head, accumulated in fp32 for the loss."""
-    return matmul(x_BLD.astype(head_VD.dtype), head_VD.T, 1, preferred_element_type=jnp.float32)
+    """fp32 logits ``[B, L, V]`` = ``x_BLD @ head_VD^T``, accumulated in fp32 for the loss."""
+    return jnp.einsum("...d,vd->...v", x_BLD.astype(head_VD.dtype), head_VD, preferred_element_type=jnp.float32)
 
 
 class Embed(nn.Module):
@@ -374,6 +361,25 @@ class LMHead(nn.Module):
         return self.kernel.astype(self.dtype).T
 
 
+@flax.struct.dataclass
+class DecoderOutput:
+    """What :class:`Decoder` returns; a field the call did not ask for is None.
+
+    L' below is the input length L, or the length of ``logits_slice`` when one is given.
+
+    Attributes:
+        logits_BLV: fp32 logits [B, L', V]; None with ``return_hidden``.
+        cache: the updated :class:`~podsjax.models.KVCache` when a cache was passed in.
+        hidden_BLD: with ``return_hidden``, the final normed hidden states [B, L', D].
+        head_VD: with ``return_hidden``, the LM head matrix [V, D] (the embedding when tied).
+    """
+
+    logits_BLV: jax.Array | None = None
+    cache: KVCache | None = None
+    hidden_BLD: jax.Array | None = None
+    head_VD: jax.Array | None = None
+
+
 class Decoder(nn.Module):
     """Qwen2 / Llama causal LM.
 
@@ -413,7 +419,7 @@ class Decoder(nn.Module):
         lora: LoraParams | None = None,
         logits_slice: slice | None = None,
         return_hidden: bool = False,
-    ):
+    ) -> DecoderOutput:
         """Runs the decoder.
 
         Args:
@@ -430,16 +436,15 @@ class Decoder(nn.Module):
                 the length axis): prefill needs the last one, the update only those
                 that predict completion tokens, and the LM head is a large share of
                 the compute (vocab x hidden per row, forward and backward).
-            return_hidden: return ``(hidden_BLD, head_VD)`` instead of logits: the final
-                normed hidden states of the sliced positions and the LM head matrix, so a
-                loss can compute logits in chunks and never hold all [B, L, V] of them.
+            return_hidden: return the final normed hidden states of the sliced positions
+                and the LM head matrix instead of logits, so a loss can compute logits in
+                chunks and never hold all [B, L, V] of them.
 
         Returns:
-            fp32 logits [B, L', V] (L' = L, or the slice's length); with a cache,
-            ``(logits_BLV, updated_cache)``.
+            A :class:`DecoderOutput`: ``logits_BLV`` (fp32, [B, L', V], L' = L or the
+            slice's length) unless ``return_hidden``, then ``hidden_BLD`` [B, L', D] and
+            ``head_VD`` [V, D] instead; ``cache`` is the updated cache when one was given.
         """
-        if return_hidden and cache is not None:
-            raise ValueError("return_hidden is for cache-free (training) calls")
         cfg = self.config
         b, length = input_ids_BL.shape
         mask_BL = jnp.ones((b, length), bool) if attention_mask is None else attention_mask.astype(bool)
@@ -485,10 +490,10 @@ class Decoder(nn.Module):
             head_VD = embed.head_VD()
         else:
             head_VD = LMHead(cfg.vocab_size, cfg.hidden_size, self.dtype, self.param_dtype, name="lm_head").head_VD()
+        if cache is not None:
+            cache = cache.replace(keys_YBKSE=layer_cache.keys_YBKSE, values_YBKSE=layer_cache.values_YBKSE)
         if return_hidden:
-            return x_BLD, head_VD
+            return DecoderOutput(cache=cache, hidden_BLD=x_BLD, head_VD=head_VD)
         logits_BLV = lm_logits(x_BLD, head_VD)
         logits_BLV = mesh_lib.constrain(logits_BLV, self.mesh, ("batch", "length", "vocab"))
-        if cache is None:
-            return logits_BLV
-        return logits_BLV, cache.replace(keys_YBKSE=layer_cache.keys_YBKSE, values_YBKSE=layer_cache.values_YBKSE)
+        return DecoderOutput(logits_BLV=logits_BLV, cache=cache)

@@ -272,7 +272,8 @@ def from_pretrained(
         remat: what each layer keeps for the backward pass (``decoder.REMAT_POLICIES``).
 
     Returns:
-        ``(model, params)``; run it as ``model.apply({"params": params}, ids_BL, attention_mask=mask_BL)``.
+        ``(model, params)``; run it as
+        ``model.apply({"params": params}, ids_BL, attention_mask=mask_BL).logits_BLV``.
     """
     config = from_hf_config(path)
     model = Decoder(config, dtype=compute_dtype or dtype, param_dtype=dtype, remat=remat, mesh=mesh)

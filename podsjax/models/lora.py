@@ -10,7 +10,7 @@ reference policy of GRPO's KL term costs no second copy of the weights.
 
 Example:
     >>> lora = init_lora(jax.random.key(0), model, LoraConfig(rank=64, alpha=64.0))
-    >>> logits_BLV = model.apply({"params": params}, ids_BL, attention_mask=mask_BL, lora=lora)
+    >>> logits_BLV = model.apply({"params": params}, ids_BL, attention_mask=mask_BL, lora=lora).logits_BLV
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def sft_loss(model: Decoder, params: Any, prefix_ids_L0: jax.Array, suffix_ids_B
     prefix_length = prefix_ids_L0.shape[0]
     cache = init_cache(model.config, 1, prefix_length + length, dtype=jnp.float32)
     _, cache = prefill(model, params, prefix_ids_L0[None], jnp.ones((1, prefix_length), jnp.int32), cache)
-    logits_BLV, _ = model.apply({"params": params}, suffix_ids_BL, suffix_mask_BL, cache=cache.repeat(b))
+    logits_BLV = model.apply({"params": params}, suffix_ids_BL, suffix_mask_BL, cache=cache.repeat(b)).logits_BLV
     logprobs_BLV = jax.nn.log_softmax(logits_BLV[:, :-1].astype(jnp.float32), axis=-1)
     nll_BL = -jnp.take_along_axis(logprobs_BLV, suffix_ids_BL[:, 1:, None], axis=-1)[..., 0]
     weights_BL = loss_mask_BL[:, :-1]
