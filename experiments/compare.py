@@ -3,34 +3,65 @@
     python -m experiments.compare --methods grpo,pods --seeds 0,1,2 --time-budget 240 --out runs/compare
     python -m experiments.compare --ablation rule --out runs/rules
 
-Every other flag (--model, --mesh, --max-completion-length, ...) goes to each run
-unchanged. Runs go to <out>/<label>-seed<s>/ and are skipped when already complete,
-so an interrupted comparison continues where it stopped.
+Every other flag (--model, --mesh, --max-completion-length, ...) is shared: each method
+gets the config its own command line would (``--method M`` plus these flags), each sweep
+point changes the algorithm section of PODS's, and each seed sets its seed and directory
+on the config. Runs go to
+<out>/<label>-seed<s>/ and are skipped when already complete, so an interrupted
+comparison continues where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
+import time
+from typing import Any
 
 from experiments import cli
 from experiments import flags as flags_lib
+from experiments.config import METHODS, ExperimentConfig
+from experiments.usage import UsageError
 
-ABLATIONS = {
-    # label -> extra flags; the paper's sweeps (n-sweep at m=16, m-sweep at n=64, rule ablation)
-    "n": {f"n={n}": ["--method", "pods", "--n", str(n), "--m", "16"] for n in (16, 32, 64, 128, 256)},
-    "m": {f"m={m}": ["--method", "pods", "--n", "64", "--m", str(m)] for m in (2, 4, 8, 16)},
-    "rule": {rule: ["--method", "pods", "--rule", rule]
+# label -> the AlgorithmConfig fields it sets over the shared config; the paper's sweeps
+# (n at m=16, m at n=64, the selection rule at the setting's n and m).
+ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
+    "n": {f"n={n}": {"algorithm": "pods", "n": n, "m": 16} for n in (16, 32, 64, 128, 256)},
+    "m": {f"m={m}": {"algorithm": "pods", "n": 64, "m": m} for m in (2, 4, 8, 16)},
+    "rule": {rule: {"algorithm": "pods", "rule": rule}
              for rule in ("max_variance", "max_reward", "random", "percentile")},
 }
+# Set per run by compare itself, so refused among the shared flags.
+OWN_FLAGS = ("--out", "--seed", "--resume", "--overwrite", "--method", "--warmup-dir")
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """A command line, parsed and checked before any run starts.
+
+    Attributes:
+        args: compare's own flags (``--methods`` as a list, ``--seeds`` as integers).
+        run_args: the launch flags every run shares (``experiments.flags.parse``).
+        shared: the config the shared flags give, PODS's (the default method).
+        variants: label -> that method's or sweep point's config, before its seed and directory.
+        baseline: the label whose peak sets the time-to-accuracy target.
+    """
+
+    args: argparse.Namespace
+    run_args: argparse.Namespace
+    shared: ExperimentConfig
+    variants: dict[str, ExperimentConfig]
+    baseline: str
 
 
 def parse(argv):
-    parser = flags_lib._Parser(prog="python -m experiments.compare", description=__doc__, allow_abbrev=False,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    """compare's own flags, and the rest (the flags every run shares)."""
+    parser = flags_lib.UsageParser(prog="python -m experiments.compare", description=__doc__, allow_abbrev=False,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("gsm8k", "math", "chemistry"), default="gsm8k")
     parser.add_argument("--methods", default="grpo,pods", help="comma-separated methods (grpo, grpo-ga, pods)")
     parser.add_argument("--ablation", choices=sorted(ABLATIONS), help="run a sweep instead of --methods")
@@ -41,64 +72,156 @@ def parse(argv):
     try:
         args.seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
-        raise cli.UsageError(f"--seeds wants comma-separated integers; got {args.seeds!r}") from None
-    for flag in ("--out", "--seed", "--resume", "--overwrite", "--method", "--warmup-dir"):
+        raise UsageError(f"--seeds wants comma-separated integers; got {args.seeds!r}") from None
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or set(methods) - set(METHODS):
+        raise UsageError(f"--methods must name grpo, grpo-ga or pods; got {args.methods!r}")
+    args.methods = methods
+    for flag in OWN_FLAGS:
         if flag in passthrough:
-            raise cli.UsageError(f"{flag} is set by compare itself; remove it")
+            raise UsageError(f"{flag} is set by compare itself; remove it")
     return args, passthrough
 
 
-def variants(args) -> dict[str, list[str]]:
+def prepare(argv) -> Comparison:
+    """Parses and checks the shared flags, and builds every variant's config before any run."""
+    args, passthrough = parse(argv)
+    # PODS's config: --method is compare's to set, so the parser's default method applies.
+    run_args, shared = flags_lib.parse(args.task, passthrough)
+    flags_lib.check(run_args, shared)
+    chosen = variants(args, passthrough, shared)
+    baseline = args.baseline or ("grpo" if "grpo" in chosen else next(iter(chosen)))
+    if baseline not in chosen:
+        raise UsageError(f"--baseline {baseline!r} is not among {sorted(chosen)}")
+    return Comparison(args, run_args, shared, chosen, baseline)
+
+
+def variants(args, passthrough: list[str], shared: ExperimentConfig) -> dict[str, ExperimentConfig]:
+    """label -> the config of that method, or of that sweep point over the shared config.
+
+    Args:
+        args: compare's flags (``parse``): ``--ablation``, else ``--methods``.
+        passthrough: the flags every run shares.
+        shared: their config, PODS's.
+    """
     if args.ablation:
-        return ABLATIONS[args.ablation]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(methods) - {"grpo", "grpo-ga", "pods"}
-    if unknown or not methods:
-        raise cli.UsageError(f"--methods must name grpo, grpo-ga or pods; got {args.methods!r}")
-    return {m: ["--method", m] for m in methods}
+        return {label: with_algorithm(shared, label, fields) for label, fields in ABLATIONS[args.ablation].items()}
+    # Each method's config is what its own command line gives (its preset, then the shared flags).
+    return {method: flags_lib.parse(args.task, passthrough, method=method)[1] for method in args.methods}
 
 
-def run_one(task, flags, out) -> list[dict]:
+def with_algorithm(config: ExperimentConfig, label: str, fields: dict[str, Any]) -> ExperimentConfig:
+    """``config`` with ``fields`` of its algorithm section replaced; a refused value is a one-line error."""
+    try:
+        return dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, **fields))
+    except ValueError as exc:
+        raise UsageError(f"{label}: {exc}") from None
+
+
+def seed_config(config: ExperimentConfig, seed: int, out: str, root: str) -> ExperimentConfig:
+    """One run of a variant: its seed and directory, and on the tiny preset the seed's warm-up.
+
+    Args:
+        config: the variant's config.
+        seed: the run's seed.
+        out: the run's directory.
+        root: the comparison's directory, which holds the tiny preset's warm-ups.
+    """
+    config = flags_lib.replace_run(config, seed=seed, out_dir=out)
+    if config.model.path is None:  # every method of a seed starts from the same warmed-up policy
+        warmup = os.path.join(root, f"tiny_warmup-seed{seed}")
+        config = dataclasses.replace(config, tiny=dataclasses.replace(config.tiny, warmup_dir=warmup))
+    return config
+
+
+def check_resumable(config: ExperimentConfig, out: str) -> None:
+    """A stopped run continues with the config it started with: only ``flags.RESUMABLE`` fields may differ."""
+    def fields(c):
+        return {f"{section}.{key}": value for section, values in flags_lib.as_json(c).items()
+                for key, value in values.items()}
+
+    saved, wanted = fields(flags_lib.read_run_config(out)), fields(config)
+    for name, value in wanted.items():
+        if name not in flags_lib.RESUMABLE and saved.get(name) != value:
+            raise UsageError(f"{out} was started with --{name} {saved.get(name)!r}, not {value!r}: rerun with "
+                             "the flags it started with, or pass another --out")
+
+
+def run_one(config: ExperimentConfig, *, dry_run: bool = False) -> list[dict]:
+    """Runs ``config`` in its ``run.out_dir`` and returns its evaluations.
+
+    A complete run (with ``final_model/``) is only read; one with a ``config.json`` but no
+    export continues from its last checkpoint.
+    """
+    out = config.run.out_dir
     done = os.path.isfile(os.path.join(out, "final_model", "config.json"))
-    if not done:
-        resume = ["--resume"] if os.path.isfile(os.path.join(out, "config.json")) else []
-        code = cli.main(task, [*flags, "--out", out, *resume])
-        if code != 0:
-            raise SystemExit(code)
-    from podsjax.loop import read_history  # JAX starts only after cli.main has set up the devices
+    if done and not dry_run:
+        return _history(out)
+    resume = not dry_run and os.path.isfile(os.path.join(out, "config.json"))
+    flags_lib.check_out(argparse.Namespace(out=out, resume=resume, overwrite=False, dry_run=dry_run))
+    if resume:
+        check_resumable(config, out)
+    from experiments import runner  # imports JAX: only after main has set up the devices
+
+    code = runner.run(config, out, overwrite=False, resume=resume, dry_run=dry_run, started_at=time.time())
+    if code != 0:
+        raise SystemExit(code)
+    return [] if dry_run else _history(out)
+
+
+def _history(out: str) -> list[dict]:
+    from podsjax.loop import read_history
 
     return read_history(out)
 
 
+def _start(run_args, config: ExperimentConfig) -> None:
+    """What ``cli.main`` does between parsing and the runner, once for every run: devices, hosts, compile cache."""
+    plan = cli.distributed_plan(run_args)
+    cli.prepare_devices(config.model.mesh, plan[1] if isinstance(plan, tuple) else 1)
+    cli.start_distributed(plan)
+    print(f"compile cache: {cli.setup_compile_cache(run_args) or 'off'}", flush=True)
+
+
 def main(argv=None) -> int:
+    out = None  # the run under way, named by a full-disk error
     try:
-        args, passthrough = parse(argv)
-        chosen = variants(args)
-        baseline = args.baseline or ("grpo" if "grpo" in chosen else next(iter(chosen)))
-        if baseline not in chosen:
-            raise cli.UsageError(f"--baseline {baseline!r} is not among {sorted(chosen)}")
-        # The shared flags checked once, before any run (each run checks its own again).
-        run_args, config = flags_lib.parse(args.task, [*passthrough, "--out", os.path.join(args.out, "x")])
-        flags_lib.check(run_args, config)
-        cli.prepare_devices(config.model.mesh)
-    except cli.UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        comparison = prepare(argv)
+        args, run_args = comparison.args, comparison.run_args
+        _start(run_args, comparison.shared)
+        os.makedirs(args.out, exist_ok=True)
+        histories = {}
+        for label, config in comparison.variants.items():
+            if run_args.setting:
+                print(flags_lib.describe_setting(run_args.setting, config.algorithm.algorithm, config), flush=True)
+            histories[label] = []
+            for seed in args.seeds:
+                run = seed_config(config, seed, os.path.join(args.out, f"{label}-seed{seed}"), args.out)
+                out = run.run.out_dir
+                histories[label].append(run_one(run, dry_run=run_args.dry_run))
+        out = None
+    except KeyboardInterrupt:
+        print("interrupted; run the same command again to continue", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        line = cli.user_error_line(exc, out)
+        if line is None:
+            raise  # a bug: its traceback says where
+        print(f"error: {line}", file=sys.stderr)
         return 2
+    if run_args.dry_run:
+        print(f"dry runs done; each run's figures are in {args.out}/<label>-seed<s>/dry_run.json")
+        return 0
+    return report(comparison, histories)
+
+
+def report(comparison: Comparison, histories: dict[str, list[list[dict]]]) -> int:
+    """The plot, the speed-up table and summary.json, from every run's evaluations."""
     from podsjax import analysis
 
-    os.makedirs(args.out, exist_ok=True)
-    groups = {}
-    for label, flags in chosen.items():
-        curves = []
-        for seed in args.seeds:
-            # Tiny preset: every method of a seed starts from the same warmed-up policy.
-            shared = [] if "--model" in passthrough else [
-                "--warmup-dir", os.path.join(args.out, f"tiny_warmup-seed{seed}")]
-            history = run_one(args.task, [*passthrough, *flags, *shared, "--seed", str(seed)],
-                              os.path.join(args.out, f"{label}-seed{seed}"))
-            curves.append(analysis.Curve.from_history(history))
-        groups[label] = curves
-    title = f"{args.task}: {args.ablation + ' ablation' if args.ablation else ' vs '.join(chosen)}"
+    args, baseline = comparison.args, comparison.baseline
+    groups = {label: [analysis.Curve.from_history(h) for h in runs] for label, runs in histories.items()}
+    title = f"{args.task}: {args.ablation + ' ablation' if args.ablation else ' vs '.join(groups)}"
     plot_path = os.path.join(args.out, "accuracy_vs_time.png")
     analysis.plot(groups, plot_path, title)
     rows = analysis.summarize(groups, baseline)

@@ -49,14 +49,14 @@ _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+(:[\w.-]+)?")
 RESUMABLE = ("run.time_budget_s", "run.max_steps", "model.remat", "run.progress")
 
 
-class _Parser(argparse.ArgumentParser):
+class UsageParser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
         raise UsageError(message)
 
 
 def build_parser(task: str) -> argparse.ArgumentParser:
     """The launch flags and the shortcuts (``--help`` lists the config tree's flags after them)."""
-    p = _Parser(prog=f"python -m experiments.{task}", allow_abbrev=False, add_help=False,
+    p = UsageParser(prog=f"python -m experiments.{task}", allow_abbrev=False, add_help=False,
                 description=f"GRPO / GRPO-GA / GRPO-PODS on {task}. Launch flags and shortcuts first; every field "
                             "of the config tree is also a flag --<section>.<field> (listed after these).")
     p.set_defaults(task=task)
@@ -190,10 +190,18 @@ def _read_file(path: str) -> dict[str, Any]:
     return values
 
 
-def parse(task: str, argv: list[str] | None) -> tuple[argparse.Namespace, ExperimentConfig | None]:
+def parse(task: str, argv: list[str] | None,
+          method: str | None = None) -> tuple[argparse.Namespace, ExperimentConfig | None]:
     """(launch flags, the run's config); the config is None on ``--resume`` (read it with
-    :func:`read_run_config`) and for ``--help`` (``args.help``)."""
+    :func:`read_run_config`) and for ``--help`` (``args.help``).
+
+    ``method`` stands for ``--method`` (a caller that runs several methods on one command
+    line, as ``experiments.compare`` does)."""
     args, rest = build_parser(task).parse_known_args(argv)
+    if method is not None:
+        if method not in METHODS:
+            raise UsageError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+        args.method = method
     if args.help:
         return args, None
     flags = _field_flags(args, rest)

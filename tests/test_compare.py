@@ -1,0 +1,122 @@
+"""experiments.compare: every variant is a typed override of one parsed config; stopped runs continue."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from experiments import compare
+from experiments import flags as flags_lib
+from experiments.usage import UsageError
+from podsjax.train import AlgorithmConfig
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A directory flags.check takes for a checkpoint (nothing here loads it)."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return str(path)
+
+
+def prepare(tmp_path, *argv):
+    return compare.prepare([*argv, "--out", str(tmp_path / "cmp")])
+
+
+def test_the_n_ablation_sets_n_at_m_16_over_the_shared_config(tmp_path):
+    comparison = prepare(tmp_path, "--ablation", "n", "--lr", "0.001", "--max-steps", "3")
+    assert list(comparison.variants) == ["n=16", "n=32", "n=64", "n=128", "n=256"]
+    for label, config in comparison.variants.items():
+        assert isinstance(config.algorithm, AlgorithmConfig)
+        assert (config.algorithm.algorithm, config.algorithm.n, config.algorithm.m) == ("pods", int(label[2:]), 16)
+        assert config.algorithm.learning_rate == 0.001  # the shared flags' change stays
+        # Only the algorithm section differs from the shared config.
+        assert dataclasses.replace(config, algorithm=comparison.shared.algorithm) == comparison.shared
+        assert config.run.max_steps == 3
+    rule = prepare(tmp_path, "--ablation", "rule", "--n", "8", "--m", "2").variants
+    assert {label: (c.algorithm.rule, c.algorithm.n, c.algorithm.m) for label, c in rule.items()} == {
+        r: (r, 8, 2) for r in ("max_variance", "max_reward", "random", "percentile")}
+
+
+@pytest.mark.parametrize("shared", [
+    [],
+    ["--n", "4", "--m", "2"],
+    ["--n", "8", "--beta", "0.01", "--lr", "0.001"],
+    ["--m", "8", "--grad-accum", "2"],
+    ["model", "--max-steps", "2"],
+    ["model", "--setting", "a", "--n", "32"],
+    ["model", "--setting", "b", "--temperature", "0.7"],
+])
+def test_each_method_gets_the_config_its_own_command_line_would(tmp_path, model_dir, shared):
+    shared = [token for s in shared for token in (["--model", model_dir] if s == "model" else [s])]
+    variants = prepare(tmp_path, "--methods", "grpo,grpo-ga,pods", *shared).variants
+    for method, config in variants.items():
+        _, own = flags_lib.parse("gsm8k", [*shared, "--method", method])
+        assert config.algorithm == own.algorithm, method
+        assert config == own, method
+
+
+def test_grpo_trains_what_pods_trains(tmp_path):
+    variants = prepare(tmp_path, "--n", "4", "--m", "2").variants
+    assert [(c.algorithm.algorithm, c.algorithm.n, c.algorithm.m) for c in variants.values()] == [
+        ("grpo", 2, 2), ("pods", 4, 2)]
+
+
+def test_a_setting_without_a_method_and_bad_lists_give_one_line_and_exit_2(tmp_path, model_dir, capsys):
+    for argv, message in [
+        (["--methods", "grpo,pods", "--setting", "e", "--model", model_dir], "setting e has no method 'grpo'"),
+        (["--methods", "grpo,ppo"], "--methods must name grpo, grpo-ga or pods"),
+        (["--seeds", "0,x"], "--seeds wants comma-separated integers"),
+        (["--seed", "1"], "--seed is set by compare itself"),
+        (["--baseline", "grpo-ga"], "--baseline 'grpo-ga' is not among"),
+        (["--ablation", "m", "--lr", "inf"], "learning_rate must be finite"),
+    ]:
+        assert compare.main([*argv, "--out", str(tmp_path / "cmp")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_a_seed_sets_the_seed_the_directory_and_on_the_tiny_preset_the_shared_warm_up(tmp_path, model_dir):
+    tiny = prepare(tmp_path).variants["pods"]
+    run = compare.seed_config(tiny, 3, "root/pods-seed3", "root")
+    assert (run.run.seed, run.run.out_dir, run.tiny.warmup_dir) == (3, "root/pods-seed3", "root/tiny_warmup-seed3")
+    with_model = prepare(tmp_path, "--model", model_dir, "--max-steps", "2").variants["pods"]
+    real = compare.seed_config(with_model, 1, "o", "root")
+    assert (real.run.seed, real.tiny.warmup_dir) == (1, None)
+
+
+def test_a_stopped_run_continues_a_complete_one_is_read_and_a_changed_one_is_refused(tmp_path, monkeypatch):
+    from experiments import runner
+
+    calls = []
+
+    def fake_run(config, out_dir, *, overwrite, resume, dry_run=False, started_at=None):
+        calls.append((config, out_dir, resume))
+        os.makedirs(out_dir, exist_ok=True)
+        if not resume:
+            with open(os.path.join(out_dir, "config.json"), "w") as f:
+                json.dump(flags_lib.as_json(config), f)
+        return 0
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    out = str(tmp_path / "pods-seed0")
+    config = compare.seed_config(prepare(tmp_path).variants["pods"], 0, out, str(tmp_path))
+    assert compare.run_one(config) == []
+    assert calls == [(config, out, False)]
+    # Stopped before its export: the same config continues it, a longer budget too.
+    longer = flags_lib.replace_run(config, time_budget_s=999.0, max_steps=7)
+    compare.run_one(longer)
+    assert calls[-1] == (longer, out, True)
+    changed = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, learning_rate=0.5))
+    with pytest.raises(UsageError, match="was started with --algorithm.learning_rate 0.0002, not 0.5"):
+        compare.run_one(changed)
+    # Complete: only its evaluations are read.
+    os.makedirs(os.path.join(out, "final_model"))
+    open(os.path.join(out, "final_model", "config.json"), "w").close()
+    with open(os.path.join(out, "eval_history.jsonl"), "w") as f:
+        f.write(json.dumps({"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}) + "\n")
+    assert compare.run_one(changed) == [{"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}]
+    assert len(calls) == 2
