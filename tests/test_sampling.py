@@ -159,9 +159,9 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
 
     shapes = list(dot_shapes(jaxpr.jaxpr))
     prompt_len = ids.shape[1]
-    # Projections keep the batch as their leading output dim.
-    assert any(s[:2] == (3, prompt_len) for s in shapes)  # the model runs on the 3 prompts
-    assert not any(s[0] == 48 for s in shapes)  # never on 3 x 16 copies
+    # Projections run as [rows, features] matmuls over the flattened batch and length.
+    assert any(s[0] == 3 * prompt_len for s in shapes)  # the model runs on the 3 prompts
+    assert not any(s[0] == 48 * prompt_len for s in shapes)  # never on 3 x 16 copies
 
 
 def test_second_call_with_new_prompts_does_not_recompile(tiny):
