@@ -209,3 +209,19 @@ def test_qwen_0_5b_setting_a_update_fits_in_8_gb(tmp_path):
     report = json.load(open(out / "dry_run.json"))
     assert report["remat"] == "full" and report["shapes"]["update_rows"] == 16
     assert report["update_temp"] < 8e9, report
+
+
+def test_the_plan_compiles_the_samplers_program_the_run_uses():
+    # top-p and top-k are static in the sampler: a plan that left them at their defaults
+    # would compile (and measure) another program than the run's.
+    from podsjax import sampling, train
+
+    model = pm.Decoder(SMALL)
+    algo = train.AlgorithmConfig(algorithm="pods", n=4, m=2, top_p=0.9, top_k=7)
+    dry_run_lib.plan(model, algo, pm.LoraConfig(rank=2, alpha=2.0), base_params=dry_run_lib.abstract_base(model),
+                     prompts=1, prompt_len=16, max_new_tokens=4, eos_token_ids=(2,))
+    run_cfg = sampling.SamplingConfig(num_samples=4, max_new_tokens=4, temperature=algo.temperature,
+                                      top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=(2,))
+    misses = sampling._jitted_decode.cache_info().misses
+    sampling.jitted_stages(model, run_cfg)  # the run's decode program: the plan's, not a new one
+    assert sampling._jitted_decode.cache_info().misses == misses
