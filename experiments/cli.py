@@ -181,6 +181,14 @@ def setup_compile_cache(args) -> str | None:
         raise UsageError(f"{exc}; pass --compile-cache-dir DIR or --no-compile-cache") from None
 
 
+def start(args, config) -> None:
+    """Devices, hosts and the compile cache for ``config``'s mesh, once per process and
+    before JAX starts (``args.distributed`` from :func:`distributed_plan`)."""
+    prepare_devices(config.model.mesh, args.distributed[1] if isinstance(args.distributed, tuple) else 1)
+    start_distributed(args.distributed)
+    print(f"compile cache: {setup_compile_cache(args) or 'off'}", flush=True)
+
+
 def main(task: str, argv=None) -> int:
     started_at = time.time()
     args = None
@@ -198,10 +206,7 @@ def main(task: str, argv=None) -> int:
         if config is None:  # --resume
             config = flags.read_run_config(args.out, args.field_flags)
         flags.check(args, config)
-        prepare_devices(config.model.mesh, args.distributed[1] if isinstance(args.distributed, tuple) else 1)
-        start_distributed(args.distributed)
-        cache = setup_compile_cache(args)
-        print(f"compile cache: {cache or 'off'}", flush=True)
+        start(args, config)
         if args.setting:
             print(flags.describe_setting(args.setting, args.method, config), flush=True)
         from experiments import runner

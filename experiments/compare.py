@@ -6,9 +6,8 @@
 Every other flag (--model, --mesh, --max-completion-length, ...) is shared: each method
 gets the config its own command line would (``--method M`` plus these flags), each sweep
 point changes the algorithm section of PODS's, and each seed sets its seed and directory
-on the config. Runs go to
-<out>/<label>-seed<s>/ and are skipped when already complete, so an interrupted
-comparison continues where it stopped.
+on the config. Runs go to <out>/<label>-seed<s>/ and are skipped when already complete,
+so an interrupted comparison continues where it stopped.
 """
 
 from __future__ import annotations
@@ -175,20 +174,13 @@ def _history(out: str) -> list[dict]:
     return read_history(out)
 
 
-def _start(run_args, config: ExperimentConfig) -> None:
-    """What ``cli.main`` does between parsing and the runner, once for every run: devices, hosts, compile cache."""
-    plan = cli.distributed_plan(run_args)
-    cli.prepare_devices(config.model.mesh, plan[1] if isinstance(plan, tuple) else 1)
-    cli.start_distributed(plan)
-    print(f"compile cache: {cli.setup_compile_cache(run_args) or 'off'}", flush=True)
-
-
 def main(argv=None) -> int:
     out = None  # the run under way, named by a full-disk error
     try:
         comparison = prepare(argv)
         args, run_args = comparison.args, comparison.run_args
-        _start(run_args, comparison.shared)
+        run_args.distributed = cli.distributed_plan(run_args)
+        cli.start(run_args, comparison.shared)  # once for every run
         os.makedirs(args.out, exist_ok=True)
         histories = {}
         for label, config in comparison.variants.items():

@@ -127,11 +127,12 @@ def make_rewards(config: ExperimentConfig):
 def _check_rows(mesh, algo, run_config) -> None:
     """Rollout rows are split over the mesh's batch shards, and trained rows into micro-batches."""
     shards = mesh_lib.shard_count(mesh, "batch")
-    rows = loop.prompt_rows(run_config, algo) * algo.n
+    prompt_rows = loop.prompt_rows(run_config, algo)
+    rows = prompt_rows * algo.n
     if rows % shards:
         raise UsageError(f"--prompts-per-step x --n = {rows} rollout rows must divide evenly over the mesh's "
                          f"{shards} batch shards; change --n, --prompts-per-step or --mesh")
-    trained = loop.prompt_rows(run_config, algo) * algo.m
+    trained = prompt_rows * algo.m
     if trained % algo.grad_accum:
         raise UsageError(f"{trained} trained rows per update (prompt rows x --m) do not split into --grad-accum "
                          f"{algo.grad_accum} micro-batches; change --grad-accum, --m or --prompts-per-step")
