@@ -222,10 +222,9 @@ def _dry_run_model(config, mesh):
     """The decoder from config.json alone (or the tiny preset's shape): no weights are read."""
     path = config.model.path
     if path is None:
-        from podsjax.tiny import TinyModelSpec
+        from podsjax.tiny import TINY_MODEL
 
-        spec = TinyModelSpec()
-        model_config, source = spec.model_config(spec.vocab_size), "the tiny preset"
+        model_config, source = TINY_MODEL, "the tiny preset"
     else:
         try:
             model_config, source = pm.from_hf_config(path), path

@@ -1,5 +1,6 @@
 """The tiny preset: synthetic problems, the in-process checkpoint, the SFT loss and the cached warm-up."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,8 +19,8 @@ from podsjax.tiny import sft
 from podsjax.tiny import warmup as warmup_lib
 
 # A one-layer model keeps the compiles of the warm-up tests to a few seconds.
-SMALL = tiny.TinyModelSpec(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                           head_dim=16)
+SMALL = tiny.tiny_model(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                        head_dim=16)
 SHORT_WARMUP = dict(steps=4, batch_size=4, eval_every=2, validation_size=4, test_size=4, eval_batch_size=4,
                     max_new_tokens=6, pool_size=32, max_seconds=120.0, min_accuracy=0.0,
                     target_accuracy=1.0, max_accuracy=1.0, model=SMALL)
@@ -165,7 +166,7 @@ def test_sft_batches_hold_prompt_then_completion(tokenizer):
 
 
 def test_prefix_shared_loss_equals_the_full_sequence_loss(tokenizer):
-    model = pm.Decoder(SMALL.model_config(len(tokenizer)))
+    model = pm.Decoder(dataclasses.replace(SMALL, vocab_size=len(tokenizer)))
     params = pm.init_params(model, jax.random.key(1))
     data = sft.tokenize_sft(tokenizer, tiny.generate_problems(6, seed=4))
     prefix, ids, mask, weights = (jnp.asarray(x) for x in (data.prefix_ids, data.suffix_ids, data.suffix_mask,
@@ -260,9 +261,11 @@ def test_warmup_config_is_validated(bad, match):
 
 def test_model_spec_is_validated():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        tiny.TinyModelSpec(num_heads=3, num_kv_heads=2)
-    with pytest.raises(ValueError, match="vocab_size"):
-        tiny.TinyModelSpec(vocab_size=100)
+        tiny.tiny_model(num_heads=3, num_kv_heads=2)
+    with pytest.raises(ValueError, match="vocab_size must be >= 260"):
+        tiny.tiny_model(vocab_size=100)
+    with pytest.raises(ValueError, match="vocab_size must be >= 260"):
+        tiny.WarmupConfig(model=dataclasses.replace(tiny.TINY_MODEL, vocab_size=100))
 
 
 def test_rl_defaults_make_valid_configs(tmp_path):

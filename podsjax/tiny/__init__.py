@@ -17,7 +17,7 @@ rewards, selection, the sharded step, checkpoints, evaluation) is the real-run c
 ``TINY_RL_DEFAULTS`` holds RL settings checked to run quickly on a 2-core CPU.
 """
 
-from podsjax.tiny.build import CHATML_TEMPLATE, TinyModelSpec, build_tiny_checkpoint, build_tokenizer
+from podsjax.tiny.build import CHATML_TEMPLATE, TINY_MODEL, build_tiny_checkpoint, build_tokenizer, tiny_model
 from podsjax.tiny.problems import (
     TASKS,
     TEMPLATES,
@@ -63,8 +63,8 @@ TINY_RL_DEFAULTS: dict = {
 }
 
 __all__ = [
-    "CHATML_TEMPLATE", "MARKER_FILE", "TASKS", "TEMPLATES", "TINY_RL_DEFAULTS", "TinyModelSpec", "TinyTasks",
+    "CHATML_TEMPLATE", "MARKER_FILE", "TASKS", "TEMPLATES", "TINY_MODEL", "TINY_RL_DEFAULTS", "TinyTasks",
     "WARMUP_DIRNAME", "WarmupConfig", "WarmupError", "WarmupStats", "build_tiny_checkpoint", "build_tokenizer",
     "evaluate_greedy", "generate_problems", "iter_problems", "load_cached", "make_splits", "sft_completion",
-    "split_of", "tiny_tasks", "warm_up", "worked_steps",
+    "split_of", "tiny_model", "tiny_tasks", "warm_up", "worked_steps",
 ]

@@ -42,42 +42,29 @@ _CORPUS_PROBLEMS = 3000
 _CORPUS_SEED = 12345
 
 
-@dataclasses.dataclass(frozen=True)
-class TinyModelSpec:
-    """Shape of the tiny Qwen2 policy (random init; the vocabulary comes from the tokenizer).
+MIN_VOCAB = 260  # 256 bytes + the 3 special tokens
+# The tiny Qwen2 policy (random init). Its vocab_size bounds the BPE vocabulary; the
+# checkpoint takes the tokenizer's real size. Tied embeddings, as small Qwen2.5 models have.
+TINY_MODEL = ModelConfig(
+    arch="qwen2", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=32, rope_theta=10000.0, qkv_bias=True, tie_word_embeddings=True,
+    max_position_embeddings=1024, bos_token_id=None, eos_token_id=2, pad_token_id=0)
 
-    Attributes:
-        vocab_size: upper bound on the BPE vocabulary.
-        hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim:
-            the Qwen2 shapes (GQA when num_kv_heads < num_heads).
-        tie_word_embeddings: share the embedding and LM head, as small Qwen2.5 models do.
-    """
 
-    vocab_size: int = 512
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    tie_word_embeddings: bool = True
+def tiny_model(**changes) -> ModelConfig:
+    """:data:`TINY_MODEL` with ``changes`` (a smaller shape for tests, say), checked by :func:`check_tiny_model`."""
+    model = dataclasses.replace(TINY_MODEL, **changes)
+    check_tiny_model(model)
+    return model
 
-    def __post_init__(self):
-        if self.vocab_size < 260:
-            raise ValueError(f"TinyModelSpec.vocab_size must be >= 260 (256 bytes + 3 special tokens), "
-                             f"got {self.vocab_size}")
-        # ModelConfig validates the rest (positive ints, heads divisible by kv heads, even head_dim).
-        self.model_config(self.vocab_size)
 
-    def model_config(self, vocab_size: int) -> ModelConfig:
-        """The Qwen2 ModelConfig for a tokenizer of ``vocab_size`` entries (ids 0-2 special)."""
-        return ModelConfig(
-            arch="qwen2", vocab_size=vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=10000.0, qkv_bias=True,
-            tie_word_embeddings=self.tie_word_embeddings, max_position_embeddings=1024,
-            bos_token_id=None, eos_token_id=2, pad_token_id=0,
-        )
+def check_tiny_model(model: ModelConfig) -> None:
+    """Raises ValueError unless ``model`` is a ModelConfig the tiny tokenizer can serve."""
+    if not isinstance(model, ModelConfig):
+        raise ValueError(f"the tiny model must be a ModelConfig, got {type(model).__name__}")
+    if model.vocab_size < MIN_VOCAB:
+        raise ValueError(f"the tiny model's vocab_size must be >= {MIN_VOCAB} (256 bytes + 3 special tokens), "
+                         f"got {model.vocab_size}")
 
 
 def _corpus(task: str = "gsm8k") -> list[str]:
@@ -110,8 +97,8 @@ def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None, task
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < 260:
-        raise ValueError(f"vocab_size must be >= 260 (256 bytes + 3 special tokens), got {vocab_size}")
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB} (256 bytes + 3 special tokens), got {vocab_size}")
     core = Tokenizer(models.BPE())
     # Exactly Qwen2's pipeline: transformers rebuilds it for any qwen2 checkpoint
     # (Qwen2Tokenizer ignores the pre-tokenizer in tokenizer.json), so merges must be
@@ -134,7 +121,7 @@ def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None, task
     return tokenizer
 
 
-def build_tiny_checkpoint(directory: str | os.PathLike, seed: int = 0, spec: TinyModelSpec | None = None,
+def build_tiny_checkpoint(directory: str | os.PathLike, seed: int = 0, model: ModelConfig = TINY_MODEL,
                           *, task: str = "gsm8k", overwrite: bool = False) -> str:
     """Builds the tiny tokenizer and a randomly initialised Qwen2 model and saves both.
 
@@ -145,7 +132,7 @@ def build_tiny_checkpoint(directory: str | os.PathLike, seed: int = 0, spec: Tin
     Args:
         directory: the checkpoint directory (created; must be empty unless ``overwrite``).
         seed: the init seed of the weights (the tokenizer does not depend on it).
-        spec: the model shape; defaults to ``TinyModelSpec()``.
+        model: the model's shape; its vocab_size bounds the tokenizer's vocabulary.
         task: the tiny task the tokenizer is trained on ("gsm8k", "math", "chemistry").
         overwrite: write into a non-empty directory.
 
@@ -155,13 +142,14 @@ def build_tiny_checkpoint(directory: str | os.PathLike, seed: int = 0, spec: Tin
     Raises:
         FileExistsError: ``directory`` is not empty and ``overwrite`` is False.
     """
-    spec = spec or TinyModelSpec()
+    check_tiny_model(model)
     directory = os.fspath(directory)
     if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
         raise FileExistsError(f"{directory} exists and is not empty; pass overwrite=True to write into it")
-    tokenizer = build_tokenizer(spec.vocab_size, task=task)
-    model = Decoder(spec.model_config(len(tokenizer)), dtype=jnp.float32, param_dtype=jnp.float32)
-    params = init_params(model, jax.random.key(seed))
-    save_pretrained(model, params, directory, overwrite=True)
+    tokenizer = build_tokenizer(model.vocab_size, task=task)
+    decoder = Decoder(dataclasses.replace(model, vocab_size=len(tokenizer)), dtype=jnp.float32,
+                      param_dtype=jnp.float32)
+    params = init_params(decoder, jax.random.key(seed))
+    save_pretrained(decoder, params, directory, overwrite=True)
     tokenizer.save_pretrained(directory)
     return directory

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from podsjax import prompts as prompts_lib
-from podsjax.models import Decoder, from_pretrained, save_pretrained
-from podsjax.tiny.build import TinyModelSpec, build_tiny_checkpoint
+from podsjax.models import Decoder, ModelConfig, from_pretrained, save_pretrained
+from podsjax.tiny.build import TINY_MODEL, build_tiny_checkpoint, check_tiny_model
 from podsjax.tiny.problems import TASKS, generate_problems, make_splits
 from podsjax.tiny.sft import evaluate_greedy, make_sft_optimizer, make_sft_step, tokenize_sft
 
@@ -68,7 +68,7 @@ class WarmupConfig:
         eval_batch_size: prompts per generate call (one compiled shape).
         pool_size: distinct training problems (tokenized once, reshuffled every epoch); a
             task with fewer distinct training problems uses all it has.
-        model: the tiny model's shape.
+        model: the tiny model's shape (a ModelConfig; see podsjax.tiny.tiny_model).
     """
 
     steps: int = 1000
@@ -89,7 +89,7 @@ class WarmupConfig:
     max_new_tokens: int = 40
     eval_batch_size: int = 64
     pool_size: int = 8192
-    model: TinyModelSpec = TinyModelSpec()
+    model: ModelConfig = TINY_MODEL
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "validation_size", "test_size", "max_new_tokens",
@@ -110,15 +110,14 @@ class WarmupConfig:
                              f"{self.min_accuracy}, {self.target_accuracy}, {self.max_accuracy}")
         if self.task not in TASKS:
             raise ValueError(f"WarmupConfig.task must be one of {', '.join(TASKS)}, got {self.task!r}")
-        if not isinstance(self.model, TinyModelSpec):
-            raise ValueError(f"WarmupConfig.model must be a TinyModelSpec, got {type(self.model).__name__}")
+        check_tiny_model(self.model)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> WarmupConfig:
-        return cls(**{**record, "model": TinyModelSpec(**record["model"])})
+        return cls(**{**record, "model": ModelConfig(**record["model"])})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +246,7 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
     # never leaves a directory that looks finished.
     staging = directory + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_checkpoint(staging, seed=config.seed, spec=config.model, task=config.task)
+    build_tiny_checkpoint(staging, seed=config.seed, model=config.model, task=config.task)
     tokenizer = prompts_lib.load_tokenizer(staging)
     model, params = from_pretrained(staging)
     stats = _train(model, params, tokenizer, config, say)
