@@ -36,7 +36,7 @@ from podsjax.tiny.sft import evaluate_greedy, make_sft_optimizer, make_sft_step,
 
 MARKER_FILE = "warmup.json"
 WARMUP_DIRNAME = "tiny_warmup"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: the model is recorded as ModelConfig fields
 
 
 class WarmupError(ValueError):
