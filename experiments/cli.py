@@ -212,7 +212,7 @@ def main(task: str, argv=None) -> int:
         from experiments import runner
 
         return runner.run(config, args.out, overwrite=args.overwrite, resume=args.resume, dry_run=args.dry_run,
-                          started_at=started_at)
+                          topology=args.topology, started_at=started_at)
     except KeyboardInterrupt:
         print("interrupted; resume with --resume", file=sys.stderr)
         return 130

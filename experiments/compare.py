@@ -146,7 +146,7 @@ def check_resumable(config: ExperimentConfig, out: str) -> None:
                              "the flags it started with, or pass another --out")
 
 
-def run_one(config: ExperimentConfig, *, dry_run: bool = False) -> list[dict]:
+def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | None = None) -> list[dict]:
     """Runs ``config`` in its ``run.out_dir`` and returns its evaluations.
 
     A complete run (with ``final_model/``) is only read; one with a ``config.json`` but no
@@ -162,7 +162,8 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False) -> list[dict]:
         check_resumable(config, out)
     from experiments import runner  # imports JAX: only after main has set up the devices
 
-    code = runner.run(config, out, overwrite=False, resume=resume, dry_run=dry_run, started_at=time.time())
+    code = runner.run(config, out, overwrite=False, resume=resume, dry_run=dry_run, topology=topology,
+                      started_at=time.time())
     if code != 0:
         raise SystemExit(code)
     return [] if dry_run else _history(out)
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
             for seed in args.seeds:
                 run = seed_config(config, seed, os.path.join(args.out, f"{label}-seed{seed}"), args.out)
                 out = run.run.out_dir
-                histories[label].append(run_one(run, dry_run=run_args.dry_run))
+                histories[label].append(run_one(run, dry_run=run_args.dry_run, topology=run_args.topology))
         out = None
     except KeyboardInterrupt:
         print("interrupted; run the same command again to continue", file=sys.stderr)

@@ -27,7 +27,9 @@ ADAPTER_DIRNAME = "final_adapter"
 BEST_MODEL_DIRNAME = "best_model"
 
 
-def _mesh(spec):
+def _mesh(spec, topology: str | None = None):
+    if topology is not None:
+        return _topology_mesh(spec, topology)
     if spec is None:
         return None
     wanted = mesh_device_count(spec)
@@ -36,6 +38,23 @@ def _mesh(spec):
                          f"{jax.device_count()}")
     try:
         return mesh_lib.make_mesh(spec)
+    except ValueError as exc:
+        raise UsageError(f"--mesh {spec}: {exc}") from None
+
+
+def _topology_mesh(spec, topology: str):
+    """The mesh over a TPU slice's compile-only devices (all of them unless --mesh names fewer)."""
+    from podsjax.tpu_topology import compile_only_devices
+
+    try:
+        devices = compile_only_devices(topology)
+    except ValueError as exc:
+        raise UsageError(f"--topology {topology}: {exc}") from None
+    wanted = len(devices) if spec is None else mesh_device_count(spec)
+    if wanted > len(devices):
+        raise UsageError(f"--mesh {spec} needs {wanted} devices but the TPU slice {topology} has {len(devices)}")
+    try:
+        return mesh_lib.make_mesh(spec, devices=devices[:wanted])
     except ValueError as exc:
         raise UsageError(f"--mesh {spec}: {exc}") from None
 
@@ -82,9 +101,9 @@ def _tiny(config, out_dir):
 
 
 def run(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
-        started_at: float | None = None) -> int:
+        topology: str | None = None, started_at: float | None = None) -> int:
     config = flags.replace_run(config, out_dir=out_dir)
-    mesh = _mesh(config.model.mesh)
+    mesh = _mesh(config.model.mesh, topology)
     # Every check that needs no model comes before anything is written to out_dir, so a
     # corrected rerun is not refused as "not empty".
     _check_rows(mesh, config.algorithm, config.run)
@@ -103,7 +122,7 @@ def run(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool
         raise UsageError(f"cannot write the run directory {out_dir}: {exc.strerror or exc}") from None
     hosts.barrier("run directory ready")
     if dry_run:
-        return _dry_run(config, out_dir, mesh)
+        return _dry_run(config, out_dir, mesh, topology)
     return _train_and_export(config, out_dir, mesh, started_at, tasks)
 
 
@@ -234,7 +253,7 @@ def _dry_run_model(config, mesh):
     return pm.Decoder(model_config, dtype=dtype, param_dtype=dtype, remat=config.model.remat, mesh=mesh), source
 
 
-def _dry_run(config: ExperimentConfig, out_dir: str, mesh) -> int:
+def _dry_run(config: ExperimentConfig, out_dir: str, mesh, topology: str | None = None) -> int:
     """Compiles generate and the update, prints and writes memory and compile times; trains nothing."""
     algo, run_config, lora = config.algorithm, config.run, config.lora  # run() has checked the rows
     model, source = _dry_run_model(config, mesh)
@@ -261,7 +280,10 @@ def _dry_run(config: ExperimentConfig, out_dir: str, mesh) -> int:
         with open(path, "w") as f:
             json.dump(report, f, indent=2, sort_keys=True)
     memory.check_fits()
-    fits = "fits" if memory.limit else "no device limit reported; nothing to check against"
+    if topology is not None:
+        fits = f"the TPU compiler fitted each program into one {memory.device_kind} chip"
+    else:
+        fits = "fits" if memory.limit else "no device limit reported; nothing to check against"
     print(f"dry run done ({fits}); figures in {path}", flush=True)
     return 0
 

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -190,6 +191,22 @@ def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int) -> tra
                             advantage_mean=struct("advantage_mean", (), jnp.float32))
 
 
+@contextlib.contextmanager
+def _refused_by_compiler(program: str, device_kind: str):
+    """A compiler that sizes memory itself (TPU) refuses a program larger than the chip's
+    HBM; that becomes :class:`DoesNotFit` in one line, as the plan's own check does."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as exc:
+        message = str(exc).strip()
+        if "RESOURCE_EXHAUSTED" not in message:
+            raise
+        reason = message.splitlines()[0].replace("RESOURCE_EXHAUSTED: ", "").rstrip(".")
+        raise DoesNotFit(f"{program} does not fit on the {device_kind}: {reason}; try fewer rows (--n, --m, "
+                         f"--prompts-per-step), more micro-batches (--grad-accum), a shorter "
+                         f"--max-completion-length, LoRA (--lora-rank) or more devices (--mesh)") from None
+
+
 def _temp(compiled) -> int:
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0
@@ -225,7 +242,9 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
     base = abstract(base_params)
     lora = abstract(state.params) if lora_config is not None else None
     log = compile_log or compilation.CompileLog()
-    with log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"):
+    device = run_device(model.mesh)
+    with (log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"),
+          _refused_by_compiler("generation", device.device_kind)):
         gen = sampling.compile_generate(
             model, base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
             max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=tuple(eos_token_ids),
@@ -233,11 +252,11 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
     rows = prompts * algo.m
     batch = abstract_batch(model.mesh, rows, prompt_len, max_new_tokens)
     start = time.perf_counter()
-    with log.label("update", f"{rows} rows x {prompt_len + max_new_tokens} tokens"):
+    with (log.label("update", f"{rows} rows x {prompt_len + max_new_tokens} tokens"),
+          _refused_by_compiler("the update", device.device_kind)):
         update = update_fn.lower(state, batch, frozen).compile()
     update_s = time.perf_counter() - start
     stage_temp = {stage: _temp(gen[stage]) for stage in ("prefill", "decode")}
-    device = run_device(model.mesh)
     # Params: the base, the LoRA weights, and a full fine-tune's frozen reference copy.
     extra = mesh_lib.bytes_per_device(state.params) if lora_config is not None else mesh_lib.bytes_per_device(frozen)
     return MemoryPlan(

@@ -93,7 +93,7 @@ def test_a_stopped_run_continues_a_complete_one_is_read_and_a_changed_one_is_ref
 
     calls = []
 
-    def fake_run(config, out_dir, *, overwrite, resume, dry_run=False, started_at=None):
+    def fake_run(config, out_dir, *, overwrite, resume, dry_run=False, topology=None, started_at=None):
         calls.append((config, out_dir, resume))
         os.makedirs(out_dir, exist_ok=True)
         if not resume:
