@@ -263,7 +263,10 @@ class Trainer:
             trainable = base_params
             # The KL reference of a full fine-tune is a frozen copy of the start weights.
             self.frozen = jax.tree.map(jnp.copy, base_params) if algo.beta > 0 else None
-        shardings = jax.tree.map(lambda x: x.sharding, trainable) if model.mesh is not None else None
+        if model.mesh is not None:
+            shardings = jax.tree.map(lambda x: x.sharding, trainable)
+        else:  # committed, as the sampler's compiled programs return arrays: one update signature from step 1
+            trainable, shardings = jax.device_put(trainable, jax.local_devices()[0]), None
 
         def init(trainable):
             return self._init_state(trainable, shardings)

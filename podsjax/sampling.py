@@ -19,6 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh
 
 from podsjax import mesh as mesh_lib
@@ -203,24 +204,101 @@ def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key,
     return rollouts, final.cache
 
 
-@functools.lru_cache(maxsize=64)
-def _jitted_prefill(model, key: tuple[int, int]):
-    return jax.jit(functools.partial(_prefill, model, *key))
+def _signature(tree: Any, mesh: Mesh | None) -> tuple:
+    """A hashable key of a tree's structure, shapes, dtypes and (under a mesh) partition specs.
+
+    Concrete arrays and the dry run's ``ShapeDtypeStruct``s of the same placement give the
+    same key, so the programs the dry run compiles are the ones the first step runs."""
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def spec(x):
+        sharding = getattr(x, "sharding", None)
+        if mesh is None or sharding is None:
+            return None
+        parts = tuple(getattr(sharding, "spec", (str(sharding),)))
+        while parts and parts[-1] is None:
+            parts = parts[:-1]
+        return parts
+
+    return treedef, tuple((tuple(x.shape), str(x.dtype), spec(x)) for x in leaves)
 
 
-@functools.lru_cache(maxsize=64)
-def _jitted_decode(model, cfg: SamplingConfig):
-    return jax.jit(functools.partial(_decode, model, cfg), donate_argnums=3)
+def _cache_formats(cache: KVCache, mesh: Mesh | None, keys: Format, values: Format) -> KVCache:
+    """in/out shardings of a cache argument: keys and values as given, the rest as the mesh places it."""
+    shardings = cache_shardings(cache, mesh) if mesh is not None else jax.tree.map(lambda _: None, cache)
+    return shardings.replace(keys_YBKSE=keys, values_YBKSE=values)
 
 
-def jitted_stages(model, cfg: SamplingConfig):
-    """The jitted ``(prefill, decode)`` for (model, settings), shared by every caller.
+_PROGRAMS: dict = {}  # compiled stages, keyed by model, static settings and input signatures
+
+
+def _compiled(key: tuple, build, timings: dict | None):
+    if key not in _PROGRAMS:
+        start = time.perf_counter()
+        _PROGRAMS[key] = build()
+        if timings is not None:
+            timings[key[0]] = time.perf_counter() - start
+    return _PROGRAMS[key]
+
+
+def compiled_stages(model, cfg: SamplingConfig, params: Any, lora: Any, prompt_ids_BL: Any, *,
+                    timings: dict | None = None):
+    """The compiled ``(prefill, decode)`` for these inputs (arrays or ``ShapeDtypeStruct``s).
 
     ``prefill(params, lora, ids_BL, mask_BL) -> (logits_BV, cache)`` and
-    ``decode(params, lora, logits_BV, cache, key, temperature) -> (Rollouts, cache)``;
-    each compiles once per input shape (prompt bucket and row count).
+    ``decode(params, lora, logits_BV, cache, key, temperature) -> (Rollouts, cache)``.
+
+    Decode is compiled first with the KV cache's layout left to the compiler, and prefill
+    then writes the cache in the layout decode chose. A while loop may want another layout
+    than the default: XLA's TPU compiler packs kv heads with head_dim, and given a
+    default-layout cache argument it copied the whole cache on the way in and out (decode
+    temporaries as large as the cache). Each program compiles once per signature; greedy
+    evaluation and sampled rollouts of the same row count share one decode program.
+
+    Args:
+        timings: filled with the seconds of each stage this call compiled.
     """
-    return _jitted_prefill(model, cfg.prefill_key), _jitted_decode(model, cfg.decode_key)
+    return _stages(model, cfg, params, lora, prompt_ids_BL, timings)[:2]
+
+
+def _stages(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timings):
+    mesh: Mesh | None = model.mesh
+    params, lora = jax.tree.map(mesh_lib.abstract, (params, lora))
+    ids = jax.ShapeDtypeStruct(tuple(prompt_ids_BL.shape), jnp.int32)
+    weights = (_signature(params, mesh), _signature(lora, mesh))
+    call = ("stages", model, cfg.prefill_key, cfg.decode_key, weights, ids.shape)
+    if call in _PROGRAMS:  # the steady state: no tracing, no lookups by abstract values
+        return _PROGRAMS[call]
+    prefill_fn = functools.partial(_prefill, model, *cfg.prefill_key)
+    logits, cache = jax.eval_shape(prefill_fn, params, lora, ids, ids)
+    if mesh is not None:
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=mesh_lib.batch_sharding(mesh, logits.ndim))
+        cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
+                             cache_shardings(cache, mesh))
+
+    def build_decode():
+        auto = _cache_formats(cache, mesh, *(Format(Layout.AUTO, getattr(x, "sharding", None))
+                                              for x in (cache.keys_YBKSE, cache.values_YBKSE)))
+        fn = jax.jit(functools.partial(_decode, model, cfg.decode_key), donate_argnums=3,
+                     in_shardings=(None, None, None, auto, None, None), out_shardings=(None, auto))
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return fn.lower(params, lora, logits, cache, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+
+    # Keyed without the prompt count: evaluation and rollouts with as many rows share it.
+    decode = _compiled(("decode", model, cfg.decode_key, weights, _signature((logits, cache), mesh)), build_decode,
+                       timings)
+
+    def build_prefill():
+        chosen = decode.input_formats[0][3]
+        # Prompt rows placed as hosts.place_rows places them on every process.
+        rows = mesh_lib.rows_sharding(mesh, ids.shape[0], ids.ndim) if mesh is not None else None
+        fn = jax.jit(prefill_fn, in_shardings=(None, None, rows, rows),
+                     out_shardings=(None, _cache_formats(cache, mesh, chosen.keys_YBKSE, chosen.values_YBKSE)))
+        return fn.lower(params, lora, ids, ids).compile()
+
+    prefill = _compiled(("prefill",) + call[1:], build_prefill, timings)
+    _PROGRAMS[call] = prefill, decode, cache
+    return _PROGRAMS[call]
 
 
 def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_samples: int, max_new_tokens: int,
@@ -229,35 +307,31 @@ def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_
 
     ``params`` and ``lora`` may be concrete or ``jax.ShapeDtypeStruct`` trees (with
     shardings under a mesh), so the memory of a run can be known before any weight is
-    loaded. Compiled stages land in JAX's caches, so a later :func:`generate` of the same
-    shape does not compile again in-process (or loads from the persistent cache).
+    loaded. A later :func:`generate` of the same shapes runs these programs.
 
     Returns:
         ``{"prefill": Compiled, "decode": Compiled, "kv_cache_bytes": int (per device),
-        "compile_s": {"prefill": s, "decode": s}}``.
+        "compile_s": {"prefill": s, "decode": s}}`` (0 s for a program compiled before).
     """
     cfg = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
                          top_k=top_k, eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id)
-    prefill_fn, decode_fn = jitted_stages(model, cfg)
-    params, lora = jax.tree.map(mesh_lib.abstract, (params, lora))
-    ids = jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32)
-    timings, out = {}, {}
-    start = time.perf_counter()
-    out["prefill"] = prefill_fn.lower(params, lora, ids, ids).compile()
-    timings["prefill"] = time.perf_counter() - start
-    logits, cache = jax.eval_shape(prefill_fn, params, lora, ids, ids)
-    if model.mesh is not None:
-        cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
-                             cache_shardings(cache, model.mesh))
-        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype,
-                                      sharding=mesh_lib.batch_sharding(model.mesh, logits.ndim))
-    start = time.perf_counter()
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    out["decode"] = decode_fn.lower(params, lora, logits, cache, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
-    timings["decode"] = time.perf_counter() - start
-    out["kv_cache_bytes"] = mesh_lib.bytes_per_device(cache)
-    out["compile_s"] = timings
-    return out
+    timings = {"prefill": 0.0, "decode": 0.0}
+    prefill, decode, cache = _stages(model, cfg, params, lora, jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32),
+                                     timings)
+    # The cache as the device stores it: decode's donated input (a TPU layout pads head_dim
+    # 64 to 128 lanes); the logical size where the backend reports no aliasing.
+    analysis = decode.memory_analysis()
+    stored = int(analysis.alias_size_in_bytes) if analysis is not None else 0
+    return {"prefill": prefill, "decode": decode, "kv_cache_bytes": stored or mesh_lib.bytes_per_device(cache),
+            "compile_s": timings}
+
+
+def _placed(x: jax.Array, sharding) -> jax.Array:
+    """``x`` on the sharding a compiled program takes it with (a compiled program does not
+    move its inputs itself); another process's rows are already placed (hosts.place_rows)."""
+    if not x.is_fully_addressable:
+        return x
+    return jax.device_put(x, sharding)
 
 
 def generate(
@@ -339,7 +413,9 @@ def generate(
                 f"prompts x num_samples = {rows} rows must divide evenly over the mesh's "
                 f"{batch_shards} batch shards (data x fsdp)"
             )
-    prefill_fn, decode_fn = jitted_stages(model, cfg)
-    logits_BV, cache = prefill_fn(params, lora, prompt_ids_BL.astype(jnp.int32), prompt_mask_BL.astype(jnp.int32))
+    prefill_fn, decode_fn = compiled_stages(model, cfg, params, lora, prompt_ids_BL)
+    rows = prefill_fn.input_shardings[0][2]
+    prompt_ids_BL, prompt_mask_BL = (_placed(x.astype(jnp.int32), rows) for x in (prompt_ids_BL, prompt_mask_BL))
+    logits_BV, cache = prefill_fn(params, lora, prompt_ids_BL, prompt_mask_BL)
     rollouts, _ = decode_fn(params, lora, logits_BV, cache, key, jnp.float32(cfg.temperature))
     return rollouts

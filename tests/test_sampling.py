@@ -164,31 +164,35 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
     assert not any(s[0] == 48 * prompt_len for s in shapes)  # never on 3 x 16 copies
 
 
-def test_second_call_with_new_prompts_does_not_recompile(tiny):
+def _programs(model, stage):
     from podsjax import sampling
 
+    return sum(1 for key in sampling._PROGRAMS if key[0] == stage and key[1] is model)
+
+
+def test_second_call_with_new_prompts_does_not_recompile(tiny):
     _, model, params = tiny["qwen2_tied_gqa"]
     kwargs = dict(num_samples=2, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
     ids, mask = left_padded_prompts(6)
+    before = (_programs(model, "prefill"), _programs(model, "decode"))
     generate(model, params, ids, mask, jax.random.key(0), **kwargs)
-    prefill_fn, decode_fn = sampling.jitted_stages(model, sampling.SamplingConfig(**{**kwargs, "eos_token_ids": (EOS,)}))
-    sizes = (prefill_fn._cache_size(), decode_fn._cache_size())
+    first = (_programs(model, "prefill"), _programs(model, "decode"))
     ids2, mask2 = left_padded_prompts(7)
     generate(model, params, ids2, mask2, jax.random.key(1), **kwargs)
-    assert (prefill_fn._cache_size(), decode_fn._cache_size()) == sizes == (1, 1)
+    assert (_programs(model, "prefill"), _programs(model, "decode")) == first
+    assert first[0] <= before[0] + 1 and first[1] <= before[1] + 1
 
 
 def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny):
-    from podsjax import sampling
-
     _, model, params = tiny["qwen2_tied_gqa"]
     ids, mask = left_padded_prompts(6)  # 3 prompts
     sampled = generate(model, params, ids[:1], mask[:1], jax.random.key(0), num_samples=3, max_new_tokens=5,
                        temperature=0.9, eos_token_ids=EOS)  # training: 1 prompt x 3 samples
+    decodes, prefills = _programs(model, "decode"), _programs(model, "prefill")
     greedy = generate(model, params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=5,
                       temperature=0.0, eos_token_ids=EOS)  # evaluation: 3 prompts x 1 greedy sample
-    _, decode_fn = sampling.jitted_stages(model, sampling.SamplingConfig(1, 5, 0.0, eos_token_ids=(EOS,)))
-    assert decode_fn._cache_size() == 1  # one executable served both
+    assert _programs(model, "decode") == decodes  # one executable served both
+    assert _programs(model, "prefill") == prefills + 1
     # ...and the traced temperature still decides: greedy rows follow the argmax.
     logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV)
     np.testing.assert_array_equal(np.asarray(greedy.tokens)[:, 0], logits[:, -1].argmax(-1))

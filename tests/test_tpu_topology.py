@@ -66,3 +66,26 @@ def test_a_run_larger_than_the_chips_hbm_fails_in_one_line(tmp_path):
     assert done.returncode == 2, done.stderr[-3000:]
     assert len(errors) == 1 and "does not fit on the TPU v5 lite" in errors[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+@needs_libtpu
+def test_decode_takes_the_kv_cache_in_the_layout_it_chose_without_a_copy():
+    # The TPU compiler prefers a decode-loop layout of the cache that packs kv heads with
+    # head_dim; a default-layout cache argument was copied in and out (temporaries as
+    # large as the cache). Prefill now writes the layout decode asked for.
+    import jax.numpy as jnp
+
+    import podsjax.models as pm
+    from podsjax import dry_run, mesh as mesh_lib, sampling
+
+    devices = tpu_topology.compile_only_devices("v5e:2x2")
+    config = pm.ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=64, eos_token_id=2, pad_token_id=0)
+    model = pm.Decoder(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                       mesh=mesh_lib.make_mesh("1", devices=devices[:1]))
+    gen = sampling.compile_generate(model, dry_run.abstract_base(model), None, prompts=1, prompt_len=512,
+                                    num_samples=64, max_new_tokens=512, eos_token_ids=(2,))
+    decode = gen["decode"].memory_analysis()  # the donated cache is the aliased input
+    assert decode.alias_size_in_bytes > 0
+    assert decode.temp_size_in_bytes < decode.alias_size_in_bytes / 8, (decode.temp_size_in_bytes,
+                                                                        decode.alias_size_in_bytes)
