@@ -230,12 +230,20 @@ def _cache_formats(cache: KVCache, mesh: Mesh | None, keys: Format, values: Form
 
 
 _PROGRAMS: dict = {}  # compiled stages, keyed by model, static settings and input signatures
+_MAX_PROGRAMS = 192  # the oldest go first (a run has a few prompt buckets, tests many models)
+
+
+def _remember(key: tuple, value):
+    _PROGRAMS[key] = value
+    while len(_PROGRAMS) > _MAX_PROGRAMS:
+        del _PROGRAMS[next(iter(_PROGRAMS))]
+    return value
 
 
 def _compiled(key: tuple, build, timings: dict | None):
     if key not in _PROGRAMS:
         start = time.perf_counter()
-        _PROGRAMS[key] = build()
+        _remember(key, build())
         if timings is not None:
             timings[key[0]] = time.perf_counter() - start
     return _PROGRAMS[key]
@@ -297,8 +305,7 @@ def _stages(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timings):
         return fn.lower(params, lora, ids, ids).compile()
 
     prefill = _compiled(("prefill",) + call[1:], build_prefill, timings)
-    _PROGRAMS[call] = prefill, decode, cache
-    return _PROGRAMS[call]
+    return _remember(call, (prefill, decode, cache))
 
 
 def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_samples: int, max_new_tokens: int,
