@@ -281,7 +281,8 @@ def _dry_run(config: ExperimentConfig, out_dir: str, mesh, topology: str | None 
             json.dump(report, f, indent=2, sort_keys=True)
     memory.check_fits()
     if topology is not None:
-        fits = f"the TPU compiler fitted each program into one {memory.device_kind} chip"
+        fits = f"the TPU compiler fitted each program into one {memory.device_kind} chip, " + (
+            "and the peak is within its HBM" if memory.limit else "whose HBM is not known here: the peak is unchecked")
     else:
         fits = "fits" if memory.limit else "no device limit reported; nothing to check against"
     print(f"dry run done ({fits}); figures in {path}", flush=True)

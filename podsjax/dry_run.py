@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from podsjax import compilation, loop, sampling, train
 from podsjax import mesh as mesh_lib
 from podsjax import models as pm
+from podsjax.tpu_topology import HBM_BYTES
 
 FIELDS = ("params", "optimizer", "kv_cache", "generate_temp", "update_temp")
 
@@ -122,12 +123,16 @@ def run_device(mesh=None):
 
 
 def device_memory_limit(device=None) -> int | None:
-    """Bytes one device can hold, or None when the backend does not say (CPU)."""
+    """Bytes one device can hold, or None when the backend does not say (CPU). A TPU chip
+    compiled for without one (``--topology``) has its generation's HBM."""
+    device = device or run_device()
     try:
-        stats = (device or run_device()).memory_stats()
+        stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-        return None
-    return int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return HBM_BYTES.get(device.device_kind) if device.platform == "tpu" else None
 
 
 def _with_shardings(tree: Any, shardings: Any) -> Any:

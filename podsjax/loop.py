@@ -266,7 +266,8 @@ class Trainer:
         if model.mesh is not None:
             shardings = jax.tree.map(lambda x: x.sharding, trainable)
         else:  # committed, as the sampler's compiled programs return arrays: one update signature from step 1
-            trainable, shardings = jax.device_put(trainable, jax.local_devices()[0]), None
+            device = next(iter(jax.tree.leaves(base_params)[0].devices()))
+            trainable, shardings = jax.device_put(trainable, device), None
 
         def init(trainable):
             return self._init_state(trainable, shardings)

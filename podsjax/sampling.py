@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import threading
 import time
 from typing import Any
 
@@ -215,7 +216,8 @@ def _signature(tree: Any, mesh: Mesh | None) -> tuple:
         sharding = getattr(x, "sharding", None)
         if mesh is None or sharding is None:
             return None
-        parts = tuple(getattr(sharding, "spec", (str(sharding),)))
+        parts = tuple(p[0] if isinstance(p, tuple) and len(p) == 1 else p
+                      for p in getattr(sharding, "spec", (str(sharding),)))
         while parts and parts[-1] is None:
             parts = parts[:-1]
         return parts
@@ -231,6 +233,7 @@ def _cache_formats(cache: KVCache, mesh: Mesh | None, keys: Format, values: Form
 
 _PROGRAMS: dict = {}  # compiled stages, keyed by model, static settings and input signatures
 _MAX_PROGRAMS = 192  # the oldest go first (a run has a few prompt buckets, tests many models)
+_LOCK = threading.RLock()
 
 
 def _remember(key: tuple, value):
@@ -270,6 +273,11 @@ def compiled_stages(model, cfg: SamplingConfig, params: Any, lora: Any, prompt_i
 
 
 def _stages(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timings):
+    with _LOCK:  # one compile per program, whichever thread asks first
+        return _stages_locked(model, cfg, params, lora, prompt_ids_BL, timings)
+
+
+def _stages_locked(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timings):
     mesh: Mesh | None = model.mesh
     params, lora = jax.tree.map(mesh_lib.abstract, (params, lora))
     ids = jax.ShapeDtypeStruct(tuple(prompt_ids_BL.shape), jnp.int32)
@@ -301,7 +309,8 @@ def _stages(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timings):
         # Prompt rows placed as hosts.place_rows places them on every process.
         rows = mesh_lib.rows_sharding(mesh, ids.shape[0], ids.ndim) if mesh is not None else None
         fn = jax.jit(prefill_fn, in_shardings=(None, None, rows, rows),
-                     out_shardings=(None, _cache_formats(cache, mesh, chosen.keys_YBKSE, chosen.values_YBKSE)))
+                     out_shardings=(getattr(logits, "sharding", None),
+                                    _cache_formats(cache, mesh, chosen.keys_YBKSE, chosen.values_YBKSE)))
         return fn.lower(params, lora, ids, ids).compile()
 
     prefill = _compiled(("prefill",) + call[1:], build_prefill, timings)
@@ -333,12 +342,16 @@ def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_
             "compile_s": timings}
 
 
-def _placed(x: jax.Array, sharding) -> jax.Array:
-    """``x`` on the sharding a compiled program takes it with (a compiled program does not
-    move its inputs itself); another process's rows are already placed (hosts.place_rows)."""
-    if not x.is_fully_addressable:
-        return x
-    return jax.device_put(x, sharding)
+def _placed(tree: Any, shardings: Any) -> Any:
+    """``tree`` on the shardings a compiled program takes (it does not move its inputs
+    itself, as ``jax.jit`` would). Arrays across processes are left as they are: the loop
+    places them (``hosts.place_rows``)."""
+    def place(x, sharding):
+        if x is None or (isinstance(x, jax.Array) and (not x.is_fully_addressable or x.sharding == sharding)):
+            return x
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(place, tree, shardings, is_leaf=lambda x: x is None)
 
 
 def generate(
@@ -420,9 +433,14 @@ def generate(
                 f"prompts x num_samples = {rows} rows must divide evenly over the mesh's "
                 f"{batch_shards} batch shards (data x fsdp)"
             )
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)  # a jax.random.PRNGKey
+    if key.shape != ():
+        raise ValueError(f"key must be one PRNG key; got shape {key.shape}")
     prefill_fn, decode_fn = compiled_stages(model, cfg, params, lora, prompt_ids_BL)
-    rows = prefill_fn.input_shardings[0][2]
-    prompt_ids_BL, prompt_mask_BL = (_placed(x.astype(jnp.int32), rows) for x in (prompt_ids_BL, prompt_mask_BL))
+    params, lora, prompt_ids_BL, prompt_mask_BL = _placed(
+        (params, lora, prompt_ids_BL.astype(jnp.int32), prompt_mask_BL.astype(jnp.int32)),
+        prefill_fn.input_shardings[0])
     logits_BV, cache = prefill_fn(params, lora, prompt_ids_BL, prompt_mask_BL)
     rollouts, _ = decode_fn(params, lora, logits_BV, cache, key, jnp.float32(cfg.temperature))
     return rollouts

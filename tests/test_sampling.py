@@ -164,6 +164,17 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
     assert not any(s[0] == 48 * prompt_len for s in shapes)  # never on 3 x 16 copies
 
 
+def test_a_raw_prng_key_samples_what_its_typed_key_does(tiny):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(6)
+    kwargs = dict(num_samples=2, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
+    typed = generate(model, params, ids, mask, jax.random.key(5), **kwargs)
+    raw = generate(model, params, ids, mask, jax.random.PRNGKey(5), **kwargs)
+    np.testing.assert_array_equal(np.asarray(raw.tokens), np.asarray(typed.tokens))
+    with pytest.raises(ValueError, match="key must be one PRNG key; got shape"):
+        generate(model, params, ids, mask, jax.random.split(jax.random.key(5)), **kwargs)
+
+
 def _programs(model, stage):
     from podsjax import sampling
 

@@ -51,7 +51,8 @@ def test_dry_run_compiles_for_a_tpu_slice_this_host_does_not_have(tmp_path):
     report = json.load(open(out / "dry_run.json"))
     assert report["device_kind"] == "TPU v5 lite" and report["devices"] == 2, report
     assert report["update_temp"] > 0 and report["kv_cache"] > 0
-    assert "the TPU compiler fitted each program into one TPU v5 lite chip" in done.stdout
+    assert report["limit"] == tpu_topology.HBM_BYTES["TPU v5 lite"]  # the peak is checked against a chip's HBM
+    assert "fitted each program into one TPU v5 lite chip, and the peak is within its HBM" in done.stdout
 
 
 @needs_libtpu
