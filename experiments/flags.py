@@ -298,7 +298,7 @@ def check(args, config: ExperimentConfig) -> None:
         raise UsageError("--resume and --overwrite exclude each other")
     if args.no_compile_cache and args.compile_cache_dir is not None:
         raise UsageError("--no-compile-cache and --compile-cache-dir exclude each other")
-    if getattr(args, "topology", None) and not args.dry_run:
+    if args.topology and not args.dry_run:
         raise UsageError("--topology compiles for a TPU slice that this host does not have, so it only goes "
                          "with --dry-run")
     if config.run.task != args.task:

@@ -36,8 +36,12 @@ def _mesh(spec, topology: str | None = None):
     if jax.default_backend() != "cpu" and jax.device_count() < wanted:
         raise UsageError(f"--mesh {spec} needs {wanted} devices but this {jax.default_backend()} host has "
                          f"{jax.device_count()}")
+    return _make_mesh(spec)
+
+
+def _make_mesh(spec, devices=None):
     try:
-        return mesh_lib.make_mesh(spec)
+        return mesh_lib.make_mesh(spec, devices=devices)
     except ValueError as exc:
         raise UsageError(f"--mesh {spec}: {exc}") from None
 
@@ -53,10 +57,7 @@ def _topology_mesh(spec, topology: str):
     wanted = len(devices) if spec is None else mesh_device_count(spec)
     if wanted > len(devices):
         raise UsageError(f"--mesh {spec} needs {wanted} devices but the TPU slice {topology} has {len(devices)}")
-    try:
-        return mesh_lib.make_mesh(spec, devices=devices[:wanted])
-    except ValueError as exc:
-        raise UsageError(f"--mesh {spec}: {exc}") from None
+    return _make_mesh(spec, devices[:wanted])
 
 
 def _load_tasks(config: ExperimentConfig):

@@ -30,6 +30,9 @@ from podsjax import models as pm
 from podsjax.tpu_topology import HBM_BYTES
 
 FIELDS = ("params", "optimizer", "kv_cache", "generate_temp", "update_temp")
+# What shrinks a run's memory per device, for the one-line refusals.
+_REMEDIES = ("fewer rows (--n, --m, --prompts-per-step), more micro-batches (--grad-accum), a shorter "
+             "--max-completion-length, LoRA (--lora-rank) or more devices (--mesh)")
 
 
 class DoesNotFit(ValueError):
@@ -109,8 +112,7 @@ class MemoryPlan:
             f"this run needs {b(self.total)} per device but the {self.device_kind} has {b(self.limit)} "
             f"(params {b(self.params)}, optimizer {b(self.optimizer)}, KV cache {b(self.kv_cache)}, "
             f"generate temporaries {b(self.generate_temp)}, update temporaries {b(self.update_temp)}); "
-            f"try {hint}fewer rows (--n, --m, --prompts-per-step), more micro-batches (--grad-accum), a shorter "
-            f"--max-completion-length, LoRA (--lora-rank) or more devices (--mesh)")
+            f"try {hint}{_REMEDIES}")
 
 
 def run_device(mesh=None):
@@ -207,9 +209,7 @@ def _refused_by_compiler(program: str, device_kind: str):
         if "RESOURCE_EXHAUSTED" not in message:
             raise
         reason = message.splitlines()[0].replace("RESOURCE_EXHAUSTED: ", "").rstrip(".")
-        raise DoesNotFit(f"{program} does not fit on the {device_kind}: {reason}; try fewer rows (--n, --m, "
-                         f"--prompts-per-step), more micro-batches (--grad-accum), a shorter "
-                         f"--max-completion-length, LoRA (--lora-rank) or more devices (--mesh)") from None
+        raise DoesNotFit(f"{program} does not fit on the {device_kind}: {reason}; try {_REMEDIES}") from None
 
 
 def _temp(compiled) -> int:
