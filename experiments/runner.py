@@ -183,6 +183,8 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
     start = time.time()
     trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
                            rewards=make_rewards(config), started_at=started_at)
+    if lora is None:
+        params = None  # the trainer holds the policy; a second copy of the weights would stay alive
     try:
         _check_fits(trainer)
     except BaseException:
@@ -196,7 +198,9 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
     else:
         final_params = trainer.state.params
     export_dir = os.path.join(out_dir, "final_model")
-    pm.save_pretrained(model, final_params, export_dir, lora=state_lora, overwrite=True, tokenizer_from=checkpoint)
+    # In the checkpoint's dtype: a bf16 full fine-tune's fp32 master weights are not what was loaded.
+    pm.save_pretrained(model, final_params, export_dir, lora=state_lora, dtype=dtype, overwrite=True,
+                       tokenizer_from=checkpoint)
     if state_lora is not None:  # the adapters alone too, for PEFT users: PeftModel.from_pretrained(base, dir)
         adapter_dir = os.path.join(out_dir, ADAPTER_DIRNAME)
         peft_io.save_peft_adapter(model, state_lora, adapter_dir, overwrite=True,
@@ -206,7 +210,7 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
     if best is not None:
         best_dir = os.path.join(out_dir, BEST_MODEL_DIRNAME)
         base, lora = (params, best) if lora is not None else (best, None)
-        pm.save_pretrained(model, base, best_dir, lora=lora, overwrite=True, tokenizer_from=checkpoint)
+        pm.save_pretrained(model, base, best_dir, lora=lora, dtype=dtype, overwrite=True, tokenizer_from=checkpoint)
         export_dir += (f"\nbest model ({trainer.best.accuracy:.1%} at step {trainer.best.step}; "
                        f"chosen on the eval split): {best_dir}")
     if hosts.is_primary():
@@ -227,7 +231,7 @@ def _check_fits(trainer, limit: int | None = None) -> dry_run_lib.MemoryPlan | N
     run = trainer.run_config
     print("checking that the run fits in device memory ...", flush=True)
     memory = dry_run_lib.plan(
-        trainer.model, trainer.algo, trainer.lora_config, base_params=trainer.base_params,
+        trainer.model, trainer.algo, trainer.lora_config, base_params=trainer.policy_params()[0],
         prompts=loop.prompt_rows(run, trainer.algo), prompt_len=_prompt_len(run), max_new_tokens=run.max_new_tokens,
         eos_token_ids=trainer.eos_ids, pad_token_id=prompts.pad_token_id(trainer.tokenizer),
         update_fn=trainer.step_fn, optimizer=trainer.optimizer, state=trainer.state, frozen=trainer.frozen,

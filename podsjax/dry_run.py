@@ -52,7 +52,8 @@ class MemoryPlan:
     """Bytes per device of what a step holds, and the compile seconds of each program.
 
     Attributes:
-        params: model weights, LoRA weights, and a full fine-tune's frozen KL reference copy.
+        params: the weights the sampler reads, the trained weights (LoRA, or a full
+            fine-tune's fp32 master copy of bf16 weights), and a full fine-tune's KL reference.
         optimizer: optimizer state (AdamW moments of what is trained).
         kv_cache: the sampler's KV cache.
         generate_temp: XLA temporaries of generation (the larger of prefill and decode).
@@ -169,8 +170,10 @@ def abstract_state(model, algo: train.AlgorithmConfig, optimizer, lora_config: p
             shardings = mesh_lib.tree_shardings(mesh, pm.lora_logical_axes(trainable), trainable.weights)
             trainable = trainable.replace(weights=_with_shardings(trainable.weights, shardings))
         frozen = base_params
-    else:
-        trainable = base_params
+    else:  # fp32 master weights of a narrower model, sharded as the model (train.master_weights)
+        trainable = jax.eval_shape(train.master_weights, base_params)
+        if mesh is not None:
+            trainable = _with_shardings(trainable, jax.tree.map(lambda x: x.sharding, base_params))
         frozen = base_params if algo.beta > 0 else None  # the Trainer's frozen KL reference copy
     state = jax.eval_shape(lambda t: train.init_state(t, optimizer), trainable)
     if mesh is None:
@@ -215,6 +218,16 @@ def _refused_by_compiler(program: str, device_kind: str):
 def _temp(compiled) -> int:
     analysis = compiled.memory_analysis()
     return int(analysis.temp_size_in_bytes) if analysis is not None else 0
+
+
+def _param_bytes(base: Any, trained: Any, frozen: Any) -> int:
+    """Bytes per device of the weights a run holds: what the sampler reads, what is trained
+    (LoRA, or a full fine-tune's fp32 master weights), and a full fine-tune's KL reference.
+    A full fine-tune in its own dtype trains the sampler's weights: counted once."""
+    same = jax.tree.structure(base) == jax.tree.structure(trained) and all(
+        b.dtype == t.dtype for b, t in zip(jax.tree.leaves(base), jax.tree.leaves(trained)))
+    trained_bytes = 0 if same else mesh_lib.bytes_per_device(trained)
+    return mesh_lib.bytes_per_device(base) + trained_bytes + mesh_lib.bytes_per_device(frozen)
 
 
 def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, *, base_params: Any,
@@ -262,10 +275,8 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
         update = update_fn.lower(state, batch, frozen).compile()
     update_s = time.perf_counter() - start
     stage_temp = {stage: _temp(gen[stage]) for stage in ("prefill", "decode")}
-    # Params: the base, the LoRA weights, and a full fine-tune's frozen reference copy.
-    extra = mesh_lib.bytes_per_device(state.params) if lora_config is not None else mesh_lib.bytes_per_device(frozen)
     return MemoryPlan(
-        params=mesh_lib.bytes_per_device(base) + extra,
+        params=_param_bytes(base, state.params, frozen),
         optimizer=mesh_lib.bytes_per_device(state.opt_state),
         kv_cache=int(gen["kv_cache_bytes"]),
         generate_temp=max(stage_temp.values()),

@@ -222,6 +222,21 @@ def update_program(model, algo: train.AlgorithmConfig, lora: LoraConfig | None):
     return optimizer, jax.jit(update, donate_argnums=0)
 
 
+def _policy_copy_program(params: Any) -> Callable[[Any], Any] | None:
+    """A jitted cast of master weights back to ``params``' dtypes and shardings, or None
+    when ``train.master_weights`` keeps every leaf as it is."""
+    leaves, treedef = jax.tree.flatten(params)
+    dtypes = [x.dtype for x in leaves]  # not the arrays: the program must not keep them alive
+    if dtypes == [x.dtype for x in jax.tree.leaves(jax.eval_shape(train.master_weights, params))]:
+        return None
+    shardings = treedef.unflatten([x.sharding for x in leaves])
+
+    def policy_copy(master):  # the name compile reports use
+        return treedef.unflatten([x.astype(d) for x, d in zip(jax.tree.leaves(master), dtypes)])
+
+    return jax.jit(policy_copy, out_shardings=shardings)
+
+
 class Trainer:
     """Owns the state, the jitted step, the reward pool, checkpoints and metrics of one run.
 
@@ -263,6 +278,8 @@ class Trainer:
             trainable = base_params
             # The KL reference of a full fine-tune is a frozen copy of the start weights.
             self.frozen = jax.tree.map(jnp.copy, base_params) if algo.beta > 0 else None
+        self._policy_copy = _policy_copy_program(base_params) if lora is None else None
+        self._policy_step = 0  # the update step base_params' policy copy was cast at
         if model.mesh is not None:
             shardings = jax.tree.map(lambda x: x.sharding, trainable)
         else:  # committed, as the sampler's compiled programs return arrays: one update signature from step 1
@@ -274,6 +291,8 @@ class Trainer:
 
         with self.compile_log.label("init"):
             state = jax.jit(init)(trainable)
+        if lora is None and self._policy_copy is None:
+            self.base_params = None  # the state's params are the policy: no second copy stays
         self.batch_fn = batch_program(model.mesh, prompt_rows(run, algo) * algo.m)
         os.makedirs(run.out_dir, exist_ok=True)
         self.host = HostState()  # replaced by a checkpoint's, if one is restored below
@@ -330,17 +349,30 @@ class Trainer:
         state = train.init_state(trainable, self.optimizer)
         if shardings is None:
             return state
+        params = jax.tree.map(jax.lax.with_sharding_constraint, state.params, shardings)
         opt_state = optax.tree_utils.tree_map_params(
             self.optimizer, lambda x, s: jax.lax.with_sharding_constraint(x, s), state.opt_state, shardings)
-        return state.replace(opt_state=opt_state)
+        return state.replace(params=params, opt_state=opt_state)
 
     # -- one step ---------------------------------------------------------------------
 
     def policy_params(self):
-        """(params, lora) to sample from: the current policy."""
+        """(params, lora) to sample from: the current policy, in the model's dtype.
+
+        A full fine-tune of bf16 weights trains fp32 master weights (``train.master_weights``);
+        the sampler reads a bf16 copy of them, cast once per update into ``base_params``.
+        """
         if self.lora_config is not None:
             return self.base_params, self.state.params
-        return self.state.params, None
+        if self._policy_copy is None:  # the weights are trained in their own dtype
+            return self.state.params, None
+        step = int(self.state.step)
+        if step != self._policy_step:
+            self.base_params = None  # the old copy goes before the new one is made
+            with self.compile_log.label("policy copy"):
+                self.base_params = self._policy_copy(self.state.params)
+            self._policy_step = step
+        return self.base_params, None
 
     def train_step(self) -> dict[str, float]:
         run, algo = self.run_config, self.algo

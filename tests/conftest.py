@@ -64,6 +64,7 @@ SLOW_TESTS = {
     "test_experiments_cli.py::test_real_checkpoint_run_on_mesh_8_then_resume",
     "test_faults_cli.py::test_a_full_disk_stops_with_one_line_and_resume_is_exact",
     "test_grpo.py::test_equal_rewards_give_exactly_zero_advantages",
+    "test_loop.py::test_a_bf16_full_fine_tune_trains_fp32_master_weights_and_samples_their_bf16_copy",
     "test_loop.py::test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many",
     "test_loop.py::test_each_program_compiles_once_and_the_console_says_so",
     "test_loop.py::test_groups_per_prompt_draws_each_prompt_as_several_groups",

@@ -143,6 +143,45 @@ def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_
         memory.check_fits()
 
 
+def test_a_bf16_full_fine_tune_trains_fp32_master_weights_and_samples_their_bf16_copy(tmp_path_factory, data_dir,
+                                                                                     tmp_path):
+    from experiments import runner
+
+    checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("bf16_ckpt"))
+    mesh = mesh_lib.make_mesh("8")
+    model, params = pm.from_pretrained(checkpoint, dtype=jnp.bfloat16, mesh=mesh)
+    tokenizer = prompts.load_tokenizer(checkpoint)
+    gsm8k = os.path.join(data_dir, "gsm8k")
+    examples = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=4).examples
+    run = loop.RunConfig(out_dir=str(tmp_path / "run"), max_steps=2, prompts_per_step=2, max_new_tokens=8,
+                         max_prompt_length=256, eval_every_s=None, reward_workers=1, checkpoint_every_steps=1,
+                         progress=False, console=False)
+    algo = train.method_config("pods", n=4, m=2, learning_rate=1e-3)
+    param_bytes = mesh_lib.bytes_per_device(params)
+    floating = lambda tree: {str(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+    trainer = loop.Trainer(model, params, tokenizer, examples, examples, algo, run)
+    del params
+    try:
+        memory = runner._check_fits(trainer, limit=2**40)
+        assert memory.params == 3 * param_bytes  # the sampler's bf16 weights and their fp32 master copy
+        assert 0 <= memory.optimizer - 4 * param_bytes <= 16  # two fp32 moments and the step counts
+        trainer.run()
+        assert floating(trainer.state) == {"float32"}
+        sampled, _ = trainer.policy_params()
+        assert floating(sampled) == {"bfloat16"}
+        for copy, master in zip(jax.tree.leaves(sampled), jax.tree.leaves(trainer.state.params)):
+            assert copy.sharding.is_equivalent_to(master.sharding, copy.ndim)
+            np.testing.assert_array_equal(np.asarray(copy), np.asarray(master.astype(jnp.bfloat16)))
+        counts = trainer.compile_counts  # the copy has the loaded weights' signature: no new sampler program
+        assert counts["generate[decode]"] == 1 and counts["policy copy[policy_copy]"] == 1, counts
+    finally:
+        trainer.close()
+    # The checkpoint holds the fp32 state: restoring into it checks every leaf's dtype.
+    _, _, restored = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(str(tmp_path / "run" / "checkpoints"))
+                                           ).restore_latest(jax.tree.map(mesh_lib.abstract, trainer.state))
+    assert restored == 2
+
+
 def test_progress_log_prints_the_first_step_then_by_time_or_steps():
     now, printed = [0.0], []
     lines = metrics.ProgressLog(printed.append, every_s=30.0, every_steps=5, clock=lambda: now[0])

@@ -114,6 +114,40 @@ def test_sharded_step_equals_single_device(model_and_params):
     assert not embed.sharding.is_fully_replicated
 
 
+def _floating_dtypes(tree):
+    return {str(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+def test_bf16_full_fine_tune_keeps_fp32_master_weights_and_follows_the_fp32_run():
+    # bf16 weights of N(0, 0.02) at lr 5e-6: each AdamW step is far below a bf16 weight's
+    # spacing, so a bf16 state loses most updates and a bf16 norm scale of 1 never moves.
+    model16 = pm.Decoder(CONFIG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    params16 = pm.init_params(model16, jax.random.key(0))
+    assert _floating_dtypes(params16) == {"bfloat16"}
+    start = jax.tree.map(lambda x: x.astype(jnp.float32), params16)  # one start for both runs
+    config = train.AlgorithmConfig(algorithm="grpo", n=N, m=N, learning_rate=5e-6)
+    batch, _ = train.build_batch(*random_rollouts(0), config)
+
+    def twenty_steps(model, params):
+        step, state = full_ft(model, config, params)
+        step = jax.jit(step)
+        for _ in range(20):
+            state, _ = step(state, batch, None)
+        return state
+
+    state16 = twenty_steps(model16, params16)
+    state32 = twenty_steps(pm.Decoder(CONFIG), start)
+    assert _floating_dtypes((state16.params, state16.opt_state)) == {"float32"}
+    moved16, moved32 = ([np.asarray(x, np.float64) - np.asarray(s, np.float64)
+                         for x, s in zip(jax.tree.leaves(state.params), jax.tree.leaves(start))]
+                        for state in (state16, state32))
+    for a in moved16:
+        assert np.mean(a != 0) > 0.99  # every weight moved, norm scales included
+    # The bf16-compute run moves the master weights as the fp32 run moves its weights.
+    diff = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(moved16, moved32)))
+    assert diff <= 0.1 * np.sqrt(sum(np.sum(b**2) for b in moved32))
+
+
 def test_non_finite_loss_skips_the_update(model_and_params):
     model, params = model_and_params
     config = train.method_config("grpo", n=N, m=N, learning_rate=1e-2)
