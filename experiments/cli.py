@@ -75,9 +75,23 @@ def host_device_flags(count: int, flags: str) -> str:
     return flags.strip()
 
 
-def prepare_devices(spec: str | None, processes: int = 1) -> None:
+# Device nodes of an accelerator JAX could use: NVIDIA GPUs, TPU chips (v4/v5p, v5e/v6e).
+_ACCELERATOR_NODES = ("nvidiactl", "accel0", "vfio")
+
+
+def has_accelerator(dev: str = "/dev") -> bool:
+    """Whether this host has a GPU or TPU device node (so JAX's plugins may find one)."""
+    return any(os.path.exists(os.path.join(dev, node)) for node in _ACCELERATOR_NODES)
+
+
+def prepare_devices(spec: str | None, processes: int = 1, topology: str | None = None) -> None:
     """Gives the CPU platform enough host devices for this process's part of the mesh and
-    keeps freed host memory for reuse (``experiments.host_memory``); must run before JAX starts."""
+    keeps freed host memory for reuse (``experiments.host_memory``); must run before JAX starts.
+
+    On a host with no accelerator JAX starts on the CPU alone: an installed CUDA or TPU
+    plugin would otherwise probe for its device and print pages of warnings. Compiling for
+    GPUs from such a host (``--topology h100``) still works.
+    """
     from experiments import host_memory
 
     count = mesh_device_count(spec)
@@ -86,7 +100,16 @@ def prepare_devices(spec: str | None, processes: int = 1) -> None:
     host_memory.retain_freed_memory()
     if _jax_started():
         return
-    os.environ["XLA_FLAGS"] = host_device_flags(count // processes, os.environ.get("XLA_FLAGS", ""))
+    if "JAX_PLATFORMS" not in os.environ and not has_accelerator():
+        os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes
+        if "jax" in sys.modules:  # the config tree imported it, and it read the variable then
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
+    flags = host_device_flags(count // processes, os.environ.get("XLA_FLAGS", ""))
+    from podsjax.gpu_topology import DEVICELESS_XLA_FLAGS, is_gpu_name  # no JAX
+
+    if topology is not None and is_gpu_name(topology) and DEVICELESS_XLA_FLAGS not in flags:
+        flags = f"{flags} {DEVICELESS_XLA_FLAGS}".strip()
+    os.environ["XLA_FLAGS"] = flags
 
 
 def _jax_started() -> bool:
@@ -184,7 +207,8 @@ def setup_compile_cache(args) -> str | None:
 def start(args, config) -> None:
     """Devices, hosts and the compile cache for ``config``'s mesh, once per process and
     before JAX starts (``args.distributed`` from :func:`distributed_plan`)."""
-    prepare_devices(config.model.mesh, args.distributed[1] if isinstance(args.distributed, tuple) else 1)
+    prepare_devices(config.model.mesh, args.distributed[1] if isinstance(args.distributed, tuple) else 1,
+                    args.topology)
     start_distributed(args.distributed)
     print(f"compile cache: {setup_compile_cache(args) or 'off'}", flush=True)
 

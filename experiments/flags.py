@@ -72,9 +72,10 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="compile generate and the update, report memory per device and compile times "
                         "(also in <out>/dry_run.json), then exit without training")
-    p.add_argument("--topology", metavar="TPU_SLICE",
-                   help="with --dry-run: compile for this TPU slice on this host, without one (v5e:2x4, "
-                        "v5p:2x2x2, ...; needs pip install 'podsjax[tpu]'); --mesh defaults to all its chips")
+    p.add_argument("--topology", metavar="DEVICES",
+                   help="with --dry-run: compile for devices this host does not have: a TPU slice (v5e:2x4, "
+                        "v5p:2x2x2, ...; needs pip install 'podsjax[tpu]') or GPUs (h100, h100:8, h200, a100, "
+                        "a100:8, l40s; needs pip install 'podsjax[cuda]'); --mesh defaults to all of them")
     p.add_argument("--dataset", help="both splits at once: a local directory with <split>.jsonl/.json/.parquet "
                                      "files (--train-split, --test-split name them), or a Hub dataset "
                                      "owner/name[:config]; or a file, the train split (then --eval-data too)")
@@ -299,7 +300,7 @@ def check(args, config: ExperimentConfig) -> None:
     if args.no_compile_cache and args.compile_cache_dir is not None:
         raise UsageError("--no-compile-cache and --compile-cache-dir exclude each other")
     if args.topology and not args.dry_run:
-        raise UsageError("--topology compiles for a TPU slice that this host does not have, so it only goes "
+        raise UsageError("--topology compiles for devices that this host does not have, so it only goes "
                          "with --dry-run")
     if config.run.task != args.task:
         raise UsageError(f"the config is a {config.run.task} run; run experiments.{config.run.task}")

@@ -47,8 +47,9 @@ def _make_mesh(spec, devices=None):
 
 
 def _topology_mesh(spec, topology: str):
-    """The mesh over a TPU slice's compile-only devices (all of them unless --mesh names fewer)."""
-    from podsjax.tpu_topology import compile_only_devices
+    """The mesh over a TPU slice's or a GPU host's compile-only devices (all of them unless
+    --mesh names fewer)."""
+    from podsjax.topology import compile_only_devices
 
     try:
         devices = compile_only_devices(topology)
@@ -56,7 +57,7 @@ def _topology_mesh(spec, topology: str):
         raise UsageError(f"--topology {topology}: {exc}") from None
     wanted = len(devices) if spec is None else mesh_device_count(spec)
     if wanted > len(devices):
-        raise UsageError(f"--mesh {spec} needs {wanted} devices but the TPU slice {topology} has {len(devices)}")
+        raise UsageError(f"--mesh {spec} needs {wanted} devices but --topology {topology} has {len(devices)}")
     return _make_mesh(spec, devices[:wanted])
 
 
@@ -285,9 +286,11 @@ def _dry_run(config: ExperimentConfig, out_dir: str, mesh, topology: str | None 
         with open(path, "w") as f:
             json.dump(report, f, indent=2, sort_keys=True)
     memory.check_fits()
-    if topology is not None:
+    if topology is not None and mesh.devices.flat[0].platform == "tpu":
         fits = f"the TPU compiler fitted each program into one {memory.device_kind} chip, " + (
             "and the peak is within its HBM" if memory.limit else "whose HBM is not known here: the peak is unchecked")
+    elif topology is not None:
+        fits = f"the peak is within one {memory.device_kind}'s memory"
     else:
         fits = "fits" if memory.limit else "no device limit reported; nothing to check against"
     print(f"dry run done ({fits}); figures in {path}", flush=True)

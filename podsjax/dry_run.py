@@ -24,10 +24,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from podsjax import compilation, loop, sampling, train
+from podsjax import compilation, hlo_cost, loop, sampling, topology, train
 from podsjax import mesh as mesh_lib
 from podsjax import models as pm
-from podsjax.tpu_topology import HBM_BYTES
 
 FIELDS = ("params", "optimizer", "kv_cache", "generate_temp", "update_temp")
 # What shrinks a run's memory per device, for the one-line refusals.
@@ -65,6 +64,16 @@ class MemoryPlan:
         limit: bytes one device can hold, when the backend reports it (None on CPU).
         remat: the decoder's remat policy.
         stage_temp: temporaries of each generation stage ("prefill", "decode").
+        costs: per program ("prefill", "decode_step", "update"), the ``flops``, ``bytes``
+            and ``kernels`` per device counted from its optimized HLO (``podsjax.hlo_cost``,
+            loops times their trip counts), and ``roofline_s`` at the device's bandwidth
+            and peak flops (0 where they are not known, as on a CPU).
+        decode_step_bytes, decode_step_kernels: one decode step's bytes moved and kernels.
+        decode_step_floor_bytes: what a decode step must read: the weights it samples
+            from and the whole KV cache, once.
+        step_roofline_s: one PODS step at the device's roofline: prefill, ``max_new_tokens``
+            decode steps (every row running to the end) and the update; None off an
+            accelerator with known figures.
     """
 
     params: int
@@ -79,6 +88,11 @@ class MemoryPlan:
     limit: int | None
     remat: str = "full"
     stage_temp: dict[str, int] = dataclasses.field(default_factory=dict)
+    costs: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    decode_step_bytes: float = 0.0
+    decode_step_floor_bytes: float = 0.0
+    decode_step_kernels: float = 0.0
+    step_roofline_s: float | None = None
 
     @property
     def total(self) -> int:
@@ -101,6 +115,18 @@ class MemoryPlan:
         limit = human_bytes(self.limit) if self.limit else "not reported"
         out.append(f"  {'device limit':<21} {limit:>12}")
         out.append("compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.compile_s.items()))
+        if self.costs:
+            out.append("cost per device (from the optimized programs):")
+            for name, cost in self.costs.items():
+                roof = f", roofline {cost['roofline_s'] * 1e3:.2f} ms" if cost["roofline_s"] else ""
+                out.append(f"  {name.replace('_', ' '):<12} {cost['flops'] / 1e9:10.1f} GFLOP {human_bytes(int(cost['bytes'])):>11}"
+                           f" moved, {cost['kernels']:.0f} kernels{roof}")
+            ratio = self.decode_step_bytes / max(self.decode_step_floor_bytes, 1.0)
+            out.append(f"  decode step moves {ratio:.2f}x its floor ({human_bytes(int(self.decode_step_floor_bytes))}: "
+                       "the weights and the KV cache, read once)")
+        if self.step_roofline_s is not None:
+            out.append(f"one PODS step at the {self.device_kind}'s roofline: {self.step_roofline_s:.2f} s "
+                       "(prefill, every decode step, the update; kernel launches not counted)")
         return out
 
     def check_fits(self) -> None:
@@ -126,8 +152,8 @@ def run_device(mesh=None):
 
 
 def device_memory_limit(device=None) -> int | None:
-    """Bytes one device can hold, or None when the backend does not say (CPU). A TPU chip
-    compiled for without one (``--topology``) has its generation's HBM."""
+    """Bytes one device can hold, or None when the backend does not say (CPU). A TPU chip or
+    GPU compiled for without one (``--topology``) has its kind's memory."""
     device = device or run_device()
     try:
         stats = device.memory_stats()
@@ -135,7 +161,8 @@ def device_memory_limit(device=None) -> int | None:
         stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    return HBM_BYTES.get(device.device_kind) if device.platform == "tpu" else None
+    chip = topology.chip(device.device_kind) if device.platform != "cpu" else None
+    return chip.hbm_bytes if chip is not None else None
 
 
 def _with_shardings(tree: Any, shardings: Any) -> Any:
@@ -275,8 +302,15 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
         update = update_fn.lower(state, batch, frozen).compile()
     update_s = time.perf_counter() - start
     stage_temp = {stage: _temp(gen[stage]) for stage in ("prefill", "decode")}
+    chip = topology.chip(device.device_kind) if device.platform != "cpu" else None
+    costs = _costs(gen, update, chip)
+    floor = mesh_lib.bytes_per_device(base) + mesh_lib.bytes_per_device(lora) + int(gen["kv_cache_bytes"])
+    roofline = None
+    if chip is not None:
+        roofline = (costs["prefill"]["roofline_s"] + max_new_tokens * costs["decode_step"]["roofline_s"]
+                    + costs["update"]["roofline_s"])
     return MemoryPlan(
-        params=_param_bytes(base, state.params, frozen),
+        params=_param_bytes(base, state.params, frozen if lora_config is None else None),  # LoRA's frozen is base
         optimizer=mesh_lib.bytes_per_device(state.opt_state),
         kv_cache=int(gen["kv_cache_bytes"]),
         generate_temp=max(stage_temp.values()),
@@ -289,4 +323,20 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
         limit=device_memory_limit(device),
         remat=str(getattr(model, "remat", "none")),
         stage_temp=stage_temp,
+        costs=costs,
+        decode_step_bytes=costs["decode_step"]["bytes"],
+        decode_step_floor_bytes=float(floor),
+        decode_step_kernels=costs["decode_step"]["kernels"],
+        step_roofline_s=roofline,
     )
+
+
+def _costs(gen: dict, update, chip: topology.Chip | None) -> dict[str, dict[str, float]]:
+    """Flops, bytes, kernels and roofline seconds of prefill, one decode step and the update."""
+    rates = (chip.bandwidth, chip.peak_flops) if chip is not None else (None, None)
+    loops = hlo_cost.while_loops(gen["decode"].as_text(), *rates)
+    # The sampling loop is the one whose length depends on the data (rows stop at EOS).
+    step = max((cost for trips, cost in loops if trips is None), key=lambda c: c.bytes, default=hlo_cost.Cost())
+    programs = {"prefill": hlo_cost.program_cost(gen["prefill"].as_text(), *rates), "decode_step": step,
+                "update": hlo_cost.program_cost(update.as_text(), *rates)}
+    return {name: dataclasses.asdict(cost) for name, cost in programs.items()}

@@ -267,6 +267,14 @@ def initialize_distributed(
     return jax.process_count() > 1
 
 
+def platform(mesh: Mesh | None) -> str:
+    """The platform a program over ``mesh`` compiles for ("cpu", "gpu" or "tpu"): its devices'
+    (compile-only ones from ``podsjax.topology`` included), else JAX's default backend."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
 def host_batch_to_global(local_batch: Any, mesh: Mesh) -> Any:
     """Turns each process's slice of the batch into one global, batch-sharded array tree.
 

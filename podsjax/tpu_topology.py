@@ -17,8 +17,6 @@ import importlib.util
 import os
 import re
 
-# HBM per chip, by the device_kind XLA reports (compile-only devices report no memory).
-HBM_BYTES = {"TPU v4": 32 * 2**30, "TPU v5 lite": 16 * 2**30, "TPU v5": 95 * 2**30, "TPU v6 lite": 32 * 2**30}
 _NAME = re.compile(r"^(v[0-9][a-z0-9]*):([1-9][0-9]*(?:x[1-9][0-9]*){1,2})$")
 _CHIPS_PER_HOST = (2, 2, 1)  # a TPU VM's chip block; smaller slices are one host
 

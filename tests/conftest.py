@@ -8,9 +8,15 @@ multi-device meshes: those are pinned to the 8 CPU devices (their default device
 import os
 import tempfile
 
-from experiments.cli import host_device_flags  # noqa: E402 - imports no JAX
+from experiments.cli import has_accelerator, host_device_flags  # noqa: E402 - imports no JAX
+from podsjax.gpu_topology import DEVICELESS_XLA_FLAGS  # noqa: E402 - imports no JAX
 
 os.environ["XLA_FLAGS"] = host_device_flags(8, os.environ.get("XLA_FLAGS", ""))
+if not has_accelerator():
+    # No accelerator plugin probes for a device that is not there (pages of warnings), and
+    # the programs compiled for GPUs from here use cuBLAS GEMMs, as the CLI's do.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] += " " + DEVICELESS_XLA_FLAGS
 # CLI runs in tests keep their compiled programs out of the user's compile cache.
 os.environ.setdefault("PODSJAX_CACHE_DIR", tempfile.mkdtemp(prefix="podsjax-test-compile-cache-"))
 # Tests never touch the network.
@@ -25,6 +31,9 @@ host_memory.retain_freed_memory()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+if not has_accelerator():  # also when a plugin imported jax before the variable was set
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 from hypothesis import settings  # noqa: E402
 
 # CI replays the same examples every run; locally hypothesis keeps exploring.

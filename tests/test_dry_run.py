@@ -174,11 +174,14 @@ def test_the_configs_remat_choices_are_the_decoders():
         ModelSection(remat="all")
 
 
-def run_cli(args, tmp_path):
-    """The CLI in its own process (its own devices), caching compiles under ``tmp_path/cache``."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def run_cli(args, tmp_path, env=None, task="gsm8k"):
+    """The CLI in its own process (its own devices), caching compiles under ``tmp_path/cache``;
+    ``env`` sets variables, or removes those it maps to None."""
+    changes = {"XLA_FLAGS": None, **(env or {})}
+    env = {k: v for k, v in os.environ.items() if k not in changes}
+    env.update({k: v for k, v in changes.items() if v is not None})
     env["PODSJAX_CACHE_DIR"] = str(tmp_path / "cache")
-    return subprocess.run([sys.executable, "-m", "experiments.gsm8k", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", f"experiments.{task}", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from experiments import cli
-from podsjax import tpu_topology
+from podsjax import topology, tpu_topology
 from test_dry_run import FLAGS, config_only_checkpoint, restore_jax_cache_config, run_cli  # noqa: F401
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -51,7 +51,7 @@ def test_dry_run_compiles_for_a_tpu_slice_this_host_does_not_have(tmp_path):
     report = json.load(open(out / "dry_run.json"))
     assert report["device_kind"] == "TPU v5 lite" and report["devices"] == 2, report
     assert report["update_temp"] > 0 and report["kv_cache"] > 0
-    assert report["limit"] == tpu_topology.HBM_BYTES["TPU v5 lite"]  # the peak is checked against a chip's HBM
+    assert report["limit"] == topology.CHIPS["TPU v5 lite"].hbm_bytes  # the peak is checked against a chip's HBM
     assert "fitted each program into one TPU v5 lite chip, and the peak is within its HBM" in done.stdout
 
 

@@ -31,7 +31,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from podsjax import mesh as mesh_lib
 from podsjax.models.cache import KVCache
@@ -155,34 +155,47 @@ def _remat_policy(name: str):
     raise ValueError(f"remat must be one of {REMAT_POLICIES}; got {name!r}")
 
 
-def attention_implementation(requested: str, dtype: Any, head_dim: int) -> str:
+def attention_implementation(requested: str, dtype: Any, head_dim: int, platform: str | None = None) -> str:
     """"cudnn" (flash attention) where cuDNN can run it, else "xla".
 
     cuDNN needs a GPU, 16-bit inputs and a head size that is a multiple of 8 up to 128;
     "auto" picks it exactly then, so fp32 tests and CPU/TPU runs take the XLA path.
+    ``platform`` is the one compiled for (``mesh.platform``; default: JAX's backend).
     """
     if requested not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}; got {requested!r}")
     if requested != "auto":
         return requested
     fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0
-    return "cudnn" if fits and head_dim <= 128 and jax.default_backend() == "gpu" else "xla"
+    return "cudnn" if fits and head_dim <= 128 and (platform or jax.default_backend()) == "gpu" else "xla"
 
 
 def attend(q_BLHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BLS: jax.Array,
-           implementation: str = "xla") -> jax.Array:
+           implementation: str = "xla", mesh: Mesh | None = None) -> jax.Array:
     """Grouped-query softmax attention through ``jax.nn.dot_product_attention``.
 
     Query head h uses kv head ``h // (H // K)``; K/V are never repeated. Scores and
     softmax are fp32 on both paths. Every query must allow at least one key (the
     decoder always allows a query its own slot), so no row is fully masked: cuDNN
     and the backward pass would otherwise meet 0/0.
+
+    On a mesh of several devices cuDNN runs per device on its rows (``shard_map``): jax's
+    own partitioning of the cuDNN call failed to compile an update on 8 GPUs with the
+    batch split over ("data", "fsdp").
     """
-    mask_B1LS = allowed_BLS[:, None]
-    return jax.nn.dot_product_attention(q_BLHE, k_BSKE, v_BSKE, mask=mask_B1LS, implementation=implementation)
+    def call(q, k, v, allowed):
+        return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation=implementation)
+
+    if implementation != "cudnn" or mesh is None or mesh.size == 1:
+        return call(q_BLHE, k_BSKE, v_BSKE, allowed_BLS)
+    rows = mesh_lib.logical_to_spec(("batch",), mesh, q_BLHE.shape[:1])
+    specs = tuple(PartitionSpec(*rows, *[None] * (x.ndim - 1)) for x in (q_BLHE, k_BSKE, v_BSKE, allowed_BLS))
+    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
+        q_BLHE, k_BSKE, v_BSKE, allowed_BLS)
 
 
-def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BLS: jax.Array) -> jax.Array:
+def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BLS: jax.Array,
+                  platform: str | None = None) -> jax.Array:
     """:func:`attend` over a head-major cache layer ``[B, K, S, E]``, for few queries (decode).
 
     Both matmuls read the cache in its stored dtype and accumulate in fp32: decode is
@@ -191,7 +204,7 @@ def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allow
     """
     b, length, h, e = q_BLHE.shape
     k = k_BKSE.shape[1]
-    if jax.default_backend() == "cpu" and k_BKSE.dtype != jnp.float32:
+    if (platform or jax.default_backend()) == "cpu" and k_BKSE.dtype != jnp.float32:
         # XLA:CPU has no 16-bit batched dot with an fp32 result (it fails at run time);
         # it would compute in fp32 anyway.
         k_BKSE, v_BKSE = k_BKSE.astype(jnp.float32), v_BKSE.astype(jnp.float32)
@@ -249,7 +262,7 @@ class Attention(_LayerModule):
         q_BLHE, k_BLKE = apply_rope(q_BLHE, rope), apply_rope(k_BLKE, rope)
 
         if cache is None:
-            out_BLHE = attend(q_BLHE, k_BLKE, v_BLKE, allowed_BLS, self.implementation)
+            out_BLHE = attend(q_BLHE, k_BLKE, v_BLKE, allowed_BLS, self.implementation, self.mesh)
         else:
             # Scatter the new keys/values into this layer's slots of the stacked cache, in
             # place in the scan carry; out-of-range slots are dropped. With the slice between
@@ -262,11 +275,11 @@ class Attention(_LayerModule):
             cache = cache.replace(keys_YBKSE=keys, values_YBKSE=values)
             k_BKSE, v_BKSE = keys[layer_index], values[layer_index]
             if x_BLD.shape[1] == 1:
-                out_BLHE = attend_cached(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
+                out_BLHE = attend_cached(q_BLHE, k_BKSE, v_BKSE, allowed_BLS, mesh_lib.platform(self.mesh))
             else:  # prefill: one transpose of the layer, then flash attention where available
                 k_BSKE, v_BSKE = k_BKSE.transpose(0, 2, 1, 3), v_BKSE.transpose(0, 2, 1, 3)
                 out_BLHE = attend(q_BLHE, k_BSKE.astype(q_BLHE.dtype), v_BSKE.astype(q_BLHE.dtype), allowed_BLS,
-                                  self.implementation)
+                                  self.implementation, self.mesh)
         return proj("o", (d,), out_BLHE), cache
 
 
@@ -491,7 +504,7 @@ class Decoder(nn.Module):
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.param_dtype, self.mesh, name="embed")
         x_BLD = mesh_lib.constrain(embed(input_ids_BL), self.mesh, ("batch", "length", "act_embed"))
         rope = rope_tables(positions_BL, rope_inv_freq(cfg), self.dtype)
-        implementation = attention_implementation(self.attention, self.dtype, cfg.head_dim)
+        implementation = attention_implementation(self.attention, self.dtype, cfg.head_dim, mesh_lib.platform(self.mesh))
         lora_layers = lora.weights.get("layers", {}) if lora is not None else {}
         lora_scale = lora.scale if lora is not None else 1.0
         blocks = scanned_blocks(self.remat)(cfg, self.dtype, self.param_dtype, self.mesh, implementation, lora_scale,

@@ -1,0 +1,121 @@
+"""--dry-run --topology h100: XLA's GPU compiler plans a run on a host without a GPU."""
+
+import importlib.util
+import json
+import os
+import re
+
+import jax.numpy as jnp
+import pytest
+
+import podsjax.models as pm
+from podsjax import dry_run, gpu_topology, hlo_cost, loop, sampling, topology, train
+from podsjax import mesh as mesh_lib
+from test_dry_run import FLAGS, config_only_checkpoint, run_cli
+
+HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+needs_cuda_plugin = pytest.mark.skipif(not HAS_CUDA_PLUGIN, reason="jax's CUDA plugin is not installed "
+                                                                  "(pip install 'podsjax[cuda]')")
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize("name", ["b200", "h100:", "h100:0", "h100:9", "H100", "gpu"])
+def test_a_bad_gpu_topology_is_refused_in_one_line(name):
+    with pytest.raises(ValueError, match="topology") as info:
+        topology.compile_only_devices(name)
+    assert "\n" not in str(info.value)
+
+
+def test_without_the_cuda_plugin_the_error_says_what_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+    with pytest.raises(ValueError, match=r"needs jax's CUDA plugin on this host: pip install 'podsjax\[cuda\]'"):
+        topology.compile_only_devices("h100")
+
+
+def test_every_gpu_has_its_figures_and_a_target_description():
+    for name, info in gpu_topology.GPUS.items():
+        chip = topology.chip(info["kind"])
+        assert chip.hbm_bytes == info["device_memory_size"] and chip.bandwidth > 1e11 and chip.peak_flops > 1e14
+        text = gpu_topology.target_config(name)
+        assert f'device_description_str: "{info["kind"]}"' in text and "cuda_compute_capability" in text
+
+
+@pytest.fixture(scope="module")
+def h100_model():
+    if not HAS_CUDA_PLUGIN:
+        pytest.skip("jax's CUDA plugin is not installed")
+    config = pm.ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=64, eos_token_id=2, pad_token_id=0)
+    mesh = mesh_lib.make_mesh("1", devices=topology.compile_only_devices("h100"))
+    assert mesh_lib.platform(mesh) == "gpu"
+    return pm.Decoder(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, mesh=mesh)
+
+
+@needs_cuda_plugin
+def test_the_h100_update_runs_cudnn_attention_forward_and_backward(h100_model):
+    algo = train.method_config("pods", n=8, m=4)
+    lora = pm.LoraConfig(rank=4, alpha=8.0)
+    optimizer, update = loop.update_program(h100_model, algo, lora)
+    state, frozen = dry_run.abstract_state(h100_model, algo, optimizer, lora, dry_run.abstract_base(h100_model))
+    text = update.lower(state, dry_run.abstract_batch(h100_model.mesh, 4, 64, 64), frozen).compile().as_text()
+    calls = set(hlo_cost.custom_call_targets(text))
+    assert any("fmha" in c and "Backward" not in c for c in calls), calls
+    assert any("fmha" in c and "Backward" in c for c in calls), calls
+
+
+@needs_cuda_plugin
+def test_h100_decode_reads_the_kv_cache_in_bf16(h100_model):
+    # The attention choice follows the device compiled for, not this host's CPU backend:
+    # on a CPU the cache is upcast to fp32 (XLA:CPU has no bf16 batched dot with an fp32
+    # result), which on a GPU would double the bytes each decode step reads.
+    gen = sampling.compile_generate(h100_model, dry_run.abstract_base(h100_model), None, prompts=1, prompt_len=64,
+                                    num_samples=8, max_new_tokens=64, eos_token_ids=(2,))
+    text = gen["decode"].as_text()
+    assert "bf16[2,8,2,128,64]" in text  # the cache: layers, rows, kv heads, slots, head_dim
+    assert not re.search(r"f32\[[0-9,]*8,2,128,64\]", text)  # no fp32 copy of it, nor of a layer
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_h100_plan_from_config_json_alone_reports_costs_and_the_roofline(tmp_path):
+    checkpoint = config_only_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "run"
+    done = run_cli(["--model", checkpoint, "--dry-run", "--topology", "h100", "--mesh", "1", "--out", str(out),
+                    "--dtype", "bfloat16", *FLAGS], tmp_path, env={"JAX_PLATFORMS": None})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "cuInit" not in done.stderr  # no probe for a GPU that is not here
+    report = json.load(open(out / "dry_run.json"))
+    assert report["device_kind"] == H100 and report["limit"] == gpu_topology.GPUS["h100"]["device_memory_size"]
+    for program in ("prefill", "decode_step", "update"):
+        cost = report["costs"][program]
+        assert cost["bytes"] > 0 and cost["flops"] > 0 and cost["kernels"] > 0 and cost["roofline_s"] > 0, program
+    assert report["decode_step_bytes"] >= report["decode_step_floor_bytes"] > 0
+    assert report["step_roofline_s"] > report["costs"]["update"]["roofline_s"]
+    assert "decode step moves" in done.stdout and f"one PODS step at the {H100}'s roofline" in done.stdout
+    assert "within one NVIDIA H100 80GB HBM3's memory" in done.stdout
+
+
+def _checkpoint(tmp_path, shape):
+    directory = tmp_path / shape
+    os.makedirs(directory)
+    with open(directory / "config.json", "w") as f:
+        json.dump(pm.checkpoint_shape(shape).to_hf_dict("bfloat16"), f)
+    return str(directory)
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+@pytest.mark.parametrize("setting,task,shape,gpus", [
+    ("a", "gsm8k", "Qwen2.5-3B", "h100"), ("b", "gsm8k", "Llama-3.2-3B", "h100"), ("c", "math", "Qwen2.5-3B", "h100"),
+    ("d", "chemistry", "Qwen2.5-3B", "h100"), ("e", "gsm8k", "Qwen2.5-3B", "h100:8")])
+def test_the_paper_settings_fit_their_h100s(tmp_path, setting, task, shape, gpus):
+    # a-d: LoRA on one GPU; e: a full fine-tune on 8.
+    out = tmp_path / "run"
+    done = run_cli(["--model", _checkpoint(tmp_path, shape), "--setting", setting, "--dry-run", "--topology", gpus,
+                    "--out", str(out), *(["--dataset", "data/chemistry"] if task == "chemistry" else [])],
+                   tmp_path, task=task)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.load(open(out / "dry_run.json"))
+    assert report["total"] <= report["limit"] and report["devices"] == (8 if gpus == "h100:8" else 1)
