@@ -210,6 +210,9 @@ def start(args, config) -> None:
     prepare_devices(config.model.mesh, args.distributed[1] if isinstance(args.distributed, tuple) else 1,
                     args.topology)
     start_distributed(args.distributed)
+    if args.topology:  # programs for absent devices cannot be loaded back from the cache
+        print("compile cache: off (compiling for devices this host does not have)", flush=True)
+        return
     print(f"compile cache: {setup_compile_cache(args) or 'off'}", flush=True)
 
 

@@ -63,7 +63,9 @@ class MemoryPlan:
         devices: devices the model is sharded over.
         limit: bytes one device can hold, when the backend reports it (None on CPU).
         remat: the decoder's remat policy.
-        stage_temp: temporaries of each generation stage ("prefill", "decode").
+        stage_temp: temporaries of each generation stage ("weights", "prefill", "decode").
+        rollout_weights: the sampler's merged per-layer copy of the weights
+            (``podsjax.models.rollout``), held while generating.
         costs: per program ("prefill", "decode_step", "update"), the ``flops``, ``bytes``
             and ``kernels`` per device counted from its optimized HLO (``podsjax.hlo_cost``,
             loops times their trip counts), and ``roofline_s`` at the device's bandwidth
@@ -88,6 +90,7 @@ class MemoryPlan:
     limit: int | None
     remat: str = "full"
     stage_temp: dict[str, int] = dataclasses.field(default_factory=dict)
+    rollout_weights: int = 0
     costs: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     decode_step_bytes: float = 0.0
     decode_step_floor_bytes: float = 0.0
@@ -98,7 +101,7 @@ class MemoryPlan:
     def total(self) -> int:
         """Peak bytes per device: params and optimizer state stay; the KV cache lives only
         while generating, the update batch only while updating."""
-        generating = self.kv_cache + self.generate_temp
+        generating = self.rollout_weights + self.kv_cache + self.generate_temp
         updating = self.batch + self.update_temp
         return self.params + self.optimizer + max(generating, updating)
 
@@ -107,7 +110,8 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The human-readable report, one figure per line."""
-        rows = [("params", self.params), ("optimizer", self.optimizer), ("KV cache", self.kv_cache),
+        rows = [("params", self.params), ("optimizer", self.optimizer), ("rollout weights", self.rollout_weights),
+                ("KV cache", self.kv_cache),
                 ("update batch", self.batch), ("generate temporaries", self.generate_temp),
                 ("update temporaries", self.update_temp), ("total (peak)", self.total)]
         out = [f"memory per device ({self.devices} x {self.device_kind}, remat {self.remat}):"]
@@ -137,7 +141,8 @@ class MemoryPlan:
         b = human_bytes
         raise DoesNotFit(
             f"this run needs {b(self.total)} per device but the {self.device_kind} has {b(self.limit)} "
-            f"(params {b(self.params)}, optimizer {b(self.optimizer)}, KV cache {b(self.kv_cache)}, "
+            f"(params {b(self.params)}, optimizer {b(self.optimizer)}, rollout weights {b(self.rollout_weights)}, "
+            f"KV cache {b(self.kv_cache)}, "
             f"generate temporaries {b(self.generate_temp)}, update temporaries {b(self.update_temp)}); "
             f"try {hint}{_REMEDIES}")
 
@@ -301,10 +306,10 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
           _refused_by_compiler("the update", device.device_kind)):
         update = update_fn.lower(state, batch, frozen).compile()
     update_s = time.perf_counter() - start
-    stage_temp = {stage: _temp(gen[stage]) for stage in ("prefill", "decode")}
+    stage_temp = {stage: _temp(gen[stage]) for stage in ("weights", "prefill", "decode") if gen[stage] is not None}
     chip = topology.chip(device.device_kind) if device.platform != "cpu" else None
     costs = _costs(gen, update, chip)
-    floor = mesh_lib.bytes_per_device(base) + mesh_lib.bytes_per_device(lora) + int(gen["kv_cache_bytes"])
+    floor = int(gen["weights_read_bytes"]) + int(gen["kv_cache_bytes"])
     roofline = None
     if chip is not None:
         roofline = (costs["prefill"]["roofline_s"] + max_new_tokens * costs["decode_step"]["roofline_s"]
@@ -313,11 +318,12 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
         params=_param_bytes(base, state.params, frozen if lora_config is None else None),  # LoRA's frozen is base
         optimizer=mesh_lib.bytes_per_device(state.opt_state),
         kv_cache=int(gen["kv_cache_bytes"]),
+        rollout_weights=int(gen["rollout_weights_bytes"]),
         generate_temp=max(stage_temp.values()),
         update_temp=_temp(update),
         batch=mesh_lib.bytes_per_device(batch),
-        compile_s={"prefill": float(gen["compile_s"]["prefill"]), "decode": float(gen["compile_s"]["decode"]),
-                   "update": update_s},
+        compile_s={**{stage: float(seconds) for stage, seconds in gen["compile_s"].items()
+                      if gen[stage] is not None}, "update": update_s},
         device_kind=device.device_kind,
         devices=1 if model.mesh is None else model.mesh.size,
         limit=device_memory_limit(device),

@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.layout import Format, Layout
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podsjax import mesh as mesh_lib
-from podsjax.models.cache import KVCache, cache_shardings, decode_step, init_cache, prefill
+from podsjax.models import cache as cache_lib
+from podsjax.models import rollout
+from podsjax.models.decoder import rollout_layers_for
 
 
 @flax.struct.dataclass
@@ -116,37 +118,100 @@ def _sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
     """
     logits_BV = logits_BV.astype(jnp.float32)
     greedy = temperature <= 0
-    scaled_BV = logits_BV / jnp.where(greedy, 1.0, temperature)
 
-    def sampled():
-        return jax.random.categorical(key, _filter_logits(scaled_BV, cfg.top_k, cfg.top_p), axis=-1)
+    def scaled():
+        return logits_BV / jnp.where(greedy, 1.0, temperature)
+
+    def sampled():  # scaled inside the branch, so the draw reads the logits once
+        return jax.random.categorical(key, _filter_logits(scaled(), cfg.top_k, cfg.top_p), axis=-1)
 
     tokens_B = lax.cond(greedy, lambda: jnp.argmax(logits_BV, axis=-1), sampled)
     if not cfg.return_logprobs:
         return tokens_B, None
+    scaled_BV = scaled()
     picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, picked_B - jax.nn.logsumexp(scaled_BV, axis=-1)
+
+
+class _Layers:
+    """How the sampler runs the decoder: the weights it reads, its KV cache, one forward."""
+
+    def weights(self, model, params, lora):
+        raise NotImplementedError
+
+    def empty_cache(self, model, batch: int, max_len: int):
+        raise NotImplementedError
+
+    def cache_shardings(self, cache, mesh):
+        raise NotImplementedError
+
+    def forward(self, model, weights, ids_BL, mask_BL, cache, last_only: bool = False):
+        raise NotImplementedError
+
+
+class _Scanned(_Layers):
+    """The training layout: stacked params (+ LoRA) under the layer scan, a stacked cache."""
+
+    def weights(self, model, params, lora):
+        return params, lora
+
+    def empty_cache(self, model, batch, max_len):
+        return cache_lib.init_cache(model.config, batch, max_len, dtype=model.dtype)
+
+    def cache_shardings(self, cache, mesh):
+        return cache_lib.cache_shardings(cache, mesh)
+
+    def forward(self, model, weights, ids_BL, mask_BL, cache, last_only=False):
+        params, lora = weights
+        out = model.apply({"params": params}, ids_BL, mask_BL, cache=cache, lora=lora,
+                          logits_slice=slice(-1, None) if last_only else None)
+        return out.logits_BLV, out.cache
+
+
+class _Unrolled(_Layers):
+    """Merged per-layer weights and a per-layer cache (``podsjax.models.rollout``)."""
+
+    def weights(self, model, params, lora):
+        return rollout.rollout_weights(model, params, lora)
+
+    def empty_cache(self, model, batch, max_len):
+        return rollout.empty_cache(model.config, batch, max_len, model.dtype)
+
+    def cache_shardings(self, cache, mesh):
+        return rollout.cache_shardings(cache, mesh)
+
+    def forward(self, model, weights, ids_BL, mask_BL, cache, last_only=False):
+        return rollout.forward(model, weights, ids_BL, mask_BL, cache, last_only=last_only)
+
+
+_LAYERS = {"scanned": _Scanned(), "unrolled": _Unrolled()}
+
+
+def _layers(model) -> _Layers:
+    return _LAYERS[rollout_layers_for(model.rollout_layers, mesh_lib.platform(model.mesh))]
 
 
 @flax.struct.dataclass
 class _Carry:
     step: jax.Array
-    logits_BV: jax.Array
+    token_B: jax.Array  # sampled for this step, not yet written
+    logprob_B: jax.Array | None
     tokens_BT: jax.Array
     logprobs_BT: jax.Array | None
     done_B: jax.Array
-    cache: KVCache
+    cache: Any
 
 
-def _prefill(model, num_samples: int, max_new_tokens: int, params, lora, prompt_ids_BL, prompt_mask_BL):
+def _prefill(model, num_samples: int, max_new_tokens: int, weights, prompt_ids_BL, prompt_mask_BL):
     """Prefills each prompt once and shares its cache and last logits across its n samples."""
+    layers = _layers(model)
     b, prompt_len = prompt_ids_BL.shape
-    cache = init_cache(model.config, b, prompt_len + max_new_tokens, dtype=model.dtype)
-    logits_BLV, cache = prefill(model, params, prompt_ids_BL, prompt_mask_BL, cache, lora=lora, last_only=True)
+    cache = layers.empty_cache(model, b, prompt_len + max_new_tokens)
+    logits_BLV, cache = layers.forward(model, weights, prompt_ids_BL, prompt_mask_BL, cache, last_only=True)
     logits_BV = jnp.repeat(logits_BLV[:, -1], num_samples, axis=0)
     cache = cache.repeat(num_samples)
     if model.mesh is not None:
-        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, model.mesh))
+        cache = jax.lax.with_sharding_constraint(cache, layers.cache_shardings(cache, model.mesh))
     return _constrain_rows(model, logits_BV), cache
 
 
@@ -154,8 +219,7 @@ def _constrain_rows(model, x):
     return mesh_lib.constrain(x, model.mesh, ("batch",) + (None,) * (x.ndim - 1))
 
 
-def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key,
-            temperature) -> tuple[Rollouts, KVCache]:
+def _decode(model, cfg: SamplingConfig, weights, logits_BV, cache, key, temperature) -> tuple[Rollouts, Any]:
     """Samples up to T tokens per row in one while_loop.
 
     The final cache is returned so the donated input cache aliases it and the
@@ -167,24 +231,30 @@ def _decode(model, cfg: SamplingConfig, params, lora, logits_BV, cache, key,
     def cond(c: _Carry):
         return (c.step < t_max) & ~jnp.all(c.done_B)
 
+    def draw(logits_BV, step):
+        token_B, logprob_B = _sample(logits_BV, jax.random.fold_in(key, step), temperature, cfg)
+        return _constrain_rows(model, token_B), logprob_B
+
     def body(c: _Carry) -> _Carry:
-        token_B, logprob_B = _sample(c.logits_BV, jax.random.fold_in(key, c.step), temperature, cfg)
-        token_B = jnp.where(c.done_B, cfg.pad_token_id, token_B)
+        # The next token is drawn in the step that computes its logits, so the [B, V]
+        # logits never enter the loop state (the state's copy was a large share of a step).
+        token_B = jnp.where(c.done_B, cfg.pad_token_id, c.token_B)
         done_B = c.done_B | jnp.any(token_B[:, None] == eos_E, axis=-1)
         tokens_BT = lax.dynamic_update_index_in_dim(c.tokens_BT, token_B, c.step, axis=1)
         logprobs_BT = None
         if cfg.return_logprobs:
-            logprob_B = jnp.where(c.done_B, 0.0, logprob_B)
+            logprob_B = jnp.where(c.done_B, 0.0, c.logprob_B)
             logprobs_BT = lax.dynamic_update_index_in_dim(c.logprobs_BT, logprob_B, c.step, axis=1)
         # Finished rows still run (the batch is static) but write masked slots.
-        logits_BV, cache = decode_step(
-            model, params, token_B[:, None], c.cache, lora=lora, attention_mask_B1=~c.done_B[:, None]
-        )
-        return _Carry(c.step + 1, _constrain_rows(model, logits_BV), tokens_BT, logprobs_BT, done_B, cache)
+        logits_B1V, cache = _layers(model).forward(model, weights, token_B[:, None], ~c.done_B[:, None], c.cache)
+        next_B, next_logprob_B = draw(_constrain_rows(model, logits_B1V[:, 0]), c.step + 1)
+        return _Carry(c.step + 1, next_B, next_logprob_B, tokens_BT, logprobs_BT, done_B, cache)
 
+    first_B, first_logprob_B = draw(logits_BV, 0)
     init = _Carry(
         step=jnp.int32(0),
-        logits_BV=logits_BV,
+        token_B=first_B,
+        logprob_B=first_logprob_B,
         tokens_BT=_constrain_rows(model, jnp.full((rows, t_max), cfg.pad_token_id, jnp.int32)),
         logprobs_BT=_constrain_rows(model, jnp.zeros((rows, t_max), jnp.float32)) if cfg.return_logprobs else None,
         done_B=_constrain_rows(model, jnp.zeros((rows,), bool)),
@@ -225,10 +295,26 @@ def _signature(tree: Any, mesh: Mesh | None) -> tuple:
     return treedef, tuple((tuple(x.shape), str(x.dtype), spec(x)) for x in leaves)
 
 
-def _cache_formats(cache: KVCache, mesh: Mesh | None, keys: Format, values: Format) -> KVCache:
-    """in/out shardings of a cache argument: keys and values as given, the rest as the mesh places it."""
-    shardings = cache_shardings(cache, mesh) if mesh is not None else jax.tree.map(lambda _: None, cache)
-    return shardings.replace(keys_YBKSE=keys, values_YBKSE=values)
+def _on_mesh(x: jax.ShapeDtypeStruct, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
+    """An input placed off the model's mesh (a LoRA tree made without one) is taken
+    replicated on it; ``generate`` moves it there, as jit would."""
+    sharding = x.sharding
+    if mesh is None or (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def _cache_formats(cache, mesh: Mesh | None, layout) -> Any:
+    """in/out shardings of a cache argument: ``layout(x)`` for its keys and values (every
+    array of 4 or more dims), the others as the mesh places them."""
+    shardings = _layers_of(cache).cache_shardings(cache, mesh) if mesh is not None else jax.tree.map(
+        lambda _: None, cache)
+    return jax.tree.map(lambda x, s: layout(x, s) if x.ndim >= 4 else s, cache, shardings,
+                        is_leaf=lambda x: x is None)
+
+
+def _layers_of(cache) -> _Layers:
+    return _LAYERS["unrolled" if isinstance(cache, rollout.RolloutCache) else "scanned"]
 
 
 _PROGRAMS: dict = {}  # compiled stages, keyed by model, static settings and input signatures
@@ -254,10 +340,11 @@ def _compiled(key: tuple, build, timings: dict | None):
 
 def compiled_stages(model, cfg: SamplingConfig, params: Any, lora: Any, prompt_ids_BL: Any, *,
                     timings: dict | None = None):
-    """The compiled ``(prefill, decode)`` for these inputs (arrays or ``ShapeDtypeStruct``s).
+    """The compiled ``(weights, prefill, decode)`` for these inputs (arrays or ``ShapeDtypeStruct``s).
 
-    ``prefill(params, lora, ids_BL, mask_BL) -> (logits_BV, cache)`` and
-    ``decode(params, lora, logits_BV, cache, key, temperature) -> (Rollouts, cache)``.
+    ``weights(params, lora) -> RolloutWeights`` (``podsjax.models.rollout``: merged, a
+    buffer per layer), ``prefill(weights, ids_BL, mask_BL) -> (logits_BV, cache)`` and
+    ``decode(weights, logits_BV, cache, key, temperature) -> (Rollouts, cache)``.
 
     Decode is compiled first with the KV cache's layout left to the compiler, and prefill
     then writes the cache in the layout decode chose. A while loop may want another layout
@@ -269,7 +356,7 @@ def compiled_stages(model, cfg: SamplingConfig, params: Any, lora: Any, prompt_i
     Args:
         timings: filled with the seconds of each stage this call compiled.
     """
-    return _stages(model, cfg, params, lora, prompt_ids_BL, timings)[:2]
+    return _stages(model, cfg, params, lora, prompt_ids_BL, timings)[:3]
 
 
 def _stages(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timings):
@@ -279,42 +366,56 @@ def _stages(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timings):
 
 def _stages_locked(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timings):
     mesh: Mesh | None = model.mesh
-    params, lora = jax.tree.map(mesh_lib.abstract, (params, lora))
+    params, lora = jax.tree.map(lambda x: _on_mesh(mesh_lib.abstract(x), mesh), (params, lora))
     ids = jax.ShapeDtypeStruct(tuple(prompt_ids_BL.shape), jnp.int32)
-    weights = (_signature(params, mesh), _signature(lora, mesh))
-    call = ("stages", model, cfg.prefill_key, cfg.decode_key, weights, ids.shape)
+    inputs = (_signature(params, mesh), _signature(lora, mesh))
+    call = ("stages", model, cfg.prefill_key, cfg.decode_key, inputs, ids.shape)
     if call in _PROGRAMS:  # the steady state: no tracing, no lookups by abstract values
         return _PROGRAMS[call]
+    layers = _layers(model)
+    weights_fn, weights = None, (params, lora)  # the scanned layout reads the params themselves
+    if isinstance(layers, _Unrolled):
+        merge = functools.partial(rollout.rollout_weights, model)
+        weights = jax.eval_shape(merge, params, lora)
+        placed = rollout.weights_shardings(weights, mesh) if mesh is not None else None
+        if mesh is not None:
+            weights = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p), weights, placed)
+
+        def build_weights():
+            return jax.jit(merge, out_shardings=placed).lower(params, lora).compile()
+
+        weights_fn = _compiled(("weights", model) + inputs, build_weights, timings)
     prefill_fn = functools.partial(_prefill, model, *cfg.prefill_key)
-    logits, cache = jax.eval_shape(prefill_fn, params, lora, ids, ids)
+    logits, cache = jax.eval_shape(prefill_fn, weights, ids, ids)
     if mesh is not None:
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=mesh_lib.batch_sharding(mesh, logits.ndim))
-        cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), cache,
-                             cache_shardings(cache, mesh))
+        cache = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p), cache,
+                             layers.cache_shardings(cache, mesh))
+    key_sig = _signature(weights, mesh)
 
     def build_decode():
-        auto = _cache_formats(cache, mesh, *(Format(Layout.AUTO, getattr(x, "sharding", None))
-                                              for x in (cache.keys_YBKSE, cache.values_YBKSE)))
-        fn = jax.jit(functools.partial(_decode, model, cfg.decode_key), donate_argnums=3,
-                     in_shardings=(None, None, None, auto, None, None), out_shardings=(None, auto))
+        auto = _cache_formats(cache, mesh, lambda x, s: Format(Layout.AUTO, s))
+        fn = jax.jit(functools.partial(_decode, model, cfg.decode_key), donate_argnums=2,
+                     in_shardings=(None, None, auto, None, None), out_shardings=(None, auto))
         key = jax.eval_shape(lambda: jax.random.key(0))
-        return fn.lower(params, lora, logits, cache, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+        return fn.lower(weights, logits, cache, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
 
     # Keyed without the prompt count: evaluation and rollouts with as many rows share it.
-    decode = _compiled(("decode", model, cfg.decode_key, weights, _signature((logits, cache), mesh)), build_decode,
+    decode = _compiled(("decode", model, cfg.decode_key, key_sig, _signature((logits, cache), mesh)), build_decode,
                        timings)
 
     def build_prefill():
-        chosen = decode.input_formats[0][3]
+        chosen = iter(f for x, f in zip(jax.tree.leaves(cache), jax.tree.leaves(decode.input_formats[0][2]))
+                      if x.ndim >= 4)
         # Prompt rows placed as hosts.place_rows places them on every process.
         rows = mesh_lib.rows_sharding(mesh, ids.shape[0], ids.ndim) if mesh is not None else None
-        fn = jax.jit(prefill_fn, in_shardings=(None, None, rows, rows),
+        fn = jax.jit(prefill_fn, in_shardings=(None, rows, rows),
                      out_shardings=(getattr(logits, "sharding", None),
-                                    _cache_formats(cache, mesh, chosen.keys_YBKSE, chosen.values_YBKSE)))
-        return fn.lower(params, lora, ids, ids).compile()
+                                    _cache_formats(cache, mesh, lambda x, s: next(chosen))))
+        return fn.lower(weights, ids, ids).compile()
 
     prefill = _compiled(("prefill",) + call[1:], build_prefill, timings)
-    return _remember(call, (prefill, decode, cache))
+    return _remember(call, (weights_fn, prefill, decode, cache))
 
 
 def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_samples: int, max_new_tokens: int,
@@ -331,14 +432,18 @@ def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_
     """
     cfg = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
                          top_k=top_k, eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id)
-    timings = {"prefill": 0.0, "decode": 0.0}
-    prefill, decode, cache = _stages(model, cfg, params, lora, jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32),
-                                     timings)
+    timings = {"weights": 0.0, "prefill": 0.0, "decode": 0.0}
+    weights, prefill, decode, cache = _stages(model, cfg, params, lora,
+                                              jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32), timings)
     # The cache as the device stores it: decode's donated input (a TPU layout pads head_dim
     # 64 to 128 lanes); the logical size where the backend reports no aliasing.
     analysis = decode.memory_analysis()
     stored = int(analysis.alias_size_in_bytes) if analysis is not None else 0
-    return {"prefill": prefill, "decode": decode, "kv_cache_bytes": stored or mesh_lib.bytes_per_device(cache),
+    # What decode reads of the weights: the unrolled layout's copy, or the params themselves.
+    read = mesh_lib.bytes_per_device(weights.out_info if weights is not None else (params, lora))
+    return {"weights": weights, "prefill": prefill, "decode": decode,
+            "kv_cache_bytes": stored or mesh_lib.bytes_per_device(cache),
+            "rollout_weights_bytes": read if weights is not None else 0, "weights_read_bytes": read,
             "compile_s": timings}
 
 
@@ -437,10 +542,13 @@ def generate(
         key = jax.random.wrap_key_data(key)  # a jax.random.PRNGKey
     if key.shape != ():
         raise ValueError(f"key must be one PRNG key; got shape {key.shape}")
-    prefill_fn, decode_fn = compiled_stages(model, cfg, params, lora, prompt_ids_BL)
-    params, lora, prompt_ids_BL, prompt_mask_BL = _placed(
-        (params, lora, prompt_ids_BL.astype(jnp.int32), prompt_mask_BL.astype(jnp.int32)),
-        prefill_fn.input_shardings[0])
-    logits_BV, cache = prefill_fn(params, lora, prompt_ids_BL, prompt_mask_BL)
-    rollouts, _ = decode_fn(params, lora, logits_BV, cache, key, jnp.float32(cfg.temperature))
+    weights_fn, prefill_fn, decode_fn = compiled_stages(model, cfg, params, lora, prompt_ids_BL)
+    if weights_fn is not None:
+        weights = weights_fn(*_placed((params, lora), weights_fn.input_shardings[0]))
+    else:
+        weights = _placed((params, lora), prefill_fn.input_shardings[0][0])
+    prompt_ids_BL, prompt_mask_BL = _placed((prompt_ids_BL.astype(jnp.int32), prompt_mask_BL.astype(jnp.int32)),
+                                            prefill_fn.input_shardings[0][1:])
+    logits_BV, cache = prefill_fn(weights, prompt_ids_BL, prompt_mask_BL)
+    rollouts, _ = decode_fn(weights, logits_BV, cache, key, jnp.float32(cfg.temperature))
     return rollouts

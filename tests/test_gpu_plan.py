@@ -66,15 +66,32 @@ def test_the_h100_update_runs_cudnn_attention_forward_and_backward(h100_model):
 
 
 @needs_cuda_plugin
-def test_h100_decode_reads_the_kv_cache_in_bf16(h100_model):
+def test_h100_decode_reads_a_bf16_cache_layer_by_layer(h100_model):
     # The attention choice follows the device compiled for, not this host's CPU backend:
     # on a CPU the cache is upcast to fp32 (XLA:CPU has no bf16 batched dot with an fp32
-    # result), which on a GPU would double the bytes each decode step reads.
+    # result), which on a GPU would double the bytes each decode step reads. On a GPU the
+    # sampler runs the layers unrolled over a cache buffer per layer.
     gen = sampling.compile_generate(h100_model, dry_run.abstract_base(h100_model), None, prompts=1, prompt_len=64,
                                     num_samples=8, max_new_tokens=64, eos_token_ids=(2,))
     text = gen["decode"].as_text()
-    assert "bf16[2,8,2,128,64]" in text  # the cache: layers, rows, kv heads, slots, head_dim
-    assert not re.search(r"f32\[[0-9,]*8,2,128,64\]", text)  # no fp32 copy of it, nor of a layer
+    assert "bf16[8,2,128,64]" in text  # one layer of the cache: rows, kv heads, slots, head_dim
+    assert not re.search(r"(bf16|f32)\[2,8,2,128,64\]", text)  # no stacked cache
+    assert not re.search(r"f32\[[0-9,]*8,2,128,64\]", text)  # no fp32 copy of a layer
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_an_h100_decode_step_of_qwen_1_5b_moves_at_most_1_3x_its_floor():
+    # Setting a's rollouts: 64 rows of 512 + 512 tokens, bf16, LoRA r64 merged for sampling.
+    mesh = mesh_lib.make_mesh("1", devices=topology.compile_only_devices("h100"))
+    model = pm.Decoder(pm.checkpoint_shape("Qwen2.5-1.5B"), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, mesh=mesh)
+    algo = train.method_config("pods")
+    lora = pm.LoraConfig(rank=64, alpha=64.0)
+    plan = dry_run.plan(model, algo, lora, base_params=dry_run.abstract_base(model), prompts=1, prompt_len=512,
+                        max_new_tokens=512, eos_token_ids=(151645,))
+    assert plan.decode_step_bytes <= 1.3 * plan.decode_step_floor_bytes, (plan.decode_step_bytes,
+                                                                           plan.decode_step_floor_bytes)
+    assert plan.rollout_weights > 0 and plan.decode_step_kernels < 600
 
 
 @needs_cuda_plugin

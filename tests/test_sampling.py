@@ -55,9 +55,11 @@ def hf_greedy(hf, ids, mask, max_new_tokens):
     return out[:, ids.shape[1] :].numpy()
 
 
+@pytest.mark.parametrize("layers", ["scanned", "unrolled"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_is_token_exact_with_transformers_on_a_left_padded_batch(tiny, family):
+def test_greedy_is_token_exact_with_transformers_on_a_left_padded_batch(tiny, family, layers):
     hf, model, params = tiny[family]
+    model = model.clone(rollout_layers=layers)
     ids, mask = left_padded_prompts()
     ours = generate(model, params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=12,
                     temperature=0.0, eos_token_ids=EOS, pad_token_id=PAD)
@@ -150,7 +152,7 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
 
     _, model, params = tiny["qwen2_tied_gqa"]
     ids, mask = left_padded_prompts(5)
-    jaxpr = jax.make_jaxpr(lambda p, i, m: sampling._prefill(model, 16, 4, p, None, i, m))(params, ids, mask)
+    jaxpr = jax.make_jaxpr(lambda p, i, m: sampling._prefill(model, 16, 4, (p, None), i, m))(params, ids, mask)
 
     def dot_shapes(jaxpr):  # the layers run inside a scan: walk nested jaxprs too
         for eqn in jaxpr.eqns:
@@ -164,6 +166,27 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
     # Projections run as [rows, features] matmuls over the flattened batch and length.
     assert any(s[0] == 3 * prompt_len for s in shapes)  # the model runs on the 3 prompts
     assert not any(s[0] == 48 * prompt_len for s in shapes)  # never on 3 x 16 copies
+
+
+def test_unrolled_layers_sample_what_the_scanned_layers_sample_with_lora_and_on_a_mesh(tiny):
+    # The unrolled layout folds LoRA into merged per-layer weights (fp32 here, so the
+    # merge rounds at fp32) and splits rows over the mesh; the same key gives the same rollouts.
+    _, model, params = tiny["llama_untied_mqa_llama3"]
+    lora = pm.init_lora(jax.random.key(1), model, pm.LoraConfig(rank=4, alpha=8.0))
+    lora = lora.replace(weights=jax.tree.map(lambda x: x + 0.05, lora.weights))  # B = 0 would leave the base
+    ids, mask = left_padded_prompts(8)
+    kwargs = dict(num_samples=4, max_new_tokens=6, temperature=0.8, top_p=0.95, eos_token_ids=EOS,
+                  return_logprobs=True, lora=lora)
+    scanned = generate(model.clone(rollout_layers="scanned"), params, ids[:2], mask[:2], jax.random.key(4), **kwargs)
+    mesh = mesh_lib.make_mesh("data=2,fsdp=4")
+    sharded = pm.Decoder(model.config, mesh=mesh, rollout_layers="unrolled")
+    placed = jax.device_put(params, pm.param_shardings(sharded, mesh))
+    unrolled = generate(sharded, placed, ids[:2], mask[:2], jax.random.key(4), **kwargs)
+    assert np.array_equal(np.asarray(unrolled.tokens), np.asarray(scanned.tokens))
+    np.testing.assert_allclose(np.asarray(unrolled.logprobs), np.asarray(scanned.logprobs), atol=1e-4)
+    assert not np.array_equal(np.asarray(generate(model.clone(rollout_layers="scanned"), params, ids[:2], mask[:2],
+                                                  jax.random.key(4), **{**kwargs, "lora": None}).tokens),
+                              np.asarray(scanned.tokens))  # the adapters change what is sampled
 
 
 def test_more_than_one_key_is_refused_in_one_line(tiny):

@@ -144,6 +144,7 @@ class Projection(nn.Module):
 
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+ROLLOUT_LAYERS = ("auto", "scanned", "unrolled")
 
 
 def _remat_policy(name: str):
@@ -168,6 +169,19 @@ def attention_implementation(requested: str, dtype: Any, head_dim: int, platform
         return requested
     fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0
     return "cudnn" if fits and head_dim <= 128 and (platform or jax.default_backend()) == "gpu" else "xla"
+
+
+def rollout_layers_for(requested: str, platform: str) -> str:
+    """The sampler's layer layout: "auto" unrolls on GPU only.
+
+    On the H100 compiler the unrolled, merged layout moved 1.18x a Qwen2.5-1.5B decode
+    step's floor at 64 rows, against 3.0x scanned (each layer's weight and cache slices
+    were copied). The TPU compiler reads scanned weight slices in place; unrolled, its v5e
+    programs took 71 s to compile instead of 29 s.
+    """
+    if requested != "auto":
+        return requested
+    return "unrolled" if platform == "gpu" else "scanned"
 
 
 def attend(q_BLHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BLS: jax.Array,
@@ -421,6 +435,10 @@ class Decoder(nn.Module):
         mesh: when set, activations get sharding constraints from the logical rules.
         attention: one of :data:`ATTENTION_IMPLEMENTATIONS`; "auto" is cuDNN flash
             attention on GPU in 16-bit, XLA elsewhere. Decode steps always use XLA.
+        rollout_layers: one of :data:`ROLLOUT_LAYERS`, how the sampler runs the layers:
+            "scanned" over the stacked params, as training does; "unrolled" over merged
+            per-layer weights and a per-layer KV cache (``podsjax.models.rollout``);
+            "auto" is "unrolled" on GPU and "scanned" elsewhere (``rollout_layers_for``).
     """
 
     config: ModelConfig
@@ -429,10 +447,13 @@ class Decoder(nn.Module):
     remat: str = "full"
     mesh: Mesh | None = None
     attention: str = "auto"
+    rollout_layers: str = "auto"
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}; got {self.remat!r}")
+        if self.rollout_layers not in ROLLOUT_LAYERS:
+            raise ValueError(f"rollout_layers must be one of {ROLLOUT_LAYERS}; got {self.rollout_layers!r}")
         attention_implementation(self.attention, self.dtype, self.config.head_dim)  # validates the name
         super().__post_init__()
 
