@@ -337,12 +337,20 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
     )
 
 
+def _rates(chip: topology.Chip | None) -> tuple[float | None, float | None]:
+    return (chip.bandwidth, chip.peak_flops) if chip is not None else (None, None)
+
+
+def decode_step_cost(decode, chip: topology.Chip | None = None) -> hlo_cost.Cost:
+    """One step of a compiled decode program: the sampling loop's body, the loop whose
+    length depends on the data (rows stop at EOS)."""
+    loops = hlo_cost.while_loops(decode.as_text(), *_rates(chip))
+    return max((cost for trips, cost in loops if trips is None), key=lambda c: c.bytes, default=hlo_cost.Cost())
+
+
 def _costs(gen: dict, update, chip: topology.Chip | None) -> dict[str, dict[str, float]]:
     """Flops, bytes, kernels and roofline seconds of prefill, one decode step and the update."""
-    rates = (chip.bandwidth, chip.peak_flops) if chip is not None else (None, None)
-    loops = hlo_cost.while_loops(gen["decode"].as_text(), *rates)
-    # The sampling loop is the one whose length depends on the data (rows stop at EOS).
-    step = max((cost for trips, cost in loops if trips is None), key=lambda c: c.bytes, default=hlo_cost.Cost())
-    programs = {"prefill": hlo_cost.program_cost(gen["prefill"].as_text(), *rates), "decode_step": step,
-                "update": hlo_cost.program_cost(update.as_text(), *rates)}
+    programs = {"prefill": hlo_cost.program_cost(gen["prefill"].as_text(), *_rates(chip)),
+                "decode_step": decode_step_cost(gen["decode"], chip),
+                "update": hlo_cost.program_cost(update.as_text(), *_rates(chip))}
     return {name: dataclasses.asdict(cost) for name, cost in programs.items()}

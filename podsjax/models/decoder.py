@@ -244,6 +244,41 @@ class LayerCache:
     slots_BL: jax.Array
 
 
+@flax.struct.dataclass
+class CacheSlots:
+    """Where L new tokens go in a KV cache and what each may attend to.
+
+    Attributes:
+        positions_BL: RoPE positions, continuing each row's count of real tokens.
+        slots_BL: the slot each token is written to.
+        slot_mask_BS: the cache's real-token mask with the new tokens in it.
+        allowed_BLS: each token sees the real tokens up to its own slot, and itself.
+    """
+
+    positions_BL: jax.Array
+    slots_BL: jax.Array
+    slot_mask_BS: jax.Array
+    allowed_BLS: jax.Array
+
+    def bookkeeping(self, cache, mask_BL: jax.Array) -> dict[str, jax.Array]:
+        """The cache's ``mask_BS``, ``index_B`` and ``positions_B`` after the tokens."""
+        return dict(mask_BS=self.slot_mask_BS, index_B=cache.index_B + mask_BL.shape[1],
+                    positions_B=cache.positions_B + jnp.sum(mask_BL, axis=-1, dtype=jnp.int32))
+
+
+def cache_slots(cache, mask_BL: jax.Array) -> CacheSlots:
+    """:class:`CacheSlots` of tokens masked ``mask_BL`` (bool) going into ``cache`` (any cache
+    with ``mask_BS``, ``index_B`` and ``positions_B``)."""
+    b, length = mask_BL.shape
+    offsets_BL = jnp.maximum(jnp.cumsum(mask_BL, axis=-1, dtype=jnp.int32) - 1, 0)
+    slots_BL = cache.index_B[:, None] + jnp.arange(length, dtype=jnp.int32)
+    slot_mask_BS = cache.mask_BS.at[jnp.arange(b)[:, None], slots_BL].set(mask_BL)
+    slot_ids_S = jnp.arange(cache.mask_BS.shape[1], dtype=jnp.int32)
+    earlier_BLS = slot_ids_S[None, None, :] <= slots_BL[:, :, None]
+    allowed_BLS = (slot_mask_BS[:, None, :] & earlier_BLS) | (slot_ids_S[None, None, :] == slots_BL[:, :, None])
+    return CacheSlots(cache.positions_B[:, None] + offsets_BL, slots_BL, slot_mask_BS, allowed_BLS)
+
+
 class _LayerModule(nn.Module):
     """The settings every layer-level module shares (positional, in this order)."""
 
@@ -497,30 +532,21 @@ class Decoder(nn.Module):
         cfg = self.config
         b, length = input_ids_BL.shape
         mask_BL = jnp.ones((b, length), bool) if attention_mask is None else attention_mask.astype(bool)
-        offsets_BL = jnp.maximum(jnp.cumsum(mask_BL, axis=-1, dtype=jnp.int32) - 1, 0)
         layer_cache = None
         if cache is None:
             if positions_BL is None:
-                positions_BL = offsets_BL
+                positions_BL = jnp.maximum(jnp.cumsum(mask_BL, axis=-1, dtype=jnp.int32) - 1, 0)
             query_ids_L = jnp.arange(length, dtype=jnp.int32)
             # Causal over real keys; a query always sees itself, so pad rows are never fully masked.
             causal_LL = query_ids_L[:, None] >= query_ids_L[None, :]
             allowed_BLS = (causal_LL[None] & mask_BL[:, None, :]) | jnp.eye(length, dtype=bool)[None]
         else:
+            slots = cache_slots(cache, mask_BL)
             if positions_BL is None:
-                positions_BL = cache.positions_B[:, None] + offsets_BL
-            slots_BL = cache.index_B[:, None] + jnp.arange(length, dtype=jnp.int32)
-            rows_B1 = jnp.arange(b)[:, None]
-            slot_mask_BS = cache.mask_BS.at[rows_B1, slots_BL].set(mask_BL)
-            slot_ids_S = jnp.arange(cache.max_len, dtype=jnp.int32)
-            earlier_BLS = slot_ids_S[None, None, :] <= slots_BL[:, :, None]
-            allowed_BLS = (slot_mask_BS[:, None, :] & earlier_BLS) | (slot_ids_S[None, None, :] == slots_BL[:, :, None])
-            layer_cache = LayerCache(cache.keys_YBKSE, cache.values_YBKSE, slots_BL)
-            cache = cache.replace(
-                mask_BS=slot_mask_BS,
-                index_B=cache.index_B + length,
-                positions_B=cache.positions_B + jnp.sum(mask_BL, axis=-1, dtype=jnp.int32),
-            )
+                positions_BL = slots.positions_BL
+            allowed_BLS = slots.allowed_BLS
+            layer_cache = LayerCache(cache.keys_YBKSE, cache.values_YBKSE, slots.slots_BL)
+            cache = cache.replace(**slots.bookkeeping(cache, mask_BL))
 
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.param_dtype, self.mesh, name="embed")
         x_BLD = mesh_lib.constrain(embed(input_ids_BL), self.mesh, ("batch", "length", "act_embed"))

@@ -72,10 +72,6 @@ class RolloutCache:
     index_B: jax.Array
     positions_B: jax.Array
 
-    @property
-    def max_len(self) -> int:
-        return self.mask_BS.shape[1]
-
     def repeat(self, n: int) -> RolloutCache:
         """Every row ``n`` times in place order: row b becomes rows b*n .. b*n+n-1."""
         return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), self)
@@ -157,17 +153,11 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
     h, k, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b, length = ids_BL.shape
     mask_BL = mask_BL.astype(bool)
-    offsets_BL = jnp.maximum(jnp.cumsum(mask_BL, axis=-1, dtype=jnp.int32) - 1, 0)
-    positions_BL = cache.positions_B[:, None] + offsets_BL
-    slots_BL = cache.index_B[:, None] + jnp.arange(length, dtype=jnp.int32)
+    slots = dec.cache_slots(cache, mask_BL)
     rows_B1 = jnp.arange(b)[:, None]
-    slot_mask_BS = cache.mask_BS.at[rows_B1, slots_BL].set(mask_BL)
-    slot_ids_S = jnp.arange(cache.max_len, dtype=jnp.int32)
-    earlier_BLS = slot_ids_S[None, None, :] <= slots_BL[:, :, None]
-    allowed_BLS = (slot_mask_BS[:, None, :] & earlier_BLS) | (slot_ids_S[None, None, :] == slots_BL[:, :, None])
     platform = mesh_lib.platform(mesh)
     implementation = dec.attention_implementation(model.attention, dt, e, platform)
-    rope = dec.rope_tables(positions_BL, dec.rope_inv_freq(cfg), dt)
+    rope = dec.rope_tables(slots.positions_BL, dec.rope_inv_freq(cfg), dt)
 
     def rows(x):
         return mesh_lib.constrain(x, mesh, ("batch",) + (None,) * (x.ndim - 1))
@@ -184,13 +174,13 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
         v_BLKE = qkv[..., (h + k) * e:].reshape(b, length, k, e)
         q_BLHE, k_BLKE = dec.apply_rope(q_BLHE, rope), dec.apply_rope(k_BLKE, rope)
         # In place in this layer's own buffer; out-of-range slots are dropped.
-        keys[y] = keys[y].at[rows_B1, :, slots_BL].set(k_BLKE.astype(keys[y].dtype))
-        values[y] = values[y].at[rows_B1, :, slots_BL].set(v_BLKE.astype(values[y].dtype))
+        keys[y] = keys[y].at[rows_B1, :, slots.slots_BL].set(k_BLKE.astype(keys[y].dtype))
+        values[y] = values[y].at[rows_B1, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
         if length == 1:
-            out_BLHE = dec.attend_cached(q_BLHE, keys[y], values[y], allowed_BLS, platform)
+            out_BLHE = dec.attend_cached(q_BLHE, keys[y], values[y], slots.allowed_BLS, platform)
         else:
             k_BSKE, v_BSKE = (c.transpose(0, 2, 1, 3).astype(dt) for c in (keys[y], values[y]))
-            out_BLHE = dec.attend(q_BLHE, k_BSKE, v_BSKE, allowed_BLS, implementation, mesh)
+            out_BLHE = dec.attend(q_BLHE, k_BSKE, v_BSKE, slots.allowed_BLS, implementation, mesh)
         x_BLD = rows(x_BLD + dec.matmul(out_BLHE.reshape(b, length, h * e), layer.o, 1))
         hidden = _norm(x_BLD, layer.mlp_norm, cfg.rms_norm_eps, dt)
         gate_up = dec.matmul(hidden, layer.gate_up, 1)
@@ -200,7 +190,5 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
         x_BLD = x_BLD[:, -1:]
     x_BLD = _norm(x_BLD, weights.final_norm, cfg.rms_norm_eps, dt)
     head = weights.embed_VD if weights.head_VD is None else weights.head_VD
-    cache = cache.replace(keys=tuple(keys), values=tuple(values), mask_BS=slot_mask_BS,
-                          index_B=cache.index_B + length,
-                          positions_B=cache.positions_B + jnp.sum(mask_BL, axis=-1, dtype=jnp.int32))
+    cache = cache.replace(keys=tuple(keys), values=tuple(values), **slots.bookkeeping(cache, mask_BL))
     return dec.lm_logits(x_BLD, head), cache

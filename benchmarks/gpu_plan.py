@@ -1,0 +1,76 @@
+"""A decode step on a GPU against its memory floor, from XLA's GPU compiler on any host.
+
+For each GPU, checkpoint shape and row count it compiles the sampler's decode program
+deviceless (``podsjax.gpu_topology``) in both layer layouts and counts one step from the
+optimized HLO (``podsjax.hlo_cost``): bytes moved against the floor (the weights the step
+reads and the whole KV cache, once), kernels launched, and the step's roofline time.
+"unrolled" is what podsjax runs on a GPU; "scanned" is the training layout.
+
+    python -m benchmarks.gpu_plan                 # H100, Qwen2.5-1.5B and 3B, 64 and 256 rows
+    python -m benchmarks.gpu_plan --gpus h100 a100 l40s --shapes Qwen2.5-3B --rows 64
+
+Needs jax's CUDA plugin (``pip install 'podsjax[cuda]'``), not a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for GPUs from this host; probe for none here
+from podsjax.gpu_topology import DEVICELESS_XLA_FLAGS  # noqa: E402 - imports no JAX
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DEVICELESS_XLA_FLAGS}".strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import podsjax.models as pm  # noqa: E402
+from podsjax import dry_run, sampling, topology  # noqa: E402
+from podsjax import mesh as mesh_lib  # noqa: E402
+from podsjax.gpu_topology import GPUS  # noqa: E402
+
+PROMPT, COMPLETION, LORA_RANK = 512, 512, 64  # setting a's shapes
+
+
+def decode_step(gpu: str, shape: str, rows: int, layers: str) -> dict:
+    """One decode step of ``rows`` rows (64 samples per prompt) as the compiler plans it."""
+    mesh = mesh_lib.make_mesh("1", devices=topology.compile_only_devices(gpu))
+    model = pm.Decoder(pm.checkpoint_shape(shape), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, mesh=mesh,
+                       rollout_layers=layers)
+    lora = jax.eval_shape(lambda k: pm.init_lora(k, model, pm.LoraConfig(rank=LORA_RANK, alpha=64.0)),
+                          jax.random.key(0))
+    lora = lora.replace(weights=jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), lora.weights,
+        mesh_lib.tree_shardings(mesh, pm.lora_logical_axes(lora), lora.weights)))
+    gen = sampling.compile_generate(model, dry_run.abstract_base(model), lora, prompts=rows // 64,
+                                    prompt_len=PROMPT, num_samples=64, max_new_tokens=COMPLETION,
+                                    eos_token_ids=(151645,))
+    chip = topology.chip(GPUS[gpu]["kind"])
+    step = dry_run.decode_step_cost(gen["decode"], chip)
+    floor = gen["weights_read_bytes"] + gen["kv_cache_bytes"]
+    return {"bytes": step.bytes, "floor": floor, "kernels": step.kernels, "roofline_s": step.roofline_s,
+            "floor_s": floor / chip.bandwidth, "compile_s": gen["compile_s"]["decode"]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", nargs="+", default=["h100"], choices=sorted(GPUS))
+    parser.add_argument("--shapes", nargs="+", default=["Qwen2.5-1.5B", "Qwen2.5-3B"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[64, 256])
+    args = parser.parse_args(argv)
+    print(f"jax {jax.__version__}; LoRA r{LORA_RANK}, bf16, {PROMPT} + {COMPLETION} tokens, 64 samples per prompt")
+    print("| GPU | shape | rows | layers | bytes / floor | kernels | step (roofline) | floor | decode compile |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+    for gpu in args.gpus:
+        for shape in args.shapes:
+            for rows in args.rows:
+                for layers in ("unrolled", "scanned"):
+                    r = decode_step(gpu, shape, rows, layers)
+                    print(f"| {gpu} | {shape} | {rows} | {layers} | {r['bytes'] / r['floor']:.2f}x | "
+                          f"{r['kernels']:.0f} | {r['roofline_s'] * 1e3:.2f} ms | {r['floor_s'] * 1e3:.2f} ms | "
+                          f"{r['compile_s']:.1f} s |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
