@@ -23,7 +23,7 @@ import tempfile
 from typing import Any
 
 from experiments.config import METHODS, SETTINGS, ExperimentConfig, base_values, merge
-from experiments.usage import DRY_RUN_FILE, UsageError
+from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
 
 # Short names of config fields: flag -> dotted field.
 SHORTCUTS: dict[str, str] = {
@@ -329,12 +329,13 @@ def check_out(args) -> None:
     out = args.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} exists and is not a directory")
-    has_run = os.path.isfile(os.path.join(out, "config.json"))
+    # A dry run writes only dry_run.json and config.json, so it may look at any directory,
+    # and the real run may follow it into the same one.
+    planned_only = os.path.isdir(out) and set(os.listdir(out)) <= {DRY_RUN_FILE, CONFIG_FILE}
+    has_run = os.path.isfile(os.path.join(out, CONFIG_FILE)) and not planned_only
     if args.resume and not has_run:
-        raise UsageError(f"--resume: {out} holds no run to resume (no config.json)")
-    # A dry run writes only dry_run.json, so it may look at any directory, and the real
-    # run may follow it into the same one.
-    occupied = os.path.isdir(out) and set(os.listdir(out)) - {DRY_RUN_FILE}
+        raise UsageError(f"--resume: {out} holds no run to resume (no config.json of a run)")
+    occupied = os.path.isdir(out) and not planned_only
     if occupied and not (args.resume or args.overwrite or args.dry_run):
         raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from experiments import flags
 from experiments.config import ExperimentConfig
-from experiments.usage import DRY_RUN_FILE, UsageError, mesh_device_count
+from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError, mesh_device_count
 from podsjax import compilation, data, hosts, loop, prompts
 from podsjax import rewards as rewards_lib
 from podsjax import dry_run as dry_run_lib
@@ -117,8 +117,8 @@ def run(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool
             if overwrite and os.path.isdir(out_dir):
                 shutil.rmtree(out_dir)
             os.makedirs(out_dir, exist_ok=True)
-            if not resume and not dry_run:
-                with open(os.path.join(out_dir, "config.json"), "w") as f:
+            if not resume:  # a dry run records what it planned too
+                with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
                     json.dump(flags.as_json(config), f, indent=2, sort_keys=True)
     except OSError as exc:
         raise UsageError(f"cannot write the run directory {out_dir}: {exc.strerror or exc}") from None

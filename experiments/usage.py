@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 
-DRY_RUN_FILE = "dry_run.json"  # the one file --dry-run writes into --out
+DRY_RUN_FILE = "dry_run.json"  # --dry-run's figures
+CONFIG_FILE = "config.json"  # a run's resolved config (a dry run writes it too)
 
 
 class UsageError(Exception):

@@ -57,9 +57,10 @@ _GPUS = 8
 # Settings a-d. [1gpu] config/train.yaml: lr 5e-6 "constant" (HF's constant schedule
 # ignores the file's warmup_ratio 0.01), AdamW betas (0.9, 0.99), weight decay 0.1, max
 # grad norm 0.1, temperature 0.9, beta 0. The loss is per-sequence token mean, then the
-# mean over sequences.
+# mean over sequences. [1gpu] trainer/maxvargrpo_trainer.py computes the loss's log-probs
+# from the raw logits: temperature 1, whatever the sampling temperature.
 _SINGLE_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0, adam_b1=0.9, adam_b2=0.99,
-                      weight_decay=0.1, max_grad_norm=0.1, temperature=0.9, beta=0.0,
+                      weight_decay=0.1, max_grad_norm=0.1, temperature=0.9, logprob_temperature=1.0, beta=0.0,
                       aggregation="seq-mean-token-mean")
 # [1gpu] results/: GSM8K GRPO 16/16 vs PODS 64/16. GRPO-GA trains all 64 in 4 micro-batches of 16. [podsjax]
 _GSM8K_METHODS = {
@@ -89,17 +90,22 @@ _SINGLE_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="
 # PODS n = 128, m = 32 with 4, each micro-batch a new group of the GPU's one prompt:
 # groups_per_prompt = grad_accum, so an update holds 8 x 16 groups of 32 (GRPO-GA) or
 # 8 x 4 groups of 128 down-sampled to 32 (PODS), 4096 rollouts either way.
+# [8gpu] grpo_trainer.py divides the logits by the sampling temperature before its log-probs,
+# and samples with TRL's top_k 50 of that commit (use_vllm is false, so generate gets it).
 _MULTI_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0, adam_b1=0.9, adam_b2=0.999,
-                     weight_decay=0.0, max_grad_norm=1.0, temperature=0.9, beta=0.0, aggregation="token-mean")
+                     weight_decay=0.0, max_grad_norm=1.0, temperature=0.9, logprob_temperature=None, top_k=50,
+                     beta=0.0, aggregation="token-mean")
 _MULTI_METHODS = {
     "grpo-ga": dict(algorithm="grpo-ga", n=32, m=32, grad_accum=16, groups_per_prompt=16),
     "pods": dict(algorithm="pods", n=128, m=32, rule="max_variance", grad_accum=4, groups_per_prompt=4),
 }
-# [8gpu] 8 prompts per update (one per GPU), 512 + 1024 tokens, one epoch, evaluation
-# every 120 s of training (evaluation time not counted). Checkpoints every 30 min and a
-# greedy evaluation (RunConfig's defaults). [podsjax]
+# [8gpu] 8 prompts per update (one per GPU), 512 + 1024 tokens, one epoch capped at 40 min
+# of training clock (grpo_trainer.py stops there), evaluation every 120 s of training
+# (evaluation time not counted), one pass sampled at temperature 0.9 (do_sample). Checkpoints
+# every 30 min. [podsjax]
 _MULTI_RUN = dict(prompts_per_step=_GPUS, max_prompt_length=512, max_new_tokens=1024, eval_every_s=120.0,
-                  checkpoint_every_s=1800.0, time_budget_s=None, max_steps=_GSM8K_TRAIN_ROWS // _GPUS)
+                  eval_temperature=0.9, eval_repeats=1, checkpoint_every_s=1800.0, time_budget_s=40 * 60.0,
+                  max_steps=_GSM8K_TRAIN_ROWS // _GPUS)
 # [8gpu] reward_funcs accuracy, format, tag_count with reward_weights 1, 1, 1.
 _MULTI_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="exact")
 

@@ -32,8 +32,8 @@ SCHEDULES = ("constant", "cosine")
 
 
 _INT_FIELDS = ("n", "m", "grad_accum", "groups_per_prompt", "num_iterations", "total_steps", "top_k")
-_FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "top_p", "learning_rate", "warmup_ratio", "max_grad_norm",
-                 "weight_decay", "adam_b1", "adam_b2", "advantage_eps")
+_FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "logprob_temperature", "top_p", "learning_rate",
+                 "warmup_ratio", "max_grad_norm", "weight_decay", "adam_b1", "adam_b2", "advantage_eps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,9 @@ class AlgorithmConfig:
     epsilon_high: float | None = None  # upper clip range (null: epsilon)
     num_iterations: int = 1  # updates per generated batch (1: the ratio is 1)
     aggregation: str = "token-mean"  # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm
-    # The rollout policy; the update recomputes log-probs at the temperature, unfiltered.
+    # The rollout policy; the update recomputes log-probs unfiltered, at logprob_temperature.
     temperature: float = 0.9  # sampling temperature of the rollouts
+    logprob_temperature: float | None = None  # temperature of the update's log-probs (null: temperature)
     top_p: float = 1.0  # nucleus sampling mass kept (1: off)
     top_k: int = 0  # sample among the k most likely tokens (0: off)
     learning_rate: float = 5e-6  # peak learning rate
@@ -106,6 +107,8 @@ class AlgorithmConfig:
             bad(f"learning_rate must be > 0; got {self.learning_rate}")
         if not self.temperature > 0:
             bad(f"training temperature must be > 0; got {self.temperature}")
+        if self.logprob_temperature is not None and not self.logprob_temperature > 0:
+            bad(f"logprob_temperature must be > 0, or null for the sampling temperature; got {self.logprob_temperature}")
         if not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1]; got {self.top_p}")
         if self.top_k < 0:
@@ -122,6 +125,11 @@ class AlgorithmConfig:
         if self.std_scaling not in grpo.STD_SCALINGS:
             bad(f"std_scaling must be one of {grpo.STD_SCALINGS}; got {self.std_scaling!r}")
         self.loss_config  # validates epsilon, beta, aggregation
+
+    @property
+    def update_temperature(self) -> float:
+        """The temperature the update's log-probs divide by."""
+        return self.temperature if self.logprob_temperature is None else self.logprob_temperature
 
     @property
     def loss_config(self) -> grpo.LossConfig:
@@ -355,7 +363,7 @@ def make_train_step(
         raise ValueError(f"beta={config.beta} > 0 needs a reference_fn")
     loss_config = config.loss_config
     k = config.grad_accum
-    temperature = config.temperature
+    temperature = config.update_temperature
 
     def logprobs_of(trainable, frozen, mb: TrainBatch):
         return completion_logprobs(functools.partial(apply_fn, trainable, frozen), mb, temperature)

@@ -60,7 +60,9 @@ def test_dry_run_reports_every_figure_from_config_json_alone(tmp_path, capsys, r
     resident = report["params"] + report["optimizer"]
     assert report["total"] == resident + max(report["kv_cache"] + report["generate_temp"],
                                              report["batch"] + report["update_temp"])
-    assert os.listdir(out) == ["dry_run.json"]  # nothing trained, no run directory to clash with later
+    assert sorted(os.listdir(out)) == ["config.json", "dry_run.json"]  # nothing trained
+    planned = json.load(open(out / "config.json"))  # the resolved config the figures are for
+    assert planned["model"]["remat"] == "dots" and planned["algorithm"]["n"] == 8 and planned["model"]["mesh"] == "8"
     for words in ("update temporaries", "KV cache", "compiled update", "compiled generate[prefill]"):
         assert words in printed.out, printed.out
 
@@ -226,3 +228,25 @@ def test_the_plan_compiles_the_samplers_program_the_run_uses():
     decodes = {(key[2].top_p, key[2].top_k, key[2].max_new_tokens) for key in sampling._PROGRAMS
                if key[0] == "decode" and key[1] == model}
     assert (0.9, 7, 4) in decodes and (1.0, 0, 4) not in decodes, decodes
+
+
+def test_a_run_may_follow_its_dry_run_into_the_same_directory(tmp_path):
+    import argparse
+
+    from experiments import flags
+    from experiments.usage import UsageError
+
+    out = tmp_path / "run"
+    os.makedirs(out)
+    for name in ("dry_run.json", "config.json"):  # what --dry-run leaves
+        (out / name).write_text("{}")
+
+    def args(resume=False):
+        return argparse.Namespace(out=str(out), resume=resume, overwrite=False, dry_run=False)
+
+    flags.check_out(args())  # the planned run starts there
+    with pytest.raises(UsageError, match="holds no run to resume"):
+        flags.check_out(args(resume=True))
+    (out / "metrics.jsonl").write_text("")  # a run's own files: now it is a run
+    with pytest.raises(UsageError, match="is not empty"):
+        flags.check_out(args())

@@ -52,6 +52,7 @@ def test_single_gpu_defaults_are_the_authors(name):
     c = config(name, "pods")
     assert (c.learning_rate, c.schedule, c.warmup_ratio) == (5e-6, "constant", 0.0)
     assert (c.adam_b1, c.adam_b2, c.weight_decay, c.max_grad_norm, c.temperature) == (0.9, 0.99, 0.1, 0.1, 0.9)
+    assert c.update_temperature == 1.0  # maxvargrpo_trainer.py: the loss's log-probs at temperature 1
     assert c.aggregation == "seq-mean-token-mean"
     assert c.beta == (0.04 if name == "b" else 0.0)
     assert s.rewards == dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="score")
@@ -81,11 +82,14 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     assert (c.learning_rate, c.schedule, c.warmup_ratio) == (5e-6, "constant", 0.0)
     assert (c.adam_b1, c.adam_b2, c.weight_decay, c.max_grad_norm) == (0.9, 0.999, 0.0, 1.0)
     assert (c.beta, c.aggregation) == (0.0, "token-mean")
+    # grpo_trainer.py: log-probs at the sampling temperature, TRL's top_k 50 in generate.
+    assert (c.temperature, c.update_temperature, c.top_k) == (0.9, 0.9, 50)
     assert s.rewards == dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="exact")
     assert (s.run["prompts_per_step"], s.run["max_new_tokens"], s.run["eval_every_s"]) == (8, 1024, 120.0)
-    assert s.run["max_steps"] == 7473 // 8  # one epoch of GSM8K train, 8 prompts per update
+    # One epoch of GSM8K train, 8 prompts per update, capped at 40 min of training clock.
+    assert (s.run["max_steps"], s.run["time_budget_s"]) == (7473 // 8, 2400.0)
     run = loop.RunConfig(out_dir="unused", task=s.task, **s.run)
-    assert (run.eval_repeats, run.eval_temperature, run.eval_metric) == (1, 0.0, "accuracy")  # greedy [podsjax]
+    assert (run.eval_repeats, run.eval_temperature, run.eval_metric) == (1, 0.9, "accuracy")  # one sampled pass
     # GRPO-GA: n = m = 32, 16 accumulation steps; PODS: n = 128, m = 32, 4 accumulation steps.
     ga = config(name, "grpo-ga")
     assert (ga.n, ga.m, ga.grad_accum) == (32, 32, 16)

@@ -205,3 +205,25 @@ def test_config_validation_errors():
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="unknown method"):
         train.method_config("dapo")
+
+
+def test_the_update_takes_log_probs_at_logprob_temperature(model_and_params):
+    # The authors' single-GPU trainer samples at 0.9 but takes the loss's log-probs at 1;
+    # their 8-GPU trainer divides by the sampling temperature (logprob_temperature null).
+    model, params = model_and_params
+    common = dict(n=N, m=N, learning_rate=1e-2, max_grad_norm=1e6)
+    batch, _ = train.build_batch(*random_rollouts(5), train.AlgorithmConfig(algorithm="grpo", **common))
+
+    def metrics(**fields):
+        config = train.AlgorithmConfig(algorithm="grpo", **common, **fields)
+        step, state = full_ft(model, config, params)
+        return jax.jit(step)(state, batch, None)[1]
+
+    at_one = metrics(temperature=0.5, logprob_temperature=1.0)
+    sampled_at_one = metrics(temperature=1.0)
+    at_half = metrics(temperature=0.5)
+    assert float(at_one.grad_norm) == pytest.approx(float(sampled_at_one.grad_norm), rel=1e-6)
+    assert float(at_one.entropy) == pytest.approx(float(sampled_at_one.entropy), rel=1e-6)
+    assert abs(float(at_half.grad_norm) - float(at_one.grad_norm)) > 1e-3 * float(at_one.grad_norm)
+    with pytest.raises(ValueError, match="logprob_temperature must be > 0"):
+        train.AlgorithmConfig(logprob_temperature=0.0)
