@@ -177,10 +177,16 @@ class PromptBatch:
         return tuple(np.concatenate([x, np.repeat(x[-1:], rows - p, axis=0)]) for x in (self.ids_PL, self.mask_PL))
 
 
+# Tokens that end a chat turn: Qwen2.5's <|im_end|>; Llama 3 Instruct's <|eot_id|>,
+# <|eom_id|> and <|end_of_text|> (128009, 128008, 128001: its generation config's list,
+# which transformers' generate, and so the authors' trainer, stops at).
+END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+
+
 def eos_token_ids(tokenizer) -> tuple[int, ...]:
-    """Every id that ends a completion: the tokenizer's EOS plus the chat turn ends it knows."""
-    ids = {tokenizer.eos_token_id} | {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>")
-                                       if t in tokenizer.get_vocab()}
+    """Every id that ends a completion: the tokenizer's EOS plus the :data:`END_TOKENS` it knows."""
+    vocab = tokenizer.get_vocab()
+    ids = {tokenizer.eos_token_id} | {vocab[t] for t in END_TOKENS if t in vocab}
     ids.discard(None)
     if not ids:
         raise ValueError("the tokenizer has no EOS token; set tokenizer.eos_token")

@@ -190,3 +190,14 @@ def test_padded_rows_repeat_the_last_prompt_and_completions_decode_up_to_their_m
     valid = np.ones_like(tokens, bool)
     valid[0, -1] = False
     assert decode_completions(chat_tokenizer, tokens, valid) == ["72"]  # special tokens skipped, mask honoured
+
+
+def test_a_llama_3_completion_ends_at_each_of_its_generation_configs_end_tokens():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"a": 0, "<|end_of_text|>": 128001, "<|eom_id|>": 128008, "<|eot_id|>": 128009}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")),
+                                        eos_token="<|eot_id|>")
+    assert eos_token_ids(tokenizer) == (128001, 128008, 128009)
+
