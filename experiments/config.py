@@ -66,7 +66,8 @@ class RewardSection:
     accuracy: float = 1.0  # weight of the task's answer check (0 keeps it as a metric only)
     format: float = 1.0  # weight of the <think>/<answer> format reward
     tag_count: float = 1.0  # weight of the tag-count reward (0.25 per tag)
-    format_style: str = "exact"  # format reward: exact (1 or 0) or score (the single-GPU soft score)
+    # the reward family: exact, score, authors-release, authors-llama or open-r1 (podsjax.rewards.FORMAT_STYLES)
+    format_style: str = "exact"
     # your rewards, each "name" or "name=weight": a registered name or package.module:function
     extra: tuple[str, ...] = ()
 

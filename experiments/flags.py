@@ -331,7 +331,8 @@ def check_out(args) -> None:
         raise UsageError(f"--out {out} exists and is not a directory")
     # A dry run writes only dry_run.json and config.json, so it may look at any directory,
     # and the real run may follow it into the same one.
-    planned_only = os.path.isdir(out) and set(os.listdir(out)) <= {DRY_RUN_FILE, CONFIG_FILE}
+    planned_only = (os.path.isfile(os.path.join(out, DRY_RUN_FILE))
+                    and set(os.listdir(out)) <= {DRY_RUN_FILE, CONFIG_FILE}) or (os.path.isdir(out) and not os.listdir(out))
     has_run = os.path.isfile(os.path.join(out, CONFIG_FILE)) and not planned_only
     if args.resume and not has_run:
         raise UsageError(f"--resume: {out} holds no run to resume (no config.json of a run)")

@@ -37,11 +37,9 @@ What podsjax runs differently from the authors, on purpose or for now:
 - a-d: the base weights are bf16, not 4-bit, and AdamW keeps fp32 moments, not 8-bit.
 - d: the paper's chemistry set is not named in what is reachable; SciBench's chemistry
   problems stand in (``podsjax.data``), with GSM8K's n / m.
-- e-f: the authors' trainer gives each GPU one prompt and generates ``grad_accum``
-  groups of n for it, one group per micro-batch, so an update sees 8 prompts x
-  grad_accum groups. podsjax does the same (``groups_per_prompt = grad_accum``), but
-  generates all of a step's groups at once instead of one micro-batch at a time, so
-  the rollouts of a step are in memory together (``--dry-run`` shows whether they fit).
+- e-f: the authors' trainer gives each GPU one prompt and ``grad_accum`` groups of n for
+  it, one group per micro-batch, generated together once per update, so an update sees 8
+  prompts x grad_accum groups. podsjax does the same (``groups_per_prompt = grad_accum``).
 - e-f: TRL's ``bnpo`` loss is a token mean per device micro-batch; podsjax's
   ``token-mean`` is the token mean over the whole update.
 """
@@ -81,8 +79,16 @@ _MATH_METHODS = {
 _SINGLE_RUN = dict(prompts_per_step=1, max_prompt_length=512, max_new_tokens=512, time_budget_s=6 * 3600.0,
                    checkpoint_every_s=1800.0, eval_every_s=1800.0, eval_repeats=5, eval_temperature=0.9,
                    eval_metric="accuracy")
-# [1gpu] utils/data.py: correctness 1/0 + 0.01 x format_score + 0.01 x count_xml (0.25 per tag).
-_SINGLE_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="score")
+# [1gpu] release 3fc107e, utils/data.py and train.py: correctness 1/0 by their grader (the
+# whole text, the answer tag or the last integer), and for wrong answers only the format
+# score 0.1 - 0.001 per character outside the span and 0.025 per tag (podsjax.rewards.authors).
+_SINGLE_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="authors-release")
+# [1gpu] release 3fc107e: MATH trains on correctness alone (result names "NF": no format);
+# the format rewards stay as metrics at weight 0.
+_MATH_REWARDS = dict(accuracy=1.0, format=0.0, tag_count=0.0, format_style="authors-release")
+# [1gpu] commit 0c453d2 (Llama): their grader, and 0.01 x format_score (1 - 0.01 per
+# character outside) and 0.01 x the tag count (0.25 a tag) on every completion.
+_LLAMA_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="authors-llama")
 
 # Settings e-f. [8gpu] lr 5e-6 constant with no warm-up, Adam (0.9, 0.999), weight decay 0,
 # max grad norm 1.0, beta 0; temperature 0.9 (TRL's GRPOConfig default then). TRL's bnpo
@@ -106,8 +112,9 @@ _MULTI_METHODS = {
 _MULTI_RUN = dict(prompts_per_step=_GPUS, max_prompt_length=512, max_new_tokens=1024, eval_every_s=120.0,
                   eval_temperature=0.9, eval_repeats=1, checkpoint_every_s=1800.0, time_budget_s=40 * 60.0,
                   max_steps=_GSM8K_TRAIN_ROWS // _GPUS)
-# [8gpu] reward_funcs accuracy, format, tag_count with reward_weights 1, 1, 1.
-_MULTI_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="exact")
+# [8gpu] reward_funcs accuracy, format, tag_count of open-r1's rewards.py with reward_weights
+# 1, 1, 1: LaTeX-only math-verify accuracy, newline-exact format and tags.
+_MULTI_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="open-r1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,9 +188,10 @@ SETTINGS: dict[str, Setting] = {
     "b": _single("b", "meta-llama/Llama-3.2-3B-Instruct", "gsm8k", _GSM8K_METHODS,
                  common={**_SINGLE_COMMON, "beta": 0.04},
                  run={**_SINGLE_RUN, "time_budget_s": 1.5 * 3600.0, "eval_every_s": 600.0,
-                      "checkpoint_every_s": 600.0, "eval_metric": "accuracy_and_format"}),
-    "c": _single("c", _QWEN_3B, "math", _MATH_METHODS),
-    # [podsjax] the chemistry n / m are not in reachable sources: GSM8K's.
+                      "checkpoint_every_s": 600.0, "eval_metric": "accuracy_and_format"}, rewards=_LLAMA_REWARDS),
+    "c": _single("c", _QWEN_3B, "math", _MATH_METHODS, rewards=_MATH_REWARDS),
+    # [podsjax] the chemistry n / m and rewards are not in reachable sources: GSM8K's, with
+    # SciBench's grading (within 5 % relative) in place of theirs.
     "d": _single("d", _QWEN_3B, "chemistry", _GSM8K_METHODS),
     "e": Setting("e", _QWEN_3B, "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON, _MULTI_RUN,
                  mesh=str(_GPUS), hardware="8 H100", rewards=_MULTI_REWARDS),

@@ -32,7 +32,7 @@ def test_values_come_from_defaults_then_method_then_setting_then_file_then_flags
     assert base.run.max_new_tokens == 512 and base.model.lora_rank == 64
     a = parse("--model", checkpoint, "--setting", "a")
     assert a.algorithm.aggregation == "seq-mean-token-mean" and a.run.eval_repeats == 5 and a.model.dtype == "bfloat16"
-    assert a.rewards.format == 0.01 and a.model.hub_name == paper_settings.get_setting("a").model
+    assert a.rewards.format_style == "authors-release" and a.model.hub_name == paper_settings.get_setting("a").model
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text("algorithm: {n: 32, m: 8}\nrun: {eval_repeats: 3}\nmodel: {lora_rank: 16}\n")
     filed = parse("--model", checkpoint, "--setting", "a", "--config", str(run_yaml), "--m", "4")

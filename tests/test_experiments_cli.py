@@ -204,7 +204,7 @@ class TrainerBuilt(BaseException):
 def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_and_a_resume(
         checkpoint, data_dir, tmp_path, capsys, monkeypatch):
     from podsjax import loop
-    from podsjax.rewards import format_score_reward
+    from podsjax.rewards import authors
 
     built = []
 
@@ -222,13 +222,13 @@ def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_
     described = printed.index("setting a: gsm8k / Qwen/Qwen2.5-3B-Instruct / LoRA r 64")
     assert described < printed.index("loading model from")
     for line in ("algorithm.aggregation = seq-mean-token-mean", "run.eval_repeats = 5", "run.eval_temperature = 0.9",
-                 "rewards.format = 0.01", "rewards.tag_count = 0.01", "rewards.format_style = score",
+                 "rewards.format = 1.0", "rewards.tag_count = 1.0", "rewards.format_style = authors-release",
                  "set over the setting: run.max_new_tokens = 8 (setting: 512)",
                  "set over the setting: model.mesh = 8 (setting: 1)"):
         assert line in printed, (line, printed)
     config = json.load(open(out / "config.json"))
-    assert config["rewards"] == {"accuracy": 1.0, "format": 0.01, "tag_count": 0.01, "format_style": "score",
-                                 "extra": []}
+    assert config["rewards"] == {"accuracy": 1.0, "format": 1.0, "tag_count": 1.0,
+                                 "format_style": "authors-release", "extra": []}
     assert config["data"]["train"].endswith(os.path.join("gsm8k", "train.jsonl"))
     assert config["data"]["test"].endswith(os.path.join("gsm8k", "test.jsonl"))
 
@@ -237,8 +237,10 @@ def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_
     assert "setting a:" not in capsys.readouterr().out  # nothing new is set on a resume
     for kwargs in built:
         weights = [(w.name, w.weight) for w in kwargs["rewards"]]
-        assert weights == [("accuracy", 1.0), ("format", 0.01), ("tag_count", 0.01)]
-        assert kwargs["rewards"][1].fn is format_score_reward  # the authors' soft format score
+        assert weights == [("accuracy", 1.0), ("format", 1.0), ("tag_count", 1.0)]
+        # The authors' release: their grader, and the format score for wrong answers only.
+        assert kwargs["rewards"][0].fn is authors.authors_gsm8k_accuracy
+        assert kwargs["rewards"][1].fn.func is authors.release_format_reward
     assert len(built) == 2
 
 

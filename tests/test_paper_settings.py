@@ -55,7 +55,11 @@ def test_single_gpu_defaults_are_the_authors(name):
     assert c.update_temperature == 1.0  # maxvargrpo_trainer.py: the loss's log-probs at temperature 1
     assert c.aggregation == "seq-mean-token-mean"
     assert c.beta == (0.04 if name == "b" else 0.0)
-    assert s.rewards == dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="score")
+    # Release 3fc107e for Qwen (MATH: correctness alone), commit 0c453d2 for Llama.
+    expected = {"b": dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="authors-llama"),
+                "c": dict(accuracy=1.0, format=0.0, tag_count=0.0, format_style="authors-release")}
+    assert s.rewards == expected.get(name, dict(accuracy=1.0, format=1.0, tag_count=1.0,
+                                                format_style="authors-release"))
     assert (s.run["prompts_per_step"], s.run["max_prompt_length"], s.run["max_new_tokens"]) == (1, 512, 512)
     # [1gpu] evaluation: 5 passes sampled at 0.9 with 512 new tokens, averaged.
     run = loop.RunConfig(out_dir="unused", task=s.task, **s.run)
@@ -84,7 +88,7 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     assert (c.beta, c.aggregation) == (0.0, "token-mean")
     # grpo_trainer.py: log-probs at the sampling temperature, TRL's top_k 50 in generate.
     assert (c.temperature, c.update_temperature, c.top_k) == (0.9, 0.9, 50)
-    assert s.rewards == dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="exact")
+    assert s.rewards == dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="open-r1")
     assert (s.run["prompts_per_step"], s.run["max_new_tokens"], s.run["eval_every_s"]) == (8, 1024, 120.0)
     # One epoch of GSM8K train, 8 prompts per update, capped at 40 min of training clock.
     assert (s.run["max_steps"], s.run["time_budget_s"]) == (7473 // 8, 2400.0)

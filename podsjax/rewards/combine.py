@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
+from podsjax.rewards import authors
 from podsjax.rewards.chemistry import chemistry_accuracy
 from podsjax.rewards.format import format_reward, format_score_reward, strict_format_reward, tag_count_reward
 from podsjax.rewards.gsm8k import gsm8k_accuracy
@@ -35,6 +36,10 @@ _REGISTRY: dict[str, RewardFn] = {
     "format_score": format_score_reward,
     "tag_count": tag_count_reward,
     "strict_format": strict_format_reward,
+    "authors_gsm8k_accuracy": authors.authors_gsm8k_accuracy,
+    "r1_accuracy": authors.r1_accuracy,
+    "r1_format": authors.r1_format_reward,
+    "r1_tag_count": authors.r1_tag_count_reward,
 }
 # Each task's accuracy reward; the loop reads its breakdown entry "accuracy" as the eval metric.
 TASK_ACCURACY: dict[str, RewardFn] = {
@@ -42,9 +47,35 @@ TASK_ACCURACY: dict[str, RewardFn] = {
     "math": math_accuracy,
     "chemistry": chemistry_accuracy,
 }
-# "exact": 1 for exactly <think>..</think><answer>..</answer>; "score": the authors'
-# single-GPU soft score (see format.format_score).
-FORMAT_STYLES: dict[str, RewardFn] = {"exact": format_reward, "score": format_score_reward}
+# The families of (accuracy, format, tag count) rewards, by ``format_style``:
+# "exact": the task's accuracy, 1 for exactly <think>..</think><answer>..</answer>, 0.25 a tag;
+# "score": the same with the authors' soft format score (format.format_score);
+# "authors-release": the authors' single-GPU release (settings a, c, d): their GSM8K grader,
+#   and the 0.1-scale format and 0.025-a-tag rewards for wrong answers only;
+# "authors-llama": their Llama commit (setting b): their GSM8K grader, "score" otherwise;
+# "open-r1": the 8-GPU runs (e, f): LaTeX-only math-verify accuracy, newline-exact format and tags.
+FORMAT_STYLES = ("exact", "score", "authors-release", "authors-llama", "open-r1")
+# Each task's accuracy as the authors' single-GPU code grades it: their GSM8K grader; MATH
+# and chemistry as podsjax grades them (their grade_answer is not reproduced).
+AUTHORS_ACCURACY: dict[str, RewardFn] = {
+    "gsm8k": authors.authors_gsm8k_accuracy,
+    "math": math_accuracy,
+    "chemistry": chemistry_accuracy,
+}
+
+
+def _style_rewards(task: str, style: str) -> tuple[RewardFn, RewardFn, RewardFn]:
+    if style == "exact":
+        return TASK_ACCURACY[task], format_reward, tag_count_reward
+    if style == "score":
+        return TASK_ACCURACY[task], format_score_reward, tag_count_reward
+    if style == "authors-llama":
+        return AUTHORS_ACCURACY[task], format_score_reward, tag_count_reward
+    if style == "authors-release":
+        accuracy = AUTHORS_ACCURACY[task]
+        return (accuracy, functools.partial(authors.release_format_reward, accuracy=accuracy),
+                functools.partial(authors.release_tag_count_reward, accuracy=accuracy))
+    return authors.r1_accuracy, authors.r1_format_reward, authors.r1_tag_count_reward
 
 
 def register_reward(name: str, fn: RewardFn) -> None:
@@ -160,14 +191,14 @@ def default_rewards(task: str, *, accuracy: float = 1.0, format: float = 1.0, ta
                     format_style: str = "exact"):
     """The paper's reward for a task: accuracy + format + tag count, weighted.
 
-    The defaults are the 8-GPU settings' (e-f: weights 1/1/1, exact format). Settings
-    a-d use ``format=0.01, tag_count=0.01, format_style="score"`` (see
-    ``podsjax.paper_settings``).
+    The defaults weigh podsjax's exact format and tag count 1/1/1; each paper setting's
+    family and weights are in ``podsjax.paper_settings`` (``format_style`` "authors-release",
+    "authors-llama" or "open-r1").
 
     Args:
         task: "gsm8k", "math" or "chemistry".
         accuracy, format, tag_count: the weights.
-        format_style: "exact" (1 or 0) or "score" (the authors' single-GPU soft score).
+        format_style: the family of rewards, one of :data:`FORMAT_STYLES`.
 
     Returns:
         A tuple of WeightedReward for ``score_rewards`` or ``RewardPool.score``, named
@@ -176,8 +207,8 @@ def default_rewards(task: str, *, accuracy: float = 1.0, format: float = 1.0, ta
     if task not in TASK_ACCURACY:
         raise ValueError(f"unknown task {task!r}; expected one of {sorted(TASK_ACCURACY)}")
     if format_style not in FORMAT_STYLES:
-        raise ValueError(f"unknown format_style {format_style!r}; expected one of {sorted(FORMAT_STYLES)}")
-    functions = (TASK_ACCURACY[task], FORMAT_STYLES[format_style], tag_count_reward)
+        raise ValueError(f"unknown format_style {format_style!r}; expected one of {list(FORMAT_STYLES)}")
+    functions = _style_rewards(task, format_style)
     weights = (accuracy, format, tag_count)
     return tuple(WeightedReward(f, w, name) for f, w, name in zip(functions, weights, TASK_REWARD_NAMES))
 

@@ -1,0 +1,131 @@
+"""The rewards of the paper's runs, as the authors' code computes them (YixuanEvenXu/pods).
+
+Single GPU, release 3fc107e (``utils/data.py``), settings a, c and d:
+
+- correctness 1 or 0, graded by :func:`authors_gsm8k_correct` on GSM8K;
+- for **wrong** answers only, a format score of 0.1 less 0.001 per character outside the
+  ``<think>..</think>[ \\n]?<answer>..</answer>`` span, and 0.025 per tag that appears
+  exactly once (:func:`release_format_reward`, :func:`release_tag_count_reward`).
+
+Single GPU, commit 0c453d2 (Llama, setting b): the same correctness, and 0.01 x the format
+and tag rewards of ``podsjax.rewards.format`` on every completion.
+
+Eight GPUs, open-r1's ``rewards.py`` (settings e and f), each with weight 1:
+
+- :func:`r1_accuracy`: math-verify with LaTeX extraction only, so a bare ``72`` scores 0
+  and ``$72$`` or ``\\boxed{72}`` score 1;
+- :func:`r1_format_reward`: exactly ``<think>\\n..\\n</think>\\n<answer>\\n..\\n</answer>``;
+- :func:`r1_tag_count_reward`: 0.25 for each of ``<think>\\n``, ``\\n</think>\\n``,
+  ``\\n<answer>\\n`` and ``\\n</answer>`` that appears exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any, Callable, Sequence
+
+from podsjax.rewards.format import format_score
+from podsjax.rewards.gsm8k import parse_gsm8k_gold
+from podsjax.rewards.mathverify import DEFAULT_MATH_VERIFY_TIMEOUT_S, quiet_parse, quiet_verify, signal_timeout
+from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, check_lengths, parse_number
+
+_RELEASE_FORMAT_SCALE = 0.1  # 0.1 - 0.001 per character outside: 0.1 x format_score
+_RELEASE_TAG = 0.025
+_TAGS = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
+_DIGITS = re.compile(r"\d+")
+_R1_FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
+_R1_TAGS = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
+
+
+def _split_answer(text: str) -> str:
+    """The authors' ``extract_xml_answer``: after the last ``<answer>``, up to the next ``</answer>``."""
+    return text.split(ANSWER_OPEN)[-1].split(ANSWER_CLOSE)[0].strip()
+
+
+def authors_gsm8k_correct(text: str, gold: Fraction) -> bool:
+    """The authors' GSM8K grading: the whole text, the answer tag's content or the last run
+    of digits in the text equals the gold (their ``grade_answer``, which for GSM8K's integer
+    golds is a numeric comparison)."""
+    digits = _DIGITS.findall(text)
+    candidates = (text, _split_answer(text), digits[-1] if digits else "")
+    return any(parse_number(candidate) == gold for candidate in candidates)
+
+
+def authors_gsm8k_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None, **_: Any) -> list[float]:
+    """[B] 1.0 where :func:`authors_gsm8k_correct`, else 0.0 (``answer``: the gold, a number
+    or a solution ending in ``#### n``)."""
+    if answer is None:
+        raise ValueError("authors_gsm8k_accuracy needs an 'answer' column")
+    check_lengths("authors_gsm8k_accuracy", len(completions), answer=answer)
+    return [1.0 if authors_gsm8k_correct(text, parse_gsm8k_gold(gold)) else 0.0
+            for text, gold in zip(completions, answer)]
+
+
+def _wrong_only(values: list[float], correct: Sequence[float]) -> list[float]:
+    return [0.0 if right else value for value, right in zip(values, correct)]
+
+
+def release_format_reward(completions: Sequence[str], *, accuracy: Callable[..., Sequence[float]] = authors_gsm8k_accuracy,
+                          **columns: Any) -> list[float]:
+    """[B] ``max(0, 0.1 - 0.001 x characters outside the span)`` for wrong answers, 0 for right
+    ones (right as ``accuracy`` grades them)."""
+    scores = [_RELEASE_FORMAT_SCALE * format_score(text) for text in completions]
+    return _wrong_only(scores, accuracy(completions, **columns))
+
+
+def release_tag_count_reward(completions: Sequence[str], *,
+                             accuracy: Callable[..., Sequence[float]] = authors_gsm8k_accuracy,
+                             **columns: Any) -> list[float]:
+    """[B] 0.025 per tag that appears exactly once, for wrong answers only."""
+    counts = [_RELEASE_TAG * sum(text.count(tag) == 1 for tag in _TAGS) for text in completions]
+    return _wrong_only(counts, accuracy(completions, **columns))
+
+
+def _latex_extraction():
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig
+
+    return [LatexExtractionConfig(
+        # open-r1 also passed equations=True, which math-verify now deprecates: its parser
+        # handles equations itself.
+        normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
+                                                 boxed="all", units=True),
+        boxed_match_priority=0, try_extract_without_anchor=False)]
+
+
+def r1_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None, *,
+                timeout_s: int = DEFAULT_MATH_VERIFY_TIMEOUT_S, **_: Any) -> list[float]:
+    """[B] open-r1's accuracy: the gold parsed as it comes, the completion's first LaTeX
+    answer (a box first), equal under math-verify. A gold that does not parse scores 0
+    (open-r1 leaves the example out of the step)."""
+    if answer is None:
+        raise ValueError("r1_accuracy needs an 'answer' column")
+    check_lengths("r1_accuracy", len(completions), answer=answer)
+    from math_verify import parse
+
+    timeout = signal_timeout(timeout_s)
+    config = _latex_extraction()
+    out = []
+    for text, gold in zip(completions, answer):
+        gold_parsed = quiet_parse(str(gold), timeout)
+        if not gold_parsed:
+            out.append(0.0)
+            continue
+        try:
+            predicted = parse(text, extraction_config=config, extraction_mode="first_match",
+                              parsing_timeout=timeout, raise_on_error=True)
+        except Exception:  # noqa: BLE001 - no LaTeX answer in the completion
+            predicted = []
+        out.append(1.0 if predicted and quiet_verify(gold_parsed, predicted, timeout) else 0.0)
+    return out
+
+
+def r1_format_reward(completions: Sequence[str], **_: Any) -> list[float]:
+    """[B] 1.0 for exactly ``<think>\\n..\\n</think>\\n<answer>\\n..\\n</answer>``, else 0.0."""
+    return [1.0 if _R1_FORMAT.match(text) else 0.0 for text in completions]
+
+
+def r1_tag_count_reward(completions: Sequence[str], **_: Any) -> list[float]:
+    """[B] 0.25 for each newline-exact tag that appears exactly once."""
+    return [0.25 * sum(text.count(tag) == 1 for tag in _R1_TAGS) for text in completions]

@@ -1,0 +1,47 @@
+"""Each paper setting's rewards score fixed completions as the authors' functions do.
+
+The expected totals are worked out by hand from the authors' code: release 3fc107e's
+``utils/data.py`` (a, c, d), commit 0c453d2 (b) and open-r1's ``rewards.py`` (e, f).
+"""
+
+import pytest
+
+from podsjax import paper_settings
+from podsjax.rewards import default_rewards, score_rewards
+
+RIGHT = "<think>48+24=72</think><answer>72</answer>"
+WRONG = "<think>48+24=71</think><answer>71</answer> extra"  # 6 characters after the span
+LATEX = "<think>\nadd them\n</think>\n<answer>\n$72$\n</answer>"
+BARE = "<answer>\n72\n</answer>"
+BOXED = "The sum is \\boxed{72}."
+RESCUED = "<think>so 71</think><answer>71</answer> no wait, 72"  # 12 characters after; the last integer is right
+COMPLETIONS = [RIGHT, WRONG, LATEX, BARE, BOXED, RESCUED]
+
+EXPECTED = {
+    # correctness, then for wrong answers only 0.1 - 0.001 x 6 = 0.094 and 4 x 0.025.
+    "a": [1.0, 0.194, 1.0, 1.0, 1.0, 1.0],
+    # correctness, then on every completion 0.01 x (1 - 0.01 x outside) and 0.01 x 0.25 a tag.
+    "b": [1.0 + 0.01 + 0.01, 0.01 * 0.94 + 0.01, 1.0 + 0.01 + 0.01, 1.0 + 0.0 + 0.01 * 0.5, 1.0,
+          1.0 + 0.01 * (1 - 0.01 * 12) + 0.01],
+    # correctness alone; math-verify reads the answer tag (71 is not 72), else the box.
+    "c": [1.0, 0.0, 1.0, 1.0, 1.0, 0.0],
+    # SciBench's 5 % rule: 71 is within 5 % of 72, so nothing is wrong and no format counts.
+    "d": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+    # LaTeX-only accuracy + newline-exact format + newline-exact tags (0.25 each).
+    "e": [0.0, 0.0, 3.0, 0.25, 1.0, 0.0],
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_setting_scores_fixed_completions_as_the_authors_code_does(name):
+    setting = paper_settings.get_setting(name)
+    rewards = default_rewards(setting.task, **setting.rewards)
+    columns = {"answer": ["72"] * len(COMPLETIONS)}
+    if setting.task == "chemistry":
+        columns["unit"] = [""] * len(COMPLETIONS)
+    scores = score_rewards(COMPLETIONS, rewards, **columns)
+    assert list(scores.total_B) == pytest.approx(EXPECTED[name], abs=1e-6), scores.per_function  # float32 totals
+
+
+def test_the_eight_gpu_settings_share_their_rewards():
+    assert paper_settings.get_setting("f").rewards == paper_settings.get_setting("e").rewards
