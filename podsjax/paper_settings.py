@@ -76,9 +76,15 @@ _MATH_METHODS = {
 # 30 min (save_interval 1800), each evaluated on GSM8K test / MATH-500 by sampling 5
 # passes at temperature 0.9 with 512 new tokens, averaged (config/test.yaml repeat_cnt 5,
 # temperature 0.9, max_tokens 512; utils/eval.py).
+# [1gpu] utils/data.py SYSTEM_PROMPT_INSTRUCT, the system message of every instruct prompt
+# (its leading and trailing newlines included).
+AUTHORS_SYSTEM_PROMPT = (
+    "\nYou will be given a math question.\nReason about the question and correct your own mistakes if you make "
+    "any.\n\nRespond in the following format:\n<think>\nReason here. Decide to answer when you are confident as "
+    "your response length is limited.\n</think>\n<answer>\nAnswer here.\n</answer>\n")
 _SINGLE_RUN = dict(prompts_per_step=1, max_prompt_length=512, max_new_tokens=512, time_budget_s=6 * 3600.0,
                    checkpoint_every_s=1800.0, eval_every_s=1800.0, eval_repeats=5, eval_temperature=0.9,
-                   eval_metric="accuracy")
+                   eval_metric="accuracy", system_prompt=AUTHORS_SYSTEM_PROMPT)
 # [1gpu] release 3fc107e, utils/data.py and train.py: correctness 1/0 by their grader (the
 # whole text, the answer tag or the last integer), and for wrong answers only the format
 # score 0.1 - 0.001 per character outside the span and 0.025 per tag (podsjax.rewards.authors).
@@ -165,7 +171,8 @@ class Setting:
         lines = [f"setting {self.name}: {self.task} / {self.model} / {tuning} / {self.hardware} / mesh {self.mesh}"]
         for section, values in (("algorithm", self.algorithm_config(method)), ("run", self.run),
                                 ("rewards", self.rewards)):
-            lines += [f"  {section}.{key} = {value}" for key, value in values.items()]
+            lines += [f"  {section}.{key} = {value!r}" if isinstance(value, str) and "\n" in value
+                      else f"  {section}.{key} = {value}" for key, value in values.items()]
         return "\n".join(lines)
 
 

@@ -118,3 +118,16 @@ def test_bad_setting_fields_raise_one_line_errors():
 def test_a_settings_run_with_a_bad_eval_protocol_is_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         loop.RunConfig(out_dir="unused", **{**paper_settings.get_setting("a").run, **changes})
+
+
+@pytest.mark.parametrize("name", ["a", "b", "c", "d"])
+def test_single_gpu_runs_ask_in_the_authors_words(name):
+    # utils/data.py's SYSTEM_PROMPT_INSTRUCT reaches the run's config, and the setting's
+    # description shows it on one line.
+    s = paper_settings.get_setting(name)
+    run = loop.RunConfig(out_dir="unused", task=s.task, **s.run)
+    assert run.system_prompt.startswith("\nYou will be given a math question.\n")
+    assert "<think>\nReason here." in run.system_prompt and run.system_prompt.endswith("</answer>\n")
+    described = [line for line in s.describe("pods").splitlines() if "run.system_prompt" in line]
+    assert len(described) == 1 and "\\n" in described[0]
+
