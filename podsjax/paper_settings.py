@@ -23,13 +23,15 @@ Where each number comes from, as tagged in the comments below:
   ``both_acc``; the rest every 30 min), ``config/test.yaml`` with ``utils/eval.py``
   (evaluation: temperature 0.9, 512 tokens, 5 repeats averaged).
 - [8gpu]: the authors' 8-GPU run script ``open-r1/exp.sh`` (8 processes; n as
-  ``pods_full_size``, m as ``num_generations``, ``gradient_accumulation_steps``), its
-  recipe ``recipes/Qwen2.5-3B-Instruct/config.yaml`` (lr 5e-6 constant, warm-up
-  commented out, 512 + 1024 tokens, one epoch, rewards), Hugging Face
+  ``pods_full_size``, m as ``num_generations``, ``gradient_accumulation_steps``), the
+  recipe it names, ``recipes/Qwen2.5-3B-Instruct/config_pods.yaml`` (lr 2e-5, cosine,
+  10 % warm-up, 512 + 1024 tokens, one epoch, rewards, system prompt), Hugging Face
   ``TrainingArguments`` defaults where that is silent (Adam beta2 0.999, max grad norm
   1.0, weight decay 0), and its trainer ``grpo_trainer.py`` (evaluation every 120 s of
-  training). ``config_pods.yaml`` (lr 2e-5, cosine, 10 % warm-up) is not what the
-  script runs.
+  training, a stop at 40 min). The result files (W&B exports) record no learning rate;
+  the script's latest version names ``config_pods.yaml``, while ``config.yaml`` (lr 5e-6
+  constant) is named by no script. ``config_pods.yaml`` logs to TensorBoard only and the
+  results are W&B exports, so the plotted runs may have used a variant of it.
 - [podsjax]: this library's reading where neither source gives a number.
 
 What podsjax runs differently from the authors, on purpose or for now:
@@ -96,7 +98,8 @@ _MATH_REWARDS = dict(accuracy=1.0, format=0.0, tag_count=0.0, format_style="auth
 # character outside) and 0.01 x the tag count (0.25 a tag) on every completion.
 _LLAMA_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="authors-llama")
 
-# Settings e-f. [8gpu] lr 5e-6 constant with no warm-up, Adam (0.9, 0.999), weight decay 0,
+# Settings e-f. [8gpu] config_pods.yaml: lr 2e-5 on a cosine over the epoch's updates with
+# 10 % warm-up (cut off by the 40-minute stop), Adam (0.9, 0.999), weight decay 0,
 # max grad norm 1.0, beta 0; temperature 0.9 (TRL's GRPOConfig default then). TRL's bnpo
 # loss ~ token-mean. [8gpu] GRPO-GA n = m = 32 with 16 accumulation steps against
 # PODS n = 128, m = 32 with 4, each micro-batch a new group of the GPU's one prompt:
@@ -104,9 +107,9 @@ _LLAMA_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="a
 # 8 x 4 groups of 128 down-sampled to 32 (PODS), 4096 rollouts either way.
 # [8gpu] grpo_trainer.py divides the logits by the sampling temperature before its log-probs,
 # and samples with TRL's top_k 50 of that commit (use_vllm is false, so generate gets it).
-_MULTI_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0, adam_b1=0.9, adam_b2=0.999,
-                     weight_decay=0.0, max_grad_norm=1.0, temperature=0.9, logprob_temperature=None, top_k=50,
-                     beta=0.0, aggregation="token-mean")
+_MULTI_COMMON = dict(learning_rate=2e-5, schedule="cosine", warmup_ratio=0.1, total_steps=_GSM8K_TRAIN_ROWS // _GPUS,
+                     adam_b1=0.9, adam_b2=0.999, weight_decay=0.0, max_grad_norm=1.0, temperature=0.9,
+                     logprob_temperature=None, top_k=50, beta=0.0, aggregation="token-mean")
 _MULTI_METHODS = {
     "grpo-ga": dict(algorithm="grpo-ga", n=32, m=32, grad_accum=16, groups_per_prompt=16),
     "pods": dict(algorithm="pods", n=128, m=32, rule="max_variance", grad_accum=4, groups_per_prompt=4),
@@ -114,10 +117,14 @@ _MULTI_METHODS = {
 # [8gpu] 8 prompts per update (one per GPU), 512 + 1024 tokens, one epoch capped at 40 min
 # of training clock (grpo_trainer.py stops there), evaluation every 120 s of training
 # (evaluation time not counted), one pass sampled at temperature 0.9 (do_sample). Checkpoints
-# every 30 min. [podsjax]
+# every 30 min. [podsjax] The recipe's system prompt. [8gpu]
+RECIPE_SYSTEM_PROMPT = (
+    "You are a helpful AI Assistant that provides well-reasoned and detailed responses. You first think about the "
+    "reasoning process as an internal monologue and then provide the user with the answer. Respond in the following "
+    "format: <think>\n...\n</think>\n<answer>\n...\n</answer>")
 _MULTI_RUN = dict(prompts_per_step=_GPUS, max_prompt_length=512, max_new_tokens=1024, eval_every_s=120.0,
                   eval_temperature=0.9, eval_repeats=1, checkpoint_every_s=1800.0, time_budget_s=40 * 60.0,
-                  max_steps=_GSM8K_TRAIN_ROWS // _GPUS)
+                  max_steps=_GSM8K_TRAIN_ROWS // _GPUS, system_prompt=RECIPE_SYSTEM_PROMPT)
 # [8gpu] reward_funcs accuracy, format, tag_count of open-r1's rewards.py with reward_weights
 # 1, 1, 1: LaTeX-only math-verify accuracy, newline-exact format and tags.
 _MULTI_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="open-r1")

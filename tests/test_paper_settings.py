@@ -83,7 +83,8 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     s = paper_settings.get_setting(name)
     assert set(s.algorithm) == {"grpo-ga", "pods"}  # the paper's two methods at this scale
     c = config(name, "pods")
-    assert (c.learning_rate, c.schedule, c.warmup_ratio) == (5e-6, "constant", 0.0)
+    # config_pods.yaml, the recipe exp.sh names: a cosine over the epoch with 10 % warm-up.
+    assert (c.learning_rate, c.schedule, c.warmup_ratio, c.total_steps) == (2e-5, "cosine", 0.1, 7473 // 8)
     assert (c.adam_b1, c.adam_b2, c.weight_decay, c.max_grad_norm) == (0.9, 0.999, 0.0, 1.0)
     assert (c.beta, c.aggregation) == (0.0, "token-mean")
     # grpo_trainer.py: log-probs at the sampling temperature, TRL's top_k 50 in generate.
@@ -94,6 +95,7 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     assert (s.run["max_steps"], s.run["time_budget_s"]) == (7473 // 8, 2400.0)
     run = loop.RunConfig(out_dir="unused", task=s.task, **s.run)
     assert (run.eval_repeats, run.eval_temperature, run.eval_metric) == (1, 0.9, "accuracy")  # one sampled pass
+    assert run.system_prompt.startswith("You are a helpful AI Assistant") and "<think>\n...\n</think>" in run.system_prompt
     # GRPO-GA: n = m = 32, 16 accumulation steps; PODS: n = 128, m = 32, 4 accumulation steps.
     ga = config(name, "grpo-ga")
     assert (ga.n, ga.m, ga.grad_accum) == (32, 32, 16)
