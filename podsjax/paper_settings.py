@@ -147,6 +147,8 @@ class Setting:
         mesh: the ``--mesh`` spec.
         hardware: what the paper ran it on (for ``describe``).
         rewards: keyword arguments of ``podsjax.rewards.default_rewards(task, **rewards)``.
+        sources: where each value comes from, by ``section.key`` or, for the rest of a
+            section, by ``section`` (:meth:`source`).
     """
 
     name: str
@@ -160,6 +162,7 @@ class Setting:
     mesh: str = "1"
     hardware: str = ""
     rewards: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.lora_rank is not None and self.lora_rank < 1:
@@ -172,14 +175,20 @@ class Setting:
                              f"choose one of {', '.join(self.algorithm)}")
         return {**self.common, **self.algorithm[method]}
 
+    def source(self, key: str) -> str:
+        """Where ``key`` ("algorithm.learning_rate") comes from: its own entry, else its section's."""
+        return self.sources.get(key) or self.sources.get(key.split(".")[0], "")
+
     def describe(self, method: str) -> str:
-        """What ``--setting <name> --method <method>`` sets, one ``key = value`` per line."""
+        """What ``--setting <name> --method <method>`` sets, one ``key = value  [source]`` per line."""
         tuning = "full fine-tune" if self.lora_rank is None else f"LoRA r {self.lora_rank}"
-        lines = [f"setting {self.name}: {self.task} / {self.model} / {tuning} / {self.hardware} / mesh {self.mesh}"]
+        lines = [f"setting {self.name}: {self.task} / {self.model} / {tuning} / {self.hardware} / mesh {self.mesh}"
+                 f"  {self.source('model')}"]
         for section, values in (("algorithm", self.algorithm_config(method)), ("run", self.run),
                                 ("rewards", self.rewards)):
-            lines += [f"  {section}.{key} = {value!r}" if isinstance(value, str) and "\n" in value
-                      else f"  {section}.{key} = {value}" for key, value in values.items()]
+            for key, value in values.items():
+                shown = repr(value) if isinstance(value, str) and "\n" in value else value
+                lines.append(f"  {section}.{key} = {shown}  {self.source(f'{section}.{key}')}".rstrip())
         return "\n".join(lines)
 
 
@@ -187,10 +196,51 @@ _QWEN_3B = "Qwen/Qwen2.5-3B-Instruct"
 _LORA = 64  # [paper] LoRA r 64, alpha 64 on q, k, v, o, gate, up, down ([1gpu] target_modules)
 
 
+_SINGLE_SOURCES = {
+    "model": "[paper]",
+    "algorithm": "[1gpu] config/train.yaml",
+    "algorithm.algorithm": "[1gpu] results/ file names", "algorithm.n": "[1gpu] results/ file names",
+    "algorithm.m": "[1gpu] results/ file names", "algorithm.rule": "[1gpu] trainer/maxvargrpo_trainer.py",
+    "algorithm.grad_accum": "[podsjax] GRPO-GA's micro-batches",
+    "algorithm.logprob_temperature": "[1gpu] trainer/maxvargrpo_trainer.py",
+    "algorithm.aggregation": "[1gpu] trainer/maxvargrpo_trainer.py",
+    "run": "[1gpu] config/train.yaml",
+    "run.eval_repeats": "[1gpu] config/test.yaml", "run.eval_temperature": "[1gpu] config/test.yaml",
+    "run.eval_metric": "[1gpu] utils/eval.py", "run.system_prompt": "[1gpu] utils/data.py",
+    "rewards": "[1gpu] release 3fc107e utils/data.py",
+}
+_SINGLE_SOURCE_CHANGES = {
+    "b": {"algorithm.beta": "[1gpu] results/ file names", "run": "[1gpu] scripts/plot.py",
+          "run.system_prompt": "[1gpu] utils/data.py", "rewards": "[1gpu] commit 0c453d2 utils/data.py"},
+    "c": {"rewards": "[1gpu] release 3fc107e train.py (results NF)"},
+    "d": {"algorithm.n": "[podsjax] GSM8K's", "algorithm.m": "[podsjax] GSM8K's",
+          "rewards": "[podsjax] setting a's, SciBench's grading"},
+}
+_MULTI_SOURCES = {
+    "model": "[paper]",
+    "algorithm": "[8gpu] recipes/Qwen2.5-3B-Instruct/config_pods.yaml",
+    "algorithm.algorithm": "[8gpu] exp.sh", "algorithm.n": "[8gpu] exp.sh (pods_full_size)",
+    "algorithm.m": "[8gpu] exp.sh (num_generations)", "algorithm.grad_accum": "[8gpu] exp.sh",
+    "algorithm.groups_per_prompt": "[8gpu] grpo_trainer.py", "algorithm.rule": "[8gpu] grpo_trainer.py",
+    "algorithm.total_steps": "[8gpu] one epoch of GSM8K train (config_pods.yaml)",
+    "algorithm.adam_b1": "[8gpu] TrainingArguments default",
+    "algorithm.adam_b2": "[8gpu] TrainingArguments default", "algorithm.weight_decay": "[8gpu] TrainingArguments default",
+    "algorithm.max_grad_norm": "[8gpu] TrainingArguments default",
+    "algorithm.temperature": "[8gpu] GRPOConfig default", "algorithm.top_k": "[8gpu] TRL generation default",
+    "algorithm.logprob_temperature": "[8gpu] grpo_trainer.py", "algorithm.aggregation": "[8gpu] grpo_trainer.py (bnpo)",
+    "run": "[8gpu] grpo_trainer.py", "run.prompts_per_step": "[8gpu] exp.sh (8 processes)",
+    "run.max_prompt_length": "[8gpu] config_pods.yaml", "run.max_new_tokens": "[8gpu] config_pods.yaml",
+    "run.max_steps": "[8gpu] config_pods.yaml (one epoch)", "run.system_prompt": "[8gpu] config_pods.yaml",
+    "run.checkpoint_every_s": "[podsjax]",
+    "rewards": "[8gpu] open-r1 rewards.py, config_pods.yaml weights",
+}
+
+
 def _single(name: str, model: str, task: str, methods: dict, **changes: Any) -> Setting:
     """A single-GPU setting (a-d): LoRA, bf16, the [1gpu] defaults, with ``changes`` on top."""
     fields = dict(lora_rank=_LORA, dtype="bfloat16", algorithm=methods, common=_SINGLE_COMMON, run=_SINGLE_RUN,
-                  mesh="1", hardware="1 L40S", rewards=_SINGLE_REWARDS)
+                  mesh="1", hardware="1 L40S", rewards=_SINGLE_REWARDS,
+                  sources={**_SINGLE_SOURCES, **_SINGLE_SOURCE_CHANGES.get(name, {})})
     return Setting(name=name, model=model, task=task, **{**fields, **changes})
 
 
@@ -208,9 +258,9 @@ SETTINGS: dict[str, Setting] = {
     # SciBench's grading (within 5 % relative) in place of theirs.
     "d": _single("d", _QWEN_3B, "chemistry", _GSM8K_METHODS),
     "e": Setting("e", _QWEN_3B, "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON, _MULTI_RUN,
-                 mesh=str(_GPUS), hardware="8 H100", rewards=_MULTI_REWARDS),
+                 mesh=str(_GPUS), hardware="8 H100", rewards=_MULTI_REWARDS, sources=_MULTI_SOURCES),
     "f": Setting("f", "Qwen/Qwen2.5-7B-Instruct", "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON,
-                 _MULTI_RUN, mesh=str(_GPUS), hardware="8 A100", rewards=_MULTI_REWARDS),
+                 _MULTI_RUN, mesh=str(_GPUS), hardware="8 A100", rewards=_MULTI_REWARDS, sources=_MULTI_SOURCES),
 }
 
 

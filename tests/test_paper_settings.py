@@ -1,5 +1,7 @@
 """The paper's settings a-f: the table's letters, the authors' defaults, and configs that validate."""
 
+import re
+
 import pytest
 
 from podsjax import loop, paper_settings, train
@@ -132,4 +134,12 @@ def test_single_gpu_runs_ask_in_the_authors_words(name):
     assert "<think>\nReason here." in run.system_prompt and run.system_prompt.endswith("</answer>\n")
     described = [line for line in s.describe("pods").splitlines() if "run.system_prompt" in line]
     assert len(described) == 1 and "\\n" in described[0]
+
+
+@pytest.mark.parametrize("name", sorted(paper_settings.SETTINGS))
+@pytest.mark.parametrize("method", ["grpo-ga", "pods"])
+def test_every_value_a_setting_sets_names_its_source(name, method):
+    lines = paper_settings.get_setting(name).describe(method).splitlines()
+    untagged = [line for line in lines if not re.search(r"  \[(paper|1gpu|8gpu|podsjax)\]( \S.*)?$", line)]
+    assert not untagged, untagged
 
