@@ -134,10 +134,8 @@ def _sample(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
 
 
 class _Layers:
-    """How the sampler runs the decoder: the weights it reads, its KV cache, one forward."""
-
-    def weights(self, model, params, lora):
-        raise NotImplementedError
+    """How the sampler runs the decoder: its KV cache and one forward over the weights it reads
+    (the params and LoRA as they are, or ``rollout.rollout_weights``)."""
 
     def empty_cache(self, model, batch: int, max_len: int):
         raise NotImplementedError
@@ -151,9 +149,6 @@ class _Layers:
 
 class _Scanned(_Layers):
     """The training layout: stacked params (+ LoRA) under the layer scan, a stacked cache."""
-
-    def weights(self, model, params, lora):
-        return params, lora
 
     def empty_cache(self, model, batch, max_len):
         return cache_lib.init_cache(model.config, batch, max_len, dtype=model.dtype)
@@ -170,9 +165,6 @@ class _Scanned(_Layers):
 
 class _Unrolled(_Layers):
     """Merged per-layer weights and a per-layer cache (``podsjax.models.rollout``)."""
-
-    def weights(self, model, params, lora):
-        return rollout.rollout_weights(model, params, lora)
 
     def empty_cache(self, model, batch, max_len):
         return rollout.empty_cache(model.config, batch, max_len, model.dtype)
@@ -304,17 +296,12 @@ def _on_mesh(x: jax.ShapeDtypeStruct, mesh: Mesh | None) -> jax.ShapeDtypeStruct
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
 
-def _cache_formats(cache, mesh: Mesh | None, layout) -> Any:
-    """in/out shardings of a cache argument: ``layout(x)`` for its keys and values (every
-    array of 4 or more dims), the others as the mesh places them."""
-    shardings = _layers_of(cache).cache_shardings(cache, mesh) if mesh is not None else jax.tree.map(
-        lambda _: None, cache)
+def _cache_formats(layers: _Layers, cache, mesh: Mesh | None, layout) -> Any:
+    """in/out shardings of a cache argument: ``layout(x, sharding)`` for its keys and values
+    (every array of 4 or more dims), the others as the mesh places them."""
+    shardings = layers.cache_shardings(cache, mesh) if mesh is not None else jax.tree.map(lambda _: None, cache)
     return jax.tree.map(lambda x, s: layout(x, s) if x.ndim >= 4 else s, cache, shardings,
                         is_leaf=lambda x: x is None)
-
-
-def _layers_of(cache) -> _Layers:
-    return _LAYERS["unrolled" if isinstance(cache, rollout.RolloutCache) else "scanned"]
 
 
 _PROGRAMS: dict = {}  # compiled stages, keyed by model, static settings and input signatures
@@ -394,7 +381,7 @@ def _stages_locked(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timi
     key_sig = _signature(weights, mesh)
 
     def build_decode():
-        auto = _cache_formats(cache, mesh, lambda x, s: Format(Layout.AUTO, s))
+        auto = _cache_formats(layers, cache, mesh, lambda x, s: Format(Layout.AUTO, s))
         fn = jax.jit(functools.partial(_decode, model, cfg.decode_key), donate_argnums=2,
                      in_shardings=(None, None, auto, None, None), out_shardings=(None, auto))
         key = jax.eval_shape(lambda: jax.random.key(0))
@@ -411,7 +398,7 @@ def _stages_locked(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timi
         rows = mesh_lib.rows_sharding(mesh, ids.shape[0], ids.ndim) if mesh is not None else None
         fn = jax.jit(prefill_fn, in_shardings=(None, rows, rows),
                      out_shardings=(getattr(logits, "sharding", None),
-                                    _cache_formats(cache, mesh, lambda x, s: next(chosen))))
+                                    _cache_formats(layers, cache, mesh, lambda x, s: next(chosen))))
         return fn.lower(weights, ids, ids).compile()
 
     prefill = _compiled(("prefill",) + call[1:], build_prefill, timings)
@@ -420,15 +407,18 @@ def _stages_locked(model, cfg: SamplingConfig, params, lora, prompt_ids_BL, timi
 
 def compile_generate(model, params, lora, *, prompts: int, prompt_len: int, num_samples: int, max_new_tokens: int,
                      top_p: float = 1.0, top_k: int = 0, eos_token_ids=(0,), pad_token_id: int = 0) -> dict:
-    """Compiles the two generation stages ahead of time for one prompt shape.
+    """Compiles the generation stages ahead of time for one prompt shape.
 
     ``params`` and ``lora`` may be concrete or ``jax.ShapeDtypeStruct`` trees (with
     shardings under a mesh), so the memory of a run can be known before any weight is
     loaded. A later :func:`generate` of the same shapes runs these programs.
 
     Returns:
-        ``{"prefill": Compiled, "decode": Compiled, "kv_cache_bytes": int (per device),
-        "compile_s": {"prefill": s, "decode": s}}`` (0 s for a program compiled before).
+        ``{"weights": Compiled or None, "prefill": Compiled, "decode": Compiled,
+        "kv_cache_bytes": int, "rollout_weights_bytes": int, "weights_read_bytes": int,
+        "compile_s": {"weights": s, "prefill": s, "decode": s}}``, bytes per device (0 s for
+        a program compiled before). ``weights`` merges the unrolled layout's rollout
+        weights (None for the scanned layout, whose decode reads the params themselves).
     """
     cfg = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
                          top_k=top_k, eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id)
