@@ -17,7 +17,7 @@ import time
 import traceback
 
 from experiments import flags
-from experiments.usage import UsageError, mesh_device_count
+from experiments.usage import UsageError, has_accelerator, mesh_device_count
 
 # The library's errors about what the user gave it (module, class): one line, status 2.
 # Looked up in sys.modules so that this module never imports JAX itself.
@@ -73,15 +73,6 @@ def host_device_flags(count: int, flags: str) -> str:
     if "xla_force_host_platform_device_count" in flags:
         flags += "".join(f" --{name}={value}" for name, value in CPU_DEVICE_FLAGS.items() if name not in flags)
     return flags.strip()
-
-
-# Device nodes of an accelerator JAX could use: NVIDIA GPUs, TPU chips (v4/v5p, v5e/v6e).
-_ACCELERATOR_NODES = ("nvidiactl", "accel0", "vfio")
-
-
-def has_accelerator(dev: str = "/dev") -> bool:
-    """Whether this host has a GPU or TPU device node (so JAX's plugins may find one)."""
-    return any(os.path.exists(os.path.join(dev, node)) for node in _ACCELERATOR_NODES)
 
 
 def prepare_devices(spec: str | None, processes: int = 1, topology: str | None = None) -> None:

@@ -6,6 +6,7 @@ Imports no JAX, so the CLI can check flags before JAX starts.
 from __future__ import annotations
 
 import math
+import os
 
 DRY_RUN_FILE = "dry_run.json"  # --dry-run's figures
 CONFIG_FILE = "config.json"  # a run's resolved config (a dry run writes it too)
@@ -25,3 +26,13 @@ def mesh_device_count(spec: str | None) -> int:
         return math.prod(parse_mesh_spec(spec, None).values())
     except ValueError as exc:
         raise UsageError(f"--mesh {spec!r}: {exc}") from None
+
+
+# Device nodes of an accelerator JAX could use: NVIDIA GPUs, TPU chips (v4/v5p, v5e/v6e).
+_ACCELERATOR_NODES = ("nvidiactl", "accel0", "vfio")
+
+
+def has_accelerator(dev: str = "/dev") -> bool:
+    """Whether this host has a GPU or TPU device node (so JAX's plugins may find one)."""
+    return any(os.path.exists(os.path.join(dev, node)) for node in _ACCELERATOR_NODES)
+

@@ -8,7 +8,8 @@ multi-device meshes: those are pinned to the 8 CPU devices (their default device
 import os
 import tempfile
 
-from experiments.cli import has_accelerator, host_device_flags  # noqa: E402 - imports no JAX
+from experiments.cli import host_device_flags  # noqa: E402
+from experiments.usage import has_accelerator  # noqa: E402 - imports no JAX
 from podsjax.gpu_topology import DEVICELESS_XLA_FLAGS  # noqa: E402 - imports no JAX
 
 os.environ["XLA_FLAGS"] = host_device_flags(8, os.environ.get("XLA_FLAGS", ""))
