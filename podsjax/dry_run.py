@@ -166,7 +166,7 @@ def device_memory_limit(device=None) -> int | None:
         stats = None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    chip = topology.chip(device.device_kind) if device.platform != "cpu" else None
+    chip = topology.chip(device.device_kind)  # None for a CPU
     return chip.hbm_bytes if chip is not None else None
 
 
@@ -307,7 +307,7 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
         update = update_fn.lower(state, batch, frozen).compile()
     update_s = time.perf_counter() - start
     stage_temp = {stage: _temp(gen[stage]) for stage in ("weights", "prefill", "decode") if gen[stage] is not None}
-    chip = topology.chip(device.device_kind) if device.platform != "cpu" else None
+    chip = topology.chip(device.device_kind)  # None for a CPU
     costs = _costs(gen, update, chip)
     floor = int(gen["weights_read_bytes"]) + int(gen["kv_cache_bytes"])
     roofline = None

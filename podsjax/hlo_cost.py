@@ -308,13 +308,9 @@ class _Module:
                 while buffer is not None and buffer.opcode == "bitcast":
                     buffer = by_name.get(buffer.operands[0])
                 if buffer is not None and buffer.opcode == "parameter":
-                    update = r.operands[_UPDATES[r.opcode]]
-                    out[buffer.name] = out.get(buffer.name, 0.0) + type_bytes(self._type_in(inner, update))
+                    update = by_name.get(r.operands[_UPDATES[r.opcode]])
+                    out[buffer.name] = out.get(buffer.name, 0.0) + type_bytes(update.type if update else "")
         return out
-
-    @staticmethod
-    def _type_in(inner: list[_Instr], name: str) -> str:
-        return next((i.type for i in inner if i.name == name), "")
 
     def _kernel(self, instr: _Instr, types: dict[str, str]) -> Cost:
         if instr.opcode == "fusion":
