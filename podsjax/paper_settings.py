@@ -91,7 +91,7 @@ _SINGLE_RUN = dict(prompts_per_step=1, max_prompt_length=512, max_new_tokens=512
 # whole text, the answer tag or the last integer), and for wrong answers only the format
 # score 0.1 - 0.001 per character outside the span and 0.025 per tag (podsjax.rewards.authors).
 _SINGLE_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="authors-release")
-# [1gpu] release 3fc107e: MATH trains on correctness alone (result names "NF": no format);
+# [1gpu] release 3fc107e: MATH trains on correctness alone by their grader (result names "NF": no format);
 # the format rewards stay as metrics at weight 0.
 _MATH_REWARDS = dict(accuracy=1.0, format=0.0, tag_count=0.0, format_style="authors-release")
 # [1gpu] commit 0c453d2 (Llama): their grader, and 0.01 x format_score (1 - 0.01 per

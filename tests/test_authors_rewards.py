@@ -23,8 +23,9 @@ EXPECTED = {
     # correctness, then on every completion 0.01 x (1 - 0.01 x outside) and 0.01 x 0.25 a tag.
     "b": [1.0 + 0.01 + 0.01, 0.01 * 0.94 + 0.01, 1.0 + 0.01 + 0.01, 1.0 + 0.0 + 0.01 * 0.5, 1.0,
           1.0 + 0.01 * (1 - 0.01 * 12) + 0.01],
-    # correctness alone; math-verify reads the answer tag (71 is not 72), else the box.
-    "c": [1.0, 0.0, 1.0, 1.0, 1.0, 0.0],
+    # correctness alone, by grade_answer: "$72$" loses its dollars, and the box's 72 and the
+    # rescued 72 are the last runs of digits.
+    "c": [1.0, 0.0, 1.0, 1.0, 1.0, 1.0],
     # SciBench's 5 % rule: 71 is within 5 % of 72, so nothing is wrong and no format counts.
     "d": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
     # LaTeX-only accuracy + newline-exact format + newline-exact tags (0.25 each).

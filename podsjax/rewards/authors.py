@@ -2,7 +2,8 @@
 
 Single GPU, release 3fc107e (``utils/data.py``), settings a, c and d:
 
-- correctness 1 or 0, graded by :func:`authors_gsm8k_correct` on GSM8K;
+- correctness 1 or 0: :func:`authors_correct`, the authors' ``grade_answer`` on the whole
+  text, the answer tag's content or the last run of digits (GSM8K and MATH alike);
 - for **wrong** answers only, a format score of 0.1 less 0.001 per character outside the
   ``<think>..</think>[ \\n]?<answer>..</answer>`` span, and 0.025 per tag that appears
   exactly once (:func:`release_format_reward`, :func:`release_tag_count_reward`).
@@ -22,13 +23,13 @@ Eight GPUs, open-r1's ``rewards.py`` (settings e and f), each with weight 1:
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 from podsjax.rewards.format import format_score
-from podsjax.rewards.gsm8k import parse_gsm8k_gold
-from podsjax.rewards.mathverify import DEFAULT_MATH_VERIFY_TIMEOUT_S, quiet_parse, quiet_verify, signal_timeout
-from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, check_lengths, parse_number
+from podsjax.rewards.answer_grader import grade_answer
+from podsjax.rewards.gsm8k import GSM8K_MARKER
+from podsjax.rewards.mathverify import DEFAULT_MATH_VERIFY_TIMEOUT_S, math_gold, quiet_parse, quiet_verify, signal_timeout
+from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, check_lengths
 
 _RELEASE_FORMAT_SCALE = 0.1  # 0.1 - 0.001 per character outside: 0.1 x format_score
 _RELEASE_TAG = 0.025
@@ -43,23 +44,42 @@ def _split_answer(text: str) -> str:
     return text.split(ANSWER_OPEN)[-1].split(ANSWER_CLOSE)[0].strip()
 
 
-def authors_gsm8k_correct(text: str, gold: Fraction) -> bool:
-    """The authors' GSM8K grading: the whole text, the answer tag's content or the last run
-    of digits in the text equals the gold (their ``grade_answer``, which for GSM8K's integer
-    golds is a numeric comparison)."""
+def authors_correct(text: str, gold: str) -> bool:
+    """The authors' correctness: :func:`~podsjax.rewards.answer_grader.grade_answer` accepts the
+    whole text, the answer tag's content or the last run of digits in the text (``-1`` when
+    there is none)."""
     digits = _DIGITS.findall(text)
-    candidates = (text, _split_answer(text), digits[-1] if digits else "")
-    return any(parse_number(candidate) == gold for candidate in candidates)
+    return any(grade_answer(candidate, gold) for candidate in (text, _split_answer(text), digits[-1] if digits else "-1"))
+
+
+def authors_gsm8k_gold(answer: Any) -> str:
+    """The gold as the authors read it: the text after ``####`` without commas, else the value as text."""
+    text = str(answer)
+    if GSM8K_MARKER in text:
+        return text.split(GSM8K_MARKER)[1].strip().replace(",", "")
+    return text.strip()
 
 
 def authors_gsm8k_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None, **_: Any) -> list[float]:
-    """[B] 1.0 where :func:`authors_gsm8k_correct`, else 0.0 (``answer``: the gold, a number
-    or a solution ending in ``#### n``)."""
+    """[B] 1.0 where :func:`authors_correct`, else 0.0 (``answer``: the gold, a number or a
+    solution ending in ``#### n``)."""
     if answer is None:
         raise ValueError("authors_gsm8k_accuracy needs an 'answer' column")
     check_lengths("authors_gsm8k_accuracy", len(completions), answer=answer)
-    return [1.0 if authors_gsm8k_correct(text, parse_gsm8k_gold(gold)) else 0.0
-            for text, gold in zip(completions, answer)]
+    return [1.0 if authors_correct(text, authors_gsm8k_gold(gold)) else 0.0 for text, gold in zip(completions, answer)]
+
+
+def authors_math_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None,
+                          solution: Sequence[Any] | None = None, **_: Any) -> list[float]:
+    """[B] 1.0 where :func:`authors_correct`, else 0.0; the gold is ``answer``, else the
+    solution's last ``\\boxed{..}`` (:func:`~podsjax.rewards.math_gold`)."""
+    if answer is None and solution is None:
+        raise ValueError("authors_math_accuracy needs an 'answer' or 'solution' column")
+    check_lengths("authors_math_accuracy", len(completions), answer=answer, solution=solution)
+    answers = answer if answer is not None else [None] * len(completions)
+    solutions = solution if solution is not None else [None] * len(completions)
+    return [1.0 if authors_correct(text, math_gold(gold, worked)) else 0.0
+            for text, gold, worked in zip(completions, answers, solutions)]
 
 
 def _wrong_only(values: list[float], correct: Sequence[float]) -> list[float]:

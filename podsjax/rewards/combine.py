@@ -37,6 +37,7 @@ _REGISTRY: dict[str, RewardFn] = {
     "tag_count": tag_count_reward,
     "strict_format": strict_format_reward,
     "authors_gsm8k_accuracy": authors.authors_gsm8k_accuracy,
+    "authors_math_accuracy": authors.authors_math_accuracy,
     "r1_accuracy": authors.r1_accuracy,
     "r1_format": authors.r1_format_reward,
     "r1_tag_count": authors.r1_tag_count_reward,
@@ -50,16 +51,16 @@ TASK_ACCURACY: dict[str, RewardFn] = {
 # The families of (accuracy, format, tag count) rewards, by ``format_style``:
 # "exact": the task's accuracy, 1 for exactly <think>..</think><answer>..</answer>, 0.25 a tag;
 # "score": the same with the authors' soft format score (format.format_score);
-# "authors-release": the authors' single-GPU release (settings a, c, d): their GSM8K grader,
+# "authors-release": the authors' single-GPU release (settings a, c, d): their grader,
 #   and the 0.1-scale format and 0.025-a-tag rewards for wrong answers only;
-# "authors-llama": their Llama commit (setting b): their GSM8K grader, "score" otherwise;
+# "authors-llama": their Llama commit (setting b): their grader, "score" otherwise;
 # "open-r1": the 8-GPU runs (e, f): LaTeX-only math-verify accuracy, newline-exact format and tags.
 FORMAT_STYLES = ("exact", "score", "authors-release", "authors-llama", "open-r1")
-# Each task's accuracy as the authors' single-GPU code grades it: their GSM8K grader; MATH
-# and chemistry as podsjax grades them (their grade_answer is not reproduced).
+# Each task's accuracy as the authors' single-GPU code grades it: their grade_answer on GSM8K
+# and MATH; chemistry by SciBench's rule (they published no chemistry code).
 AUTHORS_ACCURACY: dict[str, RewardFn] = {
     "gsm8k": authors.authors_gsm8k_accuracy,
-    "math": math_accuracy,
+    "math": authors.authors_math_accuracy,
     "chemistry": chemistry_accuracy,
 }
 
