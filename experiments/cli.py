@@ -5,19 +5,23 @@ devices, so ``--mesh 8`` can give a CPU-only machine 8 host devices; then it joi
 multi-host run if there is one and hands the config to ``experiments.runner``.
 Bad flags, paths, data or checkpoints, a diverged run and a full disk print one line
 and exit with status 2; anything else is a bug and shows its traceback, then a one-line
-summary, with status 1.
+summary, with status 1. SIGTERM (a preemption) is handled as Ctrl-C is: the run stops at
+its last whole step, checkpoints it, says how to continue and exits with status 130.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shlex
+import signal
 import sys
+import threading
 import time
 import traceback
 
 from experiments import flags
-from experiments.usage import UsageError, has_accelerator, mesh_device_count
+from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_device_count
 
 # The library's errors about what the user gave it (module, class): one line, status 2.
 # Looked up in sys.modules so that this module never imports JAX itself.
@@ -207,9 +211,28 @@ def start(args, config) -> None:
     print(f"compile cache: {setup_compile_cache(args) or 'off'}", flush=True)
 
 
+def _sigterm_as_interrupt(number, frame):
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def interrupted_line(exc: KeyboardInterrupt, task: str, out: str | None) -> str:
+    """What a stopped run prints: where it stopped (``run_state.StopRequested`` says) and how to go on."""
+    if type(exc).__name__ == "StopRequested":
+        what = str(exc)
+    else:
+        what = f"interrupted by {exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else "interrupted"
+    if out is None or not os.path.isfile(os.path.join(out, CONFIG_FILE)):
+        return f"{what}; no run was written yet"
+    return f"{what}; to continue: python -m experiments.{task} --out {shlex.quote(out)} --resume"
+
+
 def main(task: str, argv=None) -> int:
     started_at = time.time()
     args = None
+    # SIGTERM (SLURM, spot-VM preemption, `kill`) takes Ctrl-C's way out: the trainer's own
+    # handler checkpoints the last whole step, and everything else unwinds (the lock, workers).
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt) if in_main else None
     try:
         args, config = flags.parse(task, argv)
         if args.help:
@@ -231,8 +254,8 @@ def main(task: str, argv=None) -> int:
 
         return runner.run(config, args.out, overwrite=args.overwrite, resume=args.resume, dry_run=args.dry_run,
                           topology=args.topology, started_at=started_at)
-    except KeyboardInterrupt:
-        print("interrupted; resume with --resume", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(interrupted_line(exc, task, getattr(args, "out", None)), file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
         line = user_error_line(exc, getattr(args, "out", None))
@@ -244,3 +267,6 @@ def main(task: str, argv=None) -> int:
             return 1
         print(f"error: {line}", file=sys.stderr)
         return 2
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)

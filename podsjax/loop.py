@@ -8,6 +8,11 @@ trains the same steps with the same data, RNG keys and optimizer state as a run 
 was never stopped. The logs (metrics, samples, eval history) are cut back to their
 sizes at that checkpoint, so the steps redone after the restore are logged once; the
 cut records are kept in ``<log>.superseded``.
+
+SIGTERM (a preemption's first word) and SIGINT stop a run at its last whole step:
+generation, scoring and evaluation in flight are dropped, an update in flight finishes,
+and that step is checkpointed before :class:`~podsjax.run_state.StopRequested` is raised
+(see :class:`~podsjax.run_state.StopSignals`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from podsjax import mesh as mesh_lib
 from podsjax import metrics as metrics_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
+from podsjax import run_state
 from podsjax import train
 from podsjax.run_state import HostState
 from podsjax.models import LoraConfig, init_lora
@@ -323,6 +329,8 @@ class Trainer:
         # Decided from the config, not the writer: in a multi-host run every process joins the fetch.
         self._histograms = log_backends.draws_histograms(run.log)
         self.pool = rewards_lib.RewardPool(run.reward_workers, timeout_s=run.reward_timeout_s)
+        # Installed while run() runs; multi-host runs stop where every process agrees (a step boundary).
+        self.signals = run_state.StopSignals(drop_at_once=hosts.count() == 1)
         self._compiled_once = False
         self._skips_reported = False
 
@@ -377,28 +385,30 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         run, algo = self.run_config, self.algo
         timer = metrics_lib.PhaseTimer()
-        with timer.phase("generation"):
-            examples, prompts, skipped = self._draw_prompts()
-            params, lora = self.policy_params()
-            key = jax.random.fold_in(jax.random.key(run.seed + _ROLLOUT_SEED_OFFSET), int(self.state.step))
-            ids, prompt_mask = (hosts.place_rows(x, self.model.mesh) for x in (prompts.ids_PL, prompts.mask_PL))
-            with self.compile_log.label("generate", _shape(prompts.ids_PL, algo.n, run.max_new_tokens)):
-                rollouts = generate(self.model, params, ids, prompt_mask, key, num_samples=algo.n,
-                                    max_new_tokens=run.max_new_tokens, temperature=algo.temperature,
-                                    top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=self.eos_ids,
-                                    pad_token_id=prompts.pad_id, lora=lora)
-            start, tokens = hosts.local_rows(rollouts.tokens)
-            mask, truncated = (hosts.local_rows(x)[1] for x in (rollouts.mask, rollouts.truncated))
-        with timer.phase("scoring"):
-            scored = self._score(examples, start, tokens, mask, truncated)
-        p = len(examples)
-        rewards_PN = scored["total"].reshape(p, algo.n)
-        with timer.phase("selection"):
-            select_key = jax.random.fold_in(key, _SELECTION_STREAM)
-            with self.compile_log.label("select"):
-                # The rollouts stay on device: only the rewards come from the host.
-                batch, idx_PM = self.batch_fn(ids, prompt_mask, rollouts.tokens, rollouts.mask, rewards_PN,
-                                              config=algo, key=select_key)
+        # Until the update, the state and the host state are as the last step left them: a stop drops this work.
+        with self.signals.droppable():
+            with timer.phase("generation"):
+                examples, prompts, skipped = self._draw_prompts()
+                params, lora = self.policy_params()
+                key = jax.random.fold_in(jax.random.key(run.seed + _ROLLOUT_SEED_OFFSET), int(self.state.step))
+                ids, prompt_mask = (hosts.place_rows(x, self.model.mesh) for x in (prompts.ids_PL, prompts.mask_PL))
+                with self.compile_log.label("generate", _shape(prompts.ids_PL, algo.n, run.max_new_tokens)):
+                    rollouts = generate(self.model, params, ids, prompt_mask, key, num_samples=algo.n,
+                                        max_new_tokens=run.max_new_tokens, temperature=algo.temperature,
+                                        top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=self.eos_ids,
+                                        pad_token_id=prompts.pad_id, lora=lora)
+                start, tokens = hosts.local_rows(rollouts.tokens)
+                mask, truncated = (hosts.local_rows(x)[1] for x in (rollouts.mask, rollouts.truncated))
+            with timer.phase("scoring"):
+                scored = self._score(examples, start, tokens, mask, truncated)
+            p = len(examples)
+            rewards_PN = scored["total"].reshape(p, algo.n)
+            with timer.phase("selection"):
+                select_key = jax.random.fold_in(key, _SELECTION_STREAM)
+                with self.compile_log.label("select"):
+                    # The rollouts stay on device: only the rewards come from the host.
+                    batch, idx_PM = self.batch_fn(ids, prompt_mask, rollouts.tokens, rollouts.mask, rewards_PN,
+                                                  config=algo, key=select_key)
         with timer.phase("update"):
             rows, length = batch.input_ids.shape
             with self.compile_log.label("update", f"{rows} rows x {length} tokens"):
@@ -519,42 +529,43 @@ class Trainer:
         # As many rows as a training step's rollouts by default, so evaluation decodes
         # with the rollouts' compiled program (temperature is an input of it, not a constant).
         size = run.eval_batch_size or prompt_rows(run, self.algo) * self.algo.n
-        for index, start in enumerate(range(0, len(examples), size)):
-            chunk = examples[start : start + size]
-            prompts = self._prompts(chunk)
-            chunk = [chunk[i] for i in prompts.kept_P]
-            if not chunk:
-                continue
-            # Every chunk has the same rows (a short last one or dropped prompts would be a new
-            # shape, so a new compile), split evenly over the mesh's batch shards: repeat the
-            # last prompt and drop its copies' results.
-            rows = -(-size // self._batch_shards()) * self._batch_shards()
-            ids, prompt_mask = (hosts.place_rows(x, self.model.mesh) for x in prompts.padded_rows(rows))
-            padded = chunk + [chunk[-1]] * (rows - len(chunk))
-            breakdowns = []  # [R] of name -> [e]
-            for repeat in range(repeats):
-                key = jax.random.fold_in(jax.random.fold_in(eval_key, repeat), index)
-                with self.compile_log.label("generate", _shape(ids, 1, run.max_new_tokens)):
-                    r = generate(self.model, params, ids, prompt_mask, key, num_samples=1,
-                                 max_new_tokens=run.max_new_tokens, temperature=run.eval_temperature,
-                                 eos_token_ids=self.eos_ids, pad_token_id=prompts.pad_id, lora=lora)
-                first, tokens = hosts.local_rows(r.tokens)
-                mask = hosts.local_rows(r.mask)[1]
-                mine = padded[first : first + len(tokens)]
-                texts = prompts_lib.decode_completions(self.tokenizer, tokens, mask)
-                columns = data_lib.reward_columns(mine, 1)
-                scores = self.pool.score(texts, self.eval_rewards, **columns).per_function
-                local = {name: np.asarray(scores[name], np.float64) for name in _EVAL_PARTS}
-                breakdowns.append({name: values[: len(chunk)]
-                                   for name, values in hosts.gather_rows(first, local, rows).items()})
-                if repeat == 0:  # this host's rows of the chunk (process 0's are the first)
-                    real = max(0, min(len(tokens), len(chunk) - first))
-                    samples.extend({"prompt": e.prompt, "completion": t, "answer": e.answer, "accuracy": float(a),
-                                    "format_correct": float(f)}
-                                   for e, t, a, f in zip(mine[:real], texts, scores["accuracy"],
-                                                         scores["strict_format"]))
-            for name in _EVAL_PARTS:
-                parts[name].append(np.stack([np.asarray(b[name], np.float64) for b in breakdowns]))
+        with self.signals.droppable():  # nothing is written until every pass is scored
+            for index, start in enumerate(range(0, len(examples), size)):
+                chunk = examples[start : start + size]
+                prompts = self._prompts(chunk)
+                chunk = [chunk[i] for i in prompts.kept_P]
+                if not chunk:
+                    continue
+                # Every chunk has the same rows (a short last one or dropped prompts would be a new
+                # shape, so a new compile), split evenly over the mesh's batch shards: repeat the
+                # last prompt and drop its copies' results.
+                rows = -(-size // self._batch_shards()) * self._batch_shards()
+                ids, prompt_mask = (hosts.place_rows(x, self.model.mesh) for x in prompts.padded_rows(rows))
+                padded = chunk + [chunk[-1]] * (rows - len(chunk))
+                breakdowns = []  # [R] of name -> [e]
+                for repeat in range(repeats):
+                    key = jax.random.fold_in(jax.random.fold_in(eval_key, repeat), index)
+                    with self.compile_log.label("generate", _shape(ids, 1, run.max_new_tokens)):
+                        r = generate(self.model, params, ids, prompt_mask, key, num_samples=1,
+                                     max_new_tokens=run.max_new_tokens, temperature=run.eval_temperature,
+                                     eos_token_ids=self.eos_ids, pad_token_id=prompts.pad_id, lora=lora)
+                    first, tokens = hosts.local_rows(r.tokens)
+                    mask = hosts.local_rows(r.mask)[1]
+                    mine = padded[first : first + len(tokens)]
+                    texts = prompts_lib.decode_completions(self.tokenizer, tokens, mask)
+                    columns = data_lib.reward_columns(mine, 1)
+                    scores = self.pool.score(texts, self.eval_rewards, **columns).per_function
+                    local = {name: np.asarray(scores[name], np.float64) for name in _EVAL_PARTS}
+                    breakdowns.append({name: values[: len(chunk)]
+                                       for name, values in hosts.gather_rows(first, local, rows).items()})
+                    if repeat == 0:  # this host's rows of the chunk (process 0's are the first)
+                        real = max(0, min(len(tokens), len(chunk) - first))
+                        samples.extend({"prompt": e.prompt, "completion": t, "answer": e.answer, "accuracy": float(a),
+                                        "format_correct": float(f)}
+                                       for e, t, a, f in zip(mine[:real], texts, scores["accuracy"],
+                                                             scores["strict_format"]))
+                for name in _EVAL_PARTS:
+                    parts[name].append(np.stack([np.asarray(b[name], np.float64) for b in breakdowns]))
         step = int(self.state.step)
         self.writer.write_samples(step, samples[: run.log_samples])
         values_RE = {name: np.concatenate(chunks, axis=1) if chunks else np.zeros((repeats, 0))
@@ -574,7 +585,12 @@ class Trainer:
         return every is not None and (last is None or self.host.elapsed_train_s - last >= every)
 
     def run(self) -> list[dict[str, float]]:
-        """Trains until the budget is spent; returns the eval history (one dict per eval)."""
+        """Trains until the budget is spent; returns the eval history (one dict per eval).
+
+        Raises:
+            StopRequested: SIGTERM or SIGINT came (in the main thread); the last whole step
+                is checkpointed first (see ``podsjax.run_state.StopSignals``).
+        """
         history = read_history(self.run_config.out_dir)
         run = self.run_config
         enabled = None if run.progress else False
@@ -587,43 +603,63 @@ class Trainer:
         # Without a bar (no TTY: logs, nohup, SLURM) one line every progress_every_s says how it goes.
         lines = metrics_lib.ProgressLog(self.log, every_s=run.progress_every_s)
         first = True
+        stopped = False
         try:
-            while True:
-                if self.eval_due():
-                    evaluation = {**self.evaluate(), "time/elapsed_train_s": self.host.elapsed_train_s}
-                    self.host.last_eval_s = self.host.elapsed_train_s
-                    self.writer.write(int(self.state.step), evaluation)
-                    evaluation["step"] = int(self.state.step)
-                    history.append(evaluation)
-                    if hosts.is_primary():
-                        _append_history(self.run_config.out_dir, evaluation)
-                    self.log(_eval_line(evaluation, run))
-                    if self.best is not None:
-                        self.best.offer(evaluation["step"], evaluation["eval/accuracy"], self.state.params)
-                if self.done():
-                    break
-                scalars = self.train_step()
-                step = int(self.state.step)
-                self.writer.write(step, scalars)
-                self._check_finite(step, scalars)
-                position = step if run.max_steps is not None else self.host.elapsed_train_s
-                accuracy = history[-1]["eval/accuracy"] if history else float("nan")
-                bar.update(position, step=step, reward=scalars["reward/mean"], acc=accuracy)
-                if first:
-                    since = time.time() - self.started_at
-                    lines.update(step, lambda: f"first step done {since:.1f} s after start: {_phases_text(scalars)}",
-                                 force=True)
-                    first = False
-                elif not bar.enabled:
-                    lines.update(step, lambda: self._progress_line(step, scalars, accuracy), force=self.done())
-                # Saved before the next step donates the state's buffers.
-                self._save_checkpoint(step)
-            self._save_checkpoint(int(self.state.step), force=True)
+            with self.signals:
+                try:
+                    while True:
+                        if self._stop_agreed():
+                            stopped = True
+                            break
+                        if self.eval_due():
+                            evaluation = {**self.evaluate(), "time/elapsed_train_s": self.host.elapsed_train_s}
+                            self.host.last_eval_s = self.host.elapsed_train_s
+                            self.writer.write(int(self.state.step), evaluation)
+                            evaluation["step"] = int(self.state.step)
+                            history.append(evaluation)
+                            if hosts.is_primary():
+                                _append_history(self.run_config.out_dir, evaluation)
+                            self.log(_eval_line(evaluation, run))
+                            if self.best is not None:
+                                self.best.offer(evaluation["step"], evaluation["eval/accuracy"], self.state.params)
+                        if self.done():
+                            break
+                        scalars = self.train_step()
+                        step = int(self.state.step)
+                        self.writer.write(step, scalars)
+                        self._check_finite(step, scalars)
+                        position = step if run.max_steps is not None else self.host.elapsed_train_s
+                        accuracy = history[-1]["eval/accuracy"] if history else float("nan")
+                        bar.update(position, step=step, reward=scalars["reward/mean"], acc=accuracy)
+                        if first:
+                            since = time.time() - self.started_at
+                            lines.update(step, lambda: f"first step done {since:.1f} s after start: "
+                                                       f"{_phases_text(scalars)}", force=True)
+                            first = False
+                        elif not bar.enabled:
+                            lines.update(step, lambda: self._progress_line(step, scalars, accuracy),
+                                         force=self.done())
+                        # Saved before the next step donates the state's buffers.
+                        self._save_checkpoint(step)
+                except run_state.StepDropped:
+                    stopped = True
+                # The last whole step is kept, whether the budget is spent or a stop came.
+                self._save_checkpoint(int(self.state.step), force=True)
+                if stopped or self._stop_agreed():
+                    raise run_state.StopRequested(self.signals.requested, int(self.state.step),
+                                                  self.checkpointer.latest_step())
         finally:
             bar.close()
             self._bar = None
             self.close()
         return history
+
+    def _stop_agreed(self) -> bool:
+        """Whether SIGTERM or SIGINT reached this process (any process, in a multi-host run)."""
+        asked = self.signals.requested is not None
+        if hosts.count() > 1:
+            asked = hosts.sum_over_processes({"stop": float(asked)})["stop"] > 0
+        return asked
 
     def _save_checkpoint(self, step: int, force: bool = False) -> None:
         if self.checkpointer.save(step, self.state, self._host_with_log_sizes(), force=force) and self.best is not None:
@@ -655,12 +691,15 @@ class Trainer:
         return self.host.to_json()
 
     def close(self):
-        self.checkpointer.close()
-        if self.best is not None:
-            self.best.checkpoints_committed()
-            self.best.close()
-        self.writer.close()
-        self.pool.close()
+        # The reward workers go first: a second signal may cut the rest (waiting for a save) short.
+        try:
+            self.pool.close()
+        finally:
+            self.checkpointer.close()
+            if self.best is not None:
+                self.best.checkpoints_committed()
+                self.best.close()
+            self.writer.close()
 
 
 # The breakdown entries evaluation keeps: whatever some EVAL_METRICS entry multiplies.

@@ -50,15 +50,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 CPU_MESH_MODULES = {
     "test_checkpoint", "test_dry_run", "test_experiments_cli", "test_loop", "test_mesh", "test_mesh_multihost",
     "test_multihost_cli",
-    "test_models_io", "test_resume_killed", "test_sampling", "test_selection", "test_train", "test_train_memory",
-    "test_train_multihost", "test_tiny",
+    "test_models_io", "test_relaunch", "test_resume_killed", "test_sampling", "test_selection", "test_train",
+    "test_train_memory", "test_train_multihost", "test_tiny",
 }
 ON_ACCELERATOR = jax.default_backend() != "cpu"
 
 # Tests of several seconds each (end-to-end runs, subprocesses, compiles of real programs,
 # long property searches): `pytest` runs them, `pytest -m "not slow"` leaves them out.
 SLOW_MODULES = {
-    "test_benchmarks", "test_mesh_multihost", "test_multihost_cli", "test_resume_killed", "test_train_multihost",
+    "test_benchmarks", "test_mesh_multihost", "test_multihost_cli", "test_relaunch", "test_resume_killed",
+    "test_train_multihost",
 }
 SLOW_TESTS = {
     "test_chemistry.py::test_chemistry_command_trains_and_evaluates_on_the_fixture",

@@ -72,11 +72,18 @@ def final_params(out):
     return {k: v for f in files for k, v in load_file(f).items()}
 
 
+def uninterrupted_run(tmp_path_factory, env):
+    """The run of cli_args that never stops, run once per session for every test that stops one."""
+    out = tmp_path_factory.getbasetemp() / "uninterrupted_run"
+    if not (out / "final_model").is_dir():
+        run_cli([*cli_args(str(out), str(tmp_path_factory.getbasetemp() / SHARED_WARMUP)), "--overwrite"], env)
+    return str(out)
+
+
 def test_killed_run_resumes_to_the_same_params_and_metrics(tmp_path_factory, tmp_path):
     warmup = str(tmp_path_factory.getbasetemp() / SHARED_WARMUP)
     env = cli_env(tmp_path)
-    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
-    run_cli(cli_args(full, warmup), env)
+    full, killed = uninterrupted_run(tmp_path_factory, env), str(tmp_path / "killed")
 
     # The same run again, SIGKILLed (with its reward workers: the whole process group) once
     # the step-2 checkpoint is committed (orbax renames its tmp dir to "2") and step 3 is

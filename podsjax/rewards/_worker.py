@@ -3,7 +3,9 @@
 The parent (``pool.RewardPool``) owns the wall-clock deadline and kills a worker
 that misses it; this side only adds a cheap soft limit so that a reward stuck in
 Python code (a sympy simplification, a regex loop) fails alone without costing a
-process restart.
+process restart. A parent that dies without closing the pool (SIGKILL) cannot kill
+anything, so a thread here exits the worker when the parent's end of the pipe closes,
+even in the middle of a reward that never returns.
 
 Messages from the parent: ``None`` (stop), ``("load", blob)`` (unpickle reward
 functions ahead of time, so that their imports do not eat an item's budget), and
@@ -18,7 +20,9 @@ import importlib
 import os
 import pickle
 import resource
+import select
 import signal
+import threading
 from typing import Any, Callable, Sequence
 
 # Statuses of one (item, function) call, reported to the parent.
@@ -102,10 +106,27 @@ def _limit_memory(max_memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
+def _exit_with_parent(conn) -> None:
+    """Exits the process once the parent's end of ``conn`` is closed (the parent died or closed the pool).
+
+    POLLRDHUP reports only the peer's close, never a message, so this thread does not
+    compete with the main thread's reads.
+    """
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLRDHUP)
+    while True:
+        for _, events in poller.poll():
+            if events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                os._exit(0)
+
+
 def main(conn, max_memory_mb: int | None, preload: Sequence[str]) -> None:
     """Worker entry point: handshake, then serve messages until told to stop."""
-    # Ctrl-C reaches the whole process group; the parent decides what happens.
+    # Ctrl-C and a job's SIGTERM reach the whole process group; the parent decides what happens.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(select, "POLLRDHUP"):  # Linux; started before the memory limit, which its stack counts against
+        threading.Thread(target=_exit_with_parent, args=(conn,), name="exit-with-parent", daemon=True).start()
     try:
         for module in preload:
             importlib.import_module(module)

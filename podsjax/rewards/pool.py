@@ -17,17 +17,25 @@ item (one completion and its row of columns) at a time to each worker process:
 Workers start with the 'forkserver' (default) or 'spawn' method, never 'fork':
 the parent runs JAX, which is multithreaded, and forking it is unsafe. Start the
 pool once and reuse it across steps; start-up costs seconds.
+
+No worker outlives its pool: ``close()`` kills busy workers at once, a pool still open
+at interpreter exit is closed then, and a worker whose parent dies (SIGKILL, a crash)
+exits by itself (see ``_worker``). Workers ignore SIGINT and SIGTERM, which reach a
+whole process group (Ctrl-C, SLURM): the parent decides.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import time
+import weakref
 from multiprocessing.connection import wait
 from typing import Any, Sequence
 
@@ -40,6 +48,18 @@ logger = logging.getLogger(__name__)
 
 # Imported once in the forkserver, so replacing a dead worker costs a fork, not imports.
 DEFAULT_PRELOAD = ("podsjax.rewards", "math_verify", "sympy")
+
+
+# Open pools, closed at interpreter exit. multiprocessing's own exit hook sends its daemon
+# processes SIGTERM and joins them, and workers ignore SIGTERM: registered after that hook
+# (multiprocessing.util is imported above), this one runs first.
+_OPEN_POOLS: "weakref.WeakSet[RewardPool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    for pool in list(_OPEN_POOLS):
+        pool.close()
 
 
 class RewardPoolError(RuntimeError):
@@ -161,6 +181,7 @@ class RewardPool:
         if self.config.start_method == "forkserver":
             # Only takes effect if this process has not started its forkserver yet.
             self._ctx.set_forkserver_preload(list(self.config.preload))
+        _OPEN_POOLS.add(self)
         self._workers = [_Worker(self._ctx, self.config) for _ in range(self.config.max_workers)]
         try:
             while any(w.state == "starting" for w in self._workers):
@@ -171,9 +192,16 @@ class RewardPool:
         return self
 
     def close(self) -> None:
-        """Stops the workers; idempotent."""
+        """Stops the workers and waits for them to exit; idempotent.
+
+        Idle workers are asked to stop; busy ones (a reward in flight may hang) are killed at once.
+        """
         workers, self._workers = self._workers, []
+        _OPEN_POOLS.discard(self)
         for w in workers:
+            if w.state != "idle":
+                w.kill()
+                continue
             try:
                 w.conn.send(None)
             except (OSError, ValueError):
@@ -248,11 +276,16 @@ class RewardPool:
                         if not self._send(w, message, "busy", wall_s):
                             pending.appendleft(i)  # the worker was already dead; retry elsewhere
                 self._pump(state, blob)
-        except BaseException:
+        except Exception:
             # Busy workers hold stale work; restart them so the next call starts clean.
             for slot, w in enumerate(self._workers):
                 if w.state not in ("idle", "starting"):
                     self._replace(slot)
+            raise
+        except BaseException:
+            # KeyboardInterrupt or a stop (SIGTERM): the process is on its way out, so no
+            # replacements; a later call starts the pool again.
+            self.close()
             raise
         state.counts["restarts"] = self.restarts - restarts_before
         return summarize(weighted, state.values_FB, state.failed_B, state.counts, time.perf_counter() - start)
