@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from experiments import flags
 from experiments.config import ExperimentConfig
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError, mesh_device_count
-from podsjax import compilation, data, hosts, loop, prompts
+from podsjax import compilation, data, hosts, loop, prompts, run_state
 from podsjax import rewards as rewards_lib
 from podsjax import dry_run as dry_run_lib
 from podsjax import mesh as mesh_lib
@@ -112,20 +112,52 @@ def run(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool
     make_rewards(config)
     tasks = None if dry_run or config.model.path is None else _load_tasks(config)
     hosts.barrier("run checked")  # every process has looked at out_dir before process 0 writes to it
+    lock = _lock(out_dir)
     try:
-        if hosts.is_primary():
-            if overwrite and os.path.isdir(out_dir):
-                shutil.rmtree(out_dir)
-            os.makedirs(out_dir, exist_ok=True)
-            if not resume:  # a dry run records what it planned too
-                with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-                    json.dump(flags.as_json(config), f, indent=2, sort_keys=True)
-    except OSError as exc:
-        raise UsageError(f"cannot write the run directory {out_dir}: {exc.strerror or exc}") from None
-    hosts.barrier("run directory ready")
-    if dry_run:
-        return _dry_run(config, out_dir, mesh, topology)
-    return _train_and_export(config, out_dir, mesh, started_at, tasks)
+        try:
+            if hosts.is_primary():
+                if overwrite:
+                    _clear(out_dir)
+                if not resume:  # a dry run records what it planned too
+                    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+                        json.dump(flags.as_json(config), f, indent=2, sort_keys=True)
+        except OSError as exc:
+            raise UsageError(f"cannot write the run directory {out_dir}: {exc.strerror or exc}") from None
+        hosts.barrier("run directory ready")
+        if dry_run:
+            return _dry_run(config, out_dir, mesh, topology)
+        return _train_and_export(config, out_dir, mesh, started_at, tasks)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock(out_dir: str) -> run_state.RunLock | None:
+    """The run directory's lock (``podsjax.run_state.RunLock``), taken by process 0 for every
+    process of the run before anything else is written there; None on the other processes."""
+    lock, error = None, None
+    if hosts.is_primary():
+        try:
+            lock = run_state.RunLock.acquire(out_dir)
+        except run_state.RunLocked as exc:
+            error = UsageError(str(exc))
+        except OSError as exc:
+            error = UsageError(f"cannot write the run directory {out_dir}: {exc.strerror or exc}")
+    if not hosts.agree(float(error is None)):  # the others learn that process 0 was refused
+        raise error or UsageError(f"process 0 could not lock the run directory {out_dir} (its error says why)")
+    return lock
+
+
+def _clear(out_dir: str) -> None:
+    """--overwrite: empties the run directory but for its lock, which this run holds."""
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if name == run_state.LOCK_FILE:
+            continue
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
 
 
 def _dtype(config: ExperimentConfig):

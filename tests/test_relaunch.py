@@ -199,6 +199,7 @@ def test_a_sigtermed_cli_run_relaunched_with_the_same_command_matches_a_run_neve
     assert step >= 2 and f"(checkpoint of step {step} saved)" in last, last
     assert os.path.isdir(os.path.join(out, "checkpoints", str(step)))
     assert not os.path.exists(os.path.join(out, "final_model"))
+    assert not os.path.exists(os.path.join(out, run_state.LOCK_FILE))
     left = wait_gone(lambda: session_processes(proc.pid))
     assert not left, f"processes of the stopped run still run (reward workers, forkserver): {left}"
 
@@ -207,3 +208,4 @@ def test_a_sigtermed_cli_run_relaunched_with_the_same_command_matches_a_run_neve
     assert train_losses(out) == train_losses(full) and len(train_losses(full)) == 5
     assert without_timing(records(out)) == without_timing(records(full))  # rewards, grad norms, evaluations too
     assert os.path.isfile(os.path.join(out, "final_model", "config.json"))
+    assert not os.path.exists(os.path.join(out, run_state.LOCK_FILE))
