@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -25,6 +28,9 @@ TINY_HINT = ("no --model given: using the built-in tiny preset (a small Qwen2-ar
              "in-process). For a real run, download a checkpoint first and pass --model /path/to/Qwen2.5-3B-Instruct")
 ADAPTER_DIRNAME = "final_adapter"
 BEST_MODEL_DIRNAME = "best_model"
+# How long importing a --reward module may take (in a child process, before the run starts).
+# Generous: a module that imports torch on a cold disk takes tens of seconds.
+REWARD_IMPORT_TIMEOUT_S = 120.0
 
 
 def _mesh(spec, topology: str | None = None):
@@ -109,8 +115,14 @@ def run(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool
     # Every check that needs no model comes before anything is written to out_dir, so a
     # corrected rerun is not refused as "not empty".
     _check_rows(mesh, config.algorithm, config.run)
+    check_reward_imports(config)
     make_rewards(config)
-    tasks = None if dry_run or config.model.path is None else _load_tasks(config)
+    tasks = tokenizer = None
+    if not dry_run and config.model.path is not None:
+        tasks = _load_tasks(config)
+        tokenizer = prompts.load_tokenizer(config.model.path)
+        if tasks[0]:
+            prompts.check_chat_template(tokenizer, tasks[0][0].prompt, system_prompt=config.run.system_prompt)
     hosts.barrier("run checked")  # every process has looked at out_dir before process 0 writes to it
     lock = _lock(out_dir)
     try:
@@ -126,7 +138,7 @@ def run(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool
         hosts.barrier("run directory ready")
         if dry_run:
             return _dry_run(config, out_dir, mesh, topology)
-        return _train_and_export(config, out_dir, mesh, started_at, tasks)
+        return _train_and_export(config, out_dir, mesh, started_at, tasks, tokenizer)
     finally:
         if lock is not None:
             lock.release()
@@ -158,6 +170,77 @@ def _clear(out_dir: str) -> None:
             shutil.rmtree(path)
         else:
             os.unlink(path)
+
+
+# Run by check_reward_imports in a child: imports argv[1] with the parent's sys.path (argv[2])
+# and writes what happened to argv[3]. An exception is left to the parent's own import, which
+# reports it as it always has; what ends or stops a process is reported from here.
+_IMPORT_CHILD = """\
+import importlib, json, os, sys
+sys.path[:] = json.loads(sys.argv[2])
+try:
+    importlib.import_module(sys.argv[1])
+    result = "ok"
+except Exception:
+    result = "ok"
+except BaseException as exc:
+    result = "raised " + (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+with open(sys.argv[3], "w") as f:
+    f.write(result)
+os._exit(0)  # the module's threads and exit hooks must not keep this process alive
+"""
+
+
+def check_reward_imports(config: ExperimentConfig, timeout_s: float | None = None) -> None:
+    """Imports the module of each ``--reward module:function`` in a child process first.
+
+    User code at import time can end the process (``os._exit``, a crash, ``sys.exit``) or
+    never return; in the run itself that is an exit with no message, or a run that hangs
+    before its first line. In a child it is one line naming the module.
+    """
+    timeout_s = REWARD_IMPORT_TIMEOUT_S if timeout_s is None else timeout_s
+    for name, _ in config.rewards.extras():
+        module, colon, _ = name.partition(":")
+        if not colon or not module:
+            continue  # a registered name: the library's own
+        problem = _import_in_child(module, timeout_s)
+        if problem is not None:
+            raise UsageError(f"--reward {name}: importing {module} {problem}")
+
+
+def _import_in_child(module: str, timeout_s: float) -> str | None:
+    """What went wrong importing ``module`` in a fresh interpreter (None: nothing)."""
+    with tempfile.TemporaryDirectory(prefix="podsjax-reward-import-") as tmp:
+        result = os.path.join(tmp, "result")
+        # Its own session, so that the whole group (the module may start processes) can be killed;
+        # no accelerator, which this process holds already.
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+        child = subprocess.Popen([sys.executable, "-c", _IMPORT_CHILD, module, json.dumps(sys.path), result],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 env=env, start_new_session=True)
+        try:
+            code = child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        if code is None:
+            return (f"did not finish within {timeout_s:g} s (it hangs or waits at import time); "
+                    "move slow work out of import time")
+        try:
+            with open(result, encoding="utf-8") as f:
+                outcome = f.read()
+        except OSError:
+            outcome = None
+    if outcome == "ok":
+        return None
+    if outcome is not None:
+        return outcome.splitlines()[0] if outcome.strip() else "raised an exception"
+    if code < 0:
+        return f"ended the process (killed by {signal.Signals(-code).name})"
+    return f"ended the process (exit status {code}, with no error: os._exit or a crash at import time)"
 
 
 def _dtype(config: ExperimentConfig):
@@ -200,7 +283,8 @@ def _prompt_len(run_config) -> int:
     return max(prompts.Bucketing().lengths(run_config.max_prompt_length))
 
 
-def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: float | None, tasks) -> int:
+def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: float | None, tasks,
+                      tokenizer=None) -> int:
     if config.model.path is None:
         checkpoint, train_set, test_set = _tiny(config, out_dir)
     else:
@@ -211,7 +295,8 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
     print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
     load_start = time.time()
     model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
-    tokenizer = prompts.load_tokenizer(checkpoint)
+    if tokenizer is None:  # the tiny preset's, written by its warm-up
+        tokenizer = prompts.load_tokenizer(checkpoint)
     print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
     start = time.time()
     trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,

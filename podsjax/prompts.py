@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,6 +22,8 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 # For base models, which have no chat template. ``{system}`` and ``{question}`` are filled in.
 PLAIN_TEMPLATE = "{system}\n\nUser: {question}\nAssistant:"
+# One prompt renders in milliseconds; a chat template still rendering after this long loops.
+CHAT_TEMPLATE_TIMEOUT_S = 10.0
 
 
 class PromptError(ValueError):
@@ -98,6 +102,65 @@ def build_prompt(
         return tokenizer.apply_chat_template(merged, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001
         raise PromptError(f"the chat template failed ({_first_line(exc)})") from None
+
+
+class _RenderTimeout(BaseException):
+    # A BaseException: build_prompt's `except Exception` must not take it for a template error.
+    pass
+
+
+def _raise_render_timeout(signum, frame):
+    raise _RenderTimeout()
+
+
+def check_chat_template(tokenizer, question: str, *, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+                        timeout_s: float | None = None) -> str:
+    """Renders one prompt as a run would, within ``timeout_s`` (default ``CHAT_TEMPLATE_TIMEOUT_S``).
+
+    A chat template is code from the checkpoint; one that loops would hang the run at its
+    first step. Checked before a run writes anything, it is one line instead.
+
+    Returns:
+        The rendered prompt.
+
+    Raises:
+        PromptError: the template fails, or runs past the bound.
+    """
+    timeout_s = CHAT_TEMPLATE_TIMEOUT_S if timeout_s is None else timeout_s
+    where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    too_slow = PromptError(f"the chat template of {where} took more than {timeout_s:g} s to render one prompt "
+                           "(a loop in the template?); fix chat_template in its tokenizer_config.json or "
+                           "chat_template.jinja")
+    if threading.current_thread() is not threading.main_thread():
+        # No signals here: render in a thread; one that overruns is abandoned, and the run stops anyway.
+        result: dict[str, Any] = {}
+
+        def render():
+            try:
+                result["text"] = build_prompt(tokenizer, question, system_prompt=system_prompt)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller
+                result["error"] = exc
+
+        worker = threading.Thread(target=render, name="chat-template-check", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise too_slow
+        if "error" in result:
+            raise result["error"]
+        return result["text"]
+    # A real-time alarm interrupts the template's Python loop (jinja compiles templates to Python).
+    previous = signal.signal(signal.SIGALRM, _raise_render_timeout)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return build_prompt(tokenizer, question, system_prompt=system_prompt)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _RenderTimeout:
+        raise too_slow from None
+    finally:
+        signal.signal(signal.SIGALRM, previous)
 
 
 def build_prompts(tokenizer, questions: Sequence[str], **kwargs: Any) -> list[str]:

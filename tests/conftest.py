@@ -116,6 +116,8 @@ SLOW_TESTS = {
     "test_train.py::test_non_finite_loss_skips_the_update",
     "test_train.py::test_sharded_step_equals_single_device",
     "test_train_memory.py::test_pods_update_needs_the_memory_of_grpo_on_m_not_on_n",
+    "test_user_rewards.py::test_a_chat_template_that_loops_is_one_line_before_anything_is_written",
+    "test_user_rewards.py::test_a_reward_module_that_exits_or_hangs_at_import_is_one_line_naming_it",
     "test_user_rewards.py::test_the_cli_trains_on_your_dataset_with_your_reward_and_system_prompt",
 }
 

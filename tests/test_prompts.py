@@ -201,3 +201,37 @@ def test_a_llama_3_completion_ends_at_each_of_its_generation_configs_end_tokens(
                                         eos_token="<|eot_id|>")
     assert eos_token_ids(tokenizer) == (128001, 128008, 128009)
 
+
+
+# ------------------------------------------------------------- time bound
+
+LOOPING = "{% for i in range(100000) %}{% for j in range(REPEATS) %}{% endfor %}{% endfor %}" + CHATML_TEMPLATE
+
+
+def test_a_chat_template_that_loops_stops_at_the_time_bound(tmp_path, chat_tokenizer):
+    import threading
+    import time
+
+    from podsjax.prompts import check_chat_template
+
+    assert check_chat_template(chat_tokenizer, "Q?", system_prompt="S") == build_prompt(chat_tokenizer, "Q?",
+                                                                                          system_prompt="S")
+    endless = load_tokenizer(save_tiny_tokenizer(tmp_path / "endless", chat_template=LOOPING.replace("REPEATS",
+                                                                                                     "100000")))
+    started = time.monotonic()
+    with pytest.raises(PromptError, match="took more than 0.5 s to render one prompt"):
+        check_chat_template(endless, "Q?", timeout_s=0.5)
+    assert time.monotonic() - started < 5
+    # Away from the main thread (no signals there) the bound holds too; the render it abandons
+    # is a short loop here, so that it ends soon on its own.
+    slow = load_tokenizer(save_tiny_tokenizer(tmp_path / "slow", chat_template=LOOPING.replace("REPEATS", "40")))
+    raised = []
+    checker = threading.Thread(target=lambda: raised.append(pytest.raises(PromptError, check_chat_template, slow,
+                                                                          "Q?", timeout_s=0.05)))
+    checker.start()
+    checker.join(30)
+    assert raised and "took more than 0.05 s" in str(raised[0].value)
+    # A template that fails is its usual one line, under the bound too.
+    broken = load_tokenizer(save_tiny_tokenizer(tmp_path / "broken", chat_template="{{ messages | no_such_filter }}"))
+    with pytest.raises(PromptError, match="the chat template failed"):
+        check_chat_template(broken, "Q?")

@@ -112,3 +112,59 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line(tmp_path, capsys, monke
     assert code == 2 and err.count("\n") == 1, err
     assert "cannot load someone/no-such-dataset-xyz split 'train' from the Hugging Face Hub" in err
     assert not out.exists()
+
+
+# User code that ends or stalls the process. Each case runs the CLI in a child process (with
+# a short bound, set before main), so a regression fails the test instead of ending pytest.
+BOUNDED = "from experiments import runner\nrunner.REWARD_IMPORT_TIMEOUT_S = 2.0\n"
+
+
+def _bounded_cli(args, setup, tmp_path, timeout=120):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), root, env.get("PYTHONPATH")) if p)
+    code = f"import sys\n{setup}from experiments import cli\nsys.exit(cli.main('gsm8k', sys.argv[1:]))\n"
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("body,message", [
+    ("import os\nos._exit(3)\n", "importing import_trap ended the process (exit status 3, with no error"),
+    ("import time\ntime.sleep(600)\n", "importing import_trap did not finish within 2 s"),
+    ("raise SystemExit(4)\n", "importing import_trap raised SystemExit: 4"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n", "importing import_trap ended the process "
+                                                                    "(killed by SIGSEGV)"),
+], ids=["os._exit", "hang", "SystemExit", "SIGSEGV"])
+def test_a_reward_module_that_exits_or_hangs_at_import_is_one_line_naming_it(tmp_path, body, message):
+    (tmp_path / "import_trap.py").write_text(body + "def reward(completions, **_):\n    return [0.0] * len(completions)\n")
+    out = tmp_path / "never"
+    done = _bounded_cli(["--reward", "import_trap:reward", "--max-steps", "1", "--no-compile-cache", "--out", str(out)],
+                        BOUNDED, tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.count("\n") == 1 and "--reward import_trap:reward: " + message in done.stderr, done.stderr
+    assert not out.exists()
+
+
+def test_a_chat_template_that_loops_is_one_line_before_anything_is_written(tmp_path, data_dir):
+    import os
+
+    from tiny_checkpoint import save_tiny_checkpoint
+    from tiny_tokenizer import CHATML_TEMPLATE, save_tiny_tokenizer
+
+    # A template that would render for hours: 10^10 turns of a loop.
+    looping = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + CHATML_TEMPLATE
+    model = save_tiny_checkpoint(tmp_path / "model")
+    save_tiny_tokenizer(model, chat_template=looping)
+    gsm8k = os.path.join(data_dir, "gsm8k")
+    out = tmp_path / "never"
+    done = _bounded_cli(["--model", model, "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data",
+                         os.path.join(gsm8k, "test.jsonl"), "--max-steps", "1", "--no-compile-cache", "--out", str(out)],
+                        "from podsjax import prompts\nprompts.CHAT_TEMPLATE_TIMEOUT_S = 1.0\n", tmp_path)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert f"error: the chat template of {model} took more than 1 s to render one prompt" in done.stderr
+    assert not out.exists()  # the corrected rerun needs no --overwrite
