@@ -52,7 +52,8 @@ class HostState:
 LOCK_FILE = "run.lock"
 # The holder touches its lock this often; a lock from another host whose file has not been
 # touched for OTHER_HOST_STALE_S is a holder that is gone (killed, or its node lost), and is
-# taken over. The margin is wide: a live holder misses at most one beat in 15 of them.
+# taken over. The margin is 15 beats, so that a slow shared filesystem or a busy host does
+# not make a live holder look gone.
 HEARTBEAT_S = 60.0
 OTHER_HOST_STALE_S = 15 * 60.0
 
