@@ -9,18 +9,26 @@ Two kinds of flags:
 
 The config is the method's and the named setting's values, then ``--config FILE``
 (YAML or JSON: a run's ``config.json`` works), then the flags. Every check here runs
-before JAX starts, a model loads or anything is written.
+before JAX starts, a model loads or anything is written. A config file, a flag's value and
+a run's ``config.json`` are read within bounds (size, nesting, YAML aliases), kept in
+memory, and handed to draccus as one tree.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
-import tempfile
+import types
+import typing
 from typing import Any
+
+import draccus
+import draccus.argparsing
+import yaml
 
 from experiments.config import METHODS, SETTINGS, ExperimentConfig, base_values, merge
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
@@ -48,6 +56,15 @@ _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+(:[\w.-]+)?")
 # What a resumed run may change: how long it goes on, and memory (the same numbers either way).
 RESUMABLE = ("run.time_budget_s", "run.max_steps", "model.remat", "run.progress")
 
+# Bounds on a config file, a flag's value and a run's config.json. A config is six sections
+# of about 100 values, 4 levels deep; the bounds refuse, before anything is expanded, a
+# document that would take minutes or gigabytes to read, such as a YAML alias bomb (a few
+# hundred bytes that expand to billions of values).
+MAX_CONFIG_BYTES = 1 << 20
+MAX_DEPTH = 32
+MAX_VALUES = 10_000
+_INT_LIMIT = 2**63  # no field needs more; Python refuses to convert more than 4300 digits at all
+
 
 class UsageParser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of usage + message
@@ -61,13 +78,17 @@ def build_parser(task: str) -> argparse.ArgumentParser:
                             "of the config tree is also a flag --<section>.<field> (listed after these).")
     p.set_defaults(task=task)
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
-    p.add_argument("--method", choices=METHODS, default="pods")
+    p.add_argument("--method", choices=METHODS, help="the algorithm (default: pods)")
     p.add_argument("--setting", help=f"a named setting: {', '.join(s for s in SETTINGS if s != 'tiny')} (the "
                                      "paper's; they need --model), or tiny (the default without --model)")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file of config values (a run's config.json "
                                                     "works); flags override it")
     p.add_argument("--out", help="run directory (default: runs/<task>-<method>-<date>-<time>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out, with its config.json")
+    p.add_argument("--resume", nargs="?", const=True, default=False, choices=("auto",),
+                   help="continue the run in --out, with its config.json (the command may repeat the run's own "
+                        "values; only --time-budget, --max-steps, --remat and the progress bar may change); "
+                        "--resume auto: start the run if --out holds none yet, else continue it, so that one "
+                        "job-script line serves the first start and every requeue")
     p.add_argument("--overwrite", action="store_true", help="delete --out first")
     p.add_argument("--dry-run", action="store_true",
                    help="compile generate and the update, report memory per device and compile times "
@@ -143,84 +164,323 @@ def _given(flags: list[str]) -> dict[str, str]:
     return given
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return _clip(text.splitlines()[0]) if text else type(exc).__name__
+
+
+def _clip(line: str, limit: int = 300) -> str:
+    """A message line short enough to read (draccus quotes the value it could not parse)."""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def _draccus_error(exc: Exception) -> str:
     """The one line of a draccus error: its own for a value of the wrong type (it names the
     field), the config's message when a config refused the values."""
-    import draccus.utils
-
     cause = exc.__cause__ or exc.__context__
     if not isinstance(exc, draccus.utils.DecodingError) and isinstance(cause, (ValueError, TypeError)) and str(cause):
-        return str(cause).splitlines()[0]
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _first_line(cause)
+    return _first_line(exc)
 
 
 def decode(values: dict[str, Any], flags: list[str] = (), where: str | None = None) -> ExperimentConfig:
-    """The config from nested ``values`` with dotted ``flags`` over them; one-line errors."""
-    import draccus
-    import draccus.argparsing
+    """The config from nested ``values`` with dotted ``flags`` over them; one-line errors.
 
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        json.dump(values, f)  # JSON is YAML
+    The flags are read here (``_flag_values``) and merged into ``values``, and draccus
+    decodes the one tree in memory."""
+    tree = merge(values, _flag_values(flags, where))
+    _check_values(tree, where)
     try:
-        parser = draccus.argparsing.ArgumentParser(ExperimentConfig, config_path=f.name, exit_on_error=False)
-        config, unknown = parser.parse_known_args(list(flags))
+        return draccus.decode(ExperimentConfig, tree)
     except draccus.utils.DraccusException as exc:
         raise UsageError(_where(where, _draccus_error(exc))) from None
     except (ValueError, TypeError) as exc:  # a config's __post_init__ outside draccus's wrapping
-        raise UsageError(_where(where, str(exc).splitlines()[0])) from None
-    finally:
-        os.unlink(f.name)
-    if unknown:
-        raise UsageError(f"unrecognized argument {unknown[0].split('=')[0]} (see --help for the config's fields)")
-    return config
+        raise UsageError(_where(where, _first_line(exc))) from None
 
 
 def _where(where: str | None, message: str) -> str:
     return f"{where}: {message}" if where else message
 
 
-def _read_file(path: str) -> dict[str, Any]:
-    import yaml
+# -- reading a document within the bounds ---------------------------------------------------
 
+class _TooLarge(Exception):
+    """A document past one of the bounds (its message names the bound)."""
+
+
+class _HugeInt:
+    """An integer literal with more digits than Python converts (``sys.get_int_max_str_digits``),
+    kept so that the field it was given for can be named."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self):
+        return f"<an integer of {self.digits} digits>"
+
+
+_DEEPER = f"nested deeper than {MAX_DEPTH} levels, the limit for a config"
+_LARGER = f"more than {MAX_VALUES} values, the limit for a config (one has about 100)"
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, bounded while it composes: it recurses once per level, so a deep
+    document would end in RecursionError, and it reads nodes one by one, so a long one is
+    cut short. Aliases are counted after composing (``_check_expansion``)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.depth = self.nodes = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        self.nodes += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise _TooLarge(_DEEPER)
+            if self.nodes > MAX_VALUES:
+                raise _TooLarge(_LARGER)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # past Python's 4300 digits
+            return _HugeInt(sum(c.isdigit() for c in node.value))
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+# A date is text to a config (a split may be named 2024-01-01), not a datetime draccus cannot take.
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", lambda loader, node: loader.construct_scalar(node))
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuses a node graph whose expansion (each alias replaced by a copy of its anchor) is
+    deeper than MAX_DEPTH or holds more than MAX_VALUES values, without expanding it: each
+    node's expanded size and height are computed once. An alias inside its own anchor
+    expands forever, so it is refused as too deep."""
+    known: dict[int, tuple[int, int]] = {}  # id(node) -> (values, levels) of its expansion
+
+    def visit(node, depth):
+        sizes = known.get(id(node))
+        if sizes is None:
+            if depth > MAX_DEPTH:
+                raise _TooLarge(_DEEPER)
+            if isinstance(node, yaml.SequenceNode):
+                children = node.value
+            elif isinstance(node, yaml.MappingNode):
+                children = [child for pair in node.value for child in pair]
+            else:
+                children = ()
+            values, levels = 1, 1
+            for child in children:
+                child_values, child_levels = visit(child, depth + 1)
+                values, levels = values + child_values, max(levels, child_levels + 1)
+                if values > MAX_VALUES:
+                    raise _TooLarge(f"more than {MAX_VALUES} values once its YAML aliases are expanded, the limit "
+                                    "for a config (one has about 100)")
+            sizes = known[id(node)] = (values, levels)
+        if depth + sizes[1] - 1 > MAX_DEPTH:
+            raise _TooLarge(_DEEPER)
+        return sizes
+
+    visit(root, 1)
+
+
+def _load(text: str, what: str, broken: str = "not YAML or JSON") -> Any:
+    """YAML text (JSON is YAML) -> plain values, within the bounds; errors as one line about ``what``."""
+    loader = _Loader(text)
     try:
-        with open(path, encoding="utf-8") as f:
-            values = yaml.safe_load(f)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    except _TooLarge as exc:
+        raise UsageError(f"{what}: {exc}") from None
+    except (yaml.YAMLError, ValueError, TypeError) as exc:
+        raise UsageError(f"{what}: {broken} ({_first_line(exc)})") from None
+    finally:
+        loader.dispose()
+
+
+def _read_bytes(path: str, where: str) -> bytes:
+    """At most MAX_CONFIG_BYTES of a file (OSError as it comes)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise UsageError(f"{where}: larger than {MAX_CONFIG_BYTES >> 20} MiB, the limit for a config (a run's "
+                         "config.json is about 4 KB)")
+    return data
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    where = f"--config {path}"
+    try:
+        data = _read_bytes(path, where)
     except OSError as exc:
-        raise UsageError(f"--config {path}: {exc.strerror or exc}") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--config {path}: not YAML or JSON ({str(exc).splitlines()[0]})") from None
+        raise UsageError(f"{where}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{where}: not YAML or JSON ({_first_line(exc)})") from None
+    values = _load(text, where)
     if not isinstance(values, dict):
-        raise UsageError(f"--config {path}: holds a {type(values).__name__}, not a mapping of config sections")
-    return values
+        raise UsageError(f"{where}: holds a {type(values).__name__}, not a mapping of config sections")
+    sections = {}
+    for name, fields in values.items():
+        if name not in SECTIONS:
+            raise UsageError(f"{where}: unknown section {name!r}; the sections are {', '.join(SECTIONS)}")
+        if fields is not None and not isinstance(fields, dict):  # null: a section with every field left out
+            raise UsageError(f"{where}: section {name!r} must be a mapping of its fields, got "
+                             f"{_kind(fields)} {_show(fields)}")
+        sections[name] = fields or {}
+    return sections
+
+
+def _kind(value: Any) -> str:
+    return "int" if isinstance(value, _HugeInt) else type(value).__name__
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A value as a message shows it: JSON, cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# -- the values, field by field ---------------------------------------------------------------
+
+@functools.cache
+def _field_types() -> dict[str, dict[str, Any]]:
+    """section -> field -> its type, from the dataclasses' annotations."""
+    return {section: typing.get_type_hints(cls) for section, cls in typing.get_type_hints(ExperimentConfig).items()}
+
+
+def _kinds(tp: Any) -> set:
+    """The types a field takes, None left out (``int | None`` -> {int})."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return set(typing.get_args(tp) if union else (tp,)) - {type(None)}
+
+
+def _check_values(values: dict[str, Any], where: str | None) -> None:
+    """What draccus would take silently or trip over: a boolean where a number belongs (it
+    would store true as 1.0), null where a number must be, an integer no field holds, a value
+    that is no plain YAML value."""
+    fields_of = _field_types()
+    for section, fields in values.items():
+        if not isinstance(fields, dict):
+            continue  # draccus names the section
+        for name, value in fields.items():
+            path = f"{section}.{name}"
+            _check_plain(value, path, where, 2)
+            tp = fields_of.get(section, {}).get(name, Any)
+            if _kinds(tp) and _kinds(tp) <= {int, float}:
+                if isinstance(value, bool):
+                    raise UsageError(_where(where, f"{path} must be a number, not a boolean ({str(value).lower()})"))
+                if value is None and type(None) not in typing.get_args(tp):
+                    raise UsageError(_where(where, f"{path} must be a number, not null"))
+
+
+def _check_plain(value: Any, path: str, where: str | None, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise UsageError(_where(where, f"{path}: {_DEEPER}"))
+    if isinstance(value, _HugeInt) or (isinstance(value, int) and not isinstance(value, bool)
+                                       and not -_INT_LIMIT <= value < _INT_LIMIT):
+        digits = value.digits if isinstance(value, _HugeInt) else len(str(abs(value)))
+        raise UsageError(_where(where, f"{path}: an integer of {digits} digits is out of range (a config's integers "
+                                       "are below 2**63)"))
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_plain(item, path, where, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(item, f"{path}.{key}", where, depth + 1)
+    elif value is not None and not isinstance(value, (str, int, float)):
+        raise UsageError(_where(where, f"{path}: a {type(value).__name__} is not a config value"))
+
+
+class _FlagParser(draccus.argparsing.ArgumentParser):
+    """draccus's flags of the config tree, each value kept as the text given: ``_flag_values``
+    reads it (bounded) and ``decode`` merges it into the tree."""
+
+    def __init__(self):
+        super().__init__(ExperimentConfig, exit_on_error=False)
+        self.parser.error = self._error  # argparse would print its usage and exit
+
+    @staticmethod
+    def _error(message):
+        raise UsageError(message)
+
+    def _postprocessing(self, parsed_args):
+        return vars(parsed_args)
+
+
+def _flag_values(flags: list[str], where: str | None = None) -> dict[str, Any]:
+    """Dotted flags -> the nested values they give (unknown flags and bad values refused)."""
+    if not flags:
+        return {}
+    try:
+        given, unknown = _FlagParser().parse_known_args(list(flags))
+    except argparse.ArgumentError as exc:
+        raise UsageError(_where(where, str(exc))) from None
+    unknown += [f"--{name}" for name in given if "." not in name]  # draccus's own --config_path
+    if unknown:
+        raise UsageError(f"unrecognized argument {unknown[0].split('=')[0]} (see --help for the config's fields)")
+    fields_of, tree = _field_types(), {}
+    for name, text in given.items():
+        section, _, field = name.partition(".")
+        tree.setdefault(section, {})[field] = _flag_value(text, f"--{name}", fields_of[section][field])
+    return tree
+
+
+def _flag_value(text: str, what: str, tp: Any) -> Any:
+    """A flag's text as YAML (``[a, b]``, ``null``, ``0.5``), read within the bounds.
+
+    A string field takes the text itself unless it reads as a string or null: a prompt such
+    as ``Answer: a number`` is not a mapping, ``yes`` is not true, and no value is a file to
+    include (draccus's ``include`` keyword and ``!include`` tag are not read)."""
+    if text == "":
+        return text  # as draccus: the empty string, not null
+    if _kinds(tp) == {str}:
+        try:
+            value = _load(text, what)
+        except UsageError:
+            return text
+        return value if value is None or isinstance(value, str) else text
+    return _load(text, what, "not a YAML value")
 
 
 def parse(task: str, argv: list[str] | None,
           method: str | None = None) -> tuple[argparse.Namespace, ExperimentConfig | None]:
-    """(launch flags, the run's config); the config is None on ``--resume`` (read it with
-    :func:`read_run_config`) and for ``--help`` (``args.help``).
+    """(launch flags, the run's config); the config is None when the run in ``--out`` goes on
+    (``--resume``, or ``--resume auto`` where it holds a run: read the config with
+    :func:`read_run_config` and ``args.field_flags``) and for ``--help`` (``args.help``).
+    ``args.resume`` is then whether the run goes on.
 
     ``method`` stands for ``--method`` (a caller that runs several methods on one command
     line, as ``experiments.compare`` does)."""
     args, rest = build_parser(task).parse_known_args(argv)
+    method_given = method is not None or args.method is not None
     if method is not None:
         if method not in METHODS:
             raise UsageError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
         args.method = method
+    args.method = args.method or "pods"
+    args.resume_auto = args.resume == "auto"
     if args.help:
         return args, None
     flags = _field_flags(args, rest)
     given = _given(flags)
-    if args.resume:
-        if args.config or args.setting:
-            raise UsageError("--resume reads the run's own config.json; --config and --setting mean nothing with it")
-        changed = [name for name in given if name not in RESUMABLE]
-        if changed:
-            raise UsageError(f"--resume keeps the run's config; --{changed[0]} cannot change (only "
-                             f"{', '.join('--' + r for r in RESUMABLE)} may)")
-        args.field_flags = flags
-        return args, None
     file_values = _read_file(args.config) if args.config else {}
-    has_model = "model.path" in given or (file_values.get("model") or {}).get("path") is not None
+    if args.resume and _goes_on(args):
+        args.field_flags = _resumed_flags(task, args, flags, given, file_values, method_given)
+        return args, None
+    has_model = "model.path" in given or file_values.get("model", {}).get("path") is not None
     setting = args.setting or (None if has_model else "tiny")
     try:
         values = base_values(task, args.method, setting)
@@ -231,17 +491,100 @@ def parse(task: str, argv: list[str] | None,
                          "tiny preset has its own settings, --setting tiny)")
     values = merge(values, file_values)
     values = merge(values, {"run": {"task": task, "out_dir": args.out or ""}})
-    if values["algorithm"].get("algorithm", args.method) in ("grpo", "grpo-ga"):
-        # GRPO and GRPO-GA train every rollout (the paper's GRPO n=16 against PODS n=64,
-        # m=16), so one of --n / --m sets both, and --m wins.
-        chosen = given.get("algorithm.m") or given.get("algorithm.n")
-        if chosen is not None:
-            flags += ["--algorithm.n", chosen, "--algorithm.m", chosen]
+    flags = _paired_sizes(values["algorithm"].get("algorithm", args.method), given, flags)
     _dataset(args, values, given)
     if args.reward:
         values = merge(values, {"rewards": _rewards(args.reward, values.get("rewards", {}))})
     config = decode(values, flags)
     return args, config
+
+
+def _paired_sizes(algorithm: str, given: dict[str, str], flags: list[str]) -> list[str]:
+    """GRPO and GRPO-GA train every rollout (the paper's GRPO n=16 against PODS n=64, m=16),
+    so one of --n / --m sets both, and --m wins."""
+    chosen = given.get("algorithm.m") or given.get("algorithm.n")
+    if algorithm in ("grpo", "grpo-ga") and chosen is not None:
+        return [*flags, "--algorithm.n", chosen, "--algorithm.m", chosen]
+    return flags
+
+
+def _goes_on(args) -> bool:
+    """Whether ``--resume`` (or ``--resume auto``) continues a run in --out; sets ``args.resume``.
+
+    On a multi-host run every process looks before process 0 writes config.json (the runner
+    waits for all of them first), so all of them decide alike."""
+    if args.overwrite:
+        raise UsageError("--resume and --overwrite exclude each other")
+    if args.out is None:
+        raise UsageError("--resume needs --out, the run directory to continue")
+    args.resume = has_run(args.out)
+    if not args.resume and not args.resume_auto:
+        raise UsageError(f"--resume: {args.out} holds no run to resume (no config.json of a run); "
+                         "--resume auto starts it there when it has none")
+    return args.resume
+
+
+def _resumed_flags(task: str, args, flags: list[str], given: dict[str, str], file_values: dict[str, Any],
+                   method_given: bool) -> list[str]:
+    """The flags that continue the run in --out: those of the RESUMABLE fields the command sets.
+
+    A job script relaunches the run's own command with --resume (SLURM --requeue, a spot VM's
+    startup script), so the command may state the run's values again. Its method and setting
+    (where given), its config file and its flags are applied as a new run applies them, each
+    value is compared with the run's, and one that differs is refused, unless RESUMABLE."""
+    saved = read_run_config(args.out)
+    saved_tree = as_json(saved)
+    stated: dict[str, Any] = {}
+    if method_given or args.setting:
+        has_model = "model.path" in given or file_values.get("model", {}).get("path") is not None or \
+            saved.model.path is not None
+        try:
+            stated = base_values(task, args.method if method_given else saved.algorithm.algorithm,
+                                 args.setting or (None if has_model else "tiny"))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        stated["run"] = {k: v for k, v in stated["run"].items() if k != "task"}  # check() names the task
+    stated = merge(stated, file_values)
+    if args.dataset is not None:
+        view = merge(saved_tree, stated)
+        _dataset(args, view, given)
+        stated["data"] = view["data"]
+    if args.reward:
+        stated["rewards"] = _rewards(args.reward, stated.get("rewards", {}))
+    algorithm = merge(saved_tree, stated)["algorithm"].get("algorithm")
+    stated = merge(stated, _flag_values(_paired_sizes(algorithm, given, flags)))
+    _check_values(stated, None)
+    explicit = set(given) | ({"algorithm.algorithm"} if method_given else set())
+    fields_of, changed, resumed = _field_types(), [], []
+    for section, fields in stated.items():
+        for name, raw in fields.items():
+            dotted = f"{section}.{name}"
+            if dotted == "run.out_dir" or name not in fields_of.get(section, {}):
+                continue  # the directory is --out; an unknown field is refused by read_run_config
+            old = getattr(getattr(saved, section), name)
+            try:
+                new = _as_field(getattr(saved, section), name, fields_of[section][name], raw)
+            except (draccus.utils.DraccusException, ValueError, TypeError):
+                new = raw  # not a value of the field: read_run_config names it
+            if dotted in RESUMABLE:
+                resumed += [f"--{dotted}", given[dotted] if dotted in given else _show(raw, limit=1 << 20)]
+            elif new != old:
+                changed.append((dotted not in explicit, dotted, old, new))
+    if changed:
+        _, dotted, old, new = min(changed, key=lambda change: change[0])
+        raise UsageError(f"--resume keeps the run's config; --{dotted} cannot change from {_show(old)} to "
+                         f"{_show(new)} (a resume may change only {', '.join('--' + r for r in RESUMABLE)})")
+    return resumed
+
+
+def _as_field(section: Any, name: str, tp: Any, raw: Any) -> Any:
+    """``raw`` as field ``name`` of ``section`` holds it: decoded, then normalized by the section
+    where the rest of it allows (``run.log``'s order and duplicates)."""
+    value = draccus.decode(tp, raw)
+    try:
+        return getattr(dataclasses.replace(section, **{name: value}), name)
+    except (ValueError, TypeError):
+        return value
 
 
 def _dataset(args, values: dict[str, Any], given: dict[str, str]) -> None:
@@ -324,42 +667,61 @@ def check(args, config: ExperimentConfig) -> None:
             raise UsageError("--log wandb needs the wandb package: pip install 'podsjax[wandb]'")
 
 
+def _planned_only(out: str) -> bool:
+    """Whether ``out`` is empty or holds only what a dry run writes (dry_run.json and config.json):
+    a dry run may look at any directory, and the real run may follow it into the same one."""
+    return (os.path.isfile(os.path.join(out, DRY_RUN_FILE))
+            and set(os.listdir(out)) <= {DRY_RUN_FILE, CONFIG_FILE}) or (os.path.isdir(out) and not os.listdir(out))
+
+
+def has_run(out: str) -> bool:
+    """Whether ``out`` holds a run to continue (its config.json, and more than a dry run's files)."""
+    return os.path.isfile(os.path.join(out, CONFIG_FILE)) and not _planned_only(out)
+
+
 def check_out(args) -> None:
     """The run directory: a file is refused, and an existing run needs --resume or --overwrite."""
     out = args.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} exists and is not a directory")
-    # A dry run writes only dry_run.json and config.json, so it may look at any directory,
-    # and the real run may follow it into the same one.
-    planned_only = (os.path.isfile(os.path.join(out, DRY_RUN_FILE))
-                    and set(os.listdir(out)) <= {DRY_RUN_FILE, CONFIG_FILE}) or (os.path.isdir(out) and not os.listdir(out))
-    has_run = os.path.isfile(os.path.join(out, CONFIG_FILE)) and not planned_only
-    if args.resume and not has_run:
+    if args.resume and not has_run(out):
         raise UsageError(f"--resume: {out} holds no run to resume (no config.json of a run)")
-    occupied = os.path.isdir(out) and not planned_only
+    occupied = os.path.isdir(out) and not _planned_only(out)
     if occupied and not (args.resume or args.overwrite or args.dry_run):
+        if getattr(args, "resume_auto", False):
+            raise UsageError(f"--resume auto: {out} is not empty and holds no run (no config.json); start the run "
+                             "in an empty or new directory")
         raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")
+
+
+def _json_int(text: str) -> int | _HugeInt:
+    try:
+        return int(text)
+    except ValueError:  # past Python's 4300 digits
+        return _HugeInt(len(text.lstrip("-")))
 
 
 def read_run_config(out: str, flags: list[str] = ()) -> ExperimentConfig:
     """The config.json a run wrote, with ``flags`` (only :data:`RESUMABLE` fields) over it."""
-    path = os.path.join(out, "config.json")
+    path = os.path.join(out, CONFIG_FILE)
+    where = f"--resume: {path}"
     try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
+        values = json.loads(_read_bytes(path, where).decode("utf-8"), parse_int=_json_int)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--resume: cannot read {path} ({exc})") from None
+        raise UsageError(f"--resume: cannot read {path} ({_first_line(exc)})") from None
+    except RecursionError:
+        raise UsageError(f"--resume: cannot read {path} (nested too deeply)") from None
     if not isinstance(values, dict):
         raise UsageError(f"--resume: {path} holds a JSON {type(values).__name__}, not the run's config object")
     wrong = [key for key, value in values.items() if key in SECTIONS and not isinstance(value, dict)]
     if wrong:
         raise UsageError(f"--resume: {path}: {wrong[0]!r} must be an object of fields, got "
-                         f"{type(values[wrong[0]]).__name__}")
+                         f"{_kind(values[wrong[0]])}")
     if "run" not in values or "model_path" in values:
         raise UsageError(f"--resume: {path} is not a podsjax run config of this version (no 'run' section, or an "
                          "older layout); start a new run")
     values = merge(values, {"run": {"out_dir": out}})
-    return decode(values, flags, where=f"--resume: {path}")
+    return decode(values, flags, where=where)
 
 
 def describe_setting(setting: str, method: str, config: ExperimentConfig) -> str:
