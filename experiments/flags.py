@@ -32,6 +32,7 @@ import yaml
 
 from experiments.config import METHODS, SETTINGS, ExperimentConfig, base_values, merge
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
+from podsjax.run_state import LOCK_FILE
 
 # Short names of config fields: flag -> dotted field.
 SHORTCUTS: dict[str, str] = {
@@ -669,9 +670,12 @@ def check(args, config: ExperimentConfig) -> None:
 
 def _planned_only(out: str) -> bool:
     """Whether ``out`` is empty or holds only what a dry run writes (dry_run.json and config.json):
-    a dry run may look at any directory, and the real run may follow it into the same one."""
-    return (os.path.isfile(os.path.join(out, DRY_RUN_FILE))
-            and set(os.listdir(out)) <= {DRY_RUN_FILE, CONFIG_FILE}) or (os.path.isdir(out) and not os.listdir(out))
+    a dry run may look at any directory, and the real run may follow it into the same one. A
+    lock file alone does not count: the run takes it over, or names its live holder."""
+    if not os.path.isdir(out):
+        return False
+    files = set(os.listdir(out)) - {LOCK_FILE}
+    return not files or (DRY_RUN_FILE in files and files <= {DRY_RUN_FILE, CONFIG_FILE})
 
 
 def has_run(out: str) -> bool:

@@ -123,6 +123,17 @@ def test_resume_auto_starts_the_run_then_continues_it(tmp_path, one_line):
     assert "holds no run to resume" in err and "--resume auto" in err
 
 
+def test_a_directory_holding_only_a_lock_counts_as_empty(tmp_path):
+    # A run killed before it wrote anything leaves its lock alone; the next start takes it over.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.lock").write_text("{}")
+    for extra in ([], ["--resume", "auto"]):
+        args, config = flags.parse("gsm8k", ["--out", str(out)] + extra)
+        assert config is not None and not args.resume
+        flags.check_out(args)
+
+
 # ---------------------------------------------------------------- bounded config files
 
 def _bomb(path):
