@@ -3,8 +3,10 @@
 For each GPU, checkpoint shape and row count it compiles the sampler's decode program
 deviceless (``podsjax.gpu_topology``) in both layer layouts and counts one step from the
 optimized HLO (``podsjax.hlo_cost``): bytes moved against the floor (the weights the step
-reads and the whole KV cache, once), kernels launched, and the step's roofline time.
-"unrolled" is what podsjax runs on a GPU; "scanned" is the training layout.
+reads and its KV cache, once) and against the floor of a cache that repeats each prompt's
+KV in every row, kernels launched, and the step's roofline time. "unrolled" is what
+podsjax runs on a GPU (each prompt's KV held once for its samples); "scanned" is the
+training layout (the prompt's KV in every row).
 
     python -m benchmarks.gpu_plan                 # H100, Qwen2.5-1.5B and 3B, 64 and 256 rows
     python -m benchmarks.gpu_plan --gpus h100 a100 l40s --shapes Qwen2.5-3B --rows 64
@@ -49,8 +51,11 @@ def decode_step(gpu: str, shape: str, rows: int, layers: str) -> dict:
     chip = topology.chip(GPUS[gpu]["kind"])
     step = dry_run.decode_step_cost(gen["decode"], chip)
     floor = gen["weights_read_bytes"] + gen["kv_cache_bytes"]
-    return {"bytes": step.bytes, "floor": floor, "kernels": step.kernels, "roofline_s": step.roofline_s,
-            "floor_s": floor / chip.bandwidth, "compile_s": gen["compile_s"]["decode"]}
+    cfg = model.config
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V in bf16
+    row_floor = gen["weights_read_bytes"] + per_token * rows * (PROMPT + COMPLETION)
+    return {"bytes": step.bytes, "floor": floor, "row_floor": row_floor, "cache": gen["kv_cache_bytes"],
+            "kernels": step.kernels, "roofline_s": step.roofline_s, "compile_s": gen["compile_s"]["decode"]}
 
 
 def main(argv=None) -> None:
@@ -60,16 +65,19 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[64, 256])
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}; LoRA r{LORA_RANK}, bf16, {PROMPT} + {COMPLETION} tokens, 64 samples per prompt")
-    print("| GPU | shape | rows | layers | bytes / floor | kernels | step (roofline) | floor | decode compile |")
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+    print("floor: the weights and the KV cache read once; row-cache floor: the same with the prompt's KV in every row")
+    print("| GPU | shape | rows | layers | KV cache | bytes / step | / floor | / row-cache floor | kernels "
+          "| step (roofline) | decode compile |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for gpu in args.gpus:
         for shape in args.shapes:
             for rows in args.rows:
                 for layers in ("unrolled", "scanned"):
                     r = decode_step(gpu, shape, rows, layers)
-                    print(f"| {gpu} | {shape} | {rows} | {layers} | {r['bytes'] / r['floor']:.2f}x | "
-                          f"{r['kernels']:.0f} | {r['roofline_s'] * 1e3:.2f} ms | {r['floor_s'] * 1e3:.2f} ms | "
-                          f"{r['compile_s']:.1f} s |", flush=True)
+                    print(f"| {gpu} | {shape} | {rows} | {layers} | {r['cache'] / 1e9:.2f} GB | "
+                          f"{r['bytes'] / 1e9:.2f} GB | {r['bytes'] / r['floor']:.2f}x | "
+                          f"{r['bytes'] / r['row_floor']:.2f}x | {r['kernels']:.0f} | "
+                          f"{r['roofline_s'] * 1e3:.2f} ms | {r['compile_s']:.1f} s |", flush=True)
 
 
 if __name__ == "__main__":

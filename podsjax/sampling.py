@@ -146,6 +146,14 @@ class _Layers:
     def forward(self, model, weights, ids_BL, mask_BL, cache, last_only: bool = False):
         raise NotImplementedError
 
+    def prefill(self, model, weights, ids_BL, mask_BL, num_samples: int, max_new_tokens: int):
+        """``(last logits [P, V], cache)``: each prompt run once, its KV shared by its samples
+        (here repeated for them; the unrolled layout keeps one copy)."""
+        b, prompt_len = ids_BL.shape
+        cache = self.empty_cache(model, b, prompt_len + max_new_tokens)
+        logits_BLV, cache = self.forward(model, weights, ids_BL, mask_BL, cache, last_only=True)
+        return logits_BLV[:, -1], cache.repeat(num_samples)
+
 
 class _Scanned(_Layers):
     """The training layout: stacked params (+ LoRA) under the layer scan, a stacked cache."""
@@ -175,6 +183,11 @@ class _Unrolled(_Layers):
     def forward(self, model, weights, ids_BL, mask_BL, cache, last_only=False):
         return rollout.forward(model, weights, ids_BL, mask_BL, cache, last_only=last_only)
 
+    def prefill(self, model, weights, ids_BL, mask_BL, num_samples, max_new_tokens):
+        cache = self.empty_cache(model, *ids_BL.shape)
+        logits_BLV, cache = self.forward(model, weights, ids_BL, mask_BL, cache, last_only=True)
+        return logits_BLV[:, -1], rollout.GroupedCache.start(cache, num_samples, max_new_tokens)
+
 
 _LAYERS = {"scanned": _Scanned(), "unrolled": _Unrolled()}
 
@@ -197,11 +210,8 @@ class _Carry:
 def _prefill(model, num_samples: int, max_new_tokens: int, weights, prompt_ids_BL, prompt_mask_BL):
     """Prefills each prompt once and shares its cache and last logits across its n samples."""
     layers = _layers(model)
-    b, prompt_len = prompt_ids_BL.shape
-    cache = layers.empty_cache(model, b, prompt_len + max_new_tokens)
-    logits_BLV, cache = layers.forward(model, weights, prompt_ids_BL, prompt_mask_BL, cache, last_only=True)
-    logits_BV = jnp.repeat(logits_BLV[:, -1], num_samples, axis=0)
-    cache = cache.repeat(num_samples)
+    logits_PV, cache = layers.prefill(model, weights, prompt_ids_BL, prompt_mask_BL, num_samples, max_new_tokens)
+    logits_BV = jnp.repeat(logits_PV, num_samples, axis=0)
     if model.mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, layers.cache_shardings(cache, model.mesh))
     return _constrain_rows(model, logits_BV), cache

@@ -254,8 +254,12 @@ def test_attention_paths_match_a_numpy_reference_without_repeating_kv():
     flash_path = np.asarray(jax.jit(decoder.attend)(q, kk, v, allowed))
     cached_path = np.asarray(jax.jit(decoder.attend_cached)(q, kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                                                             allowed))
+    # The GPU's one-query path (sums over the cache instead of matmuls), run here on the CPU.
+    one_query = np.asarray(jax.jit(functools.partial(decoder.attend_cached, platform="gpu"))(
+        q[:, -1:], kk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), allowed[:, -1:]))
     np.testing.assert_allclose(flash_path, ref, atol=1e-5)
     np.testing.assert_allclose(cached_path, ref, atol=1e-5)
+    np.testing.assert_allclose(one_query, ref[:, -1:], atol=1e-5)
     # GQA reads each kv head as is: with 10 queries over 40 keys, no K or V of H = 4 heads
     # ([2, 40, 4, 8]) appears anywhere in the optimized program.
     hlo = jax.jit(decoder.attend).lower(q[:, -10:], kk, v, allowed[:, -10:]).compile().as_text()

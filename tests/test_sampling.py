@@ -168,6 +168,24 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
     assert not any(s[0] == 48 * prompt_len for s in shapes)  # never on 3 x 16 copies
 
 
+def test_the_unrolled_cache_holds_each_prompt_once_and_each_sample_its_completion(tiny):
+    from podsjax import sampling
+    from podsjax.models import rollout
+
+    _, model, params = tiny["qwen2_tied_gqa"]
+    model = model.clone(rollout_layers="unrolled")
+    ids, mask = left_padded_prompts(5)
+    weights = jax.eval_shape(lambda p: rollout.rollout_weights(model, p), params)
+    _, cache = jax.eval_shape(lambda w, i, m: sampling._prefill(model, 16, 4, w, i, m), weights, ids, mask)
+    cfg = model.config
+    assert isinstance(cache, rollout.GroupedCache)
+    assert cache.prompts.keys[0].shape == (3, cfg.num_kv_heads, ids.shape[1], cfg.head_dim)
+    assert cache.rows.keys[0].shape == (48, cfg.num_kv_heads, 4, cfg.head_dim)
+    assert cache.rows.values[0].shape == (48, cfg.num_kv_heads, cfg.head_dim, 4)  # slots last
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda w, i, m: sampling._prefill(model, 16, 4, w, i, m)[1])(
+        rollout.rollout_weights(model, params), ids, mask).rows.positions_B), np.repeat(np.asarray(mask).sum(1), 16))
+
+
 def test_unrolled_layers_sample_what_the_scanned_layers_sample_with_lora_and_on_a_mesh(tiny):
     # The unrolled layout folds LoRA into merged per-layer weights (fp32 here, so the
     # merge rounds at fp32) and splits rows over the mesh; the same key gives the same rollouts.

@@ -14,6 +14,11 @@ So rollouts read a separate layout, made once per call of the sampler:
   in the model's compute dtype and replicated over the mesh, so a decode step gathers no
   weight from other devices;
 - :class:`RolloutCache`: one key and one value buffer per layer, written in place;
+- :class:`GroupedCache`: what decoding reads: each prompt's KV once (a ``RolloutCache`` of
+  the prompts), and a ``RolloutCache`` of the completions, one row per sample. A group's n
+  samples attend to their shared prompt (:func:`attend_grouped`) instead of n copies of
+  it: the cache holds P x prompt + P x n x completion tokens, not P x n x (prompt +
+  completion), and a decode step reads that much;
 - :func:`forward`: the decoder over them with the layers unrolled (prefill and decode
   steps), the same arithmetic as :class:`~podsjax.models.Decoder`'s.
 
@@ -77,6 +82,31 @@ class RolloutCache:
         return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), self)
 
 
+@flax.struct.dataclass
+class GroupedCache:
+    """The prompts' KV once (``prompts``: P rows) and the completions' (``rows``: P x n rows,
+    sample j of prompt p at row p x n + j). ``rows.positions_B`` continues each prompt's
+    count of real tokens, and ``rows.index_B`` counts completion slots from 0. The
+    completions' values are stored ``[B, K, E, T]``, slots last (see :func:`attend_grouped`)."""
+
+    prompts: RolloutCache
+    rows: RolloutCache
+
+    @classmethod
+    def start(cls, prompts: RolloutCache, num_samples: int, max_new_tokens: int) -> GroupedCache:
+        """The cache after prefilling ``prompts``: ``num_samples`` empty completions each."""
+        num_prompts = prompts.mask_BS.shape[0]
+        keys = prompts.keys[0]
+        shape = (num_prompts * num_samples, keys.shape[1], max_new_tokens, keys.shape[3])
+        values_shape = shape[:2] + shape[3:] + shape[2:3]  # [B, K, E, T]: see attend_grouped
+        rows = RolloutCache(
+            keys=tuple(jnp.zeros(shape, keys.dtype) for _ in prompts.keys),
+            values=tuple(jnp.zeros(values_shape, keys.dtype) for _ in prompts.values),
+            mask_BS=jnp.zeros(shape[:1] + shape[2:3], bool), index_B=jnp.zeros(shape[:1], jnp.int32),
+            positions_B=jnp.repeat(prompts.positions_B, num_samples))
+        return cls(prompts=prompts, rows=rows)
+
+
 def empty_cache(config, batch: int, max_len: int, dtype: Any) -> RolloutCache:
     shape = (batch, config.num_kv_heads, max_len, config.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
@@ -84,8 +114,12 @@ def empty_cache(config, batch: int, max_len: int, dtype: Any) -> RolloutCache:
                         index_B=jnp.zeros((batch,), jnp.int32), positions_B=jnp.zeros((batch,), jnp.int32))
 
 
-def cache_shardings(cache: RolloutCache, mesh: Mesh) -> RolloutCache:
-    """Rows over the mesh's batch axes, everything else whole (``cache`` may be abstract)."""
+def cache_shardings(cache: RolloutCache | GroupedCache, mesh: Mesh) -> RolloutCache | GroupedCache:
+    """Rows over the mesh's batch axes, everything else whole (``cache`` may be abstract).
+
+    A grouped cache's prompts follow their samples' rows where the prompt count divides
+    over the batch axes (each device then holds the prompts of its own rows), and are
+    whole on every device where it does not."""
     return jax.tree.map(lambda x: mesh_lib.logical_sharding(mesh, ("batch",) + (None,) * (x.ndim - 1), x.shape), cache)
 
 
@@ -135,15 +169,17 @@ def _norm(x_BLD: jax.Array, scale: jax.Array, eps: float, dt: Any) -> jax.Array:
     return scale.astype(dt) * normed.astype(dt)
 
 
-def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Array, cache: RolloutCache,
-            *, last_only: bool = False) -> tuple[jax.Array, RolloutCache]:
+def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Array,
+            cache: RolloutCache | GroupedCache, *, last_only: bool = False
+            ) -> tuple[jax.Array, RolloutCache | GroupedCache]:
     """:class:`~podsjax.models.Decoder` with a cache, over rollout weights, layers unrolled.
 
     Args:
         model: the decoder (its config, compute dtype, mesh and attention choice).
         ids_BL, mask_BL: L new tokens per row (a whole prompt, or one decode token) and
             their mask (0: a token later steps must not attend to).
-        cache: the cache the tokens are written into, at each row's ``index_B``.
+        cache: the cache the tokens are written into, at each row's ``index_B``; a
+            :class:`GroupedCache` takes one decode token per row, written into its ``rows``.
         last_only: logits of the last position only.
 
     Returns:
@@ -153,6 +189,11 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
     h, k, e = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b, length = ids_BL.shape
     mask_BL = mask_BL.astype(bool)
+    grouped = cache if isinstance(cache, GroupedCache) else None
+    if grouped is not None:
+        if length != 1:
+            raise ValueError(f"a GroupedCache takes one decode token per row; got {length}")
+        cache = grouped.rows
     slots = dec.cache_slots(cache, mask_BL)
     rows_B1 = jnp.arange(b)[:, None]
     platform = mesh_lib.platform(mesh)
@@ -175,8 +216,14 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
         q_BLHE, k_BLKE = dec.apply_rope(q_BLHE, rope), dec.apply_rope(k_BLKE, rope)
         # In place in this layer's own buffer; out-of-range slots are dropped.
         keys[y] = keys[y].at[rows_B1, :, slots.slots_BL].set(k_BLKE.astype(keys[y].dtype))
-        values[y] = values[y].at[rows_B1, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
-        if length == 1:
+        if grouped is not None:  # values [B, K, E, T]
+            values[y] = values[y].at[rows_B1, :, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
+        else:
+            values[y] = values[y].at[rows_B1, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
+        if grouped is not None:
+            out_BLHE = attend_grouped(q_BLHE, grouped.prompts.keys[y], grouped.prompts.values[y],
+                                      grouped.prompts.mask_BS, keys[y], values[y], slots.allowed_BLS)
+        elif length == 1:
             out_BLHE = dec.attend_cached(q_BLHE, keys[y], values[y], slots.allowed_BLS, platform)
         else:
             k_BSKE, v_BSKE = (c.transpose(0, 2, 1, 3).astype(dt) for c in (keys[y], values[y]))
@@ -191,4 +238,38 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
     x_BLD = _norm(x_BLD, weights.final_norm, cfg.rms_norm_eps, dt)
     head = weights.embed_VD if weights.head_VD is None else weights.head_VD
     cache = cache.replace(keys=tuple(keys), values=tuple(values), **slots.bookkeeping(cache, mask_BL))
+    if grouped is not None:
+        cache = grouped.replace(rows=cache)
     return dec.lm_logits(x_BLD, head), cache
+
+
+def attend_grouped(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_PKSE: jax.Array, prompt_mask_PS: jax.Array,
+                   k_BKTE: jax.Array, v_BKET: jax.Array, allowed_B1T: jax.Array) -> jax.Array:
+    """One decode query per row over its prompt's keys (shared by the group's n rows) and its
+    own completion's keys: one softmax over both, summed in fp32.
+
+    Every part is a sum of products that XLA fuses with its reads of the cache
+    (:func:`~podsjax.models.decoder.attend_cached`'s one-query form). A prompt's keys and
+    values, one copy for its n rows, are a few MB per layer: the rows re-read them from the
+    GPU's L2 cache, not from HBM. The completions' values are stored slots last, so their
+    sum runs along contiguous memory (slots second to last, the H100 compiler wrote a
+    transposed fp32 copy of every layer's values each step).
+    """
+    b, _, h, e = q_B1HE.shape
+    p, k = prompt_k_PKSE.shape[:2]
+    n, g = b // p, h // k
+    floor = jnp.finfo(jnp.float32).min
+    q_PNKGE = q_B1HE.reshape(p, n, k, g, e).astype(jnp.float32) * (e ** -0.5)
+    prompt_PNKGS = jnp.sum(q_PNKGE[:, :, :, :, None, :] * prompt_k_PKSE[:, None, :, None].astype(jnp.float32), axis=-1)
+    prompt_PNKGS = jnp.where(prompt_mask_PS[:, None, None, None, :], prompt_PNKGS, floor)
+    q_BKGE = q_PNKGE.reshape(b, k, g, e)
+    own_BKGT = jnp.sum(q_BKGE[:, :, :, None, :] * k_BKTE[:, :, None].astype(jnp.float32), axis=-1)
+    own_BKGT = jnp.where(allowed_B1T[:, :, None, :], own_BKGT, floor)
+    top_BKG = jnp.maximum(prompt_PNKGS.max(axis=-1).reshape(b, k, g), own_BKGT.max(axis=-1))
+    prompt_PNKGS = jnp.exp(prompt_PNKGS - top_BKG.reshape(p, n, k, g)[..., None])
+    own_BKGT = jnp.exp(own_BKGT - top_BKG[..., None])
+    total_BKG = prompt_PNKGS.sum(axis=-1).reshape(b, k, g) + own_BKGT.sum(axis=-1)
+    from_prompt_PNKGE = jnp.sum(prompt_PNKGS[..., None] * prompt_v_PKSE[:, None, :, None].astype(jnp.float32), axis=-2)
+    from_own_BKGE = jnp.sum(own_BKGT[:, :, :, None, :] * v_BKET[:, :, None].astype(jnp.float32), axis=-1)
+    out_BKGE = (from_prompt_PNKGE.reshape(b, k, g, e) + from_own_BKGE) / total_BKG[..., None]
+    return out_BKGE.reshape(b, 1, h, e).astype(q_B1HE.dtype)
