@@ -7,11 +7,13 @@ Bad flags, paths, data or checkpoints, a diverged run and a full disk print one 
 and exit with status 2; anything else is a bug and shows its traceback, then a one-line
 summary, with status 1. SIGTERM (a preemption) is handled as Ctrl-C is: the run stops at
 its last whole step, checkpoints it, says how to continue and exits with status 130.
+Orbax's reports from its background threads go to ``<out>/run.log`` (:class:`LibraryOutput`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shlex
 import signal
@@ -19,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 from experiments import flags
 from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_device_count
@@ -28,8 +31,8 @@ from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_dev
 _USER_ERRORS = (
     ("podsjax.data", "DataError"), ("podsjax.prompts", "PromptError"), ("podsjax.models.hf_io", "CheckpointError"),
     ("podsjax.checkpoint", "CheckpointCorrupt"), ("podsjax.checkpoint", "CheckpointMismatch"),
-    ("podsjax.loop", "TrainingDiverged"), ("podsjax.dry_run", "DoesNotFit"), ("podsjax.tiny.warmup", "WarmupError"),
-    ("podsjax.rewards.pool", "RewardPoolError"),
+    ("podsjax.loop", "TrainingDiverged"), ("podsjax.loop", "LogDamaged"), ("podsjax.dry_run", "DoesNotFit"),
+    ("podsjax.tiny.warmup", "WarmupError"), ("podsjax.rewards.pool", "RewardPoolError"),
 )
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -59,6 +62,161 @@ def user_error_line(exc: BaseException, out: str | None = None) -> str | None:
         if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             return f"cannot write {cause.filename or out}: {cause.strerror}"
     return None
+
+
+RUN_LOG = "run.log"
+# Code whose reports LibraryOutput keeps off the console: orbax and what it writes with.
+_LIBRARY_DIRS = tuple(f"{os.sep}{name}{os.sep}" for name in ("orbax", "tensorstore", "etils", "asyncio"))
+
+
+def _in_library(filename: str | None) -> bool:
+    return bool(filename) and any(d in filename for d in _LIBRARY_DIRS)
+
+
+def _through_library(tb) -> bool:
+    return any(_in_library(frame.filename) for frame in traceback.extract_tb(tb)) if tb is not None else False
+
+
+def _foreign_thread() -> bool:
+    """Whether the caller is a thread Python did not start (tensorstore's, calling back into Python)."""
+    return isinstance(threading.current_thread(), getattr(threading, "_DummyThread", ()))
+
+
+class LibraryOutput:
+    """Orbax's background reports, kept in the run's ``run.log`` instead of on the console.
+
+    Orbax writes and reads checkpoints in background threads and tensorstore callbacks. When a
+    write fails (a full disk) or a restore gives up on a damaged checkpoint, they report through
+    absl logging, the unraisable-exception hook (callbacks into an event loop already closed),
+    thread exceptions and "coroutine was never awaited" warnings: hundreds of lines around the
+    one line that says what to do. While installed, those go to ``<out>/run.log``
+    (``run.<i>.log`` on process i > 0; the console while ``out`` is not a directory yet), and
+    :meth:`print_note` says where. podsjax's lines, a bug's traceback, a user's errors and other
+    libraries' messages reach the console as before.
+    """
+
+    def __init__(self):
+        self.out: str | None = None
+        self.process: int | None = None  # None: jax.process_index(), once JAX has started
+        self.kept = self.lost = 0
+        self.lost_why = ""
+        self._noted = False
+        self._lock = threading.RLock()  # a report may arrive while writing another one
+        self._format = logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
+        self._undo: list = []
+        self._previous: dict = {}
+
+    def path(self) -> str | None:
+        if self.out is None:
+            return None
+        if self.process is None and _jax_started():
+            try:
+                self.process = sys.modules["jax"].process_index()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+        index = self.process or 0
+        return os.path.join(self.out, RUN_LOG if index == 0 else f"run.{index}.log")
+
+    def write(self, text: str) -> None:
+        text = text if text.endswith("\n") else text + "\n"
+        with self._lock:
+            path = self.path()
+            if path is None or not os.path.isdir(self.out):
+                try:
+                    sys.stderr.write(text)
+                except Exception:  # noqa: BLE001 - no console left
+                    pass
+                return
+            try:
+                with open(path, "a", encoding="utf-8") as f:  # opened per report: they are rare
+                    f.write(text)
+                self.kept += 1
+            except Exception as exc:  # noqa: BLE001 - a full disk: lost, the run's own error line is not
+                self.lost += 1
+                self.lost_why = getattr(exc, "strerror", None) or type(exc).__name__
+
+    def print_note(self) -> None:
+        """Says on stderr, once, where the reports so far went (nothing when there were none)."""
+        if self._noted or not (self.kept or self.lost):
+            return
+        self._noted = True
+        if self.lost:
+            line = (f"note: {self.lost} messages from orbax's background threads could not be written to "
+                    f"{self.path()} ({self.lost_why})")
+        else:
+            line = f"note: {self.kept} messages from orbax's background threads are in {self.path()}"
+        print(line, file=sys.stderr, flush=True)
+
+    # -- the hooks ---------------------------------------------------------------------
+
+    def install(self) -> LibraryOutput:
+        try:  # absl's logger must be made by absl (an ABSLLogger), not by getLogger below
+            import absl.logging  # noqa: F401
+        except ImportError:
+            pass
+        for name, everything in (("absl", True), ("asyncio", True), ("", False)):
+            logger = logging.getLogger(name)  # "": the root, which orbax also logs to directly
+            route = _LibraryRecords(self, everything)
+            logger.addFilter(route)
+            self._undo.append(lambda logger=logger, route=route: logger.removeFilter(route))
+        self._previous = {}
+        for module, name, hook in ((sys, "unraisablehook", self._unraisable), (sys, "excepthook", self._uncaught),
+                                   (threading, "excepthook", self._thread), (warnings, "showwarning", self._warning)):
+            previous = self._previous[f"{module.__name__}.{name}"] = getattr(module, name)
+            setattr(module, name, hook)
+            self._undo.append(lambda module=module, name=name, previous=previous: setattr(module, name, previous))
+        return self
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _unraisable(self, unraisable) -> None:
+        if not (_foreign_thread() or _through_library(unraisable.exc_traceback)):
+            return self._previous["sys.unraisablehook"](unraisable)
+        where = ""
+        if unraisable.object is not None:
+            try:
+                where = f"{unraisable.err_msg or 'Exception ignored in'}: {unraisable.object!r}\n"
+            except Exception:  # noqa: BLE001 - a repr that fails
+                pass
+        self.write(where + "".join(traceback.format_exception(unraisable.exc_type, unraisable.exc_value,
+                                                              unraisable.exc_traceback)))
+
+    def _uncaught(self, exc_type, exc_value, tb) -> None:
+        if not _foreign_thread():  # the main thread's are the program's own
+            return self._previous["sys.excepthook"](exc_type, exc_value, tb)
+        self.write("".join(traceback.format_exception(exc_type, exc_value, tb)))
+
+    def _thread(self, args) -> None:
+        if not _through_library(args.exc_traceback):
+            return self._previous["threading.excepthook"](args)
+        name = getattr(args.thread, "name", "?")
+        self.write(f"Exception in thread {name}:\n" + "".join(
+            traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+
+    def _warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        unawaited = issubclass(category, RuntimeWarning) and "was never awaited" in str(message)
+        if not (unawaited or _in_library(filename)):
+            return self._previous["warnings.showwarning"](message, category, filename, lineno, file, line)
+        self.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+class _LibraryRecords(logging.Filter):
+    """On a logger: hands orbax's records (all of them, or those logged from its files) to the run log."""
+
+    def __init__(self, output: LibraryOutput, everything: bool):
+        super().__init__()
+        self.output, self.everything = output, everything
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (self.everything or _in_library(record.pathname)):
+            return True
+        try:
+            self.output.write(self.output._format.format(record))
+        except Exception:  # noqa: BLE001 - never let a report break the run
+            pass
+        return False
 
 
 # Host devices share the CPU's threads. XLA's CPU runtime may run two independent collectives
@@ -233,6 +391,7 @@ def main(task: str, argv=None) -> int:
     # handler checkpoints the last whole step, and everything else unwinds (the lock, workers).
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt) if in_main else None
+    library = LibraryOutput().install()
     try:
         args, config = flags.parse(task, argv)
         if args.help:
@@ -243,6 +402,9 @@ def main(task: str, argv=None) -> int:
             if args.distributed is not None:
                 raise UsageError("a multi-host run needs --out: every process must name the same run directory")
             args.out = os.path.join("runs", f"{task}-{args.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+        library.out = args.out
+        if isinstance(args.distributed, tuple):
+            library.process = args.distributed[2]
         flags.check_out(args)
         if config is None:  # --resume
             config = flags.read_run_config(args.out, args.field_flags)
@@ -255,6 +417,7 @@ def main(task: str, argv=None) -> int:
         return runner.run(config, args.out, overwrite=args.overwrite, resume=args.resume, dry_run=args.dry_run,
                           topology=args.topology, started_at=started_at)
     except KeyboardInterrupt as exc:
+        library.print_note()
         print(interrupted_line(exc, task, getattr(args, "out", None)), file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
@@ -262,11 +425,18 @@ def main(task: str, argv=None) -> int:
         if line is None:
             traceback.print_exc()
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            library.print_note()
             print(f"error: unexpected {type(exc).__name__}: {first} (a bug: the traceback above says where)",
                   file=sys.stderr)
             return 1
+        library.print_note()  # before the error line, which stays the last
         print(f"error: {line}", file=sys.stderr)
         return 2
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
+        library.print_note()
+        if argv is not None:
+            library.uninstall()
+        # else: this is the program, which ends on return; orbax's threads and its coroutines'
+        # warnings may still report while the interpreter exits, so the routing stays.

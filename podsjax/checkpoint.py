@@ -65,6 +65,12 @@ class CheckpointMismatch(ValueError):
     """A checkpoint is whole but holds another state's leaves, shapes or dtypes."""
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error, without the kilobyte of JSON spec that tensorstore appends."""
+    line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return line.split(" [tensorstore_spec=")[0]
+
+
 def _leaf_checksum(x: jax.Array) -> jax.Array:
     """A uint32 checksum of ``x``'s raw bits: sum over i of bits[i] * (i mod 65521 + 1), wrapping.
 
@@ -342,8 +348,7 @@ class Checkpointer:
         except CheckpointMismatch:
             raise
         except Exception as exc:  # orbax/tensorstore raise many types for damaged files
-            raise CheckpointCorrupt(f"{where} does not load ({type(exc).__name__}: "
-                                    f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+            raise CheckpointCorrupt(f"{where} does not load ({type(exc).__name__}: {_first_line(exc)})") from exc
         flat = restored[_STATE]
         if has_sums:
             expected, actual = restored[_SUMS] or {}, _host_checksums(flat)

@@ -193,6 +193,10 @@ class TrainingDiverged(RuntimeError):
     """Several updates in a row had a non-finite loss or gradient."""
 
 
+class LogDamaged(ValueError):
+    """A run log is damaged before the restored checkpoint; resuming would lose its records."""
+
+
 class DataStream:
     """An endless, seeded shuffle of examples; its position is all that resume needs."""
 
@@ -310,8 +314,12 @@ class Trainer:
         if found is not None:
             state, saved, restored = found
             self.host = HostState.from_json(saved)
-            if "log_sizes" in saved and hosts.is_primary():  # absent in checkpoints from before log rewinding
-                _rewind_logs(run.out_dir, self.host.log_sizes)
+            if "log_sizes" in saved:  # absent in checkpoints from before log rewinding
+                try:
+                    _resume_logs(run.out_dir, self.host.log_sizes, restored)
+                except LogDamaged:
+                    self.checkpointer.close()
+                    raise
             self.log(f"resumed from the checkpoint of step {restored} (training clock "
                      f"{self.host.elapsed_train_s:.0f} s); what was logged after it moved to *.superseded")
         else:
@@ -771,6 +779,62 @@ _LOGS = ("metrics.jsonl", "samples.jsonl", HISTORY_FILE)
 def _log_sizes(out_dir) -> dict[str, int]:
     paths = {name: os.path.join(out_dir, name) for name in _LOGS}
     return {name: os.path.getsize(path) for name, path in paths.items() if os.path.exists(path)}
+
+
+def _resume_logs(out_dir, sizes: dict[str, int], step: int) -> None:
+    """Checks the logs up to the restored checkpoint, then rewinds them to it (process 0; all agree).
+
+    Raises:
+        LogDamaged: a log holds less than, or something else than, whole records up to its
+            size at the checkpoint.
+    """
+    problem = None
+    if hosts.is_primary():
+        problem = _damaged_log(out_dir, sizes, step)
+        if problem is None:
+            _rewind_logs(out_dir, sizes)
+    if hosts.sum_over_processes({"damaged": float(problem is not None)})["damaged"]:  # the others stop too
+        raise LogDamaged(problem or "process 0 found a run log damaged before the restored checkpoint (its error "
+                         "names the file)")
+
+
+def _damaged_log(out_dir, sizes: dict[str, int], step: int) -> str | None:
+    """The one line for the first log whose part before the checkpoint is not whole records, or None.
+
+    A checkpoint keeps each log's size, not its records, so records lost before it cannot be
+    rebuilt from it; resuming over the damage (a line cut short, garbage, the file cut back)
+    would leave steps missing from the log with no sign of it. So the resume is refused, and
+    the line says what to do. A log that is gone (moved aside) is not damaged: it starts over.
+    """
+    for name in _LOGS:
+        path, size = os.path.join(out_dir, name), sizes.get(name, 0)
+        what = _first_damage(path, size) if size and os.path.exists(path) else None
+        if what is not None:
+            return (f"run log {path} is damaged before the checkpoint of step {step}: {what}; resuming would lose "
+                    "the records it logged, so move the file aside (the resumed run starts a new one) or put back "
+                    "a whole copy, then rerun with --resume")
+    return None
+
+
+def _first_damage(path: str, size: int) -> str | None:
+    """What is wrong with the first ``size`` bytes of a log, or None when they are whole JSON records."""
+    read = number = 0
+    with open(path, "rb") as f:
+        while read < size:
+            line = f.readline(size - read)
+            if not line:
+                return f"it ends after line {number} ({read} of the {size} bytes it had then)"
+            read += len(line)
+            number += 1
+            if not line.endswith(b"\n"):
+                return f"line {number} is cut short"
+            try:
+                record = json.loads(line)
+            except ValueError:  # not JSON, or not UTF-8
+                record = None
+            if not isinstance(record, dict):
+                return f"line {number} is not a JSON record"
+    return None
 
 
 def _rewind_logs(out_dir, sizes: dict[str, int]) -> None:
