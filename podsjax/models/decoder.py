@@ -221,11 +221,12 @@ def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allow
     step's floor at 256 rows, against 1.33x: cuBLAS pads the 6 queries of a kv head to 8
     and writes fp32 scores that a separate softmax kernel reads back.
     """
-    if (platform or jax.default_backend()) == "gpu" and q_BLHE.shape[1] == 1:
+    platform = platform or jax.default_backend()
+    if platform == "gpu" and q_BLHE.shape[1] == 1:
         return _attend_one_query(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
     b, length, h, e = q_BLHE.shape
     k = k_BKSE.shape[1]
-    if (platform or jax.default_backend()) == "cpu" and k_BKSE.dtype != jnp.float32:
+    if platform == "cpu" and k_BKSE.dtype != jnp.float32:
         # XLA:CPU has no 16-bit batched dot with an fp32 result (it fails at run time);
         # it would compute in fp32 anyway.
         k_BKSE, v_BKSE = k_BKSE.astype(jnp.float32), v_BKSE.astype(jnp.float32)

@@ -95,14 +95,12 @@ class GroupedCache:
     @classmethod
     def start(cls, prompts: RolloutCache, num_samples: int, max_new_tokens: int) -> GroupedCache:
         """The cache after prefilling ``prompts``: ``num_samples`` empty completions each."""
-        num_prompts = prompts.mask_BS.shape[0]
-        keys = prompts.keys[0]
-        shape = (num_prompts * num_samples, keys.shape[1], max_new_tokens, keys.shape[3])
-        values_shape = shape[:2] + shape[3:] + shape[2:3]  # [B, K, E, T]: see attend_grouped
+        num_prompts, kv_heads, _, head_dim = prompts.keys[0].shape
+        b, dtype = num_prompts * num_samples, prompts.keys[0].dtype
         rows = RolloutCache(
-            keys=tuple(jnp.zeros(shape, keys.dtype) for _ in prompts.keys),
-            values=tuple(jnp.zeros(values_shape, keys.dtype) for _ in prompts.values),
-            mask_BS=jnp.zeros(shape[:1] + shape[2:3], bool), index_B=jnp.zeros(shape[:1], jnp.int32),
+            keys=tuple(jnp.zeros((b, kv_heads, max_new_tokens, head_dim), dtype) for _ in prompts.keys),
+            values=tuple(jnp.zeros((b, kv_heads, head_dim, max_new_tokens), dtype) for _ in prompts.values),
+            mask_BS=jnp.zeros((b, max_new_tokens), bool), index_B=jnp.zeros((b,), jnp.int32),
             positions_B=jnp.repeat(prompts.positions_B, num_samples))
         return cls(prompts=prompts, rows=rows)
 
@@ -216,18 +214,17 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
         q_BLHE, k_BLKE = dec.apply_rope(q_BLHE, rope), dec.apply_rope(k_BLKE, rope)
         # In place in this layer's own buffer; out-of-range slots are dropped.
         keys[y] = keys[y].at[rows_B1, :, slots.slots_BL].set(k_BLKE.astype(keys[y].dtype))
-        if grouped is not None:  # values [B, K, E, T]
+        if grouped is not None:  # the completions' values are [B, K, E, T]
             values[y] = values[y].at[rows_B1, :, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
-        else:
-            values[y] = values[y].at[rows_B1, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
-        if grouped is not None:
             out_BLHE = attend_grouped(q_BLHE, grouped.prompts.keys[y], grouped.prompts.values[y],
                                       grouped.prompts.mask_BS, keys[y], values[y], slots.allowed_BLS)
-        elif length == 1:
-            out_BLHE = dec.attend_cached(q_BLHE, keys[y], values[y], slots.allowed_BLS, platform)
         else:
-            k_BSKE, v_BSKE = (c.transpose(0, 2, 1, 3).astype(dt) for c in (keys[y], values[y]))
-            out_BLHE = dec.attend(q_BLHE, k_BSKE, v_BSKE, slots.allowed_BLS, implementation, mesh)
+            values[y] = values[y].at[rows_B1, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
+            if length == 1:
+                out_BLHE = dec.attend_cached(q_BLHE, keys[y], values[y], slots.allowed_BLS, platform)
+            else:
+                k_BSKE, v_BSKE = (c.transpose(0, 2, 1, 3).astype(dt) for c in (keys[y], values[y]))
+                out_BLHE = dec.attend(q_BLHE, k_BSKE, v_BSKE, slots.allowed_BLS, implementation, mesh)
         x_BLD = rows(x_BLD + dec.matmul(out_BLHE.reshape(b, length, h * e), layer.o, 1))
         hidden = _norm(x_BLD, layer.mlp_norm, cfg.rms_norm_eps, dt)
         gate_up = dec.matmul(hidden, layer.gate_up, 1)
