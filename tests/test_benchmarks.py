@@ -11,6 +11,8 @@ from benchmarks import costs
 from benchmarks.machine import peaks_for
 from benchmarks.qwen_model import SHAPES, hf_config, podsjax_config
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_SHAPE = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
               "--vocab", "1024"]

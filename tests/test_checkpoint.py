@@ -16,6 +16,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from podsjax.checkpoint import CheckpointConfig, Checkpointer
 
+pytestmark = pytest.mark.cpu_mesh
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

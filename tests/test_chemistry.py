@@ -192,6 +192,7 @@ def test_setting_d_resolves_for_the_chemistry_command(tmp_path):
     assert cli.main("chemistry", ["--setting", "a", "--model", str(tmp_path), "--out", str(tmp_path / "never")]) == 2
 
 
+@pytest.mark.slow
 def test_chemistry_command_trains_and_evaluates_on_the_fixture(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from tiny_checkpoint import save_tiny_checkpoint

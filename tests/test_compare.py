@@ -101,7 +101,7 @@ def test_a_stopped_run_continues_a_complete_one_is_read_and_a_changed_one_is_ref
                 json.dump(flags_lib.as_json(config), f)
         return 0
 
-    monkeypatch.setattr(runner, "run", fake_run)
+    monkeypatch.setattr(runner, "run_experiment", fake_run)
     out = str(tmp_path / "pods-seed0")
     config = compare.seed_config(prepare(tmp_path).variants["pods"], 0, out, str(tmp_path))
     assert compare.run_one(config) == []

@@ -25,7 +25,7 @@ def one_line(capsys, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("the command started a run")
 
-    monkeypatch.setattr(runner, "run", never)
+    monkeypatch.setattr(runner, "run_experiment", never)
 
     def main(argv, out):
         assert cli.main("gsm8k", [*argv, "--out", str(out), "--no-compile-cache"]) == 2

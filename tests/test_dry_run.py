@@ -14,6 +14,8 @@ from experiments.config import ModelSection
 from podsjax import compilation
 from podsjax import dry_run as dry_run_lib
 
+pytestmark = pytest.mark.cpu_mesh
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = pm.ModelConfig(arch="qwen2", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, tie_word_embeddings=True,
@@ -42,6 +44,7 @@ def restore_jax_cache_config():
         jax.config.update(name, value)
 
 
+@pytest.mark.slow
 def test_dry_run_reports_every_figure_from_config_json_alone(tmp_path, capsys, restore_jax_cache_config):
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "run"
@@ -67,6 +70,7 @@ def test_dry_run_reports_every_figure_from_config_json_alone(tmp_path, capsys, r
         assert words in printed.out, printed.out
 
 
+@pytest.mark.slow
 def test_kv_cache_and_params_follow_the_shapes(tmp_path, capsys, restore_jax_cache_config):
     # One device, float32: exact figures that do not depend on XLA.
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
@@ -81,6 +85,7 @@ def test_kv_cache_and_params_follow_the_shapes(tmp_path, capsys, restore_jax_cac
     assert report["optimizer"] >= 2 * SMALL.num_params * 4  # AdamW's two moments
 
 
+@pytest.mark.slow
 def test_a_run_that_does_not_fit_fails_with_one_line(tmp_path, capsys, monkeypatch, restore_jax_cache_config):
     monkeypatch.setattr(dry_run_lib, "device_memory_limit", lambda device=None: 2**20)
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
@@ -187,6 +192,7 @@ def run_cli(args, tmp_path, env=None, task="gsm8k"):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_a_second_run_loads_its_programs_from_the_compile_cache(tmp_path):
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
     runs = []
@@ -205,6 +211,7 @@ def test_a_second_run_loads_its_programs_from_the_compile_cache(tmp_path):
 # PODS n 64 m 16, 512 + 512 tokens, bf16). Unrolled and without remat, the update kept
 # every layer's attention scores (about 22 GB). Measured with remat full, the scan and the
 # chunked LM head: 7.41 GiB, most of it one layer's XLA attention backward on CPU.
+@pytest.mark.slow
 def test_qwen_0_5b_setting_a_update_fits_in_8_gb(tmp_path):
     checkpoint = config_only_checkpoint(tmp_path / "qwen0.5b", pm.checkpoint_shape("Qwen2.5-0.5B"))
     out = tmp_path / "run"

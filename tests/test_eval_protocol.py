@@ -1,5 +1,7 @@
 """Evaluation: greedy or the paper's sampled passes, the Llama metric, and one decode program."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
-from podsjax import data, loop, prompts, train
+from podsjax import data, loop, prompts, sampling, train
 from podsjax import rewards as rewards_lib
 from podsjax.rewards import format_correct
 
@@ -22,12 +24,17 @@ def setup(tmp_path_factory):
     return model, params, prompts.load_tokenizer(checkpoint), examples
 
 
-def make_trainer(setup, out_dir, rewards=None, **run_fields):
+# One generator per model for the module: its tests share the compiled programs.
+shared_generator = functools.cache(sampling.Generator)
+
+
+def make_trainer(setup, out_dir, rewards=None, generator=None, scorer=None, **run_fields):
     model, params, tokenizer, examples = setup
     run = loop.RunConfig(out_dir=str(out_dir), max_steps=1, prompts_per_step=2, max_new_tokens=7,
                          reward_workers=1, progress=False, console=False, **run_fields)
     return loop.Trainer(model, params, tokenizer, examples, examples, train.method_config("pods", n=4, m=2), run,
-                        lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards)
+                        lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards,
+                        generator=generator or shared_generator(model), scorer=scorer)
 
 
 class InProcessScorer:
@@ -38,12 +45,6 @@ class InProcessScorer:
 
     def close(self):
         pass
-
-
-def in_process(trainer):
-    trainer.pool.close()
-    trainer.pool = InProcessScorer()
-    return trainer
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -65,39 +66,43 @@ def test_format_correct_is_the_authors_strict_check(text, expected):
 def test_eval_scalars_average_the_passes_and_multiply_the_metrics_parts():
     values_RE = {"accuracy": np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]),
                  "strict_format": np.array([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])}
-    plain = loop._eval_scalars(values_RE, loop.EVAL_METRICS["accuracy"])
+    plain = loop.eval_scalars(values_RE, loop.EVAL_METRICS["accuracy"])
     assert plain["eval/accuracy"] == pytest.approx(0.5)
     assert plain["eval/accuracy_std"] == pytest.approx(np.std([2 / 3, 1 / 3], ddof=1), abs=1e-12)
-    both = loop._eval_scalars(values_RE, loop.EVAL_METRICS["accuracy_and_format"])
+    both = loop.eval_scalars(values_RE, loop.EVAL_METRICS["accuracy_and_format"])
     assert both["eval/accuracy"] == pytest.approx(1 / 3) and both["eval/accuracy_std"] == 0.0
     assert both["eval/answer_accuracy"] == pytest.approx(0.5) and both["eval/format_accuracy"] == pytest.approx(0.5)
     assert both["eval/examples"] == 3.0
-    one = loop._eval_scalars({k: v[:1] for k, v in values_RE.items()}, loop.EVAL_METRICS["accuracy"])
+    one = loop.eval_scalars({k: v[:1] for k, v in values_RE.items()}, loop.EVAL_METRICS["accuracy"])
     assert one["eval/accuracy_std"] == 0.0  # one pass: no spread to report
-    empty = loop._eval_scalars({k: v[:, :0] for k, v in values_RE.items()}, loop.EVAL_METRICS["accuracy"])
+    empty = loop.eval_scalars({k: v[:, :0] for k, v in values_RE.items()}, loop.EVAL_METRICS["accuracy"])
     assert empty["eval/accuracy"] == 0.0 and empty["eval/examples"] == 0.0
 
 
-def record_generate(monkeypatch):
-    calls = []
-    real = loop.generate
+class RecordingGenerator:
+    """The shared generator, noting each call's key, temperature, samples and prompt rows."""
 
-    def recording(model, params, ids, mask, key, **kwargs):
-        calls.append((tuple(np.asarray(jax.random.key_data(key)).ravel()), kwargs["temperature"],
-                      kwargs["num_samples"], ids.shape[0]))
-        return real(model, params, ids, mask, key, **kwargs)
+    def __init__(self, model):
+        self.inner, self.model, self.calls = shared_generator(model), model, []
 
-    monkeypatch.setattr(loop, "generate", recording)
-    return calls
+    def place_rows(self, x):
+        return self.inner.place_rows(x)
+
+    def generate(self, params, ids, mask, key, **kwargs):
+        self.calls.append((tuple(np.asarray(jax.random.key_data(key)).ravel()), kwargs["temperature"],
+                           kwargs["num_samples"], ids.shape[0]))
+        return self.inner.generate(params, ids, mask, key, **kwargs)
 
 
-def test_sampled_passes_draw_their_own_keys_and_share_the_rollouts_decode_program(setup, tmp_path, monkeypatch):
-    calls = record_generate(monkeypatch)
-    trainer = make_trainer(setup, tmp_path / "run", eval_repeats=3, eval_temperature=0.9)
+@pytest.mark.slow
+def test_sampled_passes_draw_their_own_keys_and_share_the_rollouts_decode_program(setup, tmp_path):
+    recorder = RecordingGenerator(setup[0])
+    calls = recorder.calls
+    trainer = make_trainer(setup, tmp_path / "run", generator=recorder, eval_repeats=3, eval_temperature=0.9)
     try:
         first = trainer.evaluate()
         decodes = [trainer.compile_counts.get("generate[decode]", 0)]
-        trainer.train_step()
+        trainer.rl_step()
         second = trainer.evaluate()
         decodes.append(trainer.compile_counts.get("generate[decode]", 0))
     finally:
@@ -117,9 +122,10 @@ def test_sampled_passes_draw_their_own_keys_and_share_the_rollouts_decode_progra
         assert {"eval/answer_accuracy", "eval/format_accuracy"} <= set(result)
 
 
-def test_greedy_is_one_pass_at_temperature_zero_by_default(setup, tmp_path, monkeypatch):
-    calls = record_generate(monkeypatch)
-    trainer = make_trainer(setup, tmp_path / "run")
+def test_greedy_is_one_pass_at_temperature_zero_by_default(setup, tmp_path):
+    recorder = RecordingGenerator(setup[0])
+    calls = recorder.calls
+    trainer = make_trainer(setup, tmp_path / "run", generator=recorder)
     try:
         result = trainer.evaluate()
     finally:
@@ -141,7 +147,7 @@ def test_accuracy_and_format_counts_an_answer_only_with_the_strict_format(setup,
                rewards_lib.WeightedReward(by_position([1, 1, 0, 0]), 0.0, "strict_format")]
     results = {}
     for metric in loop.EVAL_METRICS:
-        trainer = in_process(make_trainer(setup, tmp_path / metric, rewards=rewards, eval_metric=metric))
+        trainer = make_trainer(setup, tmp_path / metric, rewards=rewards, scorer=InProcessScorer(), eval_metric=metric)
         try:
             results[metric] = trainer.evaluate()
         finally:
@@ -159,8 +165,8 @@ def test_sampled_accuracy_is_the_mean_over_passes_with_their_spread(setup, tmp_p
         value = next(passes)
         return [value] * len(completions)
 
-    trainer = in_process(make_trainer(setup, tmp_path / "run", rewards=[(accuracy, 1.0)], eval_repeats=3,
-                                      eval_temperature=0.9))
+    trainer = make_trainer(setup, tmp_path / "run", rewards=[(accuracy, 1.0)], scorer=InProcessScorer(),
+                           eval_repeats=3, eval_temperature=0.9)
     try:
         result = trainer.evaluate()
     finally:
@@ -173,4 +179,4 @@ def test_the_trainer_adds_the_strict_format_check_to_evaluation_only(setup, tmp_
     trainer = make_trainer(setup, tmp_path / "run", rewards=rewards_lib.default_rewards("gsm8k", format=0.01))
     trainer.close()
     assert [w.name for w in trainer.rewards] == ["accuracy", "format", "tag_count"]
-    assert [(w.name, w.weight) for w in trainer.eval_rewards][-1] == ("strict_format", 0.0)
+    assert [(w.name, w.weight) for w in trainer.evaluator.rewards][-1] == ("strict_format", 0.0)

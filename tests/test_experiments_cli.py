@@ -13,6 +13,8 @@ from tiny_checkpoint import save_tiny_checkpoint
 
 from experiments import cli
 
+pytestmark = pytest.mark.cpu_mesh
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,6 +41,7 @@ def run_cli(args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_path):
     gsm8k = os.path.join(data_dir, "gsm8k")
     out = str(tmp_path / "run")
@@ -122,6 +125,7 @@ def test_bad_flags_give_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert not out.exists()  # nothing written for a bad command
 
 
+@pytest.mark.slow
 def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, data_dir, tmp_path, capsys):
     from experiments import compare
 
@@ -145,6 +149,7 @@ def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, data_d
     assert os.path.getmtime(out / "pods-seed1" / "metrics.jsonl") == mtime
 
 
+@pytest.mark.slow
 def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, tmp_path, capsys):
     # One short warm-up, shared with test_resume_killed (same seed and steps); then a few
     # steps of every method on 8 devices.
@@ -163,6 +168,7 @@ def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, t
         assert not (out / "tiny_warmup").exists()  # the shared warm-up was used
 
 
+@pytest.mark.slow
 def test_a_chat_template_that_fails_gives_one_line_and_exit_2(checkpoint, data_dir, tmp_path):
     broken = tmp_path / "broken_ckpt"
     shutil.copytree(checkpoint, broken)

@@ -79,7 +79,7 @@ def test_the_library_s_user_errors_and_a_full_disk_are_one_line(monkeypatch, tmp
     def fail(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(runner, "run", fail)
+    monkeypatch.setattr(runner, "run_experiment", fail)
     assert cli.main("gsm8k", ["--out", str(tmp_path / "run"), "--max-steps", "1", "--no-compile-cache"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
@@ -89,7 +89,7 @@ def test_a_bug_shows_its_traceback_then_one_summary_line_and_exit_1(monkeypatch,
     def fail(*args, **kwargs):
         raise KeyError("boom")
 
-    monkeypatch.setattr(runner, "run", fail)
+    monkeypatch.setattr(runner, "run_experiment", fail)
     assert cli.main("gsm8k", ["--out", str(tmp_path / "run"), "--max-steps", "1", "--no-compile-cache"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and "in fail" in err
@@ -144,6 +144,7 @@ def checkpointed_run(tmp_path_factory, data_dir):
     return out, args
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_with_one_line_and_resume_is_exact(tmp_path_factory, data_dir):
     """--out on a tmpfs too small for the run: one line, status 2; after room is made, --resume
     finishes with the same per-step losses as a run that never stopped."""

@@ -23,7 +23,7 @@ import pytest
 from test_faults_cli import checkpointed_run
 
 from experiments import cli
-from podsjax import loop
+from podsjax.loop import run_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,6 +63,7 @@ _FULL_AT_STEP_2 = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_orbax_s_threads_is_one_line_and_its_reports_go_to_run_log(tmp_path_factory, tmp_path,
                                                                                       data_dir):
     _, args = checkpointed_run(tmp_path_factory, data_dir)
@@ -77,6 +78,7 @@ def test_a_full_disk_under_orbax_s_threads_is_one_line_and_its_reports_go_to_run
     assert "1" in os.listdir(out / "checkpoints")  # the last complete checkpoint stays
 
 
+@pytest.mark.slow
 def test_every_checkpoint_damaged_is_one_line(tmp_path_factory, tmp_path, data_dir):
     reference, _ = checkpointed_run(tmp_path_factory, data_dir)
     out = tmp_path / "run"
@@ -97,6 +99,7 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path_factory, tmp_path, data_d
     assert len(moved) == 3 and not any("tensorstore_spec" in line for line in moved), moved
 
 
+@pytest.mark.slow
 def test_a_metrics_log_cut_before_the_last_checkpoint_stops_the_resume(tmp_path_factory, tmp_path, data_dir, capsys):
     """Cut in the middle of step 3's record while the newest checkpoint is step 4's: resuming
     would lose steps 3 and 4 from the log, so it is refused, naming the file and the line."""
@@ -125,7 +128,7 @@ def test_a_metrics_log_cut_before_the_last_checkpoint_stops_the_resume(tmp_path_
 def test_each_log_is_checked_up_to_the_checkpoint_and_only_there(tmp_path, name):
     def damage(content, size):
         (tmp_path / name).write_bytes(content)
-        return loop._damaged_log(str(tmp_path), {name: size}, 7)
+        return run_files.damaged_log(str(tmp_path), {name: size}, 7)
 
     whole = b'{"step": 1}\n{"step": 2}\n'
     assert damage(whole, len(whole)) is None
@@ -144,7 +147,7 @@ def test_each_log_is_checked_up_to_the_checkpoint_and_only_there(tmp_path, name)
         assert line.startswith(f"run log {tmp_path / name} is damaged before the checkpoint of step 7: ")
         assert "\n" not in line and "move the file aside" in line
     os.remove(tmp_path / name)
-    assert loop._damaged_log(str(tmp_path), {name: len(whole)}, 7) is None  # moved aside: starts over
+    assert run_files.damaged_log(str(tmp_path), {name: len(whole)}, 7) is None  # moved aside: starts over
 
 
 class _FailsWhenCollected:

@@ -44,6 +44,7 @@ def test_group_advantages_batch_and_none_scaling():
         grpo.group_advantages(rewards, std_scaling="global")
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(value=st.floats(width=32, allow_nan=False, allow_infinity=False), m=st.integers(1, 64),
        eps=st.sampled_from([0.0, 1e-4]), ddof=st.sampled_from([0, 1]))

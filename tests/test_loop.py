@@ -1,5 +1,6 @@
 """The RL loop end to end on real GSM8K rows and a tiny model: steps, eval, metrics, resume."""
 
+import functools
 import json
 import os
 
@@ -11,8 +12,11 @@ from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
 from podsjax import checkpoint as ckpt_lib
-from podsjax import data, dry_run, loop, metrics, prompts, train
+from podsjax import data, dry_run, loop, metrics, prompts, sampling, train
 from podsjax import mesh as mesh_lib
+from podsjax.loop import run_files
+
+pytestmark = pytest.mark.cpu_mesh
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +30,18 @@ def setup(tmp_path_factory, data_dir):
     return model, params, tokenizer, train_set, test_set
 
 
-def make_trainer(setup, out_dir, max_steps, lora=None):
+# One generator per model for the module: its trainers share the compiled programs.
+shared_generator = functools.cache(sampling.Generator)
+
+
+def make_trainer(setup, out_dir, max_steps, lora=None, **parts):
     model, params, tokenizer, train_set, test_set = setup
     algo = train.method_config("pods", n=4, m=2, learning_rate=1e-3)
     run = loop.RunConfig(out_dir=str(out_dir), max_steps=max_steps, prompts_per_step=2, max_new_tokens=8,
                          eval_every_s=0.0, eval_batch_size=2, checkpoint_every_steps=1, reward_workers=1,
                          progress=False)
-    return loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run, lora=lora)
+    return loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run, lora=lora,
+                        generator=shared_generator(model), **parts)
 
 
 def read_jsonl(path):
@@ -40,6 +49,7 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+@pytest.mark.slow
 def test_steps_write_metrics_checkpoints_and_resume_exactly(setup, tmp_path):
     out = tmp_path / "run"
     history = make_trainer(setup, out, max_steps=2, lora=pm.LoraConfig(rank=2, alpha=4.0)).run()
@@ -53,7 +63,7 @@ def test_steps_write_metrics_checkpoints_and_resume_exactly(setup, tmp_path):
 
     # A new trainer in the same directory resumes at step 2 with the saved data position.
     resumed = make_trainer(setup, out, max_steps=4, lora=pm.LoraConfig(rank=2, alpha=4.0))
-    assert int(resumed.state.step) == 2 and resumed.stream.position == 4
+    assert int(resumed.state.step) == 2 and resumed.prompts.stream.position == 4
     elapsed = resumed.host.elapsed_train_s
     assert elapsed > 0  # step 2 counted; step 1 compiled, off the clock
     history = resumed.run()
@@ -83,13 +93,14 @@ def test_resume_rewinds_logs_to_the_checkpoint_and_keeps_the_cut_tail(tmp_path):
     # line, plus a log born after it) moves to <log>.superseded; the redo logs it once.
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')
     (tmp_path / "samples.jsonl").write_text('{"step": 2}\n')
-    loop._rewind_logs(str(tmp_path), {"metrics.jsonl": len('{"step": 1}\n')})
+    run_files.rewind_logs(str(tmp_path), {"metrics.jsonl": len('{"step": 1}\n')})
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (tmp_path / "metrics.jsonl.superseded").read_text() == '{"step": 2}\n{"ste\n'
     assert (tmp_path / "samples.jsonl").read_text() == ""
     assert (tmp_path / "samples.jsonl.superseded").read_text() == '{"step": 2}\n'
 
 
+@pytest.mark.slow
 def test_each_program_compiles_once_and_the_console_says_so(setup, tmp_path):
     model, params, tokenizer, train_set, _ = setup
     # One prompt over and over: one prompt bucket, so nothing may compile after the first
@@ -116,6 +127,7 @@ def test_each_program_compiles_once_and_the_console_says_so(setup, tmp_path):
     assert sum(line.startswith("eval at step") for line in lines) == 4  # before each step and at the end
 
 
+@pytest.mark.slow
 def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_dir, tmp_path):
     from experiments import runner
     from podsjax import mesh as mesh_lib
@@ -133,7 +145,7 @@ def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_
         memory = runner._check_fits(trainer, limit=2**40)  # a device that reports its memory
         assert memory.update_temp > 0 and memory.kv_cache > 0
         before = trainer.compile_counts
-        trainer.train_step()
+        trainer.rl_step()
     finally:
         trainer.close()
     big = ("generate[prefill]", "generate[decode]", "update")
@@ -143,6 +155,7 @@ def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_
         memory.check_fits()
 
 
+@pytest.mark.slow
 def test_a_bf16_full_fine_tune_trains_fp32_master_weights_and_samples_their_bf16_copy(tmp_path_factory, data_dir,
                                                                                      tmp_path):
     from experiments import runner
@@ -197,6 +210,7 @@ def test_progress_log_prints_the_first_step_then_by_time_or_steps():
         metrics.ProgressLog(print, every_steps=0)
 
 
+@pytest.mark.slow
 def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_path):
     model, params, tokenizer, _, test_set = setup
     short, long = data.Example("What is 2 + 2?", "4"), data.Example("What is 2 + 2? " * 40, "4")
@@ -207,17 +221,17 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
         run = loop.RunConfig(out_dir=str(tmp_path / name), max_steps=3, prompts_per_step=2, max_new_tokens=4,
                              max_prompt_length=fits, eval_every_s=None, reward_workers=1, progress=False)
         return loop.Trainer(model, params, tokenizer, examples, test_set, train.method_config("pods", n=4, m=2), run,
-                            log=lines.append)
+                            log=lines.append, generator=shared_generator(model))
 
     lines = []
     mixed = trainer([long, long, short, long, short, long], "mixed", lines)
     try:
         skipped = []
         for _ in range(3):
-            before = mixed.stream.position
-            scalars = mixed.train_step()
+            before = mixed.prompts.stream.position
+            scalars = mixed.rl_step()
             skipped.append(scalars["data/prompts_skipped"])
-            assert mixed.stream.position - before == 2 + skipped[-1]  # every skipped draw replaced
+            assert mixed.prompts.stream.position - before == 2 + skipped[-1]  # every skipped draw replaced
     finally:
         mixed.close()
     assert sum(skipped) > 0 and mixed.compile_counts["generate[decode]"] == 1
@@ -227,12 +241,13 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
     try:
         with pytest.raises(prompts.PromptError, match=f"too few training prompts fit in max_prompt_length {fits} "
                                                       r"tokens: 6 of 6 drawn .*--max-prompt-length") as error:
-            none_fit.train_step()
+            none_fit.rl_step()
     finally:
         none_fit.close()
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_groups_per_prompt_draws_each_prompt_as_several_groups(setup, tmp_path):
     """Settings e-f: g groups of n for one prompt, each selected apart; the data stream moves by prompts."""
     model, params, tokenizer, train_set, test_set = setup
@@ -240,14 +255,15 @@ def test_groups_per_prompt_draws_each_prompt_as_several_groups(setup, tmp_path):
     run = loop.RunConfig(out_dir=str(tmp_path / "groups"), max_steps=1, prompts_per_step=2, max_new_tokens=4,
                          eval_every_s=None, reward_workers=1, progress=False)
     lines = []
-    trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run, log=lines.append)
+    trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run, log=lines.append,
+                           generator=shared_generator(model))
     try:
-        examples, batch, _ = trainer._draw_prompts()
+        examples, batch, _ = trainer.prompts.draw(run.prompts_per_step, algo.groups_per_prompt)
         drawn = [e.prompt for e in examples]
         assert drawn[0] == drawn[1] != drawn[2] == drawn[3]
-        assert batch.ids_PL.shape[0] == loop.prompt_rows(run, algo) == 4 and trainer.stream.position == 2
-        trainer.train_step()
-        assert trainer.stream.position == 4
+        assert batch.ids_PL.shape[0] == loop.prompt_rows(run, algo) == 4 and trainer.prompts.stream.position == 2
+        trainer.rl_step()
+        assert trainer.prompts.stream.position == 4
     finally:
         trainer.close()
     # 4 groups x 2 selected rows enter the update: the selection ran per group.
@@ -269,15 +285,16 @@ def test_a_run_killed_before_its_first_checkpoint_starts_its_logs_over(setup, tm
     assert (out / "metrics.jsonl.superseded").read_text() == '{"step": 1}\n'
 
 
+@pytest.mark.slow
 def test_updates_that_stay_non_finite_stop_the_run_with_one_line(setup, tmp_path):
-    trainer = make_trainer(setup, tmp_path / "run", max_steps=10)
-    real_step = trainer.step_fn
+    optimizer, real_step = loop.update_program(setup[0], train.method_config("pods", n=4, m=2, learning_rate=1e-3),
+                                               None)
 
     def non_finite(state, batch, frozen):  # as if every update had a NaN loss (and was skipped)
         state, metrics = real_step(state, batch, frozen)
         return state, metrics.replace(skipped=jnp.ones((), jnp.int32), loss=jnp.full((), jnp.nan))
 
-    trainer.step_fn = non_finite
+    trainer = make_trainer(setup, tmp_path / "run", max_steps=10, update=(optimizer, non_finite))
     with pytest.raises(loop.TrainingDiverged, match="3 updates in a row had a non-finite loss") as error:
         trainer.run()
     assert "\n" not in str(error.value) and "the last checkpoint is step 2" in str(error.value)
@@ -285,15 +302,15 @@ def test_updates_that_stay_non_finite_stop_the_run_with_one_line(setup, tmp_path
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1", "2"]
 
 
-def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path):
     out = tmp_path / "run"
     accuracies = iter([0.1, 0.5, 0.3, 0.2, 0.6])
 
-    def scripted_eval(self):
-        return {"eval/accuracy": next(accuracies), "eval/examples": 2.0}
+    def scripted_eval(params, lora):
+        return {"eval/accuracy": next(accuracies), "eval/examples": 2.0}, []
 
-    monkeypatch.setattr(loop.Trainer, "evaluate", scripted_eval)
-    trainer = make_trainer(setup, out, max_steps=3)
+    trainer = make_trainer(setup, out, max_steps=3, evaluator=scripted_eval)
     trainer.run()  # evaluations at steps 0..3: 0.1, 0.5, 0.3, 0.2
     assert (trainer.best.step, trainer.best.accuracy) == (1, 0.5)
     assert sorted(os.listdir(out / "best")) == ["1"]  # older bests pruned once a checkpoint recorded step 1
@@ -306,8 +323,7 @@ def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path
                    for a, b in zip(jax.tree.leaves(best), jax.tree.leaves(trainer.state.params)))
 
     accuracies = iter([0.4, 0.6])  # the resumed run evaluates at step 3 again, then at 4, which beats 0.5
-    monkeypatch.setattr(loop.Trainer, "evaluate", scripted_eval)
-    resumed = make_trainer(setup, out, max_steps=4)
+    resumed = make_trainer(setup, out, max_steps=4, evaluator=scripted_eval)
     assert (resumed.best.step, resumed.best.accuracy) == (1, 0.5)
     resumed.run()
     assert (resumed.best.step, resumed.best.accuracy) == (4, 0.6)

@@ -9,6 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from podsjax import mesh as mesh_lib
 
+pytestmark = pytest.mark.cpu_mesh
+
 
 @pytest.mark.parametrize(
     "spec, sizes",

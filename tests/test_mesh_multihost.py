@@ -5,6 +5,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -289,6 +289,7 @@ def test_cudnn_attention_matches_the_xla_path_in_bf16():
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
 
 
+@pytest.mark.slow
 def test_optimized_program_size_does_not_grow_with_depth():
     config = dataclasses.replace(pm.checkpoint_shape("Qwen2.5-0.5B"), **SMALL)
 
@@ -348,6 +349,7 @@ def test_bf16_compute_with_fp32_params_stays_close_and_returns_fp32_logits(hf_mo
     assert np.abs(low - high).max() > 0  # and bf16 really was used
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_gives_same_values_and_gradients(hf_models, remat):
     _, _, model, params = hf_models["qwen2_untied_mha"]
@@ -480,6 +482,7 @@ def test_lora_with_zero_b_equals_base_exactly(hf_models, jit_apply):
     assert all(float(jnp.abs(ab).max()) > 0 for ab in jax.tree.leaves(lora.weights)[::2])  # A is not zero
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("targets", [pm.DEFAULT_TARGETS, ("q", "v")])
 def test_lora_equals_merged_weights_and_base_is_lora_off(hf_models, jit_apply, targets):
     _, _, model, params = hf_models["llama_untied_mqa_llama3"]

@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 import podsjax.models as pm
 from podsjax.mesh import make_mesh
 
+pytestmark = pytest.mark.cpu_mesh
+
 VOCAB = 256
 
 
@@ -86,6 +88,7 @@ def test_round_trip_hf_podsjax_hf_is_identical(checkpoints, tmp_path, family):
     assert os.path.isfile(tmp_path / "out" / "generation_config.json")  # copied with tokenizer_from
 
 
+@pytest.mark.slow
 def test_export_merges_lora_and_shards(checkpoints, tmp_path, apply_fn):
     model, params = pm.from_pretrained(checkpoints["llama"])
     lora = pm.init_lora(jax.random.key(0), model, pm.LoraConfig(rank=4, alpha=8.0))
@@ -263,6 +266,7 @@ def test_params_load_sharded_as_the_rules_say_and_match_unsharded(checkpoints, a
     assert np.abs(np.asarray(logits) - plain).max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_sharded_prefill_and_decode_match_unsharded(checkpoints):
     mesh = make_mesh("data=2,fsdp=2,tensor=2")
     model, params = pm.from_pretrained(checkpoints["llama"])  # 1 kv head: replicated over tensor
@@ -307,6 +311,7 @@ print(json.dumps({"peak": peak, "current": current, "lm_head_spec": str(params["
 """
 
 
+@pytest.mark.slow
 def test_sharded_load_of_200mb_model_keeps_host_memory_near_one_tensor(tmp_path):
     # ~53M params (213 MB fp32), saved by transformers as a sharded index; no tensor is
     # more than ~8% of the model, so a loader that held the model on the host would show.

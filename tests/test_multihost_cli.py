@@ -9,6 +9,8 @@ import pytest
 from test_mesh_multihost import free_port
 from tiny_checkpoint import save_tiny_checkpoint
 
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
 

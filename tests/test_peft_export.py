@@ -24,6 +24,7 @@ def trained(tmp_path_factory):
     return base, model, params, lora.replace(weights=weights)
 
 
+@pytest.mark.slow
 def test_peft_adapter_matches_the_merged_export(trained, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -25,6 +25,7 @@ def all_python_blocks():
     return blocks
 
 
+@pytest.mark.slow
 def test_usage_example_runs():
     section = README.split("## Using the selector and the loss in your own JAX code", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)

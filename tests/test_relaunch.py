@@ -17,6 +17,8 @@ from test_resume_killed import (ROOT, SHARED_WARMUP, TIMEOUT_S, cli_args, cli_en
 from podsjax import run_state
 from podsjax.rewards import RewardPool, WeightedReward
 
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
+
 # Reward workers import this module for `hang`: JAX and the models are imported in the tests only.
 
 
@@ -88,31 +90,36 @@ def test_sigterm_finishes_an_update_or_drops_scoring_then_checkpoints_the_last_w
     import podsjax.models as pm
     from test_loop import make_trainer
 
+    from podsjax import loop, train
+
     lora = pm.LoraConfig(rank=2, alpha=4.0)
-    trainer = make_trainer(setup, tmp_path / "run", max_steps=4, lora=lora)
+    pool = RewardPool(1, timeout_s=10.0)
     workers = []
-    if during == "update":  # the signal lands while step 2's update runs: the step finishes
-        update = trainer.step_fn
+    optimizer, update = loop.update_program(setup[0], train.method_config("pods", n=4, m=2, learning_rate=1e-3), lora)
 
-        def signalled_update(state, batch, frozen):
-            if int(state.step) == 1:
-                workers.extend(trainer.pool.worker_pids)
-                os.kill(os.getpid(), signal.SIGTERM)
-            return update(state, batch, frozen)
+    def signalled_update(state, batch, frozen):  # the signal lands while step 2's update runs: the step finishes
+        if int(state.step) == 1:
+            workers.extend(pool.worker_pids)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return update(state, batch, frozen)
 
-        trainer.step_fn = signalled_update
-        expected_step = 2
-    else:  # a reward of step 2 hangs, and the signal comes while it does: the step is dropped
-        score = trainer.pool.score
-
-        def signalled_score(completions, rewards, **columns):
+    class SignalledScorer:  # a reward of step 2 hangs, and the signal comes while it does: the step is dropped
+        def score(self, completions, rewards, **columns):
             if rewards is trainer.rewards and int(trainer.state.step) == 1:
-                workers.extend(trainer.pool.worker_pids)
+                workers.extend(pool.worker_pids)
                 threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
                 rewards = (*rewards, WeightedReward(hang, 0.0, "hang"))
-            return score(completions, rewards, **columns)
+            return pool.score(completions, rewards, **columns)
 
-        trainer.pool.score = signalled_score
+        def close(self):
+            pool.close()
+
+    if during == "update":
+        trainer = make_trainer(setup, tmp_path / "run", max_steps=4, lora=lora, scorer=pool,
+                               update=(optimizer, signalled_update))
+        expected_step = 2
+    else:
+        trainer = make_trainer(setup, tmp_path / "run", max_steps=4, lora=lora, scorer=SignalledScorer())
         expected_step = 1
     previous = signal.getsignal(signal.SIGTERM)
     with pytest.raises(run_state.StopRequested) as stopped:

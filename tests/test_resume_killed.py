@@ -10,7 +10,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 from safetensors.numpy import load_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny preset's warm-up, shared with test_experiments_cli (same seed and steps) so a

@@ -339,6 +339,7 @@ def test_non_finite_rewards_score_zero_and_count_as_errors(pool):
         np.testing.assert_array_equal(scores.failed_B, [True, True, True, False, True])
 
 
+@pytest.mark.slow
 def test_pool_survives_hangs_crashes_and_memory_blowups(pool):
     completions = ["ok 0", "HANG 1", "ok 2", "SPIN 3", "EXIT 4", "ok 5", "SEGV 6", "HOG 7", "RAISE 8", "ok 9"]
     rewards = [WeightedReward(chaos_reward, 1.0), WeightedReward(constant_reward, 2.0)]

@@ -5,6 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
@@ -12,6 +13,7 @@ from podsjax import data, grpo, prompts, rewards, selection
 from podsjax.sampling import generate
 
 
+@pytest.mark.slow
 def test_prompts_to_selected_advantages_on_gsm8k(tmp_path, data_dir):
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt")
     tokenizer = prompts.load_tokenizer(checkpoint)

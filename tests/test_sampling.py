@@ -14,6 +14,8 @@ import podsjax.models as pm
 from podsjax import grpo, mesh as mesh_lib
 from podsjax.sampling import generate
 
+pytestmark = pytest.mark.cpu_mesh
+
 FAMILIES = ["qwen2_tied_gqa", "llama_untied_mqa_llama3"]
 EOS = 3
 PAD = 0
@@ -92,6 +94,7 @@ def completion_logprobs(model, params, prompt_ids, prompt_mask, rollouts, num_sa
     return np.asarray(grpo.token_logprobs(logits[:, lp - 1 : -1], jnp.asarray(ids[:, lp:]), temperature=temperature))
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_match_a_full_forward_pass(tiny):
     _, model, params = tiny["llama_untied_mqa_llama3"]
     ids, mask = left_padded_prompts(2)
@@ -148,11 +151,11 @@ def test_same_key_same_rollouts_and_samples_differ(tiny):
 
 
 def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
-    from podsjax import sampling
+    from podsjax import decoding
 
     _, model, params = tiny["qwen2_tied_gqa"]
     ids, mask = left_padded_prompts(5)
-    jaxpr = jax.make_jaxpr(lambda p, i, m: sampling._prefill(model, 16, 4, (p, None), i, m))(params, ids, mask)
+    jaxpr = jax.make_jaxpr(lambda p, i, m: decoding.prefill(model, 16, 4, (p, None), i, m))(params, ids, mask)
 
     def dot_shapes(jaxpr):  # the layers run inside a scan: walk nested jaxprs too
         for eqn in jaxpr.eqns:
@@ -169,20 +172,20 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
 
 
 def test_the_unrolled_cache_holds_each_prompt_once_and_each_sample_its_completion(tiny):
-    from podsjax import sampling
+    from podsjax import decoding
     from podsjax.models import rollout
 
     _, model, params = tiny["qwen2_tied_gqa"]
     model = model.clone(rollout_layers="unrolled")
     ids, mask = left_padded_prompts(5)
     weights = jax.eval_shape(lambda p: rollout.rollout_weights(model, p), params)
-    _, cache = jax.eval_shape(lambda w, i, m: sampling._prefill(model, 16, 4, w, i, m), weights, ids, mask)
+    _, cache = jax.eval_shape(lambda w, i, m: decoding.prefill(model, 16, 4, w, i, m), weights, ids, mask)
     cfg = model.config
     assert isinstance(cache, rollout.GroupedCache)
     assert cache.prompts.keys[0].shape == (3, cfg.num_kv_heads, ids.shape[1], cfg.head_dim)
     assert cache.rows.keys[0].shape == (48, cfg.num_kv_heads, 4, cfg.head_dim)
     assert cache.rows.values[0].shape == (48, cfg.num_kv_heads, cfg.head_dim, 4)  # slots last
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda w, i, m: sampling._prefill(model, 16, 4, w, i, m)[1])(
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda w, i, m: decoding.prefill(model, 16, 4, w, i, m)[1])(
         rollout.rollout_weights(model, params), ids, mask).rows.positions_B), np.repeat(np.asarray(mask).sum(1), 16))
 
 
@@ -234,6 +237,7 @@ def test_second_call_with_new_prompts_does_not_recompile(tiny):
     assert first[0] <= before[0] + 1 and first[1] <= before[1] + 1
 
 
+@pytest.mark.slow
 def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny):
     _, model, params = tiny["qwen2_tied_gqa"]
     ids, mask = left_padded_prompts(6)  # 3 prompts
@@ -250,6 +254,7 @@ def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny):
     assert sampled.tokens.shape == greedy.tokens.shape
 
 
+@pytest.mark.slow
 def test_sharded_generation_matches_single_device(tmp_path):
     path = tmp_path / "ckpt"
     build_hf(path, "qwen2_tied_gqa", seed=20)
@@ -302,6 +307,7 @@ def chi_square_p_value(counts, expected_probs):
     return scipy_stats.chi2.sf(stat, keep.sum() - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_sampled_token_frequencies_match_the_tempered_softmax(tiny, top_p):
     # Significance level 0.001: with a fixed key the test is deterministic; a wrong
@@ -327,14 +333,14 @@ def test_sampled_token_frequencies_match_the_tempered_softmax(tiny, top_p):
 
 
 def test_filters_keep_exactly_the_top_k_and_the_nucleus():
-    from podsjax.sampling import _filter_logits
+    from podsjax.decoding import filter_logits
 
     rng = np.random.default_rng(12)
     logits = rng.normal(size=(5, 40)).astype(np.float32) * 2
-    kept_k = np.isfinite(np.asarray(_filter_logits(jnp.asarray(logits), 7, 1.0)))
+    kept_k = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), 7, 1.0)))
     assert np.array_equal(kept_k, logits >= np.sort(logits, -1)[:, -7:-6])
     for top_p in (0.3, 0.9, 0.999):
-        kept = np.isfinite(np.asarray(_filter_logits(jnp.asarray(logits), 0, top_p)))
+        kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), 0, top_p)))
         for row in range(5):
             probs = np.exp(logits[row] - logits[row].max())
             probs /= probs.sum()
@@ -344,17 +350,18 @@ def test_filters_keep_exactly_the_top_k_and_the_nucleus():
 
 
 def test_sampling_at_a_temperature_draws_from_the_tempered_logits():
-    from podsjax import sampling
+    from podsjax import decoding
 
     rng = np.random.default_rng(13)
     # The sampler draws what jax.random.categorical draws from logits / temperature, for the same key.
     logits = jnp.asarray(rng.normal(size=(64, 300)).astype(np.float32) * 3)
     key = jax.random.key(14)
-    cfg = sampling.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=0.7, eos_token_ids=(EOS,))
-    tokens, _ = jax.jit(lambda lg, k: sampling._sample(lg, k, jnp.float32(cfg.temperature), cfg))(logits, key)
+    cfg = decoding.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=0.7, eos_token_ids=(EOS,))
+    tokens, _ = jax.jit(lambda lg, k: decoding.sample_tokens(lg, k, jnp.float32(cfg.temperature), cfg))(logits, key)
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jax.random.categorical(key, logits / 0.7)))
 
 
+@pytest.mark.slow
 def test_bf16_generation_runs_and_follows_the_bf16_forward(tiny):
     _, model, params = tiny["qwen2_tied_gqa"]
     bf16 = model.clone(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)

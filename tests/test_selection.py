@@ -12,6 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from podsjax import selection
 
+pytestmark = pytest.mark.cpu_mesh
+
 # One jitted function per rule, shared by every test, so shapes compile once.
 MV = jax.jit(selection.max_variance, static_argnums=1)
 MAX_REWARD = jax.jit(selection.max_reward, static_argnums=1)
@@ -53,6 +55,7 @@ def stable_ranks(rewards):
 # --- Theorem 1 -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(group_and_m())
 def test_theorem1_variance_equals_brute_force_maximum(case):
@@ -65,6 +68,7 @@ def test_theorem1_variance_equals_brute_force_maximum(case):
     assert got == pytest.approx(best, rel=1e-5, abs=1e-7 * spread + 1e-12)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(group_and_m())
 def test_theorem1_subset_is_top_k_plus_bottom_m_minus_k(case):
@@ -109,6 +113,7 @@ def test_theorem2_binary_rewards_exact_cases(n, m):
 integer_rewards = st.integers(-20, 20).map(float)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(group_and_m(values=integer_rewards), st.integers(-1000, 1000), st.integers(1, 16))
 def test_shift_and_positive_scale_keep_the_subset(case, shift, scale):
@@ -119,6 +124,7 @@ def test_shift_and_positive_scale_keep_the_subset(case, shift, scale):
     assert np.array_equal(np.asarray(MV(rewards * np.float32(scale), m)), base)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(group_and_m(values=st.floats(-10, 10, allow_nan=False, allow_subnormal=False, width=32)), st.floats(-50, 50), st.floats(0.1, 10))
 def test_shift_and_scale_keep_the_subset_for_float_rewards(case, shift, scale):
@@ -134,6 +140,7 @@ def test_shift_and_scale_keep_the_subset_for_float_rewards(case, shift, scale):
     assert set(np.asarray(MV(transformed, m)).tolist()) == base
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(group_and_m(), st.randoms(use_true_random=False))
 def test_permutation_permutes_the_indices(case, rnd):
@@ -164,6 +171,7 @@ def test_large_common_offset_is_stable():
 ALL_RULES = ["max_variance", "max_reward", "percentile", "random"]
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(
     st.integers(1, 3),
@@ -199,6 +207,7 @@ def test_nan_rewards_are_chosen_last():
 # --- Other rules ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(group_and_m(max_n=16))
 def test_max_reward_keeps_the_highest(case):
@@ -207,6 +216,7 @@ def test_max_reward_keeps_the_highest(case):
     assert np.asarray(MAX_REWARD(rewards, m)).tolist() == order[:m].tolist()
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(group_and_m(max_n=16))
 def test_percentile_evenly_spaced_ranks_include_extremes(case):
@@ -243,6 +253,7 @@ def test_random_is_uniform_and_deterministic_per_key():
 # --- Transforms and sharding ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_jit_equals_no_jit_and_vmap_equals_loop():
     rewards = np.random.default_rng(3).integers(0, 4, (2, 5, 16)).astype(np.float32)
     eager = np.asarray(selection.max_variance(rewards, 6))
@@ -336,6 +347,7 @@ def test_traced_m_and_scalar_rewards_raise_clear_errors():
         selection.max_variance(jnp.float32(1.0), 1)
 
 
+@pytest.mark.slow
 def test_theorem1_holds_on_every_row_of_a_large_batch():
     # Many rows at once, as the benchmark runs it; check every row against brute force.
     rng = np.random.default_rng(6)

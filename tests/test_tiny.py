@@ -18,6 +18,8 @@ from podsjax import tiny
 from podsjax.tiny import sft
 from podsjax.tiny import warmup as warmup_lib
 
+pytestmark = pytest.mark.cpu_mesh
+
 # A one-layer model keeps the compiles of the warm-up tests to a few seconds.
 SMALL = tiny.tiny_model(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                         head_dim=16)
@@ -165,6 +167,7 @@ def test_sft_batches_hold_prompt_then_completion(tokenizer):
         assert data.loss_mask[row][data.suffix_mask[row] == 0].sum() == 0
 
 
+@pytest.mark.slow
 def test_prefix_shared_loss_equals_the_full_sequence_loss(tokenizer):
     model = pm.Decoder(dataclasses.replace(SMALL, vocab_size=len(tokenizer)))
     params = pm.init_params(model, jax.random.key(1))
@@ -198,6 +201,7 @@ def _digest(directory):
         return hashlib.sha256(handle.read()).hexdigest()
 
 
+@pytest.mark.slow
 def test_short_warm_up_writes_a_cache_that_a_second_call_reuses(tmp_path, monkeypatch):
     directory = tmp_path / "run" / tiny.WARMUP_DIRNAME
     messages = []

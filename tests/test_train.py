@@ -11,6 +11,8 @@ import podsjax.models as pm
 from podsjax import mesh as mesh_lib
 from podsjax import train
 
+pytestmark = pytest.mark.cpu_mesh
+
 CONFIG = pm.ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, tie_word_embeddings=True)
 P, N, M, LP, T = 2, 8, 4, 6, 5
@@ -45,6 +47,7 @@ def tree_max_diff(a, b):
     return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+@pytest.mark.slow
 def test_ga_micro_batches_equal_one_big_batch(model_and_params):
     model, params = model_and_params
     prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(0)
@@ -65,6 +68,7 @@ def test_ga_micro_batches_equal_one_big_batch(model_and_params):
     assert tree_max_diff(new_ga.params, params) > 1e-4  # the update really moved the params
 
 
+@pytest.mark.slow
 def test_lora_step_leaves_base_params_bit_identical(model_and_params):
     model, params = model_and_params
     config = train.method_config("pods", n=N, m=M, learning_rate=1e-2, beta=0.04, schedule="cosine", total_steps=4)
@@ -87,6 +91,7 @@ def test_lora_step_leaves_base_params_bit_identical(model_and_params):
     assert float(metrics.learning_rate) == pytest.approx(1e-2 * 0.5 * (1 + math.cos(math.pi / 4)))
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device(model_and_params):
     model, params = model_and_params
     # Adam's first step is ~lr * g / |g|, which turns 1e-9 float noise in near-zero
@@ -148,6 +153,7 @@ def test_bf16_full_fine_tune_keeps_fp32_master_weights_and_follows_the_fp32_run(
     assert diff <= 0.1 * np.sqrt(sum(np.sum(b**2) for b in moved32))
 
 
+@pytest.mark.slow
 def test_non_finite_loss_skips_the_update(model_and_params):
     model, params = model_and_params
     config = train.method_config("grpo", n=N, m=N, learning_rate=1e-2)
@@ -163,6 +169,7 @@ def test_non_finite_loss_skips_the_update(model_and_params):
     assert int(good.skipped) == 0 and tree_max_diff(good_state.params, params) > 0
 
 
+@pytest.mark.slow
 def test_build_batch_selects_and_normalizes_over_the_subset():
     prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(4)
     config = train.method_config("pods", n=N, m=M)

@@ -15,6 +15,8 @@ import pytest
 import podsjax.models as pm
 from podsjax import train
 
+pytestmark = pytest.mark.cpu_mesh
+
 MODEL = pm.ModelConfig(arch="qwen2", vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=1,
                        num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, tie_word_embeddings=True)
 P, LP, T = 1, 32, 64  # prompts per step, prompt and completion lengths
@@ -47,6 +49,7 @@ def update_memory(config):
     return batch.advantages.shape[0], compiled.memory_analysis()
 
 
+@pytest.mark.slow
 def test_pods_update_needs_the_memory_of_grpo_on_m_not_on_n():
     rows, stats = {}, {}
     for name, config in CASES.items():

@@ -8,9 +8,12 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 import train_multihost_worker as worker
 from podsjax import mesh as mesh_lib
+
+pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 240

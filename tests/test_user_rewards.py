@@ -59,6 +59,7 @@ def test_your_own_dataset_columns_reach_the_loader(tmp_path):
         runner._load_tasks(without)
 
 
+@pytest.mark.slow
 def test_the_cli_trains_on_your_dataset_with_your_reward_and_system_prompt(tmp_path):
     import json
     import os
@@ -132,6 +133,7 @@ def _bounded_cli(args, setup, tmp_path, timeout=120):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body,message", [
     ("import os\nos._exit(3)\n", "importing import_trap ended the process (exit status 3, with no error"),
     ("import time\ntime.sleep(600)\n", "importing import_trap did not finish within 2 s"),
@@ -149,6 +151,7 @@ def test_a_reward_module_that_exits_or_hangs_at_import_is_one_line_naming_it(tmp
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_chat_template_that_loops_is_one_line_before_anything_is_written(tmp_path, data_dir):
     import os
 
