@@ -2,9 +2,10 @@
 
 Every process of a run draws the same prompts (one seed, the same data order) and
 tokenizes them all, which costs little. Each then places only the rows its own devices
-hold, reads back only those rows' completions, and scores them; the scores are gathered
-so that every host computes the same selection and the same metrics. With one process
-every helper here is the identity, so the single-host path pays nothing.
+hold (``sampling.Generator.place_rows``), reads back only those rows' completions, and
+scores them; the scores are gathered so that every host computes the same selection and
+the same metrics. With one process every helper here is the identity, so the single-host
+path pays nothing.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from typing import Any
 
 import jax
 import numpy as np
-
-from podsjax import mesh as mesh_lib
 
 
 def count() -> int:
@@ -27,17 +26,13 @@ def is_primary() -> bool:
 
 
 def place_rows(x: np.ndarray, mesh) -> Any:
-    """A ``[B, ...]`` host array that every process holds whole, as one global array: split
-    over the mesh's batch axes when its rows divide evenly, else replicated.
-
-    Each process transfers only the rows its own devices hold. With one process the array
-    is returned as is (the jitted program places it).
-    """
+    """``podsjax.sampling.Generator.place_rows`` for callers that have not moved to a Generator;
+    with one process the array is returned as is (the sampler places it)."""
     if mesh is None or count() == 1:
         return x
-    x = np.asarray(x)
-    sharding = mesh_lib.rows_sharding(mesh, x.shape[0], x.ndim)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    from podsjax import sampling
+
+    return sampling._place_rows(x, mesh)
 
 
 def local_rows(x: jax.Array) -> tuple[int, np.ndarray]:

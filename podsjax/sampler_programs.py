@@ -1,0 +1,162 @@
+"""The sampler's compiled programs: the rollout weights, prefill and decode, each compiled once per signature.
+
+Decode is compiled first with the KV cache's layout left to the compiler, and prefill
+then writes the cache in the layout decode chose. A while loop may want another layout
+than the default: XLA's TPU compiler packs kv heads with head_dim, and given a
+default-layout cache argument it copied the whole cache on the way in and out (decode
+temporaries as large as the cache). Greedy evaluation and sampled rollouts of the same
+row count share one decode program (temperature is a traced input).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from podsjax import decoding
+from podsjax import mesh as mesh_lib
+from podsjax.models import rollout
+
+STAGES = ("weights", "prefill", "decode")
+
+
+class Programs:
+    """Compiled programs by key, the oldest dropped past ``limit``, and the lock that makes
+    each compile happen once, whichever thread asks first.
+
+    Attributes:
+        by_key: ``(stage, model, ...) -> program``; a ``"stages"`` entry holds one call's
+            ``(weights, prefill, decode, cache)``, so the steady state traces nothing.
+        compiles: programs compiled so far, per stage (evictions do not lower it).
+    """
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"max_programs must be >= 1; got {limit}")
+        self.by_key: dict = {}
+        self.limit = limit
+        self.lock = threading.RLock()
+        self.compiles: collections.Counter = collections.Counter()
+
+    def remember(self, key: tuple, value):
+        self.by_key[key] = value
+        while len(self.by_key) > self.limit:
+            del self.by_key[next(iter(self.by_key))]
+        return value
+
+    def compiled(self, key: tuple, build: Callable[[], Any], timings: dict | None):
+        if key not in self.by_key:
+            start = time.perf_counter()
+            self.remember(key, build())
+            self.compiles[key[0]] += 1
+            if timings is not None:
+                timings[key[0]] = time.perf_counter() - start
+        return self.by_key[key]
+
+
+def signature(tree: Any, mesh: Mesh | None) -> tuple:
+    """A hashable key of a tree's structure, shapes, dtypes and (under a mesh) partition specs.
+
+    Concrete arrays and the dry run's ``ShapeDtypeStruct``s of the same placement give the
+    same key, so the programs the dry run compiles are the ones the first step runs."""
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def spec(x):
+        sharding = getattr(x, "sharding", None)
+        if mesh is None or sharding is None:
+            return None
+        parts = tuple(p[0] if isinstance(p, tuple) and len(p) == 1 else p
+                      for p in getattr(sharding, "spec", (str(sharding),)))
+        while parts and parts[-1] is None:
+            parts = parts[:-1]
+        return parts
+
+    return treedef, tuple((tuple(x.shape), str(x.dtype), spec(x)) for x in leaves)
+
+
+def _on_mesh(x: jax.ShapeDtypeStruct, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
+    """An input placed off the model's mesh (a LoRA tree made without one) is taken
+    replicated on it; ``generate`` moves it there, as jit would."""
+    sharding = x.sharding
+    if mesh is None or (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def _cache_formats(layers: decoding.Layers, cache, mesh: Mesh | None, layout) -> Any:
+    """in/out shardings of a cache argument: ``layout(x, sharding)`` for its keys and values
+    (every array of 4 or more dims), the others as the mesh places them."""
+    shardings = layers.cache_shardings(cache, mesh) if mesh is not None else jax.tree.map(lambda _: None, cache)
+    return jax.tree.map(lambda x, s: layout(x, s) if x.ndim >= 4 else s, cache, shardings,
+                        is_leaf=lambda x: x is None)
+
+
+def stages(programs: Programs, model, cfg: decoding.SamplingConfig, params: Any, lora: Any, prompt_ids_BL: Any,
+           timings: dict | None = None) -> tuple:
+    """``(weights, prefill, decode, cache)`` for these inputs (arrays or ``ShapeDtypeStruct``s),
+    compiled into ``programs`` the first time they are asked for; ``cache`` is the KV cache's
+    ``ShapeDtypeStruct`` tree."""
+    with programs.lock:  # one compile per program, whichever thread asks first
+        return _stages_locked(programs, model, cfg, params, lora, prompt_ids_BL, timings)
+
+
+def _stages_locked(programs: Programs, model, cfg: decoding.SamplingConfig, params, lora, prompt_ids_BL, timings):
+    mesh: Mesh | None = model.mesh
+    params, lora = jax.tree.map(lambda x: _on_mesh(mesh_lib.abstract(x), mesh), (params, lora))
+    ids = jax.ShapeDtypeStruct(tuple(prompt_ids_BL.shape), jnp.int32)
+    inputs = (signature(params, mesh), signature(lora, mesh))
+    call = ("stages", model, cfg.prefill_key, cfg.decode_key, inputs, ids.shape)
+    if call in programs.by_key:  # the steady state: no tracing, no lookups by abstract values
+        return programs.by_key[call]
+    layers = decoding.layers_for(model)
+    weights_fn, weights = None, (params, lora)  # the scanned layout reads the params themselves
+    if isinstance(layers, decoding.UnrolledLayers):
+        merge = functools.partial(rollout.rollout_weights, model)
+        weights = jax.eval_shape(merge, params, lora)
+        placed = rollout.weights_shardings(weights, mesh) if mesh is not None else None
+        if mesh is not None:
+            weights = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p), weights, placed)
+
+        def build_weights():
+            return jax.jit(merge, out_shardings=placed).lower(params, lora).compile()
+
+        weights_fn = programs.compiled(("weights", model) + inputs, build_weights, timings)
+    prefill_fn = functools.partial(decoding.prefill, model, *cfg.prefill_key)
+    logits, cache = jax.eval_shape(prefill_fn, weights, ids, ids)
+    if mesh is not None:
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=mesh_lib.batch_sharding(mesh, logits.ndim))
+        cache = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p), cache,
+                             layers.cache_shardings(cache, mesh))
+    key_sig = signature(weights, mesh)
+
+    def build_decode():
+        auto = _cache_formats(layers, cache, mesh, lambda x, s: Format(Layout.AUTO, s))
+        fn = jax.jit(functools.partial(decoding.decode, model, cfg.decode_key), donate_argnums=2,
+                     in_shardings=(None, None, auto, None, None), out_shardings=(None, auto))
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return fn.lower(weights, logits, cache, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+
+    # Keyed without the prompt count: evaluation and rollouts with as many rows share it.
+    decode = programs.compiled(("decode", model, cfg.decode_key, key_sig, signature((logits, cache), mesh)),
+                               build_decode, timings)
+
+    def build_prefill():
+        chosen = iter(f for x, f in zip(jax.tree.leaves(cache), jax.tree.leaves(decode.input_formats[0][2]))
+                      if x.ndim >= 4)
+        # Prompt rows placed as Generator.place_rows places them on every process.
+        rows = mesh_lib.rows_sharding(mesh, ids.shape[0], ids.ndim) if mesh is not None else None
+        fn = jax.jit(prefill_fn, in_shardings=(None, rows, rows),
+                     out_shardings=(getattr(logits, "sharding", None),
+                                    _cache_formats(layers, cache, mesh, lambda x, s: next(chosen))))
+        return fn.lower(weights, ids, ids).compile()
+
+    prefill = programs.compiled(("prefill",) + call[1:], build_prefill, timings)
+    return programs.remember(call, (weights_fn, prefill, decode, cache))
