@@ -414,8 +414,8 @@ def main(task: str, argv=None) -> int:
             print(flags.describe_setting(args.setting, args.method, config), flush=True)
         from experiments import runner
 
-        return runner.run(config, args.out, overwrite=args.overwrite, resume=args.resume, dry_run=args.dry_run,
-                          topology=args.topology, started_at=started_at)
+        return runner.run_experiment(config, args.out, overwrite=args.overwrite, resume=args.resume,
+                                     dry_run=args.dry_run, topology=args.topology, started_at=started_at)
     except KeyboardInterrupt as exc:
         library.print_note()
         print(interrupted_line(exc, task, getattr(args, "out", None)), file=sys.stderr, flush=True)

@@ -162,8 +162,8 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
         check_resumable(config, out)
     from experiments import runner  # imports JAX: only after main has set up the devices
 
-    code = runner.run(config, out, overwrite=False, resume=resume, dry_run=dry_run, topology=topology,
-                      started_at=time.time())
+    code = runner.run_experiment(config, out, overwrite=False, resume=resume, dry_run=dry_run, topology=topology,
+                                 started_at=time.time())
     if code != 0:
         raise SystemExit(code)
     return [] if dry_run else _history(out)

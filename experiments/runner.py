@@ -108,8 +108,8 @@ def _tiny(config, out_dir):
     return stats.path, train_set, test_set
 
 
-def run(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
-        topology: str | None = None, started_at: float | None = None) -> int:
+def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
+                   topology: str | None = None, started_at: float | None = None) -> int:
     config = flags.replace_run(config, out_dir=out_dir)
     mesh = _mesh(config.model.mesh, topology)
     # Every check that needs no model comes before anything is written to out_dir, so a
@@ -278,11 +278,6 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
-def _prompt_len(run_config) -> int:
-    """The longest padded prompt a step can see (the largest prompt bucket)."""
-    return max(prompts.Bucketing().lengths(run_config.max_prompt_length))
-
-
 def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: float | None, tasks,
                       tokenizer=None) -> int:
     if config.model.path is None:
@@ -338,22 +333,12 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
 
 
 def _check_fits(trainer, limit: int | None = None) -> dry_run_lib.MemoryPlan | None:
-    """Before the first step, on a device that reports its memory: stop a run that cannot fit.
-
-    The update is compiled through the Trainer's own jitted function and state, so the
-    first step reuses the executable instead of compiling it again.
-    """
+    """Before the first step, on a device that reports its memory: stop a run that cannot fit."""
     limit = limit if limit is not None else dry_run_lib.device_memory_limit(dry_run_lib.run_device(trainer.model.mesh))
     if limit is None:  # CPU: nothing to check against
         return None
-    run = trainer.run_config
     print("checking that the run fits in device memory ...", flush=True)
-    memory = dry_run_lib.plan(
-        trainer.model, trainer.algo, trainer.lora_config, base_params=trainer.policy_params()[0],
-        prompts=loop.prompt_rows(run, trainer.algo), prompt_len=_prompt_len(run), max_new_tokens=run.max_new_tokens,
-        eos_token_ids=trainer.eos_ids, pad_token_id=prompts.pad_token_id(trainer.tokenizer),
-        update_fn=trainer.step_fn, optimizer=trainer.optimizer, state=trainer.state, frozen=trainer.frozen,
-        compile_log=trainer.compile_log)
+    memory = trainer.memory_plan()
     memory.limit = limit
     print("\n".join(memory.lines()), flush=True)
     memory.check_fits()
@@ -380,7 +365,7 @@ def _dry_run(config: ExperimentConfig, out_dir: str, mesh, topology: str | None 
     """Compiles generate and the update, prints and writes memory and compile times; trains nothing."""
     algo, run_config, lora = config.algorithm, config.run, config.lora  # run() has checked the rows
     model, source = _dry_run_model(config, mesh)
-    prompt_len = _prompt_len(run_config)
+    prompt_len = loop.padded_prompt_length(run_config)
     prompt_rows = loop.prompt_rows(run_config, algo)
     rows = prompt_rows * algo.m
     print(f"dry run: {source} ({_millions(model.config.num_params)} params, {config.model.dtype}, "

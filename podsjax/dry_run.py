@@ -20,13 +20,11 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
-from podsjax import compilation, hlo_cost, loop, sampling, topology, train
+from podsjax import compilation, hlo_cost, sampling, topology, train
 from podsjax import mesh as mesh_lib
 from podsjax import models as pm
+from podsjax.loop import programs
 
 FIELDS = ("params", "optimizer", "kv_cache", "generate_temp", "update_temp")
 # What shrinks a run's memory per device, for the one-line refusals.
@@ -188,51 +186,6 @@ def abstract_base(model) -> Any:
     return _with_shardings(shapes, pm.param_shardings(model, model.mesh))
 
 
-def _replicated(mesh, x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
-
-
-def abstract_state(model, algo: train.AlgorithmConfig, optimizer, lora_config: pm.LoraConfig | None,
-                   base_params: Any) -> tuple[train.TrainState, Any]:
-    """``(state, frozen)`` as the Trainer builds them, as sharded ``ShapeDtypeStruct``s."""
-    mesh, key = model.mesh, jax.random.key(0)
-    if lora_config is not None:
-        trainable = jax.eval_shape(lambda k: pm.init_lora(k, model, lora_config), key)
-        if mesh is not None:
-            shardings = mesh_lib.tree_shardings(mesh, pm.lora_logical_axes(trainable), trainable.weights)
-            trainable = trainable.replace(weights=_with_shardings(trainable.weights, shardings))
-        frozen = base_params
-    else:  # fp32 master weights of a narrower model, sharded as the model (train.master_weights)
-        trainable = jax.eval_shape(train.master_weights, base_params)
-        if mesh is not None:
-            trainable = _with_shardings(trainable, jax.tree.map(lambda x: x.sharding, base_params))
-        frozen = base_params if algo.beta > 0 else None  # the Trainer's frozen KL reference copy
-    state = jax.eval_shape(lambda t: train.init_state(t, optimizer), trainable)
-    if mesh is None:
-        return state.replace(params=trainable), frozen
-    opt_state = optax.tree_utils.tree_map_params(
-        optimizer, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), state.opt_state,
-        trainable, transform_non_params=lambda x: _replicated(mesh, x))
-    scalars = {name: _replicated(mesh, getattr(state, name)) for name in ("step", "skipped_updates")}
-    return state.replace(params=trainable, opt_state=opt_state, **scalars), frozen
-
-
-def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int) -> train.TrainBatch:
-    """The update's input batch, placed as the loop's batch program places it."""
-    shardings = loop.batch_shardings(mesh, rows) if mesh is not None else None
-
-    def struct(name, shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(shardings, name) if shardings else None)
-
-    length = prompt_len + max_new_tokens
-    return train.TrainBatch(input_ids=struct("input_ids", (rows, length), jnp.int32),
-                            attention_mask=struct("attention_mask", (rows, length), jnp.int32),
-                            completion_mask=struct("completion_mask", (rows, max_new_tokens), jnp.float32),
-                            advantages=struct("advantages", (rows,), jnp.float32),
-                            loss_denominator=struct("loss_denominator", (), jnp.float32),
-                            advantage_mean=struct("advantage_mean", (), jnp.float32))
-
-
 @contextlib.contextmanager
 def _refused_by_compiler(program: str, device_kind: str):
     """A compiler that sizes memory itself (TPU) refuses a program larger than the chip's
@@ -264,7 +217,8 @@ def _param_bytes(base: Any, trained: Any, frozen: Any) -> int:
 
 def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, *, base_params: Any,
          prompts: int, prompt_len: int, max_new_tokens: int, eos_token_ids, pad_token_id: int = 0,
-         update_fn=None, optimizer=None, state=None, frozen=None, compile_log=None) -> MemoryPlan:
+         update_fn=None, optimizer=None, state=None, frozen=None, compile_log=None,
+         generator: sampling.Generator | None = None) -> MemoryPlan:
     """Compiles generate and the update for these shapes and measures their memory.
 
     Args:
@@ -281,26 +235,28 @@ def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, 
         state, frozen: the real train state and frozen tree; default: abstract ones. With
             the Trainer's own ``update_fn`` and state, the first step reuses this compile.
         compile_log: a :class:`podsjax.compilation.CompileLog` to report the compiles to.
+        generator: the :class:`podsjax.sampling.Generator` to compile in (default: a new one);
+            the Trainer's own, so its first step reuses these programs.
 
     Returns:
         The :class:`MemoryPlan`.
     """
     if update_fn is None:
-        optimizer, update_fn = loop.update_program(model, algo, lora_config)
+        optimizer, update_fn = programs.update_program(model, algo, lora_config)
     if state is None:
-        state, frozen = abstract_state(model, algo, optimizer, lora_config, abstract(base_params))
+        state, frozen = programs.abstract_state(model, algo, optimizer, lora_config, abstract(base_params))
     base = abstract(base_params)
     lora = abstract(state.params) if lora_config is not None else None
     log = compile_log or compilation.CompileLog()
     device = run_device(model.mesh)
     with (log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"),
           _refused_by_compiler("generation", device.device_kind)):
-        gen = sampling.compile_generate(
-            model, base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
+        gen = (generator or sampling.Generator(model)).compile(
+            base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
             max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=tuple(eos_token_ids),
             pad_token_id=pad_token_id)
     rows = prompts * algo.m
-    batch = abstract_batch(model.mesh, rows, prompt_len, max_new_tokens)
+    batch = programs.abstract_batch(model.mesh, rows, prompt_len, max_new_tokens)
     start = time.perf_counter()
     with (log.label("update", f"{rows} rows x {prompt_len + max_new_tokens} tokens"),
           _refused_by_compiler("the update", device.device_kind)):

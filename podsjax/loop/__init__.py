@@ -1,0 +1,37 @@
+"""The RL loop: prompts -> generate -> score -> select -> update, with eval, checkpoints, metrics.
+
+Its parts: :class:`RunConfig` (``config``); the jitted programs of a step besides generation
+(``programs``, shared with ``--dry-run``); the prompts (``prompt_source``); the
+:class:`Evaluator`; the run's logs (``run_files``); and the :class:`Trainer`, which owns
+resume, the step loop, checkpoints and divergence. Generator, scorer and evaluator are
+arguments of the Trainer, so a test or a user swaps any of them.
+
+The training clock counts generation, scoring, selection and update time only;
+evaluation and checkpoint writes are excluded, as in the paper's wall-clock plots.
+
+Resume is exact: a run killed at any point and resumed from its newest checkpoint
+trains the same steps with the same data, RNG keys and optimizer state as a run that
+was never stopped. The logs (metrics, samples, eval history) are cut back to their
+sizes at that checkpoint, so the steps redone after the restore are logged once; the
+cut records are kept in ``<log>.superseded``.
+
+SIGTERM (a preemption's first word) and SIGINT stop a run at its last whole step:
+generation, scoring and evaluation in flight are dropped, an update in flight finishes,
+and that step is checkpointed before :class:`~podsjax.run_state.StopRequested` is raised
+(see :class:`~podsjax.run_state.StopSignals`).
+"""
+
+
+from podsjax.loop.config import EVAL_METRICS, RunConfig
+from podsjax.loop.evaluator import Evaluator, eval_scalars
+from podsjax.loop.programs import (abstract_batch, abstract_state, batch_program, batch_shardings, padded_prompt_length,
+                                   prompt_rows, update_program)
+from podsjax.loop.prompt_source import DataStream, PromptSource
+from podsjax.loop.run_files import HISTORY_FILE, LogDamaged, history_path, read_history
+from podsjax.loop.trainer import Trainer, TrainingDiverged
+
+__all__ = [
+    "DataStream", "EVAL_METRICS", "Evaluator", "HISTORY_FILE", "LogDamaged", "PromptSource", "RunConfig", "Trainer",
+    "TrainingDiverged", "abstract_batch", "abstract_state", "batch_program", "batch_shardings", "eval_scalars",
+    "history_path", "padded_prompt_length", "prompt_rows", "read_history", "update_program",
+]
