@@ -10,6 +10,7 @@ import os
 import shutil
 import struct
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -347,4 +348,8 @@ def test_good_index_still_loads(source, tmp_path, monkeypatch):
     with safetensors.safe_open(path / SHARD, "np") as f:
         weight_map = {name: SHARD for name in f.keys()}
     (path / hf_io.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    pm.from_pretrained(path)
+    _, params = pm.from_pretrained(path)
+    _, unsharded = pm.from_pretrained(source)
+    assert jax.tree.structure(params) == jax.tree.structure(unsharded)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(unsharded), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

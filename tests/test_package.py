@@ -1,4 +1,4 @@
-"""The package's lazy top-level names resolve."""
+"""The package's lazy top-level names are the modules and functions they name."""
 
 import importlib
 
@@ -6,14 +6,25 @@ import pytest
 
 import podsjax
 
+# What users reach as podsjax.<name>.
+SUBMODULES = ["data", "grpo", "loop", "mesh", "models", "prompts", "rewards", "sampling", "selection", "train"]
+SELECTION_NAMES = ["select", "register_rule", "indices_to_mask"]
 
-@pytest.mark.parametrize("name", podsjax.__all__)
-def test_every_public_name_resolves(name):
-    assert getattr(podsjax, name) is not None
+
+def test_the_public_names_are_the_documented_ones():
+    assert sorted(podsjax.__all__) == sorted(SUBMODULES + SELECTION_NAMES)
 
 
-def test_submodules_are_the_modules_and_unknown_names_fail_clearly():
-    assert podsjax.selection is importlib.import_module("podsjax.selection")
-    assert podsjax.select is podsjax.selection.select
+@pytest.mark.parametrize("name", SUBMODULES)
+def test_each_submodule_name_is_that_module(name):
+    assert getattr(podsjax, name) is importlib.import_module(f"podsjax.{name}")
+
+
+@pytest.mark.parametrize("name", SELECTION_NAMES)
+def test_each_selection_name_is_the_selection_function(name):
+    assert getattr(podsjax, name) is getattr(podsjax.selection, name)
+
+
+def test_unknown_names_fail_clearly():
     with pytest.raises(AttributeError, match="module 'podsjax' has no attribute 'nope'"):
         podsjax.nope  # noqa: B018

@@ -1,5 +1,6 @@
 """The README's commands and examples stay true."""
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -43,9 +44,44 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert ci_lines[-1] == readme_test_command
 
 
+def test_the_readme_opens_with_the_two_set_up_commands():
+    assert README.index("```bash\n") < README.index("\n## "), "the commands come before the first section"
+    block = re.search(r"```bash\n(.*?)```", README, flags=re.S).group(1)
+    run, test = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    venv = "python3 -m venv .venv && "
+    assert run.startswith(venv + ".venv/bin/pip install -e . && .venv/bin/python -m experiments.gsm8k "), run
+    assert test == venv + ".venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest", test
+
+
+def fences(text):
+    """(section heading, language) of every fenced block, from the fences' lines."""
+    heading, found, inside = None, [], False
+    for line in text.splitlines():
+        if not inside and line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        elif line.lstrip().startswith("```"):
+            if not inside:
+                found.append((heading, line.strip()[3:]))
+            inside = not inside
+    assert not inside, "a fence is left open"
+    return found
+
+
 def test_the_readme_has_the_examples_it_promises():
-    # Selector and loss, rules, models and generation, rewards, one training step.
-    assert len(python_blocks(README)) >= 5
+    # test_every_python_example_runs_as_a_script runs each.
+    assert [heading for heading, language in fences(README) if language == "python"] == [
+        "Using the selector and the loss in your own JAX code", "Rules by name, and your own",
+        "Models: loading, LoRA, generation, export", "Rewards", "One training step in your own code"]
+
+
+@pytest.mark.parametrize("page", ["README.md", *(f"docs/{page.name}" for page in DOCS)])
+def test_every_code_block_is_run_or_checked(page):
+    text = (ROOT / page).read_text()
+    # A fence without a language, or a misspelt one, would escape the python examples' run.
+    assert {language for _, language in fences(text)} <= {"python", "bash", "yaml", "text"}
+    # Every module the commands run is in this repository or its test dependencies.
+    for module in set(re.findall(r"python3? -m ([A-Za-z_][\w.]*)", text)):
+        assert importlib.util.find_spec(module) is not None, f"{page} runs `python -m {module}`, which is not there"
 
 
 @pytest.mark.slow
