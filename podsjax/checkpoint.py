@@ -1,6 +1,6 @@
 """Checkpoints with orbax: periodic async saves, keep-last-K, exact resume.
 
-A checkpoint holds two items, each written by orbax into one step directory:
+A checkpoint holds three items, each written by orbax into one step directory:
 
 - ``state``: any pytree of arrays (in practice the ``TrainState``: params or LoRA params,
   optimizer state, step, RNG). It is stored as a *flat* dict keyed by the leaf paths
@@ -92,8 +92,7 @@ _checksum = jax.jit(_leaf_checksum)
 
 def _host_checksums(flat: dict[str, Any]) -> dict[str, int]:
     # One program per leaf shape and placement (leaves may live on different devices), each
-    # finished before the next starts: many small collective programs in flight at once
-    # deadlocked fake CPU devices.
+    # finished before the next starts (fake CPU devices: docs/reliability.md, "Not promised").
     return {p: int(jax.device_get(_checksum(x))) for p, x in flat.items()}
 
 
@@ -202,12 +201,8 @@ class Checkpointer:
         self._clock = clock
         options = dict(enable_async_checkpointing=config.async_save, create=True,
                        cleanup_tmp_directories=True)
-        latest_n = getattr(ocp.checkpoint_managers, "LatestN", None)
         if config.keep_last is not None:
-            if latest_n is not None:
-                options["preservation_policy"] = latest_n(config.keep_last)
-            else:  # older orbax
-                options["max_to_keep"] = config.keep_last
+            options["preservation_policy"] = ocp.checkpoint_managers.LatestN(config.keep_last)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(**options),
@@ -340,21 +335,17 @@ class Checkpointer:
         where = f"checkpoint {self.directory}/{step}"
         try:
             self._check_matches(step, targets)
-            items = {_STATE: ocp.args.StandardRestore(targets), _HOST: ocp.args.JsonRestore()}
-            has_sums = os.path.isdir(os.path.join(self.directory, str(step), _SUMS))  # older checkpoints: none
-            if has_sums:
-                items[_SUMS] = ocp.args.JsonRestore()
-            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{
+                _STATE: ocp.args.StandardRestore(targets), _HOST: ocp.args.JsonRestore(), _SUMS: ocp.args.JsonRestore()}))
         except CheckpointMismatch:
             raise
         except Exception as exc:  # orbax/tensorstore raise many types for damaged files
             raise CheckpointCorrupt(f"{where} does not load ({type(exc).__name__}: {_first_line(exc)})") from exc
         flat = restored[_STATE]
-        if has_sums:
-            expected, actual = restored[_SUMS] or {}, _host_checksums(flat)
-            bad = sorted(p for p in actual if expected.get(p) != actual[p])
-            if bad:
-                raise CheckpointCorrupt(f"{where}: {len(bad)} array(s) fail their checksum, first {bad[0]!r}")
+        expected, actual = restored[_SUMS] or {}, _host_checksums(flat)
+        bad = sorted(p for p in actual if expected.get(p) != actual[p])
+        if bad:
+            raise CheckpointCorrupt(f"{where}: {len(bad)} array(s) fail their checksum, first {bad[0]!r}")
         out = [
             jax.random.wrap_key_data(flat[p], impl=_key_impl(x)) if _is_key(x) else flat[p]
             for p, x in zip(paths, leaves)
@@ -407,8 +398,8 @@ class Checkpointer:
         return target
 
     def _check_matches(self, step: int, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
-        metadata = self._manager.item_metadata(step)[_STATE]
-        saved = getattr(metadata, "tree", metadata)  # TreeMetadata in new orbax, dict in old
+        metadata = self._manager.item_metadata(step)[_STATE]  # None when its files are gone
+        saved = None if metadata is None else metadata.tree
         where = f"checkpoint {self.directory}/{step}"
         if not saved:
             raise CheckpointCorrupt(f"{where} has no readable array metadata")

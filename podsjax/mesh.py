@@ -273,26 +273,3 @@ def platform(mesh: Mesh | None) -> str:
     if mesh is not None:
         return mesh.devices.flat[0].platform
     return jax.default_backend()
-
-
-def host_batch_to_global(local_batch: Any, mesh: Mesh) -> Any:
-    """Turns each process's slice of the batch into one global, batch-sharded array tree.
-
-    Every process passes its own rows ``[B / num_processes, ...]`` (for example the
-    prompts its data loader read); the result is ``[B, ...]`` sharded over the
-    mesh's batch axes, ready for a jitted step. A ``TrainBatch``'s whole-batch statistics
-    are dropped: each process computed them over its own rows only, so the step computes
-    them again over the global batch.
-    """
-    if hasattr(local_batch, "loss_denominator"):
-        local_batch = local_batch.replace(loss_denominator=None, advantage_mean=None)
-    shards = shard_count(mesh, "batch")
-
-    def globalize(x):
-        x = np.asarray(x)
-        rows = x.shape[0] * jax.process_count()
-        if rows % shards:
-            raise ValueError(f"global batch of {rows} rows does not split over {shards} batch shards (data x fsdp)")
-        return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x)
-
-    return jax.tree.map(globalize, local_batch)

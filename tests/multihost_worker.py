@@ -9,6 +9,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from host_batches import host_batch_to_global  # noqa: E402
 from podsjax import mesh as mesh_lib  # noqa: E402
 
 
@@ -17,7 +18,7 @@ def main():
     process = jax.process_index()
     mesh = mesh_lib.make_mesh("data=2,fsdp=2")  # 2 processes x 2 local devices
     local_rows = np.full((2, 2), process + 1, np.float32)  # this host's 2 rows
-    batch = mesh_lib.host_batch_to_global({"x": local_rows}, mesh)
+    batch = host_batch_to_global({"x": local_rows}, mesh)
     assert batch["x"].shape == (4, 2)
     total = jax.jit(lambda b: jnp.sum(b["x"]))(batch)  # a cross-process reduction
     print(f"process {process}: devices={jax.device_count()} total={float(total)}", flush=True)

@@ -1,7 +1,7 @@
 """One process of the 2-process train-step test in test_train_multihost.py (not a test file).
 
 Run as a script, it joins a 2-process JAX run (PODSJAX_* env vars, gloo), feeds its own
-half of the prompts through ``host_batch_to_global`` and takes one train step; process 0
+half of the prompts through ``host_batches.host_batch_to_global`` and takes one train step; process 0
 saves the gathered params, metrics and global batch to ``sys.argv[1]``. Imported, it only
 offers ``setup`` / ``local_batch`` so the test builds the 1-process reference identically.
 """
@@ -16,6 +16,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import podsjax.models as pm  # noqa: E402
+from host_batches import host_batch_to_global  # noqa: E402
 from podsjax import mesh as mesh_lib  # noqa: E402
 from podsjax import train  # noqa: E402
 
@@ -70,7 +71,7 @@ def main(out_path):
     half = P // 2
     me = jax.process_index()
     # The real multi-host path: this host holds only its own prompts' rows.
-    batch = mesh_lib.host_batch_to_global(local_batch(slice(me * half, (me + 1) * half)), mesh)
+    batch = host_batch_to_global(local_batch(slice(me * half, (me + 1) * half)), mesh)
     new_state, metrics = step(state, batch, None)
     gathered = multihost_utils.process_allgather(
         {"params": new_state.params, "metrics": metrics, "batch": batch}, tiled=True)
