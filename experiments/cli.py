@@ -219,12 +219,9 @@ class _LibraryRecords(logging.Filter):
         return False
 
 
-# Host devices share the CPU's threads. XLA's CPU runtime may run two independent collectives
-# of one program on a device at once, and a device can then wait forever for another that
-# never arrives (train.TrainBatch removes the case seen in the update). Single-threaded Eigen
-# makes it rarer without slowing 2 cores down. A late device on a loaded machine is waited
-# for 5 minutes (XLA's default is 40 s); a collective that never completes then aborts the
-# run, which --resume continues.
+# Collectives of fake CPU host devices can deadlock: single-threaded Eigen makes it rarer, and a
+# 5-minute timeout turns a hang into an abort that --resume continues (docs/reliability.md,
+# "Not promised").
 CPU_DEVICE_FLAGS = {"xla_cpu_multi_thread_eigen": "false", "xla_cpu_collective_call_terminate_timeout_seconds": "300"}
 
 
