@@ -21,7 +21,6 @@ import jax
 from podsjax import checkpoint as ckpt_lib
 from podsjax import hosts
 from podsjax import mesh as mesh_lib
-from podsjax.run_state import HostState
 
 BEST_DIRNAME = "best"
 
@@ -31,45 +30,40 @@ class BestPolicy:
 
     Args:
         out_dir: the run directory.
-        host: the run's host state as restored (its ``best_step`` / ``best_accuracy``, if any).
+        recorded: ``(step, accuracy)`` of the best policy the restored checkpoint records
+            (``HostState.best_step``, ``best_accuracy``), or ``(None, None)``.
         resumed_step: the step the run resumed from (None: a fresh start).
+
+    Attributes:
+        step, accuracy: the best evaluation so far, which the run's next checkpoint records.
     """
 
-    def __init__(self, out_dir: str, host: HostState, resumed_step: int | None):
-        self.host = host
+    def __init__(self, out_dir: str, recorded: tuple[int | None, float | None], resumed_step: int | None):
+        self.step, self.accuracy = recorded
         self.directory = directory = os.path.join(out_dir, BEST_DIRNAME)
         if resumed_step is None and hosts.is_primary():
             shutil.rmtree(directory, ignore_errors=True)  # a killed first attempt's bests belong to no run
         hosts.barrier("best policy directory")
-        # Saved synchronously: with fake CPU devices, orbax's background thread running device
-        # work beside the training step's collectives deadlocked the devices. A save happens
-        # right after an evaluation, off the training clock.
+        # Saved synchronously (fake CPU devices: docs/reliability.md, "Not promised"); a save
+        # happens right after an evaluation, off the training clock.
         self._checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(directory, keep_last=None,
                                                                              async_save=False))
-        recorded = host.best_step
+        recorded = self.step
         for step in self._checkpointer.all_steps():
             if resumed_step is not None and step > resumed_step or recorded is None or step < recorded:
                 self._checkpointer.delete(step)
         self._recorded_by_last_checkpoint = recorded
-
-    @property
-    def step(self) -> int | None:
-        return self.host.best_step
-
-    @property
-    def accuracy(self) -> float | None:
-        return self.host.best_accuracy
 
     def offer(self, step: int, accuracy: float, params: Any) -> bool:
         """Saves ``params`` as the new best when ``accuracy`` beats every earlier evaluation."""
         if self.accuracy is not None and not accuracy > self.accuracy:
             return False
         self._checkpointer.save(step, {"params": params}, {"accuracy": accuracy}, force=True)
-        self.host.best_step, self.host.best_accuracy = step, accuracy
+        self.step, self.accuracy = step, accuracy
         return True
 
     def checkpoint_started(self) -> None:
-        """Call when a run checkpoint (recording ``host``) has started: the one before it is
+        """Call when a run checkpoint (recording ``step``) has started: the one before it is
         now committed, so bests older than the one it records are no longer needed."""
         self.checkpoints_committed()
         self._recorded_by_last_checkpoint = self.step

@@ -13,6 +13,7 @@ from podsjax import hosts
 from podsjax import mesh as mesh_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
+from podsjax.loop import reporting
 from podsjax.loop.config import EVAL_METRICS, RunConfig
 from podsjax.loop.programs import EVAL_STREAM
 from podsjax.loop.prompt_source import PromptSource
@@ -82,7 +83,7 @@ class Evaluator:
             breakdowns = []  # [R] of name -> [e]
             for repeat in range(run_config.eval_repeats):
                 key = jax.random.fold_in(jax.random.fold_in(eval_key, repeat), index)
-                with self.compile_log.label("generate", generate_shape(ids, 1, run_config.max_new_tokens)):
+                with self.compile_log.label("generate", reporting.generate_shape(ids, 1, run_config.max_new_tokens)):
                     r = self.generator.generate(
                         params, ids, prompt_mask, key, num_samples=1, max_new_tokens=run_config.max_new_tokens,
                         temperature=run_config.eval_temperature, eos_token_ids=self.eos_ids,
@@ -127,19 +128,3 @@ def eval_scalars(values_RE: dict[str, np.ndarray], metric: tuple[str, ...]) -> d
         "eval/format_accuracy": float(values_RE["strict_format"].mean()) if count else 0.0,
         "eval/examples": float(count),
     }
-
-
-def eval_line(evaluation: dict[str, float], run_config: RunConfig) -> str:
-    """``eval at step 3: accuracy 41.2% (mean of 5 passes at temperature 0.9, std 1.1%) on 1319 examples``."""
-    what = "accuracy" if run_config.eval_metric == "accuracy" else "answer and format correct"
-    line = f"eval at step {evaluation['step']}: {what} {evaluation['eval/accuracy']:.1%}"
-    if run_config.eval_repeats > 1:
-        line += (f" (mean of {run_config.eval_repeats} passes at temperature {run_config.eval_temperature:g}, "
-                 f"std {evaluation['eval/accuracy_std']:.1%})")
-    return f"{line} on {int(evaluation['eval/examples'])} examples"
-
-
-def generate_shape(ids_PL, samples: int, new_tokens: int) -> str:
-    """``"8 prompts x 16 samples, 128 + 48 tokens"``: what a generate compile is for."""
-    prompts, length = np.shape(ids_PL)
-    return f"{prompts} prompts x {samples} samples, {length} + {new_tokens} tokens"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
@@ -13,7 +13,6 @@ import numpy as np
 from podsjax import best as best_lib
 from podsjax import checkpoint as ckpt_lib
 from podsjax import compilation
-from podsjax import data as data_lib
 from podsjax import dry_run
 from podsjax import hosts
 from podsjax import log_backends
@@ -22,9 +21,9 @@ from podsjax import metrics as metrics_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
 from podsjax import run_state, sampling, train
-from podsjax.loop import programs, run_files
+from podsjax.loop import programs, reporting, run_files, scoring
 from podsjax.loop.config import RunConfig
-from podsjax.loop.evaluator import Evaluator, eval_line, generate_shape
+from podsjax.loop.evaluator import Evaluator
 from podsjax.loop.prompt_source import DataStream, PromptSource
 from podsjax.models import LoraConfig
 from podsjax.run_state import HostState
@@ -91,7 +90,8 @@ class Trainer:
             self.generator, self.prompts, self.scorer, eval_examples, run_config,
             rows=programs.prompt_rows(run_config, algo) * algo.n, rewards=self.rewards, eos_ids=self.eos_ids,
             compile_log=self.compile_log)
-        self.best = best_lib.BestPolicy(run_config.out_dir, self.host, restored) if run_config.keep_best else None
+        self.best = (best_lib.BestPolicy(run_config.out_dir, (self.host.best_step, self.host.best_accuracy), restored)
+                     if run_config.keep_best else None)
         self.writer = metrics_lib.MetricsWriter(
             run_config.out_dir, backends=run_config.log,
             config={"algorithm": dataclasses.asdict(algo), "run": dataclasses.asdict(run_config)},
@@ -200,7 +200,7 @@ class Trainer:
                 key = jax.random.fold_in(jax.random.key(run_config.seed + programs.ROLLOUT_SEED_OFFSET),
                                          int(self.state.step))
                 ids, prompt_mask = (self.generator.place_rows(x) for x in (prompts.ids_PL, prompts.mask_PL))
-                shape = generate_shape(prompts.ids_PL, algo.n, run_config.max_new_tokens)
+                shape = reporting.generate_shape(prompts.ids_PL, algo.n, run_config.max_new_tokens)
                 with self.compile_log.label("generate", shape):
                     rollouts = self.generator.generate(
                         params, ids, prompt_mask, key, num_samples=algo.n, max_new_tokens=run_config.max_new_tokens,
@@ -209,7 +209,8 @@ class Trainer:
                 start, tokens = hosts.local_rows(rollouts.tokens)
                 mask, truncated = (hosts.local_rows(x)[1] for x in (rollouts.mask, rollouts.truncated))
             with timer.phase("scoring"):
-                scored = self._score(examples, start, tokens, mask, truncated)
+                scored = scoring.score_rollouts(self.tokenizer, self.scorer, self.rewards, examples, algo.n, start,
+                                                tokens, mask, truncated)
             p = len(examples)
             rewards_PN = scored["total"].reshape(p, algo.n)
             with timer.phase("selection"):
@@ -239,7 +240,7 @@ class Trainer:
         np.put_along_axis(selected, idx_PM, True, axis=1)
         return {
             **{f"train/{k}": float(v) for k, v in dataclasses.asdict(step_metrics).items()},
-            **_reward_stats(scored, rewards_PN, selected, p, algo.n),
+            **scoring.reward_stats(scored, rewards_PN, selected),
             "data/prompts_skipped": float(skipped),
             "completion/length_mean": float(scored["length"].mean()),
             "completion/truncated_frac": float(scored["truncated"].mean()),
@@ -247,25 +248,6 @@ class Trainer:
             "time/tokens_per_s": metrics_lib.tokens_per_second(int(scored["length"].sum()), phases["generation"]),
             "time/elapsed_train_s": self.host.elapsed_train_s,
         }
-
-    def _score(self, examples, start: int, tokens, mask, truncated) -> dict[str, np.ndarray]:
-        """Scores this process's rollout rows (global rows ``start`` on) and gathers every host's.
-
-        Returns the whole step's per-row ``total``, ``length``, ``truncated`` and
-        ``reward/<function>`` arrays, and the scorer's failure counts summed over hosts
-        (``count/<metric>``, one entry each).
-        """
-        n, end = self.algo.n, start + len(tokens)
-        completions = prompts_lib.decode_completions(self.tokenizer, tokens, mask)
-        columns = {name: values[start:end] for name, values in data_lib.reward_columns(examples, n).items()}
-        scores = self.scorer.score(completions, self.rewards, **columns)
-        rows = {"total": np.asarray(scores.total_B, np.float32), "length": mask.sum(1).astype(np.int32),
-                "truncated": np.asarray(truncated, np.float32),
-                **{f"reward/{k}": np.asarray(v, np.float32) for k, v in scores.per_function.items()}}
-        scored = hosts.gather_rows(start, rows, len(examples) * n)
-        counts = {k: v for k, v in scores.metrics.items() if k.endswith(("timeouts", "crashes", "errors"))}
-        scored.update({f"count/{k}": np.float64(v) for k, v in hosts.sum_over_processes(counts).items()})
-        return scored
 
     def evaluate(self) -> dict[str, float]:
         """The evaluator's scalars for the current policy; its samples go to ``samples.jsonl``."""
@@ -336,11 +318,12 @@ class Trainer:
                 bar.update(position, step=step, reward=scalars["reward/mean"], acc=accuracy)
                 if first:
                     since = time.time() - self.started_at
-                    lines.update(step, lambda: f"first step done {since:.1f} s after start: {_phases_text(scalars)}",
-                                 force=True)
+                    lines.update(step, lambda: f"first step done {since:.1f} s after start: "
+                                               f"{reporting.phases_text(scalars)}", force=True)
                     first = False
                 elif not bar.enabled:
-                    lines.update(step, lambda: self._progress_line(step, scalars, accuracy), force=self.done())
+                    lines.update(step, lambda: reporting.progress_line(step, scalars, accuracy, self.host, run_config),
+                                 force=self.done())
                 # Saved before the next step donates the state's buffers.
                 self._save_checkpoint(step)
         except run_state.StepDropped:
@@ -356,7 +339,7 @@ class Trainer:
         history.append(evaluation)
         if hosts.is_primary():
             run_files.append_history(self.run_config.out_dir, evaluation)
-        self.log(eval_line(evaluation, self.run_config))
+        self.log(reporting.eval_line(evaluation, self.run_config))
         if self.best is not None:
             self.best.offer(step, evaluation["eval/accuracy"], self.state.params)
 
@@ -370,6 +353,8 @@ class Trainer:
     def _save_checkpoint(self, step: int, force: bool = False) -> None:
         # Each log's size goes with the checkpoint: a resume from it cuts the logs back to them.
         self.host.log_sizes = run_files.log_sizes(self.run_config.out_dir)
+        if self.best is not None:  # the best policy the checkpoint records
+            self.host.best_step, self.host.best_accuracy = self.best.step, self.best.accuracy
         if self.checkpointer.save(step, self.state, self.host.to_json(), force=force) and self.best is not None:
             self.best.checkpoint_started()
 
@@ -385,14 +370,6 @@ class Trainer:
                 f"{scalars['train/loss']}, grad norm {scalars['train/grad_norm']}); stopped. The weights were not "
                 f"changed by them; {kept}. Lower the learning rate or check the rewards")
 
-    def _progress_line(self, step: int, scalars: dict[str, float], accuracy: float) -> str:
-        run_config = self.run_config
-        of = f"/{run_config.max_steps}" if run_config.max_steps is not None else ""
-        budget = f"/{run_config.time_budget_s:.0f}" if run_config.time_budget_s is not None else ""
-        acc = "-" if accuracy != accuracy else f"{accuracy:.1%}"
-        return (f"step {step}{of} | train clock {self.host.elapsed_train_s:.0f}{budget} s | "
-                f"reward {scalars['reward/mean']:.3f} | eval acc {acc} | {_phases_text(scalars)}")
-
     def close(self):
         # The reward workers go first: a second signal may cut the rest (waiting for a save) short.
         try:
@@ -403,24 +380,3 @@ class Trainer:
                 self.best.checkpoints_committed()
                 self.best.close()
             self.writer.close()
-
-
-def _phases_text(scalars: dict[str, float]) -> str:
-    phases = [(name, scalars.get(f"time/{name}")) for name in ("generation", "scoring", "selection", "update")]
-    total = sum(v for _, v in phases if v is not None)
-    return f"step {total:.2f} s (" + ", ".join(f"{n} {v:.2f}" for n, v in phases if v is not None) + ")"
-
-
-def _reward_stats(scored: dict[str, np.ndarray], rewards_PN, selected_PN, p, n) -> dict[str, float]:
-    out = {"reward/mean": float(rewards_PN.mean()), "reward/std": float(rewards_PN.std()),
-           "reward/selected_mean": float(rewards_PN[selected_PN].mean()),
-           "reward/selected_std": float(rewards_PN[selected_PN].std()),
-           "reward/zero_std_groups": float(np.mean(rewards_PN.std(axis=1) == 0))}
-    for name, values in scored.items():
-        if name.startswith("reward/"):
-            values_PN = values.reshape(p, n)
-            out[name] = float(values_PN.mean())
-            out[f"{name}_selected"] = float(values_PN[selected_PN].mean())
-        elif name.startswith("count/"):
-            out[name.removeprefix("count/")] = float(values)
-    return out

@@ -1,0 +1,46 @@
+"""A step's rollouts scored on every host, and the reward scalars a step logs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from podsjax import data as data_lib
+from podsjax import hosts
+from podsjax import prompts as prompts_lib
+
+
+def score_rollouts(tokenizer, scorer, rewards, examples, n: int, start: int, tokens, mask,
+                   truncated) -> dict[str, np.ndarray]:
+    """Scores this process's rollout rows (global rows ``start`` on) and gathers every host's.
+
+    Returns the whole step's per-row ``total``, ``length``, ``truncated`` and
+    ``reward/<function>`` arrays, and the scorer's failure counts summed over hosts
+    (``count/<metric>``, one entry each).
+    """
+    end = start + len(tokens)
+    completions = prompts_lib.decode_completions(tokenizer, tokens, mask)
+    columns = {name: values[start:end] for name, values in data_lib.reward_columns(examples, n).items()}
+    scores = scorer.score(completions, rewards, **columns)
+    rows = {"total": np.asarray(scores.total_B, np.float32), "length": mask.sum(1).astype(np.int32),
+            "truncated": np.asarray(truncated, np.float32),
+            **{f"reward/{k}": np.asarray(v, np.float32) for k, v in scores.per_function.items()}}
+    scored = hosts.gather_rows(start, rows, len(examples) * n)
+    counts = {k: v for k, v in scores.metrics.items() if k.endswith(("timeouts", "crashes", "errors"))}
+    scored.update({f"count/{k}": np.float64(v) for k, v in hosts.sum_over_processes(counts).items()})
+    return scored
+
+
+def reward_stats(scored: dict[str, np.ndarray], rewards_PN: np.ndarray, selected_PN: np.ndarray) -> dict[str, float]:
+    """The step's reward scalars: over all rollouts, over the selected ones, and per reward function."""
+    out = {"reward/mean": float(rewards_PN.mean()), "reward/std": float(rewards_PN.std()),
+           "reward/selected_mean": float(rewards_PN[selected_PN].mean()),
+           "reward/selected_std": float(rewards_PN[selected_PN].std()),
+           "reward/zero_std_groups": float(np.mean(rewards_PN.std(axis=1) == 0))}
+    for name, values in scored.items():
+        if name.startswith("reward/"):
+            values_PN = values.reshape(rewards_PN.shape)
+            out[name] = float(values_PN.mean())
+            out[f"{name}_selected"] = float(values_PN[selected_PN].mean())
+        elif name.startswith("count/"):
+            out[name.removeprefix("count/")] = float(values)
+    return out
