@@ -88,8 +88,8 @@ class RunConfig:
         if self.max_nonfinite_updates < 1:
             raise ValueError(f"RunConfig.max_nonfinite_updates must be >= 1; got {self.max_nonfinite_updates}")
         if self.time_budget_s is None and self.max_steps is None:
-            raise ValueError("RunConfig needs a budget: a time budget (run_config.time_budget_s, --time-budget) or a "
-                             "step limit (run_config.max_steps, --max-steps)")
+            raise ValueError("RunConfig needs a budget: a time budget (run.time_budget_s, --time-budget) or a "
+                             "step limit (run.max_steps, --max-steps)")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ValueError(f"RunConfig.time_budget_s must be > 0 seconds; got {self.time_budget_s}")
         if self.max_steps is not None and self.max_steps < 1:
