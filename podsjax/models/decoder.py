@@ -97,10 +97,8 @@ def matmul(x: jax.Array, w: jax.Array, n_in: int, **kwargs) -> jax.Array:
     """``tensordot(x, w, n_in)`` as one 2-D matmul over the flattened leading dims.
 
     On GPU and TPU the reshapes are bitcasts. XLA:CPU copies weight-gradient operands of
-    the multi-dim dot: the Qwen2.5-0.5B setting-a update needed 7.56 GiB of temporaries
-    instead of 7.41 GiB, and the CPU update benchmark ran 1.27x (LoRA) and 1.08x (full)
-    slower. The TPU compiler gives setting a's Qwen2.5-3B update 0.48 GiB less with this
-    form, and setting e's full fine-tune 0.9 GiB more (docs/benchmarks.md).
+    the multi-dim dot, so this form is smaller and faster there; on TPUs neither form wins
+    everywhere (docs/benchmarks.md, "The update step").
     """
     lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
     k = int(np.prod(w.shape[:n_in]))
@@ -174,10 +172,9 @@ def attention_implementation(requested: str, dtype: Any, head_dim: int, platform
 def rollout_layers_for(requested: str, platform: str) -> str:
     """The sampler's layer layout: "auto" unrolls on GPU only.
 
-    On the H100 compiler the unrolled, merged layout moved 1.18x a Qwen2.5-1.5B decode
-    step's floor at 64 rows, against 3.0x scanned (each layer's weight and cache slices
-    were copied). The TPU compiler reads scanned weight slices in place; unrolled, its v5e
-    programs took 71 s to compile instead of 29 s.
+    XLA's GPU compiler copies each scanned layer's weight and cache slices; the TPU compiler
+    reads them in place and compiles unrolled programs slower (docs/accelerators.md,
+    "Decoding at the memory floor").
     """
     if requested != "auto":
         return requested
@@ -217,9 +214,8 @@ def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allow
     one query the XLA path beats cuDNN on an H100.
 
     On a GPU one query is a multiply-and-sum over the cache (:func:`_attend_one_query`),
-    elsewhere two matmuls. On the H100 compiler the sums moved 1.26x a Qwen2.5-1.5B decode
-    step's floor at 256 rows, against 1.33x: cuBLAS pads the 6 queries of a kv head to 8
-    and writes fp32 scores that a separate softmax kernel reads back.
+    elsewhere two matmuls: cuBLAS pads a kv head's queries and writes fp32 scores that a
+    separate softmax kernel reads back (docs/accelerators.md, "Decoding at the memory floor").
     """
     platform = platform or jax.default_backend()
     if platform == "gpu" and q_BLHE.shape[1] == 1:

@@ -41,13 +41,8 @@ from podsjax.tiny.warmup import (
     warm_up,
 )
 
-# RL settings for the tiny preset (the CLI maps them onto AlgorithmConfig / RunConfig),
-# measured on a loaded 2-core CPU with --mesh 8 and full fine-tuning: a PODS step takes
-# 0.5-1 s, and greedy test accuracy (256 problems) rose from 23% to 30-37% within
-# 100-220 s of training clock. lr 3e-4 peaked as high but drifted back; 2-4 prompts
-# per step barely moved accuracy; lr 5e-4 with 2 prompts per step collapsed the policy.
-# Completions are at most ~35 tokens and prompts at most ~112 (the system prompt is
-# ~70 of them).
+# RL settings for the tiny preset (the CLI maps them onto AlgorithmConfig / RunConfig); how
+# they were chosen: docs/results.md.
 TINY_RL_DEFAULTS: dict = {
     "n": 16,
     "m": 4,
