@@ -6,7 +6,7 @@ transformers and loaded into podsjax with ``podsjax.models.from_pretrained``, in
 --dtype (bfloat16 on GPU/TPU, float32 on CPU by default). Both sides sample
 P rows of L random prompt tokens x T new tokens at temperature 1 (no top-k, no
 top-p), end to end (prefill included):
-  (a) podsjax: ``podsjax.sampling.generate`` (jit prefill + lax.while_loop decode)
+  (a) podsjax: ``podsjax.sampling.Generator.generate`` (jit prefill + lax.while_loop decode)
   (b) transformers: ``model.generate(do_sample=True, ...)`` in eager PyTorch under
       ``torch.no_grad()``, sdpa attention and its default dynamic cache, on CUDA when
       torch has it (timed up to ``torch.cuda.synchronize()``)
@@ -73,7 +73,7 @@ def run_generate(args) -> dict:
     import torch
 
     from podsjax.models import init_cache, prefill
-    from podsjax.sampling import generate
+    from podsjax.sampling import Generator
 
     spec = args.spec
     # EOS off: no token id ends a transformers row early.
@@ -90,11 +90,12 @@ def run_generate(args) -> dict:
 
     ids, mask = jnp.asarray(ids_np, jnp.int32), jnp.asarray(mask_np, jnp.int32)
     calls = [0]
+    generator = Generator(model)  # compiles once; every timed call reuses its programs
 
     def podsjax_generate(return_logprobs=False):  # timed as the training loop runs it: no log-probs
         calls[0] += 1
-        rollouts = generate(
-            model, params, ids, mask, jax.random.key(calls[0]),
+        rollouts = generator.generate(
+            params, ids, mask, jax.random.key(calls[0]),
             num_samples=1, max_new_tokens=t_new, temperature=1.0, top_p=1.0, top_k=0,
             eos_token_ids=(never_eos,), return_logprobs=return_logprobs,
         )

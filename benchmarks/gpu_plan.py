@@ -45,9 +45,9 @@ def decode_step(gpu: str, shape: str, rows: int, layers: str) -> dict:
     lora = lora.replace(weights=jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), lora.weights,
         mesh_lib.tree_shardings(mesh, pm.lora_logical_axes(lora), lora.weights)))
-    gen = sampling.compile_generate(model, dry_run.abstract_base(model), lora, prompts=rows // 64,
-                                    prompt_len=PROMPT, num_samples=64, max_new_tokens=COMPLETION,
-                                    eos_token_ids=(151645,))
+    gen = sampling.Generator(model).compile(dry_run.abstract_base(model), lora, prompts=rows // 64,
+                                            prompt_len=PROMPT, num_samples=64, max_new_tokens=COMPLETION,
+                                            eos_token_ids=(151645,))
     chip = topology.chip(GPUS[gpu]["kind"])
     step = dry_run.decode_step_cost(gen["decode"], chip)
     floor = gen["weights_read_bytes"] + gen["kv_cache_bytes"]

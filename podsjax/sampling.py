@@ -238,18 +238,19 @@ def generate(
     lora=None,
     return_logprobs: bool = False,
 ) -> Rollouts:
-    """``Generator(model).generate(params, ...)`` in one call (see :meth:`Generator.generate`).
+    """``Generator(model).generate(params, ...)`` (see :meth:`Generator.generate`) for one call.
 
-    To reuse the compiled programs across calls, hold a :class:`Generator`.
+    It builds a new :class:`Generator`, so every call compiles; hold a Generator to reuse
+    its programs.
     """
-    return _shared(model).generate(
+    return Generator(model).generate(
         params, prompt_ids_BL, prompt_mask_BL, key, num_samples=num_samples, max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=eos_token_ids,
         pad_token_id=pad_token_id, lora=lora, return_logprobs=return_logprobs)
 
 
-# Kept for callers that have not moved to a Generator yet: the module functions below (and
-# `generate` above) share one store of programs, as before Generators owned theirs.
+# Kept for callers that have not moved to a Generator yet: these functions share one store of
+# programs, as the sampler did before Generators owned theirs.
 _SHARED_PROGRAMS = sampler_programs.Programs(192)
 _PROGRAMS = _SHARED_PROGRAMS.by_key
 

@@ -71,8 +71,8 @@ def test_h100_decode_reads_a_bf16_cache_layer_by_layer(h100_model):
     # on a CPU the cache is upcast to fp32 (XLA:CPU has no bf16 batched dot with an fp32
     # result), which on a GPU would double the bytes each decode step reads. On a GPU the
     # sampler runs the layers unrolled over a cache buffer per layer.
-    gen = sampling.compile_generate(h100_model, dry_run.abstract_base(h100_model), None, prompts=1, prompt_len=64,
-                                    num_samples=8, max_new_tokens=64, eos_token_ids=(2,))
+    gen = sampling.Generator(h100_model).compile(dry_run.abstract_base(h100_model), None, prompts=1, prompt_len=64,
+                                                 num_samples=8, max_new_tokens=64, eos_token_ids=(2,))
     text = gen["decode"].as_text()
     # One layer of the cache: the prompt's KV once [prompts, kv heads, slots, head_dim], and
     # each row's completion [rows, kv heads, slots, head_dim] (values slots last).
@@ -113,8 +113,8 @@ def test_an_h100_decode_step_of_256_rows_reads_each_prompt_once_and_moves_less_t
     mesh = mesh_lib.make_mesh("1", devices=topology.compile_only_devices("h100"))
     config = pm.checkpoint_shape("Qwen2.5-1.5B")
     model = pm.Decoder(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, mesh=mesh)
-    gen = sampling.compile_generate(model, dry_run.abstract_base(model), None, prompts=4, prompt_len=512,
-                                    num_samples=64, max_new_tokens=512, eos_token_ids=(151645,))
+    gen = sampling.Generator(model).compile(dry_run.abstract_base(model), None, prompts=4, prompt_len=512,
+                                            num_samples=64, max_new_tokens=512, eos_token_ids=(151645,))
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # K and V, bf16
     keys_and_values = per_token * (4 * 512 + 256 * 512)
     assert keys_and_values <= gen["kv_cache_bytes"] < keys_and_values + 2**20  # + masks and counters

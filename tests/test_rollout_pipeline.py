@@ -9,8 +9,7 @@ import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
-from podsjax import data, grpo, prompts, rewards, selection
-from podsjax.sampling import generate
+from podsjax import data, grpo, prompts, rewards, sampling, selection
 
 
 @pytest.mark.slow
@@ -23,9 +22,9 @@ def test_prompts_to_selected_advantages_on_gsm8k(tmp_path, data_dir):
     batch = prompts.prepare_prompts(tokenizer, [e.prompt for e in task.examples], max_prompt_length=512)
     assert batch.num_dropped == 0 and batch.ids_PL.shape[1] in prompts.Bucketing().lengths(512)  # bucketed length
     n, m = 6, 2
-    rollouts = generate(model, params, batch.ids_PL, batch.mask_PL, jax.random.key(0), num_samples=n,
-                        max_new_tokens=16, temperature=1.0, eos_token_ids=tokenizer.eos_token_id,
-                        pad_token_id=batch.pad_id)
+    rollouts = sampling.Generator(model).generate(params, batch.ids_PL, batch.mask_PL, jax.random.key(0),
+                                                  num_samples=n, max_new_tokens=16, temperature=1.0,
+                                                  eos_token_ids=tokenizer.eos_token_id, pad_token_id=batch.pad_id)
     tokens, mask = np.asarray(rollouts.tokens), np.asarray(rollouts.mask)
     completions = tokenizer.batch_decode([row[valid] for row, valid in zip(tokens, mask)], skip_special_tokens=True)
     # Plant one perfect completion per prompt so rewards differ within each group.

@@ -11,8 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from test_models import build_hf
 
 import podsjax.models as pm
-from podsjax import grpo, mesh as mesh_lib
-from podsjax.sampling import generate
+from podsjax import grpo, mesh as mesh_lib, sampling
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -31,6 +30,19 @@ def tiny(tmp_path_factory):
         model, params = pm.from_pretrained(path, dtype=jnp.float32)
         out[name] = (hf, model, params)
     return out
+
+
+@pytest.fixture(scope="module")
+def generator_for():
+    """model -> the one Generator this module samples it with, so its tests share compiled programs."""
+    generators = {}
+
+    def generator(model):
+        if model not in generators:
+            generators[model] = sampling.Generator(model)
+        return generators[model]
+
+    return generator
 
 
 def left_padded_prompts(seed=0):
@@ -59,12 +71,13 @@ def hf_greedy(hf, ids, mask, max_new_tokens):
 
 @pytest.mark.parametrize("layers", ["scanned", "unrolled"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_is_token_exact_with_transformers_on_a_left_padded_batch(tiny, family, layers):
+def test_greedy_is_token_exact_with_transformers_on_a_left_padded_batch(tiny, generator_for, family, layers):
     hf, model, params = tiny[family]
     model = model.clone(rollout_layers=layers)
+    gen = generator_for(model)
     ids, mask = left_padded_prompts()
-    ours = generate(model, params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=12,
-                    temperature=0.0, eos_token_ids=EOS, pad_token_id=PAD)
+    ours = gen.generate(params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=12,
+                        temperature=0.0, eos_token_ids=EOS, pad_token_id=PAD)
     theirs = hf_greedy(hf, ids, mask, 12)
     tokens = np.asarray(ours.tokens)
     for row in range(len(ids)):
@@ -74,13 +87,14 @@ def test_greedy_is_token_exact_with_transformers_on_a_left_padded_batch(tiny, fa
         assert theirs[row, n_valid:].tolist() == [PAD] * (theirs.shape[1] - n_valid)
 
 
-def test_top_k_one_equals_greedy(tiny):
+def test_top_k_one_equals_greedy(tiny, generator_for):
     _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
     ids, mask = left_padded_prompts(1)
-    greedy = generate(model, params, ids, mask, jax.random.key(0), num_samples=2, max_new_tokens=10,
-                      temperature=0.0, eos_token_ids=EOS)
-    top1 = generate(model, params, ids, mask, jax.random.key(5), num_samples=2, max_new_tokens=10,
-                    temperature=0.7, top_k=1, eos_token_ids=EOS)
+    greedy = gen.generate(params, ids, mask, jax.random.key(0), num_samples=2, max_new_tokens=10,
+                          temperature=0.0, eos_token_ids=EOS)
+    top1 = gen.generate(params, ids, mask, jax.random.key(5), num_samples=2, max_new_tokens=10,
+                        temperature=0.7, top_k=1, eos_token_ids=EOS)
     assert np.array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
     assert np.array_equal(np.asarray(top1.mask), np.asarray(greedy.mask))
 
@@ -95,29 +109,31 @@ def completion_logprobs(model, params, prompt_ids, prompt_mask, rollouts, num_sa
 
 
 @pytest.mark.slow
-def test_sampled_logprobs_match_a_full_forward_pass(tiny):
+def test_sampled_logprobs_match_a_full_forward_pass(tiny, generator_for):
     _, model, params = tiny["llama_untied_mqa_llama3"]
+    gen = generator_for(model)
     ids, mask = left_padded_prompts(2)
     n, temperature = 3, 0.8
-    rollouts = generate(model, params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
-                        temperature=temperature, top_p=0.9, eos_token_ids=EOS, return_logprobs=True)
+    rollouts = gen.generate(params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
+                            temperature=temperature, top_p=0.9, eos_token_ids=EOS, return_logprobs=True)
     recomputed = completion_logprobs(model, params, ids, mask, rollouts, n, temperature)
     valid = np.asarray(rollouts.mask)
     np.testing.assert_allclose(np.asarray(rollouts.logprobs)[valid], recomputed[valid], atol=1e-5)
     assert np.all(np.asarray(rollouts.logprobs)[~valid] == 0)
     # Off by default (the update recomputes them), and the tokens do not depend on it.
-    plain = generate(model, params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
-                     temperature=temperature, top_p=0.9, eos_token_ids=EOS)
+    plain = gen.generate(params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
+                         temperature=temperature, top_p=0.9, eos_token_ids=EOS)
     assert plain.logprobs is None
     np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(rollouts.tokens))
 
 
-def test_mask_lengths_and_truncation_follow_the_first_eos(tiny):
+def test_mask_lengths_and_truncation_follow_the_first_eos(tiny, generator_for):
     _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
     ids, mask = left_padded_prompts(3)
     # Temperature 3 makes EOS likely early in some rows and absent in others.
-    r = generate(model, params, ids, mask, jax.random.key(2), num_samples=8, max_new_tokens=12,
-                 temperature=3.0, eos_token_ids=(EOS, 4), pad_token_id=PAD)
+    r = gen.generate(params, ids, mask, jax.random.key(2), num_samples=8, max_new_tokens=12,
+                     temperature=3.0, eos_token_ids=(EOS, 4), pad_token_id=PAD)
     tokens, valid = np.asarray(r.tokens), np.asarray(r.mask)
     saw_eos = saw_truncated = False
     for row in range(tokens.shape[0]):
@@ -134,16 +150,17 @@ def test_mask_lengths_and_truncation_follow_the_first_eos(tiny):
     assert saw_eos and saw_truncated, "the seed should give both kinds of rows"
 
 
-def test_same_key_same_rollouts_and_samples_differ(tiny):
+def test_same_key_same_rollouts_and_samples_differ(tiny, generator_for):
     _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
     ids, mask = left_padded_prompts(4)
     kwargs = dict(num_samples=4, max_new_tokens=8, temperature=1.0, eos_token_ids=EOS)
-    a = generate(model, params, ids, mask, jax.random.key(3), **kwargs)
-    b = generate(model, params, ids, mask, jax.random.key(3), **kwargs)
-    c = generate(model, params, ids, mask, jax.random.key(4), **kwargs)
+    a = gen.generate(params, ids, mask, jax.random.key(3), **kwargs)
+    b = gen.generate(params, ids, mask, jax.random.key(3), **kwargs)
+    c = gen.generate(params, ids, mask, jax.random.key(4), **kwargs)
     assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
-    raw = generate(model, params, ids, mask, jax.random.PRNGKey(3), **kwargs)  # a raw key: as its typed key
+    raw = gen.generate(params, ids, mask, jax.random.PRNGKey(3), **kwargs)  # a raw key: as its typed key
     assert np.array_equal(np.asarray(raw.tokens), np.asarray(a.tokens))
     # The n samples of one prompt are not copies of each other.
     first_prompt = np.asarray(a.tokens)[:4]
@@ -189,70 +206,107 @@ def test_the_unrolled_cache_holds_each_prompt_once_and_each_sample_its_completio
         rollout.rollout_weights(model, params), ids, mask).rows.positions_B), np.repeat(np.asarray(mask).sum(1), 16))
 
 
-def test_unrolled_layers_sample_what_the_scanned_layers_sample_with_lora_and_on_a_mesh(tiny):
+def test_unrolled_layers_sample_what_the_scanned_layers_sample_with_lora_and_on_a_mesh(tiny, generator_for):
     # The unrolled layout folds LoRA into merged per-layer weights (fp32 here, so the
     # merge rounds at fp32) and splits rows over the mesh; the same key gives the same rollouts.
     _, model, params = tiny["llama_untied_mqa_llama3"]
+    scanned_gen = generator_for(model.clone(rollout_layers="scanned"))
     lora = pm.init_lora(jax.random.key(1), model, pm.LoraConfig(rank=4, alpha=8.0))
     lora = lora.replace(weights=jax.tree.map(lambda x: x + 0.05, lora.weights))  # B = 0 would leave the base
     ids, mask = left_padded_prompts(8)
     kwargs = dict(num_samples=4, max_new_tokens=6, temperature=0.8, top_p=0.95, eos_token_ids=EOS,
                   return_logprobs=True, lora=lora)
-    scanned = generate(model.clone(rollout_layers="scanned"), params, ids[:2], mask[:2], jax.random.key(4), **kwargs)
+    scanned = scanned_gen.generate(params, ids[:2], mask[:2], jax.random.key(4), **kwargs)
     mesh = mesh_lib.make_mesh("data=2,fsdp=4")
     sharded = pm.Decoder(model.config, mesh=mesh, rollout_layers="unrolled")
     placed = jax.device_put(params, pm.param_shardings(sharded, mesh))
-    unrolled = generate(sharded, placed, ids[:2], mask[:2], jax.random.key(4), **kwargs)
+    unrolled = sampling.Generator(sharded).generate(placed, ids[:2], mask[:2], jax.random.key(4), **kwargs)
     assert np.array_equal(np.asarray(unrolled.tokens), np.asarray(scanned.tokens))
     np.testing.assert_allclose(np.asarray(unrolled.logprobs), np.asarray(scanned.logprobs), atol=1e-4)
-    assert not np.array_equal(np.asarray(generate(model.clone(rollout_layers="scanned"), params, ids[:2], mask[:2],
-                                                  jax.random.key(4), **{**kwargs, "lora": None}).tokens),
-                              np.asarray(scanned.tokens))  # the adapters change what is sampled
+    # The adapters change what is sampled.
+    base = scanned_gen.generate(params, ids[:2], mask[:2], jax.random.key(4), **{**kwargs, "lora": None})
+    assert not np.array_equal(np.asarray(base.tokens), np.asarray(scanned.tokens))
 
 
-def test_more_than_one_key_is_refused_in_one_line(tiny):
+def test_more_than_one_key_is_refused_in_one_line(tiny, generator_for):
     _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
     ids, mask = left_padded_prompts(6)
     with pytest.raises(ValueError, match="key must be one PRNG key; got shape"):
-        generate(model, params, ids, mask, jax.random.split(jax.random.key(5)), num_samples=2, max_new_tokens=4,
-                 temperature=1.0, eos_token_ids=EOS)
+        gen.generate(params, ids, mask, jax.random.split(jax.random.key(5)), num_samples=2, max_new_tokens=4,
+                     temperature=1.0, eos_token_ids=EOS)
 
 
-def _programs(model, stage):
-    from podsjax import sampling
-
-    return sum(1 for key in sampling._PROGRAMS if key[0] == stage and key[1] is model)
-
-
-def test_second_call_with_new_prompts_does_not_recompile(tiny):
+def test_second_call_with_new_prompts_does_not_recompile(tiny, generator_for):
     _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
     kwargs = dict(num_samples=2, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
     ids, mask = left_padded_prompts(6)
-    before = (_programs(model, "prefill"), _programs(model, "decode"))
-    generate(model, params, ids, mask, jax.random.key(0), **kwargs)
-    first = (_programs(model, "prefill"), _programs(model, "decode"))
+    before = gen.compiles
+    gen.generate(params, ids, mask, jax.random.key(0), **kwargs)
+    first = gen.compiles
     ids2, mask2 = left_padded_prompts(7)
-    generate(model, params, ids2, mask2, jax.random.key(1), **kwargs)
-    assert (_programs(model, "prefill"), _programs(model, "decode")) == first
-    assert first[0] <= before[0] + 1 and first[1] <= before[1] + 1
+    gen.generate(params, ids2, mask2, jax.random.key(1), **kwargs)
+    assert gen.compiles == first
+    assert first["prefill"] <= before["prefill"] + 1 and first["decode"] <= before["decode"] + 1
 
 
 @pytest.mark.slow
-def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny):
+def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny, generator_for):
     _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
     ids, mask = left_padded_prompts(6)  # 3 prompts
-    sampled = generate(model, params, ids[:1], mask[:1], jax.random.key(0), num_samples=3, max_new_tokens=5,
-                       temperature=0.9, eos_token_ids=EOS)  # training: 1 prompt x 3 samples
-    decodes, prefills = _programs(model, "decode"), _programs(model, "prefill")
-    greedy = generate(model, params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=5,
-                      temperature=0.0, eos_token_ids=EOS)  # evaluation: 3 prompts x 1 greedy sample
-    assert _programs(model, "decode") == decodes  # one executable served both
-    assert _programs(model, "prefill") == prefills + 1
+    sampled = gen.generate(params, ids[:1], mask[:1], jax.random.key(0), num_samples=3, max_new_tokens=5,
+                           temperature=0.9, eos_token_ids=EOS)  # training: 1 prompt x 3 samples
+    before = gen.compiles
+    greedy = gen.generate(params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=5,
+                          temperature=0.0, eos_token_ids=EOS)  # evaluation: 3 prompts x 1 greedy sample
+    assert gen.compiles["decode"] == before["decode"]  # one executable served both
+    assert gen.compiles["prefill"] == before["prefill"] + 1
     # ...and the traced temperature still decides: greedy rows follow the argmax.
     logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV)
     np.testing.assert_array_equal(np.asarray(greedy.tokens)[:, 0], logits[:, -1].argmax(-1))
     assert sampled.tokens.shape == greedy.tokens.shape
 
+
+
+def test_each_generator_owns_its_programs_and_compiles_each_signature_once(tiny):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    model = model.clone(rollout_layers="unrolled")  # all three stages: weights, prefill, decode
+    shapes = dict(prompt_len=8, max_new_tokens=4, eos_token_ids=(EOS,))
+    first, other = sampling.Generator(model), sampling.Generator(model)
+    compiled = first.compile(params, None, prompts=2, num_samples=2, **shapes)
+    assert all(seconds > 0 for seconds in compiled["compile_s"].values()), compiled["compile_s"]
+    again = first.compile(params, None, prompts=2, num_samples=2, **shapes)
+    assert again["compile_s"] == {"weights": 0.0, "prefill": 0.0, "decode": 0.0}
+    assert again["decode"] is compiled["decode"]
+    # A new prompt count compiles prefill and decode (this layout's cache holds each prompt once)
+    # and reuses the weights program, whose inputs are the same.
+    first.compile(params, None, prompts=4, num_samples=1, **shapes)
+    assert first.compiles == {"weights": 1, "prefill": 2, "decode": 2}
+    # Another generator of the same model compiles its own.
+    own = other.compile(params, None, prompts=2, num_samples=2, **shapes)
+    assert own["decode"] is not compiled["decode"] and own["compile_s"]["decode"] > 0
+    assert other.compiles == {"weights": 1, "prefill": 1, "decode": 1}
+    with pytest.raises(ValueError, match="max_programs must be >= 1"):
+        sampling.Generator(model, max_programs=0)
+
+
+def test_place_rows_splits_rows_that_divide_over_the_batch_shards_and_replicates_others(tiny):
+    _, model, _ = tiny["qwen2_tied_gqa"]
+    mesh = mesh_lib.make_mesh("data=2,fsdp=4")
+    gen = sampling.Generator(pm.Decoder(model.config, mesh=mesh))
+    even = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)
+    placed = gen.place_rows(even)
+    assert placed.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), 2)
+    assert {shard.data.shape for shard in placed.addressable_shards} == {(2, 3)}
+    np.testing.assert_array_equal(np.asarray(placed), even)
+    assert gen.place_rows(placed).sharding == placed.sharding
+    uneven = np.arange(6 * 2, dtype=np.int32).reshape(6, 2)  # 6 rows over 8 batch shards
+    replicated = gen.place_rows(uneven)
+    assert replicated.sharding.is_fully_replicated and len(replicated.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(replicated), uneven)
+    np.testing.assert_array_equal(np.asarray(sampling.Generator(model).place_rows(uneven)), uneven)  # no mesh
 
 @pytest.mark.slow
 def test_sharded_generation_matches_single_device(tmp_path):
@@ -264,8 +318,8 @@ def test_sharded_generation_matches_single_device(tmp_path):
     ids, mask = left_padded_prompts(8)
     ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # 4 prompts x 2 = 8 rows
     kwargs = dict(num_samples=2, max_new_tokens=6, temperature=0.0, eos_token_ids=EOS, return_logprobs=True)
-    ref = generate(model, params, ids, mask, jax.random.key(0), **kwargs)
-    out = generate(sharded_model, sharded_params, ids, mask, jax.random.key(0), **kwargs)
+    ref = sampling.Generator(model).generate(params, ids, mask, jax.random.key(0), **kwargs)
+    out = sampling.Generator(sharded_model).generate(sharded_params, ids, mask, jax.random.key(0), **kwargs)
     assert np.array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
     expected = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
@@ -285,9 +339,9 @@ def test_bad_arguments_raise_one_line_errors(tiny):
     ]
     for override, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
-            generate(model, params, ids, mask, jax.random.key(0), **{**base, **override})
+            sampling.generate(model, params, ids, mask, jax.random.key(0), **{**base, **override})
     with pytest.raises(ValueError, match=r"must both be \[B, L\]"):
-        generate(model, params, ids, mask[:, :3], jax.random.key(0), **base)
+        sampling.generate(model, params, ids, mask[:, :3], jax.random.key(0), **base)
 
 
 def first_token_distribution(model, params, ids, mask, temperature):
@@ -309,10 +363,11 @@ def chi_square_p_value(counts, expected_probs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_sampled_token_frequencies_match_the_tempered_softmax(tiny, top_p):
+def test_sampled_token_frequencies_match_the_tempered_softmax(tiny, generator_for, top_p):
     # Significance level 0.001: with a fixed key the test is deterministic; a wrong
     # temperature, filter or logit row shifts the counts far beyond that.
     _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
     ids, mask = left_padded_prompts(9)
     ids, mask = ids[:1], mask[:1]
     temperature, draws = 0.7, 6000
@@ -322,8 +377,8 @@ def test_sampled_token_frequencies_match_the_tempered_softmax(tiny, top_p):
     nucleus = order[before < top_p]  # the smallest prefix whose mass reaches top_p
     expected = np.zeros_like(probs)
     expected[nucleus] = probs[nucleus] / probs[nucleus].sum()
-    r = generate(model, params, ids, mask, jax.random.key(11), num_samples=draws, max_new_tokens=1,
-                 temperature=temperature, top_p=top_p, eos_token_ids=EOS)
+    r = gen.generate(params, ids, mask, jax.random.key(11), num_samples=draws, max_new_tokens=1,
+                     temperature=temperature, top_p=top_p, eos_token_ids=EOS)
     first = np.asarray(r.tokens)[:, 0]
     assert set(first.tolist()) <= set(nucleus.tolist())
     counts = np.bincount(first, minlength=len(probs)).astype(np.float64)
@@ -362,13 +417,14 @@ def test_sampling_at_a_temperature_draws_from_the_tempered_logits():
 
 
 @pytest.mark.slow
-def test_bf16_generation_runs_and_follows_the_bf16_forward(tiny):
+def test_bf16_generation_runs_and_follows_the_bf16_forward(tiny, generator_for):
     _, model, params = tiny["qwen2_tied_gqa"]
     bf16 = model.clone(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    gen = generator_for(bf16)
     params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     ids, mask = left_padded_prompts(9)
-    out = generate(bf16, params16, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=4, temperature=0.0,
-                   eos_token_ids=EOS, return_logprobs=True)
+    out = gen.generate(params16, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=4, temperature=0.0,
+                       eos_token_ids=EOS, return_logprobs=True)
     assert np.isfinite(np.asarray(out.logprobs)).all()
     forward = jax.jit(lambda p: bf16.apply({"params": p}, jnp.asarray(ids),
                                            attention_mask=jnp.asarray(mask)).logits_BLV)

@@ -84,8 +84,8 @@ def test_decode_takes_the_kv_cache_in_the_layout_it_chose_without_a_copy():
                             num_heads=4, num_kv_heads=2, head_dim=64, eos_token_id=2, pad_token_id=0)
     model = pm.Decoder(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                        mesh=mesh_lib.make_mesh("1", devices=devices[:1]))
-    gen = sampling.compile_generate(model, dry_run.abstract_base(model), None, prompts=1, prompt_len=512,
-                                    num_samples=64, max_new_tokens=512, eos_token_ids=(2,))
+    gen = sampling.Generator(model).compile(dry_run.abstract_base(model), None, prompts=1, prompt_len=512,
+                                            num_samples=64, max_new_tokens=512, eos_token_ids=(2,))
     decode = gen["decode"].memory_analysis()  # the donated cache is the aliased input
     assert decode.alias_size_in_bytes > 0
     assert decode.temp_size_in_bytes < decode.alias_size_in_bytes / 8, (decode.temp_size_in_bytes,

@@ -18,16 +18,16 @@ import optax
 
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
+from podsjax import sampling
 from podsjax.rewards.combine import TASK_ACCURACY
 from podsjax.data import Example, reward_columns
 from podsjax.models import Decoder, init_cache, prefill
-from podsjax.sampling import generate
 from podsjax.tiny.problems import sft_completion
 
 
 def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[Example], *,
                     max_new_tokens: int, batch_size: int = 64, max_prompt_length: int = 512,
-                    task: str = "gsm8k") -> dict[str, Any]:
+                    task: str = "gsm8k", generator: sampling.Generator | None = None) -> dict[str, Any]:
     """Greedy accuracy (the task's reward) and format rate, through the RL loop's prompt and sampler path.
 
     Prompts, padding, EOS ids and decoding are the RL loop's evaluation's
@@ -42,11 +42,15 @@ def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[E
         batch_size: prompts per generate call.
         max_prompt_length: longer prompts are dropped, as in the loop.
         task: whose accuracy reward scores the completions ("gsm8k", "math", "chemistry").
+        generator: ``model``'s :class:`podsjax.sampling.Generator`; pass the same one to
+            every evaluation to compile once (default: programs shared with older callers).
 
     Returns:
         {"accuracy": float, "format": float, "completions": list[str]} over the kept examples.
     """
     eos = prompts_lib.eos_token_ids(tokenizer)
+    if generator is None:  # the warm-up evaluates several times without one of its own
+        generator = sampling._shared(model)
     completions, kept_examples = [], []
     for start in range(0, len(examples), batch_size):
         chunk = list(examples[start:start + batch_size])
@@ -54,9 +58,9 @@ def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[E
         if not len(batch.kept_P):
             continue
         ids, mask = batch.padded_rows(batch_size)
-        rollouts = generate(model, params, ids, mask, jax.random.key(0), num_samples=1,
-                            max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=eos,
-                            pad_token_id=batch.pad_id)
+        rollouts = generator.generate(params, ids, mask, jax.random.key(0), num_samples=1,
+                                      max_new_tokens=max_new_tokens, temperature=0.0, eos_token_ids=eos,
+                                      pad_token_id=batch.pad_id)
         texts = prompts_lib.decode_completions(tokenizer, np.asarray(rollouts.tokens), np.asarray(rollouts.mask))
         completions.extend(texts[: len(batch.kept_P)])
         kept_examples.extend(chunk[i] for i in batch.kept_P)
