@@ -20,11 +20,12 @@ from podsjax.models.config import (
     from_hf_config,
     checkpoint_shape,
 )
-from podsjax.models.decoder import REMAT_POLICIES, Decoder, DecoderOutput, apply_rope, rope_inv_freq, rope_tables
+from podsjax.models.decoder import REMAT_POLICIES, Decoder, DecoderOutput
 from podsjax.models.hf_io import CheckpointError, from_pretrained, load_params, save_pretrained, tensor_specs
 from podsjax.models.lora import DEFAULT_TARGETS, LoraConfig, LoraParams, init_lora, lora_logical_axes, merge_lora
 from podsjax.models.peft_io import save_peft_adapter
 from podsjax.models.params import abstract_params, init_params, param_logical_axes, param_shardings
+from podsjax.models.rope import apply_rope, rope_inv_freq, rope_tables
 
 __all__ = [
     "CheckpointError", "DEFAULT_TARGETS", "Decoder", "DecoderOutput", "KVCache", "Llama3RopeScaling", "LoraConfig", "LoraParams",

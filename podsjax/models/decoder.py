@@ -2,7 +2,9 @@
 
 The layers run under one ``nn.scan`` over params stacked on a leading layer axis Y, so
 the traced program (and its compile time) stays the same size at any depth. Each layer
-is rematerialised in the backward pass by default (``remat``).
+is rematerialised in the backward pass by default (``remat``). RoPE is in
+:mod:`podsjax.models.rope`; the attention arithmetic and the KV-cache slots of new tokens are
+in :mod:`podsjax.models.attention`.
 
 Parameter tree (kernels are stored ``in_shape + out_shape``, heads kept as their own axis
 so each dimension has one logical name)::
@@ -31,50 +33,22 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from podsjax import mesh as mesh_lib
+from podsjax.models.attention import (
+    LayerCache,
+    attend,
+    attend_cached,
+    attention_implementation,
+    cache_slots,
+)
 from podsjax.models.cache import KVCache
 from podsjax.models.config import ModelConfig
 from podsjax.models.lora import PROJECTION_LOGICAL_AXES, LoraParams
+from podsjax.models.rope import apply_rope, rope_inv_freq, rope_tables
 
 _INIT = nn.initializers.normal(stddev=0.02)  # HF initializer_range default
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """RoPE inverse frequencies ``[E/2]`` in float32, llama3 rescaling included.
-
-    Computed in float32 like transformers so angles agree to the last bit that matters.
-    """
-    dim = config.head_dim
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    # llama3: keep high frequencies, divide low ones by `factor`, blend linearly between.
-    old_len = scaling.original_max_position_embeddings
-    low_wavelen = old_len / scaling.low_freq_factor
-    high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * np.pi / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, blended, scaled).astype(np.float32)
-
-
-def rope_tables(positions_BL: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """``(cos, sin)`` ``[B, L, E/2]`` of the RoPE angles, computed once for every layer."""
-    angles_BLF = positions_BL[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    return jnp.cos(angles_BLF).astype(dtype), jnp.sin(angles_BLF).astype(dtype)
-
-
-def apply_rope(x_BLNE: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates ``x_BLNE`` (N = H or K heads) by :func:`rope_tables` in the "rotate_half" layout."""
-    cos, sin = (t[:, :, None, :].astype(x_BLNE.dtype) for t in rope)
-    x1, x2 = jnp.split(x_BLNE, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 class RMSNorm(nn.Module):
@@ -141,7 +115,6 @@ class Projection(nn.Module):
 
 
 REMAT_POLICIES = ("none", "full", "dots")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 ROLLOUT_LAYERS = ("auto", "scanned", "unrolled")
 
 
@@ -154,21 +127,6 @@ def _remat_policy(name: str):
     raise ValueError(f"remat must be one of {REMAT_POLICIES}; got {name!r}")
 
 
-def attention_implementation(requested: str, dtype: Any, head_dim: int, platform: str | None = None) -> str:
-    """"cudnn" (flash attention) where cuDNN can run it, else "xla".
-
-    cuDNN needs a GPU, 16-bit inputs and a head size that is a multiple of 8 up to 128;
-    "auto" picks it exactly then, so fp32 tests and CPU/TPU runs take the XLA path.
-    ``platform`` is the one compiled for (``mesh.platform``; default: JAX's backend).
-    """
-    if requested not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}; got {requested!r}")
-    if requested != "auto":
-        return requested
-    fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0
-    return "cudnn" if fits and head_dim <= 128 and (platform or jax.default_backend()) == "gpu" else "xla"
-
-
 def rollout_layers_for(requested: str, platform: str) -> str:
     """The sampler's layer layout: "auto" unrolls on GPU only.
 
@@ -179,121 +137,6 @@ def rollout_layers_for(requested: str, platform: str) -> str:
     if requested != "auto":
         return requested
     return "unrolled" if platform == "gpu" else "scanned"
-
-
-def attend(q_BLHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BLS: jax.Array,
-           implementation: str = "xla", mesh: Mesh | None = None) -> jax.Array:
-    """Grouped-query softmax attention through ``jax.nn.dot_product_attention``.
-
-    Query head h uses kv head ``h // (H // K)``; K/V are never repeated. Scores and
-    softmax are fp32 on both paths. Every query must allow at least one key (the
-    decoder always allows a query its own slot), so no row is fully masked: cuDNN
-    and the backward pass would otherwise meet 0/0.
-
-    On a mesh of several devices cuDNN runs per device on its rows (``shard_map``): jax's
-    own partitioning of the cuDNN call failed to compile an update on 8 GPUs with the
-    batch split over ("data", "fsdp").
-    """
-    def call(q, k, v, allowed):
-        return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation=implementation)
-
-    if implementation != "cudnn" or mesh is None or mesh.size == 1:
-        return call(q_BLHE, k_BSKE, v_BSKE, allowed_BLS)
-    rows = mesh_lib.logical_to_spec(("batch",), mesh, q_BLHE.shape[:1])
-    specs = tuple(PartitionSpec(*rows, *[None] * (x.ndim - 1)) for x in (q_BLHE, k_BSKE, v_BSKE, allowed_BLS))
-    return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
-        q_BLHE, k_BSKE, v_BSKE, allowed_BLS)
-
-
-def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BLS: jax.Array,
-                  platform: str | None = None) -> jax.Array:
-    """:func:`attend` over a head-major cache layer ``[B, K, S, E]``, for few queries (decode).
-
-    The cache is read in its stored dtype and summed in fp32: decode is bound by memory
-    bandwidth, and an upcast copy of the cache would double the bytes read per step. For
-    one query the XLA path beats cuDNN on an H100.
-
-    On a GPU one query is a multiply-and-sum over the cache (:func:`_attend_one_query`),
-    elsewhere two matmuls: cuBLAS pads a kv head's queries and writes fp32 scores that a
-    separate softmax kernel reads back (docs/accelerators.md, "Decoding at the memory floor").
-    """
-    platform = platform or jax.default_backend()
-    if platform == "gpu" and q_BLHE.shape[1] == 1:
-        return _attend_one_query(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
-    b, length, h, e = q_BLHE.shape
-    k = k_BKSE.shape[1]
-    if platform == "cpu" and k_BKSE.dtype != jnp.float32:
-        # XLA:CPU has no 16-bit batched dot with an fp32 result (it fails at run time);
-        # it would compute in fp32 anyway.
-        k_BKSE, v_BKSE = k_BKSE.astype(jnp.float32), v_BKSE.astype(jnp.float32)
-    q_BLKGE = q_BLHE.reshape(b, length, k, h // k, e).astype(k_BKSE.dtype)
-    scores_BKGLS = jnp.einsum("blkge,bkse->bkgls", q_BLKGE, k_BKSE, preferred_element_type=jnp.float32)
-    scores_BKGLS = jnp.where(allowed_BLS[:, None, None], scores_BKGLS * (e ** -0.5), jnp.finfo(jnp.float32).min)
-    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BKSE.dtype)
-    out_BLKGE = jnp.einsum("bkgls,bkse->blkge", probs_BKGLS, v_BKSE, preferred_element_type=jnp.float32)
-    return out_BLKGE.reshape(b, length, h, e).astype(q_BLHE.dtype)
-
-
-def _attend_one_query(q_B1HE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_B1S: jax.Array) -> jax.Array:
-    """One query per row as elementwise products summed in fp32: XLA fuses each sum with its
-    reads of the cache (and the softmax with them), so K and V are read once, in place."""
-    b, _, h, e = q_B1HE.shape
-    k = k_BKSE.shape[1]
-    q_BKGE = q_B1HE.reshape(b, k, h // k, e).astype(jnp.float32) * (e ** -0.5)
-    scores_BKGS = jnp.sum(q_BKGE[:, :, :, None, :] * k_BKSE[:, :, None].astype(jnp.float32), axis=-1)
-    scores_BKGS = jnp.where(allowed_B1S[:, :, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
-    probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1)
-    out_BKGE = jnp.sum(probs_BKGS[..., None] * v_BKSE[:, :, None].astype(jnp.float32), axis=-2)
-    return out_BKGE.reshape(b, 1, h, e).astype(q_B1HE.dtype)
-
-
-@flax.struct.dataclass
-class LayerCache:
-    """The KV-cache part a layer scan carries: every layer's keys/values plus write slots.
-
-    Attributes:
-        keys_YBKSE / values_YBKSE: stacked per-layer caches, updated in place.
-        slots_BL: the slot each new token is written to.
-    """
-
-    keys_YBKSE: jax.Array
-    values_YBKSE: jax.Array
-    slots_BL: jax.Array
-
-
-@flax.struct.dataclass
-class CacheSlots:
-    """Where L new tokens go in a KV cache and what each may attend to.
-
-    Attributes:
-        positions_BL: RoPE positions, continuing each row's count of real tokens.
-        slots_BL: the slot each token is written to.
-        slot_mask_BS: the cache's real-token mask with the new tokens in it.
-        allowed_BLS: each token sees the real tokens up to its own slot, and itself.
-    """
-
-    positions_BL: jax.Array
-    slots_BL: jax.Array
-    slot_mask_BS: jax.Array
-    allowed_BLS: jax.Array
-
-    def bookkeeping(self, cache, mask_BL: jax.Array) -> dict[str, jax.Array]:
-        """The cache's ``mask_BS``, ``index_B`` and ``positions_B`` after the tokens."""
-        return dict(mask_BS=self.slot_mask_BS, index_B=cache.index_B + mask_BL.shape[1],
-                    positions_B=cache.positions_B + jnp.sum(mask_BL, axis=-1, dtype=jnp.int32))
-
-
-def cache_slots(cache, mask_BL: jax.Array) -> CacheSlots:
-    """:class:`CacheSlots` of tokens masked ``mask_BL`` (bool) going into ``cache`` (any cache
-    with ``mask_BS``, ``index_B`` and ``positions_B``)."""
-    b, length = mask_BL.shape
-    offsets_BL = jnp.maximum(jnp.cumsum(mask_BL, axis=-1, dtype=jnp.int32) - 1, 0)
-    slots_BL = cache.index_B[:, None] + jnp.arange(length, dtype=jnp.int32)
-    slot_mask_BS = cache.mask_BS.at[jnp.arange(b)[:, None], slots_BL].set(mask_BL)
-    slot_ids_S = jnp.arange(cache.mask_BS.shape[1], dtype=jnp.int32)
-    earlier_BLS = slot_ids_S[None, None, :] <= slots_BL[:, :, None]
-    allowed_BLS = (slot_mask_BS[:, None, :] & earlier_BLS) | (slot_ids_S[None, None, :] == slots_BL[:, :, None])
-    return CacheSlots(cache.positions_B[:, None] + offsets_BL, slots_BL, slot_mask_BS, allowed_BLS)
 
 
 class _LayerModule(nn.Module):
@@ -485,7 +328,7 @@ class Decoder(nn.Module):
             backward pass, "dots" also keeps its matmul outputs, "none" keeps everything.
             Forward-only calls (sampling) are unaffected.
         mesh: when set, activations get sharding constraints from the logical rules.
-        attention: one of :data:`ATTENTION_IMPLEMENTATIONS`; "auto" is cuDNN flash
+        attention: one of ``attention.ATTENTION_IMPLEMENTATIONS``; "auto" is cuDNN flash
             attention on GPU in 16-bit, XLA elsewhere. Decode steps always use XLA.
         rollout_layers: one of :data:`ROLLOUT_LAYERS`, how the sampler runs the layers:
             "scanned" over the stacked params, as training does; "unrolled" over merged
