@@ -7,21 +7,24 @@ Every field is a command-line flag (``--algorithm.epsilon_high 0.28``) and a key
 YAML config file (``--config run.yaml``); draccus builds both from these dataclasses
 and their field comments.
 
-Named settings are entries of :data:`SETTINGS`: each gives the fields it sets, for a
-method. A run's config is the dataclass defaults, then the method's
-(:func:`podsjax.train.method_config`), then the named setting's, then the config file, then
-the flags.
+A run's config is the dataclass defaults, then the method's n / m
+(:func:`podsjax.train.method_config`), then the named setting's
+(``podsjax.paper_settings.PRESETS``: tiny and the paper's a-f), then the config file, then
+the flags. Each is a :class:`Layer`, and :func:`stack` says which one each value came from;
+:func:`settings_table` is docs/paper_settings.md's table of every preset value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+import typing
+from typing import Any
 
 from podsjax import paper_settings, train
 from podsjax.loop import RunConfig
 from podsjax.mesh_spec import parse_mesh_spec
+from podsjax.prompts import DEFAULT_SYSTEM_PROMPT
 
 DTYPES = ("float32", "bfloat16")
 METHODS = train.ALGORITHMS
@@ -173,61 +176,164 @@ class ExperimentConfig:
         return LoraConfig(rank=rank, alpha=self.model.lora_alpha) if rank else None
 
 
-# -- named settings ----------------------------------------------------------------------
+# -- where each value comes from ------------------------------------------------------------
 
-def _method(method: str, task: str) -> dict[str, Any]:
-    """The paper's three algorithms with its single-GPU n / m (``train.method_config``)."""
-    return {"algorithm": dataclasses.asdict(train.method_config(method))}
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """Values a run takes from one place, over the layers before it.
 
+    Attributes:
+        name: the place, as a listing names it: "method pods", "setting a", "--config run.yaml".
+        values: section -> field -> value.
+        sources: dotted field -> what the place took it from (a setting's citation, the flag
+            that gave it), added to ``name``.
+    """
 
-def _tiny(method: str, task: str) -> dict[str, Any]:
-    """The built-in tiny preset's settings (``podsjax.tiny.TINY_RL_DEFAULTS``)."""
-    from podsjax.tiny import TINY_RL_DEFAULTS as d
+    name: str
+    values: dict[str, dict[str, Any]]
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
-    # GRPO trains every rollout it generates, as many as PODS trains; GRPO-GA trains all of
-    # PODS's n in micro-batches of PODS's m.
-    sizes = {"grpo": dict(n=d["m"], m=d["m"]), "grpo-ga": dict(n=d["n"], m=d["n"], grad_accum=d["n"] // d["m"]),
-             "pods": dict(n=d["n"], m=d["m"])}[method]
-    algorithm = dataclasses.asdict(train.method_config(method, **sizes, learning_rate=d["learning_rate"],
-                                                       temperature=d["temperature"]))
-    run = {key: d[key] for key in ("prompts_per_step", "max_new_tokens", "max_prompt_length", "time_budget_s",
-                                   "eval_every_s", "eval_limit")}
-    return {"algorithm": algorithm, "run": run,
-            "model": {"lora_rank": None if d["full_finetune"] else 64, "dtype": "float32"}}
-
-
-def _paper(letter: str) -> Callable[[str, str], dict[str, Any]]:
-    def overrides(method: str, task: str) -> dict[str, Any]:
-        setting = paper_settings.get_setting(letter)
-        if setting.task != task:
-            raise ValueError(f"setting {setting.name} is a {setting.task} setting; run experiments.{setting.task}")
-        return {"algorithm": setting.algorithm_config(method), "run": dict(setting.run),
-                "rewards": dict(setting.rewards),
-                "model": {"lora_rank": setting.lora_rank, "dtype": setting.dtype, "mesh": setting.mesh,
-                          "hub_name": setting.model}}
-
-    overrides.__doc__ = f"The paper's setting ({letter}) (``podsjax.paper_settings``)."
-    return overrides
+    def origins(self) -> dict[str, str]:
+        """dotted field -> where its value comes from, for every field this layer sets."""
+        return {dotted: f"{self.name} {self.sources.get(dotted, '')}".strip()
+                for dotted in (f"{section}.{key}" for section, fields in self.values.items() for key in fields)}
 
 
-# name -> (method, task) -> the fields the setting sets. "tiny" is the default without a
-# model; a-f are the paper's settings and need one.
-SETTINGS: dict[str, Callable[[str, str], dict[str, Any]]] = {
-    "tiny": _tiny, **{letter: _paper(letter) for letter in paper_settings.SETTINGS},
-}
-
-
-def base_values(task: str, method: str, setting: str | None) -> dict[str, Any]:
-    """The nested values under a run's file and flags: the method's, then the setting's."""
+def preset_layers(task: str, method: str, setting: str | None) -> list[Layer]:
+    """What a run starts from: the method's n / m (``train.method_config``), then the named setting's values."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    values = merge({"run": {"task": task}}, _method(method, task))
+    layers = [Layer(f"method {method}", {"algorithm": dict(paper_settings.GSM8K_METHODS[method])})]
     if setting is not None:
-        key = setting.lower()
-        if key not in SETTINGS:
-            raise ValueError(f"unknown setting {setting!r}; choose one of {', '.join(SETTINGS)}")
-        values = merge(values, SETTINGS[key](method, task))
-    return values
+        preset = paper_settings.get_setting(setting)
+        if preset.task is not None and preset.task != task:
+            raise ValueError(f"setting {preset.name} is a {preset.task} setting; run experiments.{preset.task}")
+        values = preset.values(method)
+        dotted = [f"{section}.{key}" for section, fields in values.items() for key in fields]
+        layers.append(Layer(f"setting {preset.name}", values, {key: preset.source(key) for key in dotted}))
+    return layers
+
+
+def stack(layers: list[Layer]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The values of ``layers``, each over the ones before it, and where each set field's value comes from."""
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for layer in layers:
+        values = merge(values, layer.values)
+        origins.update(layer.origins())
+    return values, origins
+
+
+def default_values() -> dict[str, dict[str, Any]]:
+    """section -> field -> its dataclass default (``run.out_dir``, which has none, left out)."""
+    defaults = {}
+    for section in dataclasses.fields(ExperimentConfig):
+        fields = dataclasses.fields(typing.get_type_hints(ExperimentConfig)[section.name])
+        defaults[section.name] = {
+            f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in fields if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    return defaults
+
+
+def describe_setting(setting: str, method: str, config: ExperimentConfig,
+                     origins: dict[str, str] | None = None) -> str:
+    """The setting's headline, then each value of ``config`` with where it comes from.
+
+    ``origins`` (``args.origins`` of ``experiments.flags.parse``) names the config file or
+    flag of each value; without it, a value that is neither the setting's nor the default is
+    "a flag or --config". A value set over the setting's says so and shows the setting's
+    too. The defaults come last, one line a section; ``run.out_dir`` is ``--out``, left out."""
+    preset = paper_settings.get_setting(setting)
+    own, defaults = preset.values(method), default_values()
+    show = paper_settings.show_value
+    lines, kept = [preset.headline], []
+    for section in dataclasses.fields(config):
+        fields = dataclasses.asdict(getattr(config, section.name))
+        set_here = own.get(section.name, {})
+        default_here = []
+        for key, value in fields.items():
+            dotted = f"{section.name}.{key}"
+            if dotted == "run.out_dir":
+                continue
+            origin = _origin(dotted, value, preset, set_here, defaults[section.name], origins)
+            if origin == "default":
+                default_here.append(f"{key} = {show(value)}")
+                continue
+            if key in set_here and not origin.startswith("setting "):
+                lines.append(f"  set over the setting: {dotted} = {show(value)} (setting: {show(set_here[key])})  "
+                             f"{origin}")
+            else:
+                lines.append(f"  {dotted} = {show(value)}  {origin}")
+        if default_here:
+            kept.append(f"  {section.name} defaults: {', '.join(default_here)}")
+    return "\n".join(lines + kept)
+
+
+def _origin(dotted: str, value: Any, preset: paper_settings.Setting, set_here: dict[str, Any],
+            defaults: dict[str, Any], origins: dict[str, str] | None) -> str:
+    """Where ``dotted``'s value comes from: as ``origins`` says, else told from the setting and the default."""
+    if origins is not None:
+        return origins.get(dotted, "default")
+    key = dotted.split(".")[1]
+    if dotted == "run.task":
+        return "the task's module"
+    if key in set_here and value == set_here[key]:
+        return f"setting {preset.name} {preset.source(dotted)}".strip()
+    if key not in set_here and key in defaults and value == defaults[key]:
+        return "default"
+    return "a flag or --config"
+
+
+# -- the table of every preset value (docs/paper_settings.md) ----------------------------------
+
+# Texts too long for a table cell, by the name that holds them.
+_TEXT_NAMES = {paper_settings.AUTHORS_SYSTEM_PROMPT: "AUTHORS_SYSTEM_PROMPT",
+               paper_settings.RECIPE_SYSTEM_PROMPT: "RECIPE_SYSTEM_PROMPT",
+               DEFAULT_SYSTEM_PROMPT: "prompts.DEFAULT_SYSTEM_PROMPT"}
+# Columns that repeat another's value and source say "as <that one>" instead.
+_SAME_AS = {"b": "a", "c": "a", "d": "a", "f": "e"}
+
+
+def _cell(value: Any) -> str:
+    name = _TEXT_NAMES.get(value) if isinstance(value, str) else None
+    return f"`{name or paper_settings.show_value(value)}`"
+
+
+def settings_table() -> str:
+    """Markdown: every field a preset sets, one row each (n, m and the like one per method),
+    with each preset's value and where it comes from.
+
+    The "no setting" column is what a run without ``--setting`` gets: the dataclass default,
+    or the method's n / m. A dash: the preset leaves the field as that column has it."""
+    presets, defaults = paper_settings.PRESETS, default_values()
+    per_method = {key for preset in presets.values() for fields in preset.methods.values() for key in fields}
+    rows: dict[tuple[str, str, str], dict[str, str]] = {}  # (section, field, method or "") -> preset -> cell
+    for name, preset in presets.items():
+        for method in preset.methods:
+            for section, fields in preset.values(method).items():
+                for key, value in fields.items():
+                    if (section, key) == ("algorithm", "algorithm"):
+                        continue  # the method itself
+                    row = (section, key, method if section == "algorithm" and key in per_method else "")
+                    rows.setdefault(row, {})[name] = f"{_cell(value)} {preset.source(f'{section}.{key}')}".strip()
+
+    def position(row):
+        section, key, method = row
+        return paper_settings.SECTIONS.index(section), list(defaults[section]).index(key), method
+
+    lines = ["| field | no setting | " + " | ".join(presets) + " |", "|---" * (len(presets) + 2) + "|"]
+    for section, key, method in sorted(rows, key=position):
+        plain = paper_settings.GSM8K_METHODS[method].get(key, defaults[section][key]) if method else \
+            defaults[section][key]
+        cells = rows[section, key, method]
+        shown = [cells.get(name, "-") for name in presets]
+        for i, name in enumerate(presets):
+            same = _SAME_AS.get(name)
+            if same and name in cells and cells[name] == cells.get(same):
+                shown[i] = f"as {same}"
+        label = f"`{section}.{key}` ({method})" if method else f"`{section}.{key}`"
+        lines.append(f"| {label} | {_cell(plain)} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
 
 
 def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

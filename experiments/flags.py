@@ -30,8 +30,10 @@ import draccus
 import draccus.argparsing
 import yaml
 
-from experiments.config import METHODS, SETTINGS, ExperimentConfig, base_values, merge
+from experiments.config import METHODS, ExperimentConfig, Layer, merge, preset_layers, stack
+from experiments.config import describe_setting  # noqa: F401 - the CLI lists a run's values with it
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
+from podsjax import paper_settings
 from podsjax.run_state import LOCK_FILE
 
 # Short names of config fields: flag -> dotted field.
@@ -80,8 +82,9 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.set_defaults(task=task)
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
     p.add_argument("--method", choices=METHODS, help="the algorithm (default: pods)")
-    p.add_argument("--setting", help=f"a named setting: {', '.join(s for s in SETTINGS if s != 'tiny')} (the "
-                                     "paper's; they need --model), or tiny (the default without --model)")
+    p.add_argument("--setting", help=f"a named setting: {', '.join(paper_settings.SETTINGS)} (the paper's; they "
+                                     "need --model), or tiny (the default without --model); the run lists each "
+                                     "value with where it comes from before it starts")
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file of config values (a run's config.json "
                                                     "works); flags override it")
     p.add_argument("--out", help="run directory (default: runs/<task>-<method>-<date>-<time>)")
@@ -135,24 +138,31 @@ def help_text(task: str) -> str:
     return build_parser(task).format_help() + "\nThe config tree:\n" + tree.parser.format_help()
 
 
-def _field_flags(args, rest: list[str]) -> list[str]:
-    """The shortcuts as dotted flags, then the dotted flags given as they are."""
+def _field_flags(args, rest: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The shortcuts as dotted flags, then the dotted flags given as they are; and for each
+    dotted field, the flag that gave it (the last one)."""
     flags: list[str] = []
+    names: dict[str, str] = {}
     for flag, field in SHORTCUTS.items():
         value = getattr(args, _dest(flag))
         if value is not None:
             flags += [f"--{field}", f"[{value}]" if field == "run.log" else value]  # --log a,b: a list
+            names[field] = flag
     if args.full:
         if args.short_lora_rank is not None or any(t.startswith("--model.lora_rank") for t in rest):
             raise UsageError("--full and --lora-rank exclude each other")
         flags += ["--model.lora_rank", "null"]
+        names["model.lora_rank"] = "--full"
     if args.no_progress:
         flags += ["--run.progress", "false"]
+        names["run.progress"] = "--no-progress"
     for token in rest:
         if token.startswith("-") and not token.startswith("--") or token.startswith("--") and "." not in token:
             raise UsageError(f"unrecognized argument {token.split('=')[0]} (config fields are --<section>.<field>; "
                              "see --help)")
-    return flags + rest
+        if token.startswith("--"):
+            names[token[2:].partition("=")[0]] = token.partition("=")[0]
+    return flags + rest, names
 
 
 def _given(flags: list[str]) -> dict[str, str]:
@@ -475,38 +485,55 @@ def parse(task: str, argv: list[str] | None,
     args.resume_auto = args.resume == "auto"
     if args.help:
         return args, None
-    flags = _field_flags(args, rest)
+    flags, flag_names = _field_flags(args, rest)
     given = _given(flags)
     file_values = _read_file(args.config) if args.config else {}
     if args.resume and _goes_on(args):
         args.field_flags = _resumed_flags(task, args, flags, given, file_values, method_given)
         return args, None
-    has_model = "model.path" in given or file_values.get("model", {}).get("path") is not None
+    has_model = _has_model(given, file_values)
     setting = args.setting or (None if has_model else "tiny")
-    try:
-        values = base_values(task, args.method, setting)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    layers = _presets(task, args.method, setting)
     if setting is not None and setting.lower() != "tiny" and not has_model:
         raise UsageError(f"--setting {setting} trains a real checkpoint: pass --model DIR (its local copy; the "
                          "tiny preset has its own settings, --setting tiny)")
-    values = merge(values, file_values)
-    values = merge(values, {"run": {"task": task, "out_dir": args.out or ""}})
-    flags = _paired_sizes(values["algorithm"].get("algorithm", args.method), given, flags)
-    _dataset(args, values, given)
+    if args.config:
+        layers.append(Layer(f"--config {args.config}", file_values))
+    layers.append(Layer("", {"run": {"task": task, "out_dir": args.out or ""}},
+                        {"run.task": f"experiments.{task}", "run.out_dir": "--out"}))
+    values, _ = stack(layers)
+    flags = _paired_sizes(values["algorithm"].get("algorithm", args.method), given, flags, flag_names)
+    if args.dataset is not None:
+        layers.append(Layer("--dataset", {"data": _dataset(args, values.get("data", {}), given)}))
     if args.reward:
-        values = merge(values, {"rewards": _rewards(args.reward, values.get("rewards", {}))})
-    config = decode(values, flags)
-    return args, config
+        layers.append(Layer("--reward", {"rewards": _rewards(args.reward, values.get("rewards", {}))}))
+    layers.append(Layer("", _flag_values(flags), flag_names))
+    values, args.origins = stack(layers)
+    return args, decode(values)
 
 
-def _paired_sizes(algorithm: str, given: dict[str, str], flags: list[str]) -> list[str]:
+def _has_model(given: dict[str, str], file_values: dict[str, Any]) -> bool:
+    """Whether the command names a checkpoint (else the tiny preset is the default setting)."""
+    return "model.path" in given or (file_values.get("model") or {}).get("path") is not None
+
+
+def _presets(task: str, method: str, setting: str | None) -> list[Layer]:
+    try:
+        return preset_layers(task, method, setting)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _paired_sizes(algorithm: str, given: dict[str, str], flags: list[str],
+                  flag_names: dict[str, str] | None = None) -> list[str]:
     """GRPO and GRPO-GA train every rollout (the paper's GRPO n=16 against PODS n=64, m=16),
-    so one of --n / --m sets both, and --m wins."""
-    chosen = given.get("algorithm.m") or given.get("algorithm.n")
-    if algorithm in ("grpo", "grpo-ga") and chosen is not None:
-        return [*flags, "--algorithm.n", chosen, "--algorithm.m", chosen]
-    return flags
+    so one of --n / --m sets both, and --m wins (``flag_names`` then says so for both)."""
+    chosen = "algorithm.m" if "algorithm.m" in given else "algorithm.n" if "algorithm.n" in given else None
+    if algorithm not in ("grpo", "grpo-ga") or chosen is None:
+        return flags
+    if flag_names is not None:
+        flag_names["algorithm.n"] = flag_names["algorithm.m"] = f"{flag_names[chosen]} ({algorithm}: n = m)"
+    return [*flags, "--algorithm.n", given[chosen], "--algorithm.m", given[chosen]]
 
 
 def _goes_on(args) -> bool:
@@ -530,32 +557,44 @@ def _resumed_flags(task: str, args, flags: list[str], given: dict[str, str], fil
     """The flags that continue the run in --out: those of the RESUMABLE fields the command sets.
 
     A job script relaunches the run's own command with --resume (SLURM --requeue, a spot VM's
-    startup script), so the command may state the run's values again. Its method and setting
-    (where given), its config file and its flags are applied as a new run applies them, each
-    value is compared with the run's, and one that differs is refused, unless RESUMABLE."""
+    startup script), so the command may state the run's values again. Each value it states
+    is compared with the run's, and one that differs is refused, unless RESUMABLE."""
     saved = read_run_config(args.out)
-    saved_tree = as_json(saved)
+    stated = _stated_values(task, args, flags, given, file_values, method_given, saved)
+    explicit = set(given) | ({"algorithm.algorithm"} if method_given else set())
+    resumed, changed = _against_saved(stated, saved, given, explicit)
+    if changed:
+        _, dotted, old, new = min(changed, key=lambda change: change[0])
+        raise UsageError(f"--resume keeps the run's config; --{dotted} cannot change from {_show(old)} to "
+                         f"{_show(new)} (a resume may change only {', '.join('--' + r for r in RESUMABLE)})")
+    return resumed
+
+
+def _stated_values(task: str, args, flags: list[str], given: dict[str, str], file_values: dict[str, Any],
+                   method_given: bool, saved: ExperimentConfig) -> dict[str, Any]:
+    """What a resumed command states, applied as a new run applies it: its method and setting
+    (where given), its config file, --dataset, --reward and the flags."""
     stated: dict[str, Any] = {}
     if method_given or args.setting:
-        has_model = "model.path" in given or file_values.get("model", {}).get("path") is not None or \
-            saved.model.path is not None
-        try:
-            stated = base_values(task, args.method if method_given else saved.algorithm.algorithm,
-                                 args.setting or (None if has_model else "tiny"))
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        stated["run"] = {k: v for k, v in stated["run"].items() if k != "task"}  # check() names the task
+        has_model = _has_model(given, file_values) or saved.model.path is not None
+        method = args.method if method_given else saved.algorithm.algorithm
+        stated, _ = stack(_presets(task, method, args.setting or (None if has_model else "tiny")))
     stated = merge(stated, file_values)
+    saved_tree = as_json(saved)
     if args.dataset is not None:
-        view = merge(saved_tree, stated)
-        _dataset(args, view, given)
-        stated["data"] = view["data"]
+        stated = merge(stated, {"data": _dataset(args, merge(saved_tree, stated)["data"], given)})
     if args.reward:
-        stated["rewards"] = _rewards(args.reward, stated.get("rewards", {}))
+        stated = merge(stated, {"rewards": _rewards(args.reward, stated.get("rewards", {}))})
     algorithm = merge(saved_tree, stated)["algorithm"].get("algorithm")
     stated = merge(stated, _flag_values(_paired_sizes(algorithm, given, flags)))
     _check_values(stated, None)
-    explicit = set(given) | ({"algorithm.algorithm"} if method_given else set())
+    return stated
+
+
+def _against_saved(stated: dict[str, Any], saved: ExperimentConfig, given: dict[str, str],
+                   explicit: set[str]) -> tuple[list[str], list[tuple[bool, str, Any, Any]]]:
+    """(flags that set the RESUMABLE fields ``stated`` names, the other stated fields whose value
+    differs from the run's as (not given explicitly, field, run's value, stated value))."""
     fields_of, changed, resumed = _field_types(), [], []
     for section, fields in stated.items():
         for name, raw in fields.items():
@@ -571,11 +610,7 @@ def _resumed_flags(task: str, args, flags: list[str], given: dict[str, str], fil
                 resumed += [f"--{dotted}", given[dotted] if dotted in given else _show(raw, limit=1 << 20)]
             elif new != old:
                 changed.append((dotted not in explicit, dotted, old, new))
-    if changed:
-        _, dotted, old, new = min(changed, key=lambda change: change[0])
-        raise UsageError(f"--resume keeps the run's config; --{dotted} cannot change from {_show(old)} to "
-                         f"{_show(new)} (a resume may change only {', '.join('--' + r for r in RESUMABLE)})")
-    return resumed
+    return resumed, changed
 
 
 def _as_field(section: Any, name: str, tp: Any, raw: Any) -> Any:
@@ -588,41 +623,40 @@ def _as_field(section: Any, name: str, tp: Any, raw: Any) -> Any:
         return value
 
 
-def _dataset(args, values: dict[str, Any], given: dict[str, str]) -> None:
-    """--dataset: a directory becomes data.train and data.test (its split files), a file
-    data.train, and an ``owner/name`` that is no local path data.hub."""
-    if args.dataset is None:
-        return
-    from podsjax import data  # no JAX
+def _dataset(args, data: dict[str, Any], given: dict[str, str]) -> dict[str, Any]:
+    """The data fields --dataset sets: a directory gives data.train and data.test (its split
+    files), a file data.train, and an ``owner/name`` that is no local path data.hub.
+    ``data``: the data section so far (its split names)."""
+    from podsjax import data as data_lib  # no JAX
 
-    dataset, section = args.dataset, dict(values.get("data", {}))
+    dataset = args.dataset
     if os.path.isfile(dataset):
         if "data.train" in given:
             raise UsageError("--dataset FILE and --data both name the train split")
         if "data.test" not in given:
             raise UsageError(f"--dataset {dataset} is one file, the train split: pass --eval-data for the test split")
-        section["train"] = dataset
-    elif os.path.isdir(dataset):
+        return {"train": dataset}
+    if os.path.isdir(dataset):
         if "data.train" in given or "data.test" in given:
             raise UsageError("--dataset and --data / --eval-data exclude each other")
-        splits = [given.get(f"data.{key}_split") or section.get(f"{key}_split") or key for key in ("train", "test")]
-        try:  # the file load_task reads for a split of a directory
-            section["train"], section["test"] = (data._resolve(dataset, split) for split in splits)
-        except data.DataError as exc:
+        splits = [given.get(f"data.{key}_split") or data.get(f"{key}_split") or key for key in ("train", "test")]
+        try:
+            train, test = (data_lib.split_file(dataset, split) for split in splits)
+        except data_lib.DataError as exc:
             raise UsageError(f"--dataset {dataset}: {exc}") from None
-    elif _HUB_NAME.fullmatch(dataset):
-        section["hub"] = dataset
-    else:
-        raise UsageError(f"--dataset {dataset}: no such file or directory, and not a Hub name (owner/name)")
-    values["data"] = section
+        return {"train": train, "test": test}
+    if _HUB_NAME.fullmatch(dataset):
+        return {"hub": dataset}
+    raise UsageError(f"--dataset {dataset}: no such file or directory, and not a Hub name (owner/name)")
 
 
 def _rewards(specs: list[str], rewards: dict[str, Any]) -> dict[str, Any]:
-    """--reward values: the task's own names set their weights; the rest join rewards.extra."""
+    """The reward fields --reward sets: the task's own names their weights, the rest join
+    ``rewards.extra`` (``rewards``: the section so far)."""
     from experiments.config import parse_reward
     from podsjax.rewards import TASK_REWARD_NAMES
 
-    rewards = dict(rewards)
+    fields: dict[str, Any] = {}
     extra = list(rewards.get("extra", ()))
     for spec in specs:
         try:
@@ -630,11 +664,11 @@ def _rewards(specs: list[str], rewards: dict[str, Any]) -> dict[str, Any]:
         except ValueError as exc:
             raise UsageError(f"--reward {spec}: {exc}") from None
         if name in TASK_REWARD_NAMES:
-            rewards[name] = weight
+            fields[name] = weight
         else:
             extra.append(spec)
-    rewards["extra"] = extra
-    return rewards
+    fields["extra"] = extra
+    return fields
 
 
 def check(args, config: ExperimentConfig) -> None:
@@ -653,7 +687,7 @@ def check(args, config: ExperimentConfig) -> None:
             raise UsageError(f"{flag} {path}: no such file or directory")
     from podsjax import data  # no JAX
 
-    hint = data._LOCAL_ONLY.get(config.task)  # the tasks without a Hub dataset
+    hint = data.LOCAL_ONLY_TASKS.get(config.task)
     missing = [flag for flag, path in (("--data", config.data.train), ("--eval-data", config.data.test))
                if path is None]
     if hint and missing and config.data.hub is None and config.model.path is not None and not args.resume:
@@ -721,24 +755,12 @@ def read_run_config(out: str, flags: list[str] = ()) -> ExperimentConfig:
     if wrong:
         raise UsageError(f"--resume: {path}: {wrong[0]!r} must be an object of fields, got "
                          f"{_kind(values[wrong[0]])}")
-    if "run" not in values or "model_path" in values:
-        raise UsageError(f"--resume: {path} is not a podsjax run config of this version (no 'run' section, or an "
-                         "older layout); start a new run")
+    unknown = [key for key in values if key not in SECTIONS]
+    if "run" not in values or unknown:
+        reason = f"{unknown[0]!r} is no section of it: an older layout" if unknown else "no 'run' section"
+        raise UsageError(f"--resume: {path} is not a podsjax run config of this version ({reason}); start a new run")
     values = merge(values, {"run": {"out_dir": out}})
     return decode(values, flags, where=where)
-
-
-def describe_setting(setting: str, method: str, config: ExperimentConfig) -> str:
-    """What ``--setting`` sets for the method (``Setting.describe``), then the fields set over it."""
-    from podsjax import paper_settings
-
-    lines = [paper_settings.get_setting(setting).describe(method)]
-    for section, values in SETTINGS[setting.lower()](method, config.task).items():
-        for key, value in values.items():
-            final = getattr(getattr(config, section), key)
-            if final != value:
-                lines.append(f"  set over the setting: {section}.{key} = {final} (setting: {value})")
-    return "\n".join(lines)
 
 
 def as_json(config: ExperimentConfig) -> dict[str, Any]:

@@ -1,4 +1,8 @@
-"""The paper's experimental settings (a)-(f), lettered as the paper's table, with the authors' defaults.
+"""The named presets of ``--setting``: the paper's settings (a)-(f), with the authors' defaults, and ``tiny``.
+
+Each is a :class:`Setting`: the fields it sets, by section of the config tree, and where
+each value comes from. ``TINY`` is the built-in tiny preset (any task, any CPU, the default
+without a checkpoint); the paper's are lettered as its setup table:
 
 | setting | task      | model                  | hardware | fine-tuning           |
 |---------|-----------|------------------------|----------|-----------------------|
@@ -49,7 +53,8 @@ What podsjax runs differently from the authors, on purpose or for now:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import types
+from typing import Any, Mapping
 
 # One epoch of openai/gsm8k "main" train (7473 rows) at one prompt per GPU per update. [8gpu]
 _GSM8K_TRAIN_ROWS = 7473
@@ -63,7 +68,8 @@ _SINGLE_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0,
                       weight_decay=0.1, max_grad_norm=0.1, temperature=0.9, logprob_temperature=1.0, beta=0.0,
                       aggregation="seq-mean-token-mean")
 # [1gpu] results/: GSM8K GRPO 16/16 vs PODS 64/16. GRPO-GA trains all 64 in 4 micro-batches of 16. [podsjax]
-_GSM8K_METHODS = {
+# Also the methods of a run with no setting (``podsjax.train.method_config``).
+GSM8K_METHODS = {
     "grpo": dict(algorithm="grpo", n=16, m=16),
     "grpo-ga": dict(algorithm="grpo-ga", n=64, m=64, grad_accum=4),
     "pods": dict(algorithm="pods", n=64, m=16, rule="max_variance"),
@@ -130,66 +136,101 @@ _MULTI_RUN = dict(prompts_per_step=_GPUS, max_prompt_length=512, max_new_tokens=
 _MULTI_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="open-r1")
 
 
+SECTIONS = ("model", "algorithm", "run", "rewards")  # the config tree's sections a setting sets
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One row of the paper's setup table.
+    """One named preset: a row of the paper's setup table, or the built-in tiny preset.
+
+    Each section holds the fields it sets, by their names in the config tree; a field it
+    leaves out keeps its dataclass default. The tests build every setting's configs, so a
+    name or a value that no config takes fails there.
 
     Attributes:
-        name: the letter, a-f.
-        model: Hugging Face Hub name of the checkpoint to fetch beforehand.
-        task: "gsm8k", "math" or "chemistry" (the ``experiments.<task>`` module).
+        name: the letter, a-f, or "tiny".
+        model: Hugging Face Hub name of the checkpoint to fetch beforehand; None: the
+            built-in tiny model.
+        task: "gsm8k", "math" or "chemistry" (the ``experiments.<task>`` module); None: any.
         lora_rank: LoRA rank (alpha equals it, the CLI's default 64); None = full fine-tune.
         dtype: parameter dtype.
-        algorithm: method -> AlgorithmConfig fields of that method.
+        methods: method -> the AlgorithmConfig fields of that method.
         common: AlgorithmConfig fields shared by the methods.
         run: RunConfig fields, the evaluation protocol among them (``eval_repeats``,
             ``eval_temperature``, ``eval_metric``: see ``podsjax.loop.RunConfig``).
-        mesh: the ``--mesh`` spec.
-        hardware: what the paper ran it on (for ``describe``).
+        mesh: the ``--mesh`` spec; None: the setting leaves it.
+        hardware: what it ran on (for ``describe``).
         rewards: keyword arguments of ``podsjax.rewards.default_rewards(task, **rewards)``.
         sources: where each value comes from, by ``section.key`` or, for the rest of a
             section, by ``section`` (:meth:`source`).
     """
 
     name: str
-    model: str
-    task: str
+    model: str | None
+    task: str | None
     lora_rank: int | None
     dtype: str
-    algorithm: dict[str, dict[str, Any]]
-    common: dict[str, Any]
-    run: dict[str, Any]
-    mesh: str = "1"
+    methods: Mapping[str, Mapping[str, Any]]
+    common: Mapping[str, Any]
+    run: Mapping[str, Any]
+    mesh: str | None = "1"
     hardware: str = ""
-    rewards: dict[str, Any] = dataclasses.field(default_factory=dict)
-    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    rewards: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"Setting {self.name}: lora_rank must be >= 1 or None; got {self.lora_rank}")
+        # Read-only views: settings share their section dicts, so one edit would change several.
+        for name in ("common", "run", "rewards", "sources"):
+            object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
+        methods = {method: types.MappingProxyType(dict(fields)) for method, fields in self.methods.items()}
+        object.__setattr__(self, "methods", types.MappingProxyType(methods))
 
     def algorithm_config(self, method: str) -> dict[str, Any]:
         """The AlgorithmConfig fields of ``method``: ``common`` overlaid with the method's own."""
-        if method not in self.algorithm:
+        if method not in self.methods:
             raise ValueError(f"setting {self.name} has no method {method!r}; "
-                             f"choose one of {', '.join(self.algorithm)}")
-        return {**self.common, **self.algorithm[method]}
+                             f"choose one of {', '.join(self.methods)}")
+        return {**self.common, **self.methods[method]}
+
+    def values(self, method: str) -> dict[str, dict[str, Any]]:
+        """Every field the setting sets for ``method``, by section of the config tree (:data:`SECTIONS`)."""
+        model = {"hub_name": self.model, "lora_rank": self.lora_rank, "dtype": self.dtype, "mesh": self.mesh}
+        model = {key: value for key, value in model.items() if value is not None or key == "lora_rank"}
+        return {"model": model, "algorithm": self.algorithm_config(method), "run": dict(self.run),
+                "rewards": dict(self.rewards)}
 
     def source(self, key: str) -> str:
         """Where ``key`` ("algorithm.learning_rate") comes from: its own entry, else its section's."""
         return self.sources.get(key) or self.sources.get(key.split(".")[0], "")
 
+    @property
+    def headline(self) -> str:
+        """One line: task, model, fine-tuning, hardware and mesh, with the model's source."""
+        tuning = "full fine-tune" if self.lora_rank is None else f"LoRA r {self.lora_rank}"
+        parts = [self.task or "any task", self.model or "the built-in tiny model", tuning, self.hardware,
+                 f"mesh {self.mesh}" if self.mesh else ""]
+        return f"setting {self.name}: {' / '.join(p for p in parts if p)}  {self.source('model')}".rstrip()
+
     def describe(self, method: str) -> str:
         """What ``--setting <name> --method <method>`` sets, one ``key = value  [source]`` per line."""
-        tuning = "full fine-tune" if self.lora_rank is None else f"LoRA r {self.lora_rank}"
-        lines = [f"setting {self.name}: {self.task} / {self.model} / {tuning} / {self.hardware} / mesh {self.mesh}"
-                 f"  {self.source('model')}"]
-        for section, values in (("algorithm", self.algorithm_config(method)), ("run", self.run),
-                                ("rewards", self.rewards)):
-            for key, value in values.items():
-                shown = repr(value) if isinstance(value, str) and "\n" in value else value
-                lines.append(f"  {section}.{key} = {shown}  {self.source(f'{section}.{key}')}".rstrip())
+        lines = [self.headline]
+        for section, fields in self.values(method).items():
+            for key, value in fields.items():
+                lines.append(f"  {section}.{key} = {show_value(value)}  {self.source(f'{section}.{key}')}".rstrip())
         return "\n".join(lines)
+
+
+def show_value(value: Any) -> str:
+    """A value on one line, as a flag takes it: null, true, [a, b]; a text with spaces or
+    commas (a system prompt) as its repr."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(show_value(item) for item in value)}]"
+    quoted = isinstance(value, str) and (not value or "," in value or any(c.isspace() for c in value))
+    return repr(value) if quoted else str(value)
 
 
 _QWEN_3B = "Qwen/Qwen2.5-3B-Instruct"
@@ -197,7 +238,7 @@ _LORA = 64  # [paper] LoRA r 64, alpha 64 on q, k, v, o, gate, up, down ([1gpu] 
 
 
 _SINGLE_SOURCES = {
-    "model": "[paper]",
+    "model": "[paper]", "model.dtype": "[podsjax] bf16 weights (the authors' are 4-bit)",
     "algorithm": "[1gpu] config/train.yaml",
     "algorithm.algorithm": "[1gpu] results/ file names", "algorithm.n": "[1gpu] results/ file names",
     "algorithm.m": "[1gpu] results/ file names", "algorithm.rule": "[1gpu] trainer/maxvargrpo_trainer.py",
@@ -210,14 +251,15 @@ _SINGLE_SOURCES = {
     "rewards": "[1gpu] release 3fc107e utils/data.py",
 }
 _SINGLE_SOURCE_CHANGES = {
-    "b": {"algorithm.beta": "[1gpu] results/ file names", "run": "[1gpu] scripts/plot.py",
-          "run.system_prompt": "[1gpu] utils/data.py", "rewards": "[1gpu] commit 0c453d2 utils/data.py"},
+    "b": {"algorithm.beta": "[1gpu] results/ file names", "run.time_budget_s": "[1gpu] scripts/plot.py",
+          "run.eval_every_s": "[1gpu] scripts/plot.py", "run.checkpoint_every_s": "[1gpu] scripts/plot.py",
+          "run.eval_metric": "[1gpu] scripts/plot.py (both_acc)", "rewards": "[1gpu] commit 0c453d2 utils/data.py"},
     "c": {"rewards": "[1gpu] release 3fc107e train.py (results NF)"},
     "d": {"algorithm.n": "[podsjax] GSM8K's", "algorithm.m": "[podsjax] GSM8K's",
           "rewards": "[podsjax] setting a's, SciBench's grading"},
 }
 _MULTI_SOURCES = {
-    "model": "[paper]",
+    "model": "[paper]", "model.dtype": "[podsjax] bf16 compute, fp32 master weights and moments",
     "algorithm": "[8gpu] recipes/Qwen2.5-3B-Instruct/config_pods.yaml",
     "algorithm.algorithm": "[8gpu] exp.sh", "algorithm.n": "[8gpu] exp.sh (pods_full_size)",
     "algorithm.m": "[8gpu] exp.sh (num_generations)", "algorithm.grad_accum": "[8gpu] exp.sh",
@@ -238,25 +280,25 @@ _MULTI_SOURCES = {
 
 def _single(name: str, model: str, task: str, methods: dict, **changes: Any) -> Setting:
     """A single-GPU setting (a-d): LoRA, bf16, the [1gpu] defaults, with ``changes`` on top."""
-    fields = dict(lora_rank=_LORA, dtype="bfloat16", algorithm=methods, common=_SINGLE_COMMON, run=_SINGLE_RUN,
+    fields = dict(lora_rank=_LORA, dtype="bfloat16", methods=methods, common=_SINGLE_COMMON, run=_SINGLE_RUN,
                   mesh="1", hardware="1 L40S", rewards=_SINGLE_REWARDS,
                   sources={**_SINGLE_SOURCES, **_SINGLE_SOURCE_CHANGES.get(name, {})})
     return Setting(name=name, model=model, task=task, **{**fields, **changes})
 
 
 SETTINGS: dict[str, Setting] = {
-    "a": _single("a", _QWEN_3B, "gsm8k", _GSM8K_METHODS),
+    "a": _single("a", _QWEN_3B, "gsm8k", GSM8K_METHODS),
     # [1gpu] results/Instruct-Llama-512-{16-16,64-16}-0.04: KL beta 0.04; scripts/plot.py plots
     # 1.5 h with checkpoints (hence evaluations) every 10 min and metric both_acc: the answer
     # correct and utils/data.py format_correct true ("accuracy_and_format").
-    "b": _single("b", "meta-llama/Llama-3.2-3B-Instruct", "gsm8k", _GSM8K_METHODS,
+    "b": _single("b", "meta-llama/Llama-3.2-3B-Instruct", "gsm8k", GSM8K_METHODS,
                  common={**_SINGLE_COMMON, "beta": 0.04},
                  run={**_SINGLE_RUN, "time_budget_s": 1.5 * 3600.0, "eval_every_s": 600.0,
                       "checkpoint_every_s": 600.0, "eval_metric": "accuracy_and_format"}, rewards=_LLAMA_REWARDS),
     "c": _single("c", _QWEN_3B, "math", _MATH_METHODS, rewards=_MATH_REWARDS),
     # [podsjax] the chemistry n / m and rewards are not in reachable sources: GSM8K's, with
     # SciBench's grading (within 5 % relative) in place of theirs.
-    "d": _single("d", _QWEN_3B, "chemistry", _GSM8K_METHODS),
+    "d": _single("d", _QWEN_3B, "chemistry", GSM8K_METHODS),
     "e": Setting("e", _QWEN_3B, "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON, _MULTI_RUN,
                  mesh=str(_GPUS), hardware="8 H100", rewards=_MULTI_REWARDS, sources=_MULTI_SOURCES),
     "f": Setting("f", "Qwen/Qwen2.5-7B-Instruct", "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON,
@@ -264,9 +306,32 @@ SETTINGS: dict[str, Setting] = {
 }
 
 
+# The built-in tiny preset, the default without a checkpoint: any task, on any CPU. Measured
+# on a loaded 2-core CPU with --mesh 8 and full fine-tuning: a PODS step takes 0.5-1 s, and
+# greedy test accuracy (256 problems) rose from 23% to 30-37% within 100-220 s of training
+# clock. lr 3e-4 peaked as high but drifted back; 2-4 prompts per step barely moved
+# accuracy; lr 5e-4 with 2 prompts per step collapsed the policy. Completions are at most
+# ~35 tokens and prompts at most ~112 (the system prompt is ~70 of them). GRPO trains as
+# many rollouts as PODS trains; GRPO-GA trains all of PODS's n in micro-batches of its m.
+TINY = Setting(
+    "tiny", model=None, task=None, lora_rank=None, dtype="float32", mesh=None, hardware="any CPU",
+    methods={"grpo": dict(algorithm="grpo", n=4, m=4), "grpo-ga": dict(algorithm="grpo-ga", n=16, m=16, grad_accum=4),
+             "pods": dict(algorithm="pods", n=16, m=4, rule="max_variance")},
+    common=dict(learning_rate=2e-4, temperature=1.0),
+    run=dict(prompts_per_step=8, max_new_tokens=48, max_prompt_length=128, time_budget_s=240.0, eval_every_s=20.0,
+             eval_limit=256),
+    sources={"model": "[podsjax] the built-in tiny model (podsjax.tiny)",
+             "algorithm": "[podsjax] measured on a 2-core CPU", "run": "[podsjax] measured on a 2-core CPU",
+             "run.max_new_tokens": "[podsjax] completions of at most ~35 tokens",
+             "run.max_prompt_length": "[podsjax] prompts of at most ~112 tokens"},
+)
+# Every name --setting takes.
+PRESETS: dict[str, Setting] = {"tiny": TINY, **SETTINGS}
+
+
 def get_setting(name: str) -> Setting:
-    """The setting lettered ``name`` (a-f, any case); a ValueError lists the letters otherwise."""
+    """The preset named ``name`` (tiny, or the paper's a-f; any case); a ValueError lists the names otherwise."""
     try:
-        return SETTINGS[name.lower()]
+        return PRESETS[name.lower()]
     except KeyError:
-        raise ValueError(f"unknown setting {name!r}; choose one of {', '.join(SETTINGS)}") from None
+        raise ValueError(f"unknown setting {name!r}; choose one of {', '.join(PRESETS)}") from None

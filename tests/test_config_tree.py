@@ -5,7 +5,7 @@ import json
 import pytest
 
 from experiments import cli, flags
-from experiments.config import SETTINGS, ExperimentConfig
+from experiments.config import ExperimentConfig
 from experiments.usage import UsageError
 from podsjax import paper_settings
 
@@ -52,11 +52,9 @@ def test_a_runs_config_json_starts_a_new_run_like_it(tmp_path):
 
 
 def test_each_named_setting_gives_a_valid_config(tmp_path):
-    for name in SETTINGS:
-        setting = None if name == "tiny" else paper_settings.get_setting(name)
-        task = setting.task if setting else "gsm8k"
-        methods = setting.algorithm if setting else ("grpo", "grpo-ga", "pods")
-        for method in methods:
+    for name, setting in paper_settings.PRESETS.items():
+        task = setting.task or "gsm8k"
+        for method in setting.methods:
             model = [] if name == "tiny" else ["--model", str(tmp_path)]
             config = parse("--setting", name, "--method", method, *model, "--max-steps", "1", task=task)
             assert isinstance(config, ExperimentConfig) and config.algorithm.algorithm == method

@@ -43,6 +43,15 @@ def test_gsm8k_directory_path_picks_the_split(data_dir):
     assert len(load_task("gsm8k", "test", os.path.join(data_dir, "gsm8k"), limit=5)) == 5
 
 
+def test_split_file_names_the_file_a_split_loads_from(data_dir, tmp_path):
+    directory = os.path.join(data_dir, "gsm8k")
+    assert data.split_file(directory, "test") == load_task("gsm8k", "test", directory).origin
+    with pytest.raises(DataError, match="no dev.jsonl or dev.parquet in"):
+        data.split_file(directory, "dev")
+    # The tasks with no Hub dataset name where their files are.
+    assert "data/chemistry" in data.LOCAL_ONLY_TASKS["chemistry"] and "gsm8k" not in data.LOCAL_ONLY_TASKS
+
+
 def test_math500_real_file(data_dir):
     path = os.path.join(data_dir, "math500", "test.jsonl")
     task = load_task("math", "test", path)

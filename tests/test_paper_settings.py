@@ -1,4 +1,4 @@
-"""The paper's settings a-f: the table's letters, the authors' defaults, and configs that validate."""
+"""The presets: the paper's settings a-f (the table's letters, the authors' defaults) and tiny; valid configs."""
 
 import re
 
@@ -24,21 +24,22 @@ def test_letters_follow_the_papers_table():
     for name, (task, model, hardware, rank, mesh) in PAPER_TABLE.items():
         s = paper_settings.get_setting(name.upper())
         assert (s.name, s.task, s.model, s.hardware, s.lora_rank, s.mesh) == (name, task, model, hardware, rank, mesh)
-    with pytest.raises(ValueError, match="unknown setting 'z'; choose one of a, b, c, d, e, f"):
+    with pytest.raises(ValueError, match="unknown setting 'z'; choose one of tiny, a, b, c, d, e, f"):
         paper_settings.get_setting("z")
 
 
-@pytest.mark.parametrize("name", list(PAPER_TABLE))
+@pytest.mark.parametrize("name", list(paper_settings.PRESETS))
 def test_every_method_builds_valid_configs_and_rewards(name, tmp_path):
     s = paper_settings.get_setting(name)
-    for method in s.algorithm:
+    task = s.task or "gsm8k"
+    for method in s.methods:
         config = train.AlgorithmConfig(**s.algorithm_config(method))
         assert config.algorithm == method
-    run = loop.RunConfig(out_dir=str(tmp_path), task=s.task, **s.run)
-    assert run.task == s.task
-    assert [w.name for w in default_rewards(s.task, **s.rewards)] == ["accuracy", "format", "tag_count"]
-    described = s.describe(next(iter(s.algorithm)))
-    for key in (*s.run, *s.rewards, *s.common):
+    run = loop.RunConfig(out_dir=str(tmp_path), task=task, **s.run)
+    assert run.task == task
+    assert [w.name for w in default_rewards(task, **s.rewards)] == ["accuracy", "format", "tag_count"]
+    described = s.describe(next(iter(s.methods)))
+    for key in (*s.run, *s.rewards, *s.common, "lora_rank", "dtype"):
         assert f".{key} = " in described
     with pytest.raises(ValueError, match=f"setting {name} has no method 'ppo'"):
         s.algorithm_config("ppo")
@@ -83,7 +84,7 @@ def test_single_gpu_rollout_counts(name, grpo, pods):
 @pytest.mark.parametrize("name", MULTI)
 def test_eight_gpu_settings_follow_the_run_script(name):
     s = paper_settings.get_setting(name)
-    assert set(s.algorithm) == {"grpo-ga", "pods"}  # the paper's two methods at this scale
+    assert set(s.methods) == {"grpo-ga", "pods"}  # the paper's two methods at this scale
     c = config(name, "pods")
     # config_pods.yaml, the recipe exp.sh names: a cosine over the epoch with 10 % warm-up.
     assert (c.learning_rate, c.schedule, c.warmup_ratio, c.total_steps) == (2e-5, "cosine", 0.1, 7473 // 8)
@@ -106,7 +107,7 @@ def test_eight_gpu_settings_follow_the_run_script(name):
 
 def test_bad_setting_fields_raise_one_line_errors():
     base = paper_settings.get_setting("a")
-    fields = {f: getattr(base, f) for f in ("name", "model", "task", "lora_rank", "dtype", "algorithm", "common",
+    fields = {f: getattr(base, f) for f in ("name", "model", "task", "lora_rank", "dtype", "methods", "common",
                                              "run")}
     with pytest.raises(ValueError, match="lora_rank must be >= 1 or None"):
         paper_settings.Setting(**{**fields, "lora_rank": 0})
@@ -136,10 +137,42 @@ def test_single_gpu_runs_ask_in_the_authors_words(name):
     assert len(described) == 1 and "\\n" in described[0]
 
 
-@pytest.mark.parametrize("name", sorted(paper_settings.SETTINGS))
+@pytest.mark.parametrize("name", sorted(paper_settings.PRESETS))
 @pytest.mark.parametrize("method", ["grpo-ga", "pods"])
 def test_every_value_a_setting_sets_names_its_source(name, method):
     lines = paper_settings.get_setting(name).describe(method).splitlines()
     untagged = [line for line in lines if not re.search(r"  \[(paper|1gpu|8gpu|podsjax)\]( \S.*)?$", line)]
     assert not untagged, untagged
 
+
+
+def test_the_tiny_preset_runs_any_task_at_the_sizes_measured_on_a_cpu():
+    tiny = paper_settings.get_setting("tiny")
+    assert tiny is paper_settings.TINY
+    assert (tiny.task, tiny.model, tiny.lora_rank, tiny.mesh) == (None, None, None, None)
+    pods, grpo, ga = (config("tiny", method) for method in ("pods", "grpo", "grpo-ga"))
+    assert (pods.n, pods.m, pods.learning_rate, pods.temperature) == (16, 4, 2e-4, 1.0)
+    # GRPO trains as many rollouts as PODS trains; GRPO-GA all of PODS's n in micro-batches of its m.
+    assert (grpo.n, grpo.m) == (4, 4) and (ga.n, ga.m, ga.grad_accum) == (16, 16, 4)
+    assert tiny.values("pods")["model"] == {"lora_rank": None, "dtype": "float32"}  # no checkpoint, any mesh
+    run = loop.RunConfig(out_dir="unused", **tiny.run)
+    # Every tiny prompt fits, and a step's rollout rows split evenly over 8 devices.
+    assert (run.prompts_per_step * pods.n) % 8 == 0 and run.max_prompt_length >= 112
+
+
+def test_the_tiny_rl_defaults_still_held_by_podsjax_tiny_agree():
+    from podsjax.tiny import TINY_RL_DEFAULTS as d
+
+    tiny = paper_settings.TINY
+    assert (d["n"], d["m"]) == (tiny.methods["pods"]["n"], tiny.methods["pods"]["m"])
+    assert (d["learning_rate"], d["temperature"]) == (tiny.common["learning_rate"], tiny.common["temperature"])
+    assert d["full_finetune"] == (tiny.lora_rank is None)
+    assert {key: d[key] for key in tiny.run} == dict(tiny.run)
+
+
+def test_settings_are_read_only_and_method_config_reads_their_sizes():
+    with pytest.raises(TypeError):
+        paper_settings.get_setting("a").run["max_new_tokens"] = 1
+    for method, sizes in paper_settings.GSM8K_METHODS.items():
+        assert {key: getattr(train.method_config(method), key) for key in sizes} == dict(sizes)
+        assert paper_settings.get_setting("a").methods[method] == sizes
