@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from podsjax import grpo, selection
+from podsjax import grpo, paper_settings, selection
 
 ALGORITHMS = ("grpo", "grpo-ga", "pods")
 # optax >= 0.2.6 moved the global norm; keep older optax working too.
@@ -139,19 +139,16 @@ class AlgorithmConfig:
 
 
 def method_config(name: str, **overrides) -> AlgorithmConfig:
-    """The paper's three algorithms with its single-GPU settings (a-d); override any field.
+    """One of the paper's three algorithms with the n / m of its single-GPU GSM8K settings; override any field.
 
-    "grpo": n = m = 16. "grpo-ga": n = m = 64 in 4 micro-batches of 16 rollouts. "pods":
-    n = 64, m = 16, max-variance selection.
+    The sizes are ``paper_settings.GSM8K_METHODS`` (docs/paper_settings.md lists them):
+    "grpo" trains every rollout, "grpo-ga" too in ``grad_accum`` micro-batches, "pods"
+    the max-variance m of n.
     """
-    base = {
-        "grpo": dict(algorithm="grpo", n=16, m=16),
-        "grpo-ga": dict(algorithm="grpo-ga", n=64, m=64, grad_accum=4),
-        "pods": dict(algorithm="pods", n=64, m=16, rule="max_variance"),
-    }
-    if name not in base:
-        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(base)}")
-    return AlgorithmConfig(**{**base[name], **overrides})
+    presets = paper_settings.GSM8K_METHODS
+    if name not in presets:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(presets)}")
+    return AlgorithmConfig(**{**presets[name], **overrides})
 
 
 def make_optimizer(config: AlgorithmConfig) -> optax.GradientTransformation:
