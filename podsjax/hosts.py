@@ -25,16 +25,6 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def place_rows(x: np.ndarray, mesh) -> Any:
-    """``podsjax.sampling.Generator.place_rows`` for callers that have not moved to a Generator;
-    with one process the array is returned as is (the sampler places it)."""
-    if mesh is None or count() == 1:
-        return x
-    from podsjax import sampling
-
-    return sampling._place_rows(x, mesh)
-
-
 def local_rows(x: jax.Array) -> tuple[int, np.ndarray]:
     """(first global row, this process's rows) of a row-sharded array; all rows with one process."""
     if count() == 1 or x.is_fully_addressable:

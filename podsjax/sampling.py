@@ -247,26 +247,3 @@ def generate(
         params, prompt_ids_BL, prompt_mask_BL, key, num_samples=num_samples, max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=eos_token_ids,
         pad_token_id=pad_token_id, lora=lora, return_logprobs=return_logprobs)
-
-
-# Kept for callers that have not moved to a Generator yet: these functions share one store of
-# programs, as the sampler did before Generators owned theirs.
-_SHARED_PROGRAMS = sampler_programs.Programs(192)
-_PROGRAMS = _SHARED_PROGRAMS.by_key
-
-
-def _shared(model) -> Generator:
-    generator = Generator(model)
-    generator._programs = _SHARED_PROGRAMS
-    return generator
-
-
-def compiled_stages(model, cfg: SamplingConfig, params: Any, lora: Any, prompt_ids_BL: Any, *,
-                    timings: dict | None = None):
-    """:meth:`Generator.stages` on the shared store."""
-    return _shared(model).stages(cfg, params, lora, prompt_ids_BL, timings=timings)
-
-
-def compile_generate(model, params, lora, **shapes) -> dict:
-    """:meth:`Generator.compile` on the shared store."""
-    return _shared(model).compile(params, lora, **shapes)

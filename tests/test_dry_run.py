@@ -230,10 +230,11 @@ def test_the_plan_compiles_the_samplers_program_the_run_uses():
 
     model = pm.Decoder(SMALL)
     algo = train.AlgorithmConfig(algorithm="pods", n=4, m=2, top_p=0.9, top_k=7)
+    generator = sampling.Generator(model)
     dry_run_lib.plan(model, algo, pm.LoraConfig(rank=2, alpha=2.0), base_params=dry_run_lib.abstract_base(model),
-                     prompts=1, prompt_len=16, max_new_tokens=4, eos_token_ids=(2,))
-    decodes = {(key[2].top_p, key[2].top_k, key[2].max_new_tokens) for key in sampling._PROGRAMS
-               if key[0] == "decode" and key[1] == model}
+                     prompts=1, prompt_len=16, max_new_tokens=4, eos_token_ids=(2,), generator=generator)
+    decodes = {(key[2].top_p, key[2].top_k, key[2].max_new_tokens) for key in generator._programs.by_key
+               if key[0] == "decode"}
     assert (0.9, 7, 4) in decodes and (1.0, 0, 4) not in decodes, decodes
 
 

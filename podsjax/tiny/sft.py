@@ -43,14 +43,13 @@ def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[E
         max_prompt_length: longer prompts are dropped, as in the loop.
         task: whose accuracy reward scores the completions ("gsm8k", "math", "chemistry").
         generator: ``model``'s :class:`podsjax.sampling.Generator`; pass the same one to
-            every evaluation to compile once (default: programs shared with older callers).
+            every evaluation to compile once (default: a new one, which compiles).
 
     Returns:
         {"accuracy": float, "format": float, "completions": list[str]} over the kept examples.
     """
     eos = prompts_lib.eos_token_ids(tokenizer)
-    if generator is None:  # the warm-up evaluates several times without one of its own
-        generator = sampling._shared(model)
+    generator = generator or sampling.Generator(model)
     completions, kept_examples = [], []
     for start in range(0, len(examples), batch_size):
         chunk = list(examples[start:start + batch_size])

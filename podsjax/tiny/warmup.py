@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from podsjax import prompts as prompts_lib
+from podsjax import sampling
 from podsjax.models import Decoder, ModelConfig, from_pretrained, save_pretrained
 from podsjax.tiny.build import TINY_MODEL, build_tiny_checkpoint, check_tiny_model
 from podsjax.tiny.problems import TASKS, generate_problems, make_splits
@@ -279,10 +280,11 @@ def _train(model: Decoder, params: Any, tokenizer, config: WarmupConfig, say: Ca
     optimizer = make_sft_optimizer(config.lr, config.steps, config.warmup_steps, config.weight_decay)
     opt_state = optimizer.init(params)
     step_fn = make_sft_step(model, optimizer)
+    generator = sampling.Generator(model)  # every evaluation of the warm-up reuses its programs
 
     def evaluate(examples):
         return evaluate_greedy(model, params, tokenizer, examples, max_new_tokens=config.max_new_tokens,
-                               batch_size=config.eval_batch_size, task=config.task)
+                               batch_size=config.eval_batch_size, task=config.task, generator=generator)
 
     started = time.perf_counter()
     history: list[dict[str, float]] = []
