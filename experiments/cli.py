@@ -408,7 +408,7 @@ def main(task: str, argv=None) -> int:
         flags.check(args, config)
         start(args, config)
         if args.setting:
-            print(flags.describe_setting(args.setting, args.method, config), flush=True)
+            print(flags.describe_setting(args.setting, args.method, config, getattr(args, "origins", None)), flush=True)
         from experiments import runner
 
         return runner.run_experiment(config, args.out, overwrite=args.overwrite, resume=args.resume,

@@ -186,7 +186,9 @@ def main(argv=None) -> int:
         histories = {}
         for label, config in comparison.variants.items():
             if run_args.setting:
-                print(flags_lib.describe_setting(run_args.setting, config.algorithm.algorithm, config), flush=True)
+                origins = getattr(run_args, "origins", None)
+                print(flags_lib.describe_setting(run_args.setting, config.algorithm.algorithm, config, origins),
+                      flush=True)
             histories[label] = []
             for seed in args.seeds:
                 run = seed_config(config, seed, os.path.join(args.out, f"{label}-seed{seed}"), args.out)

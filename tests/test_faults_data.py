@@ -6,7 +6,6 @@ import tracemalloc
 
 import pytest
 
-from podsjax import data
 from podsjax.data import MAX_ROW_CHARS, DataError, load_task
 
 _GOOD = {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}
@@ -233,9 +232,3 @@ def test_unreadable_file_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr("builtins.open", denied)  # chmod does not stop root, who may run the tests
     assert _one_line_error("gsm8k", "test", path) == f"cannot read {path}: Permission denied"
-
-
-def test_private_names_other_modules_use_still_work(tmp_path):
-    path = _write(tmp_path / "train.jsonl", [_GOOD])
-    assert data._resolve(str(tmp_path), "train") == path
-    assert "chemistry" in data._LOCAL_ONLY

@@ -160,16 +160,6 @@ def test_the_tiny_preset_runs_any_task_at_the_sizes_measured_on_a_cpu():
     assert (run.prompts_per_step * pods.n) % 8 == 0 and run.max_prompt_length >= 112
 
 
-def test_the_tiny_rl_defaults_still_held_by_podsjax_tiny_agree():
-    from podsjax.tiny import TINY_RL_DEFAULTS as d
-
-    tiny = paper_settings.TINY
-    assert (d["n"], d["m"]) == (tiny.methods["pods"]["n"], tiny.methods["pods"]["m"])
-    assert (d["learning_rate"], d["temperature"]) == (tiny.common["learning_rate"], tiny.common["temperature"])
-    assert d["full_finetune"] == (tiny.lora_rank is None)
-    assert {key: d[key] for key in tiny.run} == dict(tiny.run)
-
-
 def test_settings_are_read_only_and_method_config_reads_their_sizes():
     with pytest.raises(TypeError):
         paper_settings.get_setting("a").run["max_new_tokens"] = 1

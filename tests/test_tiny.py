@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import podsjax.models as pm
-from podsjax import loop, prompts, rewards, train
+from podsjax import loop, paper_settings, prompts, rewards, train
 from podsjax import tiny
 from podsjax.tiny import sft
 from podsjax.tiny import warmup as warmup_lib
@@ -273,13 +273,11 @@ def test_model_spec_is_validated():
 
 
 def test_rl_defaults_make_valid_configs(tmp_path):
-    d = tiny.TINY_RL_DEFAULTS
-    algo = train.method_config("pods", n=d["n"], m=d["m"], learning_rate=d["learning_rate"], temperature=d["temperature"])
+    setting = paper_settings.TINY
+    pods = {k: v for k, v in setting.methods["pods"].items() if k != "algorithm"}
+    algo = train.method_config("pods", **pods, **setting.common)
     assert algo.m < algo.n
-    run = loop.RunConfig(out_dir=str(tmp_path), prompts_per_step=d["prompts_per_step"],
-                         max_prompt_length=d["max_prompt_length"], max_new_tokens=d["max_new_tokens"],
-                         time_budget_s=d["time_budget_s"], eval_every_s=d["eval_every_s"],
-                         eval_limit=d["eval_limit"])
+    run = loop.RunConfig(out_dir=str(tmp_path), **setting.run)
     # Every tiny prompt fits, and the rollouts of a step split evenly over 8 devices.
     _, test_set = tiny.tiny_tasks(0)
     batch = prompts.prepare_prompts(tiny.build_tokenizer(), [e.prompt for e in test_set],

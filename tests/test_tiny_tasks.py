@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from podsjax import prompts, rewards, tiny
+from podsjax import paper_settings, prompts, rewards, tiny
 from podsjax.data import reward_columns
 from podsjax.rewards.combine import TASK_ACCURACY
 from podsjax.tiny import chemistry_like, math_like, problems
@@ -108,12 +108,12 @@ def test_splits_are_disjoint_and_seeded(task):
 def test_prompts_fit_the_tiny_defaults(task):
     """Every test prompt fits max_prompt_length, so none is skipped from evaluation."""
     tokenizer = tiny.build_tokenizer(task=task)
-    limit = tiny.TINY_RL_DEFAULTS["max_prompt_length"]
+    limit = paper_settings.TINY.run["max_prompt_length"]
     examples = tiny.generate_problems(256, seed=0, split="test", task=task)
     lengths = [len(tokenizer(prompts.build_prompt(tokenizer, e.prompt))["input_ids"]) for e in examples]
     assert max(lengths) <= limit
     completion_lengths = [len(tokenizer(tiny.sft_completion(e))["input_ids"]) for e in examples]
-    assert max(completion_lengths) < tiny.TINY_RL_DEFAULTS["max_new_tokens"]
+    assert max(completion_lengths) < paper_settings.TINY.run["max_new_tokens"]
 
 
 def test_exhausted_space_raises_unless_at_most():

@@ -14,7 +14,7 @@ and ``tiny_tasks(seed, task=...)`` pick one.
 
 The checkpoint is an ordinary HF directory, so everything after the warm-up (sampling,
 rewards, selection, the sharded step, checkpoints, evaluation) is the real-run code path.
-``TINY_RL_DEFAULTS`` holds RL settings checked to run quickly on a 2-core CPU.
+Its RL settings, checked to run quickly on a 2-core CPU, are ``podsjax.paper_settings.TINY``.
 """
 
 from podsjax.tiny.build import CHATML_TEMPLATE, TINY_MODEL, build_tiny_checkpoint, build_tokenizer, tiny_model
@@ -41,24 +41,8 @@ from podsjax.tiny.warmup import (
     warm_up,
 )
 
-# RL settings for the tiny preset (the CLI maps them onto AlgorithmConfig / RunConfig); how
-# they were chosen: docs/results.md.
-TINY_RL_DEFAULTS: dict = {
-    "n": 16,
-    "m": 4,
-    "prompts_per_step": 8,
-    "learning_rate": 2e-4,
-    "temperature": 1.0,
-    "full_finetune": True,
-    "max_new_tokens": 48,
-    "max_prompt_length": 128,
-    "time_budget_s": 240.0,
-    "eval_every_s": 20.0,
-    "eval_limit": 256,
-}
-
 __all__ = [
-    "CHATML_TEMPLATE", "MARKER_FILE", "TASKS", "TEMPLATES", "TINY_MODEL", "TINY_RL_DEFAULTS", "TinyTasks",
+    "CHATML_TEMPLATE", "MARKER_FILE", "TASKS", "TEMPLATES", "TINY_MODEL", "TinyTasks",
     "WARMUP_DIRNAME", "WarmupConfig", "WarmupError", "WarmupStats", "build_tiny_checkpoint", "build_tokenizer",
     "evaluate_greedy", "generate_problems", "iter_problems", "load_cached", "make_splits", "sft_completion",
     "split_of", "tiny_model", "tiny_tasks", "warm_up", "worked_steps",
