@@ -80,7 +80,7 @@ def test_every_code_block_is_run_or_checked(page):
     # A fence without a language, or a misspelt one, would escape the python examples' run.
     assert {language for _, language in fences(text)} <= {"python", "bash", "yaml", "text"}
     # Every module the commands run is in this repository or its test dependencies.
-    for module in set(re.findall(r"python3? -m ([A-Za-z_][\w.]*)", text)):
+    for module in set(re.findall(r"python3? -m ([A-Za-z_]\w*(?:\.\w+)*)", text)):
         assert importlib.util.find_spec(module) is not None, f"{page} runs `python -m {module}`, which is not there"
 
 
