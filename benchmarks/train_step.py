@@ -69,7 +69,7 @@ from benchmarks.machine import (
     others_busy, print_machine, print_runs, reset_torch_peak, torch_device, torch_peak_bytes, torch_sync,
 )
 from benchmarks.qwen_model import add_model_args, build_hf_model, describe, resolve, to_podsjax
-from podsjax import train
+from podsjax import algorithms, train
 from podsjax.models import LoraConfig, init_lora
 
 # transformers 5 renamed gradient checkpointing; peft still calls the old names.
@@ -94,7 +94,7 @@ def make_batch(args) -> dict[str, np.ndarray]:
 
 def podsjax_step(model, params, lora, batch, config):
     """(run_once, compile seconds): a donated update of ``lora`` on frozen ``params`` (of ``params`` when no LoRA)."""
-    optimizer = train.make_optimizer(config)
+    optimizer = algorithms.make_optimizer(config)
     if lora is not None:
         policy, _ = train.lora_apply_fn(model)
         trainable, frozen = lora, params
@@ -215,7 +215,7 @@ def run_update(args):
     hf_model = build_hf_model(args, args.prompt_len + args.completion_len)
     num_params = sum(p.numel() for p in hf_model.parameters())
     model, params = to_podsjax(hf_model, args.dtype, remat=args.remat)
-    config = train.method_config("grpo", n=args.batch, m=args.batch, learning_rate=1e-6, temperature=0.9)
+    config = algorithms.method_config("grpo", n=args.batch, m=args.batch, learning_rate=1e-6, temperature=0.9)
     batch = make_batch(args)
     hf_model.train()  # dropout is 0 in Qwen2; train() turns on gradient checkpointing and the autograd path
     if args.remat != "none":

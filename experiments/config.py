@@ -1,14 +1,14 @@
 """The experiment config: one typed tree, the single source of every default and rule of a run.
 
 Sections: ``model`` (checkpoint, dtype, remat, LoRA, mesh), ``algorithm``
-(:class:`podsjax.train.AlgorithmConfig`), ``run`` (:class:`podsjax.loop.RunConfig`:
+(:class:`podsjax.algorithms.AlgorithmConfig`), ``run`` (:class:`podsjax.loop.RunConfig`:
 budget, sampling, evaluation, checkpoints, logging), ``rewards``, ``data`` and ``tiny``.
 Every field is a command-line flag (``--algorithm.epsilon_high 0.28``) and a key of a
 YAML config file (``--config run.yaml``); draccus builds both from these dataclasses
 and their field comments.
 
 A run's config is the dataclass defaults, then the method's n / m
-(:func:`podsjax.train.method_config`), then the named setting's
+(:func:`podsjax.algorithms.method_config`), then the named setting's
 (``podsjax.paper_settings.PRESETS``: tiny and the paper's a-f), then the config file, then
 the flags. Each is a :class:`Layer`, and :func:`stack` says which one each value came from;
 :func:`settings_table` is docs/paper_settings.md's table of every preset value.
@@ -21,13 +21,13 @@ import math
 import typing
 from typing import Any
 
-from podsjax import paper_settings, train
+from podsjax import algorithms, paper_settings
 from podsjax.loop import RunConfig
 from podsjax.mesh_spec import parse_mesh_spec
 from podsjax.prompts import DEFAULT_SYSTEM_PROMPT
 
 DTYPES = ("float32", "bfloat16")
-METHODS = train.ALGORITHMS
+METHODS = algorithms.ALGORITHMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +153,7 @@ class ExperimentConfig:
 
     run: RunConfig  # no defaults for all of it: a run needs its directory and its budget
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
-    algorithm: train.AlgorithmConfig = dataclasses.field(default_factory=train.AlgorithmConfig)
+    algorithm: algorithms.AlgorithmConfig = dataclasses.field(default_factory=algorithms.AlgorithmConfig)
     rewards: RewardSection = dataclasses.field(default_factory=RewardSection)
     data: DataSection = dataclasses.field(default_factory=DataSection)
     tiny: TinySection = dataclasses.field(default_factory=TinySection)
@@ -200,7 +200,7 @@ class Layer:
 
 
 def preset_layers(task: str, method: str, setting: str | None) -> list[Layer]:
-    """What a run starts from: the method's n / m (``train.method_config``), then the named setting's values."""
+    """What a run starts from: the method's n / m (``algorithms.method_config``), then the named setting's values."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     layers = [Layer(f"method {method}", {"algorithm": dict(paper_settings.GSM8K_METHODS[method])})]

@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from podsjax import compilation, hlo_cost, sampling, topology, train
+from podsjax import algorithms, compilation, hlo_cost, sampling, topology
 from podsjax import mesh as mesh_lib
 from podsjax import models as pm
 from podsjax.loop import programs
@@ -215,7 +215,7 @@ def _param_bytes(base: Any, trained: Any, frozen: Any) -> int:
     return mesh_lib.bytes_per_device(base) + trained_bytes + mesh_lib.bytes_per_device(frozen)
 
 
-def plan(model, algo: train.AlgorithmConfig, lora_config: pm.LoraConfig | None, *, base_params: Any,
+def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | None, *, base_params: Any,
          prompts: int, prompt_len: int, max_new_tokens: int, eos_token_ids, pad_token_id: int = 0,
          update_fn=None, optimizer=None, state=None, frozen=None, compile_log=None,
          generator: sampling.Generator | None = None) -> MemoryPlan:

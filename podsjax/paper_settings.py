@@ -68,7 +68,7 @@ _SINGLE_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0,
                       weight_decay=0.1, max_grad_norm=0.1, temperature=0.9, logprob_temperature=1.0, beta=0.0,
                       aggregation="seq-mean-token-mean")
 # [1gpu] results/: GSM8K GRPO 16/16 vs PODS 64/16. GRPO-GA trains all 64 in 4 micro-batches of 16. [podsjax]
-# Also the methods of a run with no setting (``podsjax.train.method_config``).
+# Also the methods of a run with no setting (``podsjax.algorithms.method_config``).
 GSM8K_METHODS = {
     "grpo": dict(algorithm="grpo", n=16, m=16),
     "grpo-ga": dict(algorithm="grpo-ga", n=64, m=64, grad_accum=4),

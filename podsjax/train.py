@@ -1,21 +1,16 @@
-"""The GRPO / GRPO-GA / GRPO-PODS update: config, state, batch assembly and the jit step.
+"""The GRPO / GRPO-GA / GRPO-PODS update: state, batch assembly and the jit step.
+
+What to train (``AlgorithmConfig``, ``method_config``, the optimizer) is ``podsjax.algorithms``.
 
 One PODS step after generation and scoring, as data:
 
     rewards_PN --select--> idx_PM --gather--> TrainBatch [P*M rows]
     TrainBatch --train_step--> new TrainState, StepMetrics
-
-m is always the number of rollouts per prompt that the update trains, as in the paper.
-GRPO is n = m (no selection); GRPO-GA is n = m as well, with more rollouts per prompt
-accumulated over ``grad_accum`` micro-batches; GRPO-PODS generates n and trains the m a
-rule selects.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -23,151 +18,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from podsjax import grpo, paper_settings, selection
+from podsjax import grpo, selection
+from podsjax.algorithms import AlgorithmConfig, learning_rate_schedule
 
-ALGORITHMS = ("grpo", "grpo-ga", "pods")
 # optax >= 0.2.6 moved the global norm; keep older optax working too.
 _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
-SCHEDULES = ("constant", "cosine")
-
-
-_INT_FIELDS = ("n", "m", "grad_accum", "groups_per_prompt", "num_iterations", "total_steps", "top_k")
-_FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "logprob_temperature", "top_p", "learning_rate",
-                 "warmup_ratio", "max_grad_norm", "weight_decay", "adam_b1", "adam_b2", "advantage_eps")
-
-
-@dataclasses.dataclass(frozen=True)
-class AlgorithmConfig:
-    """Everything that decides what one update does (validated, hashable). One comment per field."""
-
-    n: int = 16  # rollouts generated per prompt
-    m: int = 16  # rollouts trained per prompt: n for grpo and grpo-ga, the m of n a rule selects for pods
-    algorithm: str = "grpo"  # grpo (n = m), grpo-ga (n = m in grad_accum micro-batches) or pods (m of n)
-    rule: str = "max_variance"  # pods selection rule: max_variance, max_reward, random, percentile
-    grad_accum: int = 1  # micro-batches each update is split into (gradients accumulate over them)
-    # groups of n rollouts drawn per prompt each step, each selected and normalized on its own
-    # (the authors' 8-GPU trainer draws one per accumulation micro-batch)
-    groups_per_prompt: int = 1
-    beta: float = 0.0  # k3 KL weight (0: no reference model is evaluated)
-    epsilon: float = 0.2  # clip range of the ratio
-    epsilon_high: float | None = None  # upper clip range (null: epsilon)
-    num_iterations: int = 1  # updates per generated batch (1: the ratio is 1)
-    aggregation: str = "token-mean"  # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm
-    # The rollout policy; the update recomputes log-probs unfiltered, at logprob_temperature.
-    temperature: float = 0.9  # sampling temperature of the rollouts
-    logprob_temperature: float | None = None  # temperature of the update's log-probs (null: temperature)
-    top_p: float = 1.0  # nucleus sampling mass kept (1: off)
-    top_k: int = 0  # sample among the k most likely tokens (0: off)
-    learning_rate: float = 5e-6  # peak learning rate
-    schedule: str = "constant"  # learning-rate schedule: constant or cosine
-    warmup_ratio: float = 0.0  # cosine: fraction of total_steps spent warming up
-    total_steps: int = 1000  # cosine: the schedule's length in updates
-    max_grad_norm: float = 0.1  # gradients are clipped to this global norm
-    weight_decay: float = 0.1  # AdamW weight decay
-    adam_b1: float = 0.9  # AdamW beta1
-    adam_b2: float = 0.99  # AdamW beta2
-    advantage_eps: float = 1e-4  # added to the group's reward std before dividing
-    std_scaling: str = "group"  # advantage scale: group (the group's std), batch or none
-
-    def __post_init__(self):
-        def bad(message):
-            raise ValueError(f"AlgorithmConfig: {message}")
-
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int)):
-                bad(f"{field.name} must be an integer; got {value!r}")
-            if field.name in _FLOAT_FIELDS and value is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    bad(f"{field.name} must be a number; got {value!r}")
-                if not math.isfinite(value):  # an inf lr or beta would silently poison every weight
-                    bad(f"{field.name} must be finite; got {value}")
-        if self.algorithm not in ALGORITHMS:
-            bad(f"algorithm must be one of {ALGORITHMS}; got {self.algorithm!r}")
-        if not 1 <= self.m <= self.n:
-            bad(f"need 1 <= m <= n; got n={self.n}, m={self.m}")
-        if self.algorithm in ("grpo", "grpo-ga") and self.m != self.n:
-            split = " (split the update into micro-batches with grad_accum)" if self.algorithm == "grpo-ga" else ""
-            bad(f"{self.algorithm} trains every rollout, so m must equal n{split}; got n={self.n}, m={self.m}")
-        if self.algorithm == "pods":
-            selection.get_rule(self.rule)  # unknown names raise, listing the known ones
-        if self.grad_accum < 1:
-            bad(f"grad_accum must be >= 1; got {self.grad_accum}")
-        if self.groups_per_prompt < 1:
-            bad(f"groups_per_prompt must be >= 1; got {self.groups_per_prompt}")
-        if self.num_iterations < 1:
-            bad(f"num_iterations must be >= 1; got {self.num_iterations}")
-        if self.schedule not in SCHEDULES:
-            bad(f"schedule must be one of {SCHEDULES}; got {self.schedule!r}")
-        if not 0 <= self.warmup_ratio < 1:
-            bad(f"warmup_ratio must be in [0, 1); got {self.warmup_ratio}")
-        if self.total_steps < 1:
-            bad(f"total_steps must be >= 1; got {self.total_steps}")
-        if not self.learning_rate > 0:
-            bad(f"learning_rate must be > 0; got {self.learning_rate}")
-        if not self.temperature > 0:
-            bad(f"training temperature must be > 0; got {self.temperature}")
-        if self.logprob_temperature is not None and not self.logprob_temperature > 0:
-            bad(f"logprob_temperature must be > 0, or null for the sampling temperature; got {self.logprob_temperature}")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1]; got {self.top_p}")
-        if self.top_k < 0:
-            bad(f"top_k must be >= 0 (0: off); got {self.top_k}")
-        if not self.max_grad_norm > 0:
-            bad(f"max_grad_norm must be > 0; got {self.max_grad_norm}")
-        if not self.weight_decay >= 0:
-            bad(f"weight_decay must be >= 0; got {self.weight_decay}")
-        for name in ("adam_b1", "adam_b2"):
-            if not 0 <= getattr(self, name) < 1:
-                bad(f"{name} must be in [0, 1); got {getattr(self, name)}")
-        if not self.advantage_eps >= 0:
-            bad(f"advantage_eps must be >= 0; got {self.advantage_eps}")
-        if self.std_scaling not in grpo.STD_SCALINGS:
-            bad(f"std_scaling must be one of {grpo.STD_SCALINGS}; got {self.std_scaling!r}")
-        self.loss_config  # validates epsilon, beta, aggregation
-
-    @property
-    def update_temperature(self) -> float:
-        """The temperature the update's log-probs divide by."""
-        return self.temperature if self.logprob_temperature is None else self.logprob_temperature
-
-    @property
-    def loss_config(self) -> grpo.LossConfig:
-        return grpo.LossConfig(
-            epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta, aggregation=self.aggregation
-        )
-
-
-def method_config(name: str, **overrides) -> AlgorithmConfig:
-    """One of the paper's three algorithms with the n / m of its single-GPU GSM8K settings; override any field.
-
-    The sizes are ``paper_settings.GSM8K_METHODS`` (docs/paper_settings.md lists them):
-    "grpo" trains every rollout, "grpo-ga" too in ``grad_accum`` micro-batches, "pods"
-    the max-variance m of n.
-    """
-    presets = paper_settings.GSM8K_METHODS
-    if name not in presets:
-        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(presets)}")
-    return AlgorithmConfig(**{**presets[name], **overrides})
-
-
-def make_optimizer(config: AlgorithmConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW on the configured schedule."""
-    return optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adamw(
-            learning_rate_schedule(config), b1=config.adam_b1, b2=config.adam_b2, weight_decay=config.weight_decay
-        ),
-    )
-
-
-def learning_rate_schedule(config: AlgorithmConfig) -> optax.Schedule:
-    if config.schedule == "constant":
-        return optax.constant_schedule(config.learning_rate)
-    warmup = int(config.warmup_ratio * config.total_steps)
-    if warmup == 0:
-        return optax.cosine_decay_schedule(config.learning_rate, config.total_steps)
-    return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup, config.total_steps)
 
 
 @flax.struct.dataclass
@@ -221,9 +76,8 @@ class TrainBatch:
       advantages: float32 [B].
       loss_denominator, advantage_mean: float32 scalars over the whole batch, or None to
         have the step compute them. ``build_batch`` fills them, so the update program holds
-        no batch-only collective that could run beside the layer scan's: XLA's CPU runtime
-        can run two independent collectives of one program on a device at once and then
-        deadlock with fake host devices.
+        no batch-only collective beside the layer scan's (such pairs deadlock fake CPU
+        devices: docs/reliability.md, "Not promised").
     """
 
     input_ids: jax.Array

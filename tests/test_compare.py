@@ -9,7 +9,7 @@ import pytest
 from experiments import compare
 from experiments import flags as flags_lib
 from experiments.usage import UsageError
-from podsjax.train import AlgorithmConfig
+from podsjax.algorithms import AlgorithmConfig
 
 
 @pytest.fixture

@@ -226,10 +226,10 @@ def test_qwen_0_5b_setting_a_update_fits_in_8_gb(tmp_path):
 def test_the_plan_compiles_the_samplers_program_the_run_uses():
     # top-p and top-k are static in the sampler: a plan that left them at their defaults
     # would compile (and measure) another program than the run's.
-    from podsjax import sampling, train
+    from podsjax import algorithms, sampling
 
     model = pm.Decoder(SMALL)
-    algo = train.AlgorithmConfig(algorithm="pods", n=4, m=2, top_p=0.9, top_k=7)
+    algo = algorithms.AlgorithmConfig(algorithm="pods", n=4, m=2, top_p=0.9, top_k=7)
     generator = sampling.Generator(model)
     dry_run_lib.plan(model, algo, pm.LoraConfig(rank=2, alpha=2.0), base_params=dry_run_lib.abstract_base(model),
                      prompts=1, prompt_len=16, max_new_tokens=4, eos_token_ids=(2,), generator=generator)

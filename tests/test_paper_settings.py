@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from podsjax import loop, paper_settings, train
+from podsjax import algorithms, loop, paper_settings
 from podsjax.rewards import default_rewards
 
 # The paper's table: task, model, hardware, LoRA rank (None = full fine-tune), mesh.
@@ -33,7 +33,7 @@ def test_every_method_builds_valid_configs_and_rewards(name, tmp_path):
     s = paper_settings.get_setting(name)
     task = s.task or "gsm8k"
     for method in s.methods:
-        config = train.AlgorithmConfig(**s.algorithm_config(method))
+        config = algorithms.AlgorithmConfig(**s.algorithm_config(method))
         assert config.algorithm == method
     run = loop.RunConfig(out_dir=str(tmp_path), task=task, **s.run)
     assert run.task == task
@@ -46,7 +46,7 @@ def test_every_method_builds_valid_configs_and_rewards(name, tmp_path):
 
 
 def config(name, method):
-    return train.AlgorithmConfig(**paper_settings.get_setting(name).algorithm_config(method))
+    return algorithms.AlgorithmConfig(**paper_settings.get_setting(name).algorithm_config(method))
 
 
 @pytest.mark.parametrize("name", SINGLE)
@@ -164,5 +164,5 @@ def test_settings_are_read_only_and_method_config_reads_their_sizes():
     with pytest.raises(TypeError):
         paper_settings.get_setting("a").run["max_new_tokens"] = 1
     for method, sizes in paper_settings.GSM8K_METHODS.items():
-        assert {key: getattr(train.method_config(method), key) for key in sizes} == dict(sizes)
+        assert {key: getattr(algorithms.method_config(method), key) for key in sizes} == dict(sizes)
         assert paper_settings.get_setting("a").methods[method] == sizes

@@ -2,7 +2,6 @@
 worker behind, and relaunching the same command continues it to the losses of a run that
 never stopped."""
 
-import json
 import os
 import signal
 import subprocess
@@ -90,12 +89,13 @@ def test_sigterm_finishes_an_update_or_drops_scoring_then_checkpoints_the_last_w
     import podsjax.models as pm
     from test_loop import make_trainer
 
-    from podsjax import loop, train
+    from podsjax import algorithms, loop
 
     lora = pm.LoraConfig(rank=2, alpha=4.0)
     pool = RewardPool(1, timeout_s=10.0)
     workers = []
-    optimizer, update = loop.update_program(setup[0], train.method_config("pods", n=4, m=2, learning_rate=1e-3), lora)
+    algo = algorithms.method_config("pods", n=4, m=2, learning_rate=1e-3)
+    optimizer, update = loop.update_program(setup[0], algo, lora)
 
     def signalled_update(state, batch, frozen):  # the signal lands while step 2's update runs: the step finishes
         if int(state.step) == 1:

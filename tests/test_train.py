@@ -9,7 +9,7 @@ import pytest
 
 import podsjax.models as pm
 from podsjax import mesh as mesh_lib
-from podsjax import train
+from podsjax import algorithms, train
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -38,7 +38,7 @@ def random_rollouts(seed, p=P, n=N):
 
 def full_ft(model, config, params, seed=1):
     policy, reference = train.full_apply_fn(model)
-    optimizer = train.make_optimizer(config)
+    optimizer = algorithms.make_optimizer(config)
     state = train.init_state(params, optimizer)
     return train.make_train_step(policy, optimizer, config, reference), state
 
@@ -53,8 +53,8 @@ def test_ga_micro_batches_equal_one_big_batch(model_and_params):
     prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(0)
     # Large max_grad_norm so clipping does not hide a wrong gradient scale; lr big enough to move.
     common = dict(n=N, m=N, learning_rate=1e-2, max_grad_norm=1e6, aggregation="token-mean")
-    ga = train.AlgorithmConfig(algorithm="grpo-ga", grad_accum=N // M, **common)
-    big = train.AlgorithmConfig(algorithm="grpo", **common)
+    ga = algorithms.AlgorithmConfig(algorithm="grpo-ga", grad_accum=N // M, **common)
+    big = algorithms.AlgorithmConfig(algorithm="grpo", **common)
     assert ga.grad_accum > 1
     batch, _ = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, ga)
     batch_big, _ = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, big)
@@ -71,9 +71,9 @@ def test_ga_micro_batches_equal_one_big_batch(model_and_params):
 @pytest.mark.slow
 def test_lora_step_leaves_base_params_bit_identical(model_and_params):
     model, params = model_and_params
-    config = train.method_config("pods", n=N, m=M, learning_rate=1e-2, beta=0.04, schedule="cosine", total_steps=4)
+    config = algorithms.method_config("pods", n=N, m=M, learning_rate=1e-2, beta=0.04, schedule="cosine", total_steps=4)
     lora = pm.init_lora(jax.random.key(3), model, pm.LoraConfig(rank=4, alpha=8.0))
-    optimizer = train.make_optimizer(config)
+    optimizer = algorithms.make_optimizer(config)
     policy, reference = train.lora_apply_fn(model)
     step = jax.jit(train.make_train_step(policy, optimizer, config, reference))
     state = train.init_state(lora, optimizer)
@@ -97,7 +97,7 @@ def test_sharded_step_equals_single_device(model_and_params):
     # Adam's first step is ~lr * g / |g|, which turns 1e-9 float noise in near-zero
     # gradients into ~lr / 10 differences; lr 1e-3 keeps that under the 1e-5 bound
     # while the loss and gradient norm are compared directly below.
-    config = train.method_config("pods", n=N, m=M, learning_rate=1e-3, max_grad_norm=1e6)
+    config = algorithms.method_config("pods", n=N, m=M, learning_rate=1e-3, max_grad_norm=1e6)
     batch, _ = train.build_batch(*random_rollouts(2), config)
     step, state = full_ft(model, config, params)
     ref_state, ref_metrics = jax.jit(step)(state, batch, None)
@@ -130,7 +130,7 @@ def test_bf16_full_fine_tune_keeps_fp32_master_weights_and_follows_the_fp32_run(
     params16 = pm.init_params(model16, jax.random.key(0))
     assert _floating_dtypes(params16) == {"bfloat16"}
     start = jax.tree.map(lambda x: x.astype(jnp.float32), params16)  # one start for both runs
-    config = train.AlgorithmConfig(algorithm="grpo", n=N, m=N, learning_rate=5e-6)
+    config = algorithms.AlgorithmConfig(algorithm="grpo", n=N, m=N, learning_rate=5e-6)
     batch, _ = train.build_batch(*random_rollouts(0), config)
 
     def twenty_steps(model, params):
@@ -156,7 +156,7 @@ def test_bf16_full_fine_tune_keeps_fp32_master_weights_and_follows_the_fp32_run(
 @pytest.mark.slow
 def test_non_finite_loss_skips_the_update(model_and_params):
     model, params = model_and_params
-    config = train.method_config("grpo", n=N, m=N, learning_rate=1e-2)
+    config = algorithms.method_config("grpo", n=N, m=N, learning_rate=1e-2)
     batch, _ = train.build_batch(*random_rollouts(3), config)
     step, state = full_ft(model, config, params)
     bad = batch.replace(advantages=batch.advantages.at[0].set(jnp.nan))
@@ -172,7 +172,7 @@ def test_non_finite_loss_skips_the_update(model_and_params):
 @pytest.mark.slow
 def test_build_batch_selects_and_normalizes_over_the_subset():
     prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(4)
-    config = train.method_config("pods", n=N, m=M)
+    config = algorithms.method_config("pods", n=N, m=M)
     batch, idx = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, config)
     idx = np.asarray(idx)
     for p in range(P):
@@ -208,10 +208,10 @@ def test_config_validation_errors():
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message) as err:
-            train.AlgorithmConfig(**kwargs)
+            algorithms.AlgorithmConfig(**kwargs)
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="unknown method"):
-        train.method_config("dapo")
+        algorithms.method_config("dapo")
 
 
 def test_the_update_takes_log_probs_at_logprob_temperature(model_and_params):
@@ -219,10 +219,10 @@ def test_the_update_takes_log_probs_at_logprob_temperature(model_and_params):
     # their 8-GPU trainer divides by the sampling temperature (logprob_temperature null).
     model, params = model_and_params
     common = dict(n=N, m=N, learning_rate=1e-2, max_grad_norm=1e6)
-    batch, _ = train.build_batch(*random_rollouts(5), train.AlgorithmConfig(algorithm="grpo", **common))
+    batch, _ = train.build_batch(*random_rollouts(5), algorithms.AlgorithmConfig(algorithm="grpo", **common))
 
     def metrics(**fields):
-        config = train.AlgorithmConfig(algorithm="grpo", **common, **fields)
+        config = algorithms.AlgorithmConfig(algorithm="grpo", **common, **fields)
         step, state = full_ft(model, config, params)
         return jax.jit(step)(state, batch, None)[1]
 
@@ -233,4 +233,4 @@ def test_the_update_takes_log_probs_at_logprob_temperature(model_and_params):
     assert float(at_one.entropy) == pytest.approx(float(sampled_at_one.entropy), rel=1e-6)
     assert abs(float(at_half.grad_norm) - float(at_one.grad_norm)) > 1e-3 * float(at_one.grad_norm)
     with pytest.raises(ValueError, match="logprob_temperature must be > 0"):
-        train.AlgorithmConfig(logprob_temperature=0.0)
+        algorithms.AlgorithmConfig(logprob_temperature=0.0)

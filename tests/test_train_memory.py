@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import podsjax.models as pm
-from podsjax import train
+from podsjax import algorithms, train
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -23,10 +23,10 @@ P, LP, T = 1, 32, 64  # prompts per step, prompt and completion lengths
 MB = 2**20
 
 CASES = {
-    "pods n=64 m=16": train.method_config("pods"),  # selection runs before the update: 16 rows enter it
-    "grpo n=m=16": train.method_config("grpo"),
-    "grpo-ga n=m=64, 4 x 16": train.method_config("grpo-ga"),
-    "grpo n=m=64": train.method_config("grpo", n=64, m=64),
+    "pods n=64 m=16": algorithms.method_config("pods"),  # selection runs before the update: 16 rows enter it
+    "grpo n=m=16": algorithms.method_config("grpo"),
+    "grpo-ga n=m=64, 4 x 16": algorithms.method_config("grpo-ga"),
+    "grpo n=m=64": algorithms.method_config("grpo", n=64, m=64),
 }
 
 
@@ -35,7 +35,7 @@ def update_memory(config):
     model = pm.Decoder(MODEL)
     base = pm.abstract_params(model)
     lora = jax.eval_shape(lambda k: pm.init_lora(k, model, pm.LoraConfig(rank=8, alpha=8.0)), jax.random.key(0))
-    optimizer = train.make_optimizer(config)
+    optimizer = algorithms.make_optimizer(config)
     policy, reference = train.lora_apply_fn(model)
     step = train.make_train_step(policy, optimizer, config, reference)
     state = jax.eval_shape(lambda t: train.init_state(t, optimizer), lora)

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from podsjax import mesh as mesh_lib
 from podsjax import prompts as prompts_lib
-from podsjax import train
+from podsjax import algorithms, train
 from podsjax.loop.config import RunConfig
 from podsjax.models import LoraConfig, init_lora, lora_logical_axes
 
@@ -28,7 +28,7 @@ ROLLOUT_SEED_OFFSET = 1
 SELECTION_STREAM = 7
 
 
-def prompt_rows(run_config: RunConfig, algo: train.AlgorithmConfig) -> int:
+def prompt_rows(run_config: RunConfig, algo: algorithms.AlgorithmConfig) -> int:
     """Prompt rows one step generates for: each prompt once per group (``groups_per_prompt``)."""
     return run_config.prompts_per_step * algo.groups_per_prompt
 
@@ -38,7 +38,7 @@ def padded_prompt_length(run_config: RunConfig) -> int:
     return max(prompts_lib.Bucketing().lengths(run_config.max_prompt_length))
 
 
-def start_weights(model, algo: train.AlgorithmConfig, lora: LoraConfig | None, base_params, seed: int):
+def start_weights(model, algo: algorithms.AlgorithmConfig, lora: LoraConfig | None, base_params, seed: int):
     """``(trainable, frozen)`` a run starts from: fresh LoRA adapters on the frozen base, or
     the base itself with (when ``algo.beta > 0``) a frozen copy as the KL reference."""
     if lora is not None:
@@ -65,7 +65,7 @@ def state_program(optimizer: optax.GradientTransformation, shardings: Any):
     return jax.jit(init)
 
 
-def abstract_state(model, algo: train.AlgorithmConfig, optimizer, lora: LoraConfig | None,
+def abstract_state(model, algo: algorithms.AlgorithmConfig, optimizer, lora: LoraConfig | None,
                    base_params: Any) -> tuple[train.TrainState, Any]:
     """``(state, frozen)`` as :func:`start_weights` and :func:`state_program` build them, as
     sharded ``ShapeDtypeStruct``s of the abstract ``base_params``."""
@@ -91,9 +91,9 @@ def abstract_state(model, algo: train.AlgorithmConfig, optimizer, lora: LoraConf
     return state.replace(params=trainable, opt_state=opt_state, **scalars), frozen
 
 
-def update_program(model, algo: train.AlgorithmConfig, lora: LoraConfig | None):
+def update_program(model, algo: algorithms.AlgorithmConfig, lora: LoraConfig | None):
     """The optimizer and the jitted update ``update(state, batch, frozen)`` (the state is donated)."""
-    optimizer = train.make_optimizer(algo)
+    optimizer = algorithms.make_optimizer(algo)
     policy, reference = train.lora_apply_fn(model) if lora is not None else train.full_apply_fn(model)
     step = train.make_train_step(policy, optimizer, algo, reference)
 

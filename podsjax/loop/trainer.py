@@ -20,7 +20,7 @@ from podsjax import mesh as mesh_lib
 from podsjax import metrics as metrics_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
-from podsjax import run_state, sampling, train
+from podsjax import algorithms, run_state, sampling
 from podsjax.loop import programs, reporting, run_files, scoring
 from podsjax.loop.config import RunConfig
 from podsjax.loop.evaluator import Evaluator
@@ -58,7 +58,7 @@ class Trainer:
     """
 
     def __init__(self, model, base_params, tokenizer, train_examples, eval_examples,
-                 algo: train.AlgorithmConfig, run_config: RunConfig, lora: LoraConfig | None = None, rewards=None,
+                 algo: algorithms.AlgorithmConfig, run_config: RunConfig, lora: LoraConfig | None = None, rewards=None,
                  log: Callable[[str], None] | None = None, started_at: float | None = None, *,
                  generator: sampling.Generator | None = None, scorer=None, evaluator=None, update=None):
         self.model, self.base_params, self.tokenizer = model, base_params, tokenizer
