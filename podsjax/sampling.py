@@ -221,29 +221,12 @@ def _placed(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(place, tree, shardings, is_leaf=lambda x: x is None)
 
 
-def generate(
-    model,
-    params: Any,
-    prompt_ids_BL: jax.Array,
-    prompt_mask_BL: jax.Array,
-    key: jax.Array,
-    *,
-    num_samples: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_token_ids,
-    pad_token_id: int = 0,
-    lora=None,
-    return_logprobs: bool = False,
-) -> Rollouts:
-    """``Generator(model).generate(params, ...)`` (see :meth:`Generator.generate`) for one call.
+def generate(model, params: Any, prompt_ids_BL: jax.Array, prompt_mask_BL: jax.Array, key: jax.Array,
+             **options) -> Rollouts:
+    """``Generator(model).generate(params, prompt_ids_BL, prompt_mask_BL, key, **options)``: one call.
 
-    It builds a new :class:`Generator`, so every call compiles; hold a Generator to reuse
-    its programs.
+    The options are :meth:`Generator.generate`'s (``num_samples``, ``max_new_tokens``,
+    ``temperature``, ``eos_token_ids``, ...). It builds a new :class:`Generator`, so every
+    call compiles; hold a Generator to reuse its programs.
     """
-    return Generator(model).generate(
-        params, prompt_ids_BL, prompt_mask_BL, key, num_samples=num_samples, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, top_k=top_k, eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id, lora=lora, return_logprobs=return_logprobs)
+    return Generator(model).generate(params, prompt_ids_BL, prompt_mask_BL, key, **options)
