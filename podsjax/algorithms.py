@@ -42,6 +42,8 @@ class AlgorithmConfig:
     epsilon_high: float | None = None  # upper clip range (null: epsilon)
     num_iterations: int = 1  # updates per generated batch (1: the ratio is 1)
     aggregation: str = "token-mean"  # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm
+    # policy loss: grpo (clipped token ratio), gspo (clipped sequence ratio) or cispo (capped token weight)
+    loss_type: str = "grpo"
     # The rollout policy; the update recomputes log-probs unfiltered, at logprob_temperature.
     temperature: float = 0.9  # sampling temperature of the rollouts
     logprob_temperature: float | None = None  # temperature of the update's log-probs (null: temperature)
@@ -113,7 +115,7 @@ class AlgorithmConfig:
             bad(f"advantage_eps must be >= 0; got {self.advantage_eps}")
         if self.std_scaling not in grpo.STD_SCALINGS:
             bad(f"std_scaling must be one of {grpo.STD_SCALINGS}; got {self.std_scaling!r}")
-        self.loss_config  # validates epsilon, beta, aggregation
+        self.loss_config  # validates epsilon, beta, aggregation, loss_type
 
     @property
     def update_temperature(self) -> float:
@@ -122,9 +124,8 @@ class AlgorithmConfig:
 
     @property
     def loss_config(self) -> grpo.LossConfig:
-        return grpo.LossConfig(
-            epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta, aggregation=self.aggregation
-        )
+        return grpo.LossConfig(epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta,
+                               aggregation=self.aggregation, loss_type=self.loss_type)
 
 
 def method_config(name: str, **overrides) -> AlgorithmConfig:

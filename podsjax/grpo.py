@@ -1,4 +1,4 @@
-"""The GRPO objective as pure functions: advantages, token log-probs, clipped loss.
+"""The GRPO objective as pure functions: advantages, token log-probs, GRPO / GSPO / CISPO losses.
 
 Everything here is jit/vmap/grad-able and imports nothing else from podsjax.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import flax.struct
 import jax
@@ -17,6 +17,8 @@ StdScaling = Literal["group", "batch", "none"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 STD_SCALINGS = ("group", "batch", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LossType = Literal["grpo", "gspo", "cispo"]
+LOSS_TYPES = ("grpo", "gspo", "cispo")
 
 
 def group_advantages(
@@ -224,6 +226,9 @@ class LossConfig:
         by a constant B * norm_length (Dr. GRPO).
       norm_length: the constant length of Dr. GRPO's normalizer; None uses the
         padded completion length L of the batch.
+      loss_type: each token's policy term: "grpo" clips the token's ratio, "gspo" the
+        sequence's (:func:`gspo_token_loss`), "cispo" caps a stop-gradient weight on
+        REINFORCE (:func:`cispo_token_loss`); each takes every aggregation and the KL.
     """
 
     epsilon: float = 0.2
@@ -231,6 +236,7 @@ class LossConfig:
     beta: float = 0.0
     aggregation: Aggregation = "token-mean"
     norm_length: int | None = None
+    loss_type: LossType = "grpo"
 
     def __post_init__(self):
         if not self.epsilon >= 0:
@@ -243,6 +249,8 @@ class LossConfig:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {self.aggregation!r}")
         if self.norm_length is not None and self.norm_length < 1:
             raise ValueError(f"norm_length must be >= 1; got {self.norm_length}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {self.loss_type!r}")
 
     @property
     def clip_high(self) -> float:
@@ -265,8 +273,8 @@ class LossTerms:
 class LossMetrics:
     """Masked-token statistics of one loss evaluation (all scalars)."""
 
-    clip_frac_low: jax.Array  # ratio < 1 - eps with a negative advantage
-    clip_frac_high: jax.Array  # ratio > 1 + eps_high with a positive advantage
+    clip_frac_low: jax.Array  # ratio < 1 - eps with a negative advantage (CISPO: always 0)
+    clip_frac_high: jax.Array  # ratio > 1 + eps_high with a positive advantage (CISPO: any capped weight)
     kl_mean: jax.Array
     advantage_mean: jax.Array
     ratio_mean: jax.Array
@@ -285,6 +293,53 @@ def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:
     return num_seqs * length
 
 
+class TokenLoss(NamedTuple):
+    """One policy term per token, before the KL, the mask and the aggregation ([B, L] each)."""
+
+    per_token: jax.Array
+    ratio: jax.Array  # the importance ratio used (GSPO: the sequence's, on each of its tokens)
+    clipped_low: jax.Array  # bool: the lower clip bit
+    clipped_high: jax.Array  # bool: the upper clip (CISPO: the cap) bit
+
+
+def grpo_token_loss(log_ratio_BL: jax.Array, adv_B1: jax.Array, config: LossConfig) -> TokenLoss:
+    """-min(r A, clip(r, 1 - eps, 1 + eps_high) A) with r = exp(log_ratio), GRPO's log_ratio = logp - old."""
+    ratio = jnp.exp(log_ratio_BL)
+    clipped = jnp.clip(ratio, 1.0 - config.epsilon, 1.0 + config.clip_high)
+    return TokenLoss(per_token=-jnp.minimum(ratio * adv_B1, clipped * adv_B1), ratio=ratio,
+                     clipped_low=(ratio < 1.0 - config.epsilon) & (adv_B1 < 0),
+                     clipped_high=(ratio > 1.0 + config.clip_high) & (adv_B1 > 0))
+
+
+def gspo_token_loss(logp_BL, old_BL, adv_B1, mask_BL, config: LossConfig) -> TokenLoss:
+    """GSPO: the clipped surrogate of one ratio per sequence, s = exp(mean_t (logp - old)).
+
+    Every token of a sequence gets -min(s A, clip(s, 1 - eps, 1 + eps_high) A), and the
+    gradient flows through s, as TRL's ``importance_sampling_level="sequence"``. verl
+    writes it per token as sg(s) * pi / sg(pi) (the paper's GSPO-token): the same value
+    on each token and, since every aggregation weights a sequence's tokens alike, the
+    same gradient. ``mask_BL`` (float) is 1 on the tokens that count.
+    """
+    lengths = jnp.maximum(jnp.sum(mask_BL, axis=-1, keepdims=True), 1.0)
+    log_seq_ratio = jnp.sum((logp_BL - old_BL) * mask_BL, axis=-1, keepdims=True) / lengths
+    return grpo_token_loss(jnp.broadcast_to(log_seq_ratio, logp_BL.shape), adv_B1, config)
+
+
+def cispo_token_loss(logp_BL, old_BL, adv_B1, config: LossConfig) -> TokenLoss:
+    """CISPO: -sg(min(r, 1 + eps_high)) A logp, REINFORCE weighted by the capped ratio.
+
+    No token loses its gradient: the cap only bounds the weight. The bound is the
+    MiniMax-M1 paper's 1 + eps_high with no lower bound (the paper sets none; verl adds
+    1 - eps_low). TRL caps at ``epsilon_high`` itself (ScaleRL's eps_max, suggested 5.0),
+    which is ``epsilon_high=4.0`` here; ``epsilon`` is unused.
+    """
+    ratio = jnp.exp(logp_BL - old_BL)
+    cap = 1.0 + config.clip_high
+    capped = jax.lax.stop_gradient(jnp.minimum(ratio, cap))
+    return TokenLoss(per_token=-capped * adv_B1 * logp_BL, ratio=ratio,
+                     clipped_low=jnp.zeros(ratio.shape, bool), clipped_high=ratio > cap)
+
+
 def grpo_loss_terms(
     logprobs_BL: jax.Array,
     advantages_B: jax.Array,
@@ -294,10 +349,11 @@ def grpo_loss_terms(
     old_logprobs_BL: jax.Array | None = None,
     ref_logprobs_BL: jax.Array | None = None,
 ) -> tuple[LossTerms, LossMetrics]:
-    """The clipped surrogate with k3 KL, as (numerator, denominator) plus metrics.
+    """The policy loss with k3 KL, as (numerator, denominator) plus metrics.
 
-    Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
-    + beta * (exp(ref - logp) - (ref - logp) - 1), with ratio = exp(logp - old).
+    Per token: the ``config.loss_type`` term (GRPO's -min(ratio * A, clip(ratio, 1 - eps,
+    1 + eps_high) * A) with ratio = exp(logp - old), or GSPO's or CISPO's)
+    + beta * (exp(ref - logp) - (ref - logp) - 1).
 
     Args:
       logprobs_BL: [B, L] log-probs of the completion tokens under the policy
@@ -334,9 +390,13 @@ def grpo_loss_terms(
     old = jax.lax.stop_gradient(logp) if old_logprobs_BL is None else jnp.where(valid, old_logprobs_BL, 0.0)
     adv = advantages_B.astype(jnp.float32)[:, None]
 
-    ratio = jnp.exp(logp - old)
-    clipped = jnp.clip(ratio, 1.0 - config.epsilon, 1.0 + config.clip_high)
-    per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    if config.loss_type == "gspo":
+        policy = gspo_token_loss(logp, old, adv, weight, config)
+    elif config.loss_type == "cispo":
+        policy = cispo_token_loss(logp, old, adv, config)
+    else:
+        policy = grpo_token_loss(logp - old, adv, config)
+    per_token = policy.per_token
 
     if ref_logprobs_BL is not None:
         log_ref_ratio = jnp.where(valid, ref_logprobs_BL, 0.0) - logp
@@ -359,14 +419,12 @@ def grpo_loss_terms(
     def token_mean(x):
         return jax.lax.stop_gradient(jnp.sum(jnp.where(valid, x, 0.0)) / denom_tokens)
 
-    low = (ratio < 1.0 - config.epsilon) & (adv < 0)
-    high = (ratio > 1.0 + config.clip_high) & (adv > 0)
     metrics = LossMetrics(
-        clip_frac_low=token_mean(low.astype(jnp.float32)),
-        clip_frac_high=token_mean(high.astype(jnp.float32)),
+        clip_frac_low=token_mean(policy.clipped_low.astype(jnp.float32)),
+        clip_frac_high=token_mean(policy.clipped_high.astype(jnp.float32)),
         kl_mean=token_mean(kl),
         advantage_mean=jnp.mean(advantages_B.astype(jnp.float32)),
-        ratio_mean=token_mean(ratio),
+        ratio_mean=token_mean(policy.ratio),
         num_tokens=num_tokens,
     )
     return LossTerms(numerator=numerator, denominator=loss_denominator(mask_BL, config)), metrics
@@ -381,7 +439,7 @@ def grpo_loss(
     old_logprobs_BL: jax.Array | None = None,
     ref_logprobs_BL: jax.Array | None = None,
 ) -> tuple[jax.Array, LossMetrics]:
-    """The scalar clipped GRPO loss and its metrics; see ``grpo_loss_terms``."""
+    """The scalar policy loss (GRPO, GSPO or CISPO) and its metrics; see ``grpo_loss_terms``."""
     terms, metrics = grpo_loss_terms(
         logprobs_BL,
         advantages_B,
