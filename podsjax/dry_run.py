@@ -168,10 +168,6 @@ def device_memory_limit(device=None) -> int | None:
     return chip.hbm_bytes if chip is not None else None
 
 
-def _with_shardings(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 def abstract(tree: Any) -> Any:
     """``ShapeDtypeStruct``s of a tree of arrays (shardings kept); structs pass through."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
@@ -183,7 +179,7 @@ def abstract_base(model) -> Any:
     shapes = pm.abstract_params(model)
     if model.mesh is None:
         return shapes
-    return _with_shardings(shapes, pm.param_shardings(model, model.mesh))
+    return mesh_lib.with_shardings(shapes, pm.param_shardings(model, model.mesh))
 
 
 @contextlib.contextmanager

@@ -188,6 +188,11 @@ def abstract(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
+def with_shardings(tree: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct``s of ``tree``'s shapes and dtypes, placed on the matching ``shardings``."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
 def bytes_per_device(tree: Any) -> int:
     """Bytes one device holds of a tree of arrays or ``ShapeDtypeStruct``s (by their shardings)."""
     total = 0

@@ -123,7 +123,7 @@ def _stages_locked(programs: Programs, model, cfg: decoding.SamplingConfig, para
         weights = jax.eval_shape(merge, params, lora)
         placed = rollout.weights_shardings(weights, mesh) if mesh is not None else None
         if mesh is not None:
-            weights = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p), weights, placed)
+            weights = mesh_lib.with_shardings(weights, placed)
 
         def build_weights():
             return jax.jit(merge, out_shardings=placed).lower(params, lora).compile()
@@ -133,8 +133,7 @@ def _stages_locked(programs: Programs, model, cfg: decoding.SamplingConfig, para
     logits, cache = jax.eval_shape(prefill_fn, weights, ids, ids)
     if mesh is not None:
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=mesh_lib.batch_sharding(mesh, logits.ndim))
-        cache = jax.tree.map(lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p), cache,
-                             layers.cache_shardings(cache, mesh))
+        cache = mesh_lib.with_shardings(cache, layers.cache_shardings(cache, mesh))
     key_sig = signature(weights, mesh)
 
     def build_decode():

@@ -11,7 +11,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from podsjax import mesh as mesh_lib
 from podsjax import prompts as prompts_lib
@@ -74,20 +73,21 @@ def abstract_state(model, algo: algorithms.AlgorithmConfig, optimizer, lora: Lor
         trainable = jax.eval_shape(lambda k: init_lora(k, model, lora), jax.random.key(0))
         if mesh is not None:
             shardings = mesh_lib.tree_shardings(mesh, lora_logical_axes(trainable), trainable.weights)
-            trainable = trainable.replace(weights=_with_shardings(trainable.weights, shardings))
+            trainable = trainable.replace(weights=mesh_lib.with_shardings(trainable.weights, shardings))
         frozen = base_params
     else:  # fp32 master weights of a narrower model, sharded as the model (train.master_weights)
         trainable = jax.eval_shape(train.master_weights, base_params)
         if mesh is not None:
-            trainable = _with_shardings(trainable, jax.tree.map(lambda x: x.sharding, base_params))
+            trainable = mesh_lib.with_shardings(trainable, jax.tree.map(lambda x: x.sharding, base_params))
         frozen = base_params if algo.beta > 0 else None
     state = jax.eval_shape(lambda t: train.init_state(t, optimizer), trainable)
     if mesh is None:
         return state.replace(params=trainable), frozen
+    replicated = mesh_lib.batch_sharding(mesh, 0)
     opt_state = optax.tree_utils.tree_map_params(
-        optimizer, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), state.opt_state,
-        trainable, transform_non_params=lambda x: _replicated(mesh, x))
-    scalars = {name: _replicated(mesh, getattr(state, name)) for name in ("step", "skipped_updates")}
+        optimizer, lambda x, p: mesh_lib.with_shardings(x, p.sharding), state.opt_state, trainable,
+        transform_non_params=lambda x: mesh_lib.with_shardings(x, replicated))
+    scalars = {name: mesh_lib.with_shardings(getattr(state, name), replicated) for name in ("step", "skipped_updates")}
     return state.replace(params=trainable, opt_state=opt_state, **scalars), frozen
 
 
@@ -160,10 +160,3 @@ def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int) -> tra
                             loss_denominator=struct("loss_denominator", (), jnp.float32),
                             advantage_mean=struct("advantage_mean", (), jnp.float32))
 
-
-def _with_shardings(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def _replicated(mesh, x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))

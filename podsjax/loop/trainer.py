@@ -72,7 +72,8 @@ class Trainer:
         self.compile_log = compilation.CompileLog(self.log)
         self.generator = generator or sampling.Generator(model)
         self.optimizer, self.update_fn = update or programs.update_program(model, algo, lora)
-        self.batch_fn = programs.batch_program(model.mesh, programs.prompt_rows(run_config, algo) * algo.m)
+        prompt_rows = programs.prompt_rows(run_config, algo)
+        self.batch_fn = programs.batch_program(model.mesh, prompt_rows * algo.m)
         self.state, self.frozen = self._start_state(base_params)
         os.makedirs(run_config.out_dir, exist_ok=True)
         self.host = HostState()  # replaced by a restored checkpoint's
@@ -88,7 +89,7 @@ class Trainer:
                                                        timeout_s=run_config.reward_timeout_s)
         self.evaluator = evaluator or Evaluator(
             self.generator, self.prompts, self.scorer, eval_examples, run_config,
-            rows=programs.prompt_rows(run_config, algo) * algo.n, rewards=self.rewards, eos_ids=self.eos_ids,
+            rows=prompt_rows * algo.n, rewards=self.rewards, eos_ids=self.eos_ids,
             compile_log=self.compile_log)
         self.best = (best_lib.BestPolicy(run_config.out_dir, (self.host.best_step, self.host.best_accuracy), restored)
                      if run_config.keep_best else None)
