@@ -24,6 +24,7 @@ import traceback
 import warnings
 
 from experiments import flags
+from experiments.config import describe_setting
 from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_device_count
 
 # The library's errors about what the user gave it (module, class): one line, status 2.
@@ -408,7 +409,7 @@ def main(task: str, argv=None) -> int:
         flags.check(args, config)
         start(args, config)
         if args.setting:
-            print(flags.describe_setting(args.setting, args.method, config, getattr(args, "origins", None)), flush=True)
+            print(describe_setting(args.setting, args.method, config, getattr(args, "origins", None)), flush=True)
         from experiments import runner
 
         return runner.run_experiment(config, args.out, overwrite=args.overwrite, resume=args.resume,

@@ -23,7 +23,7 @@ from typing import Any
 
 from experiments import cli
 from experiments import flags as flags_lib
-from experiments.config import METHODS, ExperimentConfig
+from experiments.config import METHODS, ExperimentConfig, describe_setting
 from experiments.usage import UsageError
 
 # label -> the AlgorithmConfig fields it sets over the shared config; the paper's sweeps
@@ -187,7 +187,7 @@ def main(argv=None) -> int:
         for label, config in comparison.variants.items():
             if run_args.setting:
                 origins = getattr(run_args, "origins", None)
-                print(flags_lib.describe_setting(run_args.setting, config.algorithm.algorithm, config, origins),
+                print(describe_setting(run_args.setting, config.algorithm.algorithm, config, origins),
                       flush=True)
             histories[label] = []
             for seed in args.seeds:

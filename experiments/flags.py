@@ -31,7 +31,6 @@ import draccus.argparsing
 import yaml
 
 from experiments.config import METHODS, ExperimentConfig, Layer, merge, preset_layers, stack
-from experiments.config import describe_setting  # noqa: F401 - the CLI lists a run's values with it
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
 from podsjax import paper_settings
 from podsjax.run_state import LOCK_FILE

@@ -2,6 +2,7 @@
 
 import pytest
 
+from experiments import config as config_lib
 from experiments import flags
 from experiments.usage import UsageError
 
@@ -41,7 +42,7 @@ def test_one_of_n_and_m_sets_both_for_grpo_and_says_so():
 
 def test_the_listing_shows_every_value_once_with_its_origin(tmp_path):
     args, config = parse("--model", str(tmp_path), "--setting", "a", "--lr", "1e-5", "--eval-limit", "10")
-    text = flags.describe_setting("a", "pods", config, args.origins)
+    text = config_lib.describe_setting("a", "pods", config, args.origins)
     lines = text.splitlines()
     assert lines[0] == "setting a: gsm8k / Qwen/Qwen2.5-3B-Instruct / LoRA r 64 / 1 L40S / mesh 1  [paper]"
     assert "  algorithm.aggregation = seq-mean-token-mean  setting a [1gpu] trainer/maxvargrpo_trainer.py" in lines
@@ -59,7 +60,7 @@ def test_the_listing_shows_every_value_once_with_its_origin(tmp_path):
 
 def test_without_origins_a_value_off_the_setting_is_a_flag_or_the_config_file(tmp_path):
     _, config = parse("--model", str(tmp_path), "--setting", "a", "--max-completion-length", "8", "--seed", "3")
-    lines = flags.describe_setting("a", "pods", config).splitlines()
+    lines = config_lib.describe_setting("a", "pods", config).splitlines()
     assert "  set over the setting: run.max_new_tokens = 8 (setting: 512)  a flag or --config" in lines
     assert "  run.seed = 3  a flag or --config" in lines
     assert "  rewards.format_style = authors-release  setting a [1gpu] release 3fc107e utils/data.py" in lines
@@ -69,7 +70,7 @@ def test_the_tiny_preset_is_a_setting_like_the_papers():
     args, config = parse("--setting", "tiny", "--method", "pods")
     assert (config.algorithm.n, config.algorithm.m, config.model.lora_rank, config.run.time_budget_s) == (16, 4, None,
                                                                                                             240.0)
-    text = flags.describe_setting("tiny", "pods", config, args.origins)
+    text = config_lib.describe_setting("tiny", "pods", config, args.origins)
     assert text.startswith("setting tiny: any task / the built-in tiny model / full fine-tune / any CPU")
     assert "  run.eval_limit = 256  setting tiny [podsjax] measured on a 2-core CPU" in text.splitlines()
     _, math_config = parse("--setting", "tiny", task="math")  # any task
