@@ -24,7 +24,9 @@ class RunConfig:
     Evaluation decodes every eval example once per repeat: ``eval_repeats`` passes at
     ``eval_temperature`` (0 = greedy, which allows one pass only), scored by
     ``eval_metric`` (a key of ``EVAL_METRICS``) and averaged over the passes. The
-    paper's settings a-d sample 5 passes at 0.9 (see ``podsjax.paper_settings``).
+    paper's settings a-d sample 5 passes at 0.9 (see ``podsjax.paper_settings``). For each
+    k in ``eval_k`` the passes also give ``eval/pass_at_<k>`` and ``eval/maj_at_<k>``
+    (:mod:`podsjax.pass_at_k`).
 
     A non-finite loss or gradient skips its update (params and moments stay as they
     were; ``train/skipped`` counts it); ``max_nonfinite_updates`` of them in a row stop
@@ -47,6 +49,7 @@ class RunConfig:
     eval_repeats: int = 1  # evaluation passes averaged (needs eval_temperature > 0 for more than 1)
     eval_temperature: float = 0.0  # evaluation sampling temperature (0: greedy)
     eval_metric: str = "accuracy"  # accuracy, or accuracy_and_format (the answer and the strict format)
+    eval_k: tuple[int, ...] = ()  # log pass@k and maj@k for these k (each 1..eval_repeats) from the passes; () off
     checkpoint_every_steps: int | None = None  # also checkpoint every N steps
     checkpoint_every_s: float | None = 1800.0  # checkpoint every this many seconds of training clock
     keep_last: int = 3  # checkpoints kept
@@ -100,6 +103,15 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
         if self.eval_repeats < 1:
             raise ValueError(f"RunConfig.eval_repeats must be >= 1; got {self.eval_repeats}")
+        object.__setattr__(self, "eval_k", tuple(self.eval_k) if isinstance(self.eval_k, list) else self.eval_k)
+        if not isinstance(self.eval_k, tuple):
+            raise ValueError(f"RunConfig.eval_k must be a list of integers; got {self.eval_k!r}")
+        for k in self.eval_k:
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.eval_repeats:
+                raise ValueError(f"RunConfig.eval_k: each k must be an integer from 1 to eval_repeats "
+                                 f"({self.eval_repeats}); got {k!r}")
+        if len(set(self.eval_k)) != len(self.eval_k):
+            raise ValueError(f"RunConfig.eval_k repeats a k: {list(self.eval_k)}")
         if not 0 <= self.eval_temperature < float("inf"):
             raise ValueError(f"RunConfig.eval_temperature must be >= 0 (0 = greedy); got {self.eval_temperature}")
         if self.eval_temperature == 0 and self.eval_repeats > 1:

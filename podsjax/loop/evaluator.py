@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -11,6 +11,7 @@ from podsjax import compilation
 from podsjax import data as data_lib
 from podsjax import hosts
 from podsjax import mesh as mesh_lib
+from podsjax import pass_at_k as pass_at_k_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
 from podsjax.loop import reporting
@@ -20,6 +21,8 @@ from podsjax.loop.prompt_source import PromptSource
 
 # The breakdown entries evaluation keeps: whatever some EVAL_METRICS entry multiplies.
 EVAL_PARTS = tuple(dict.fromkeys(name for names in EVAL_METRICS.values() for name in names))
+# Beside them with eval_k: each completion's answer id (podsjax.pass_at_k.answer_ids), for maj@k.
+ANSWERS = "answer_id"
 
 
 class Evaluator:
@@ -40,11 +43,14 @@ class Evaluator:
         rewards: the run's reward specs; the strict format check is added at weight 0.
         eos_ids: the tokenizer's end-of-sequence ids.
         compile_log: reports generate's compiles.
+        answer_key: a completion's final answer as text, for maj@k (default: the task's entry
+            of :data:`podsjax.pass_at_k.ANSWER_KEYS`; read only when ``eval_k`` is set).
     """
 
     def __init__(self, generator, prompts: PromptSource, scorer, examples: Sequence[data_lib.Example],
                  run_config: RunConfig, *, rows: int, rewards, eos_ids,
-                 compile_log: compilation.CompileLog | None = None):
+                 compile_log: compilation.CompileLog | None = None,
+                 answer_key: Callable[[str], str | None] | None = None):
         self.generator, self.prompts, self.scorer = generator, prompts, scorer
         self.examples = list(examples[: run_config.eval_limit] if run_config.eval_limit else examples)
         self.run_config, self.eos_ids = run_config, eos_ids
@@ -55,6 +61,9 @@ class Evaluator:
         # so a new compile), split evenly over the mesh's batch shards.
         self.rows = -(-self.size // shards) * shards
         self.compile_log = compile_log or compilation.CompileLog()
+        self.answer_key = None
+        if run_config.eval_k:
+            self.answer_key = answer_key or pass_at_k_lib.task_answer_key(run_config.task)
 
     def __call__(self, params: Any, lora: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """``(scalars, samples)`` of the policy ``(params, lora)``.
@@ -62,6 +71,8 @@ class Evaluator:
         Returns:
             scalars: ``eval/accuracy``: the metric, mean over passes; ``eval/accuracy_std``:
             its standard deviation over passes (ddof 1; 0 with one pass);
+            ``eval/pass_at_<k>`` and ``eval/maj_at_<k>`` for each k of ``eval_k``, from the metric
+            and the answers of the passes (:mod:`podsjax.pass_at_k`);
             ``eval/answer_accuracy`` and ``eval/format_accuracy``: the task's accuracy and the
             authors' strict format check, means over passes; ``eval/examples``: examples per
             pass (prompts longer than ``max_prompt_length`` are left out).
@@ -69,7 +80,8 @@ class Evaluator:
         """
         run_config = self.run_config
         eval_key = jax.random.fold_in(jax.random.key(run_config.seed), EVAL_STREAM)
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in EVAL_PARTS}  # name -> chunks of [R, e]
+        kept = EVAL_PARTS + ((ANSWERS,) if self.answer_key else ())
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in kept}  # name -> chunks of [R, e]
         samples: list[dict[str, Any]] = []
         for index, start in enumerate(range(0, len(self.examples), self.size)):
             chunk = self.examples[start : start + self.size]
@@ -94,6 +106,8 @@ class Evaluator:
                 texts = prompts_lib.decode_completions(self.prompts.tokenizer, tokens, mask)
                 scores = self.scorer.score(texts, self.rewards, **data_lib.reward_columns(mine, 1)).per_function
                 local = {name: np.asarray(scores[name], np.float64) for name in EVAL_PARTS}
+                if self.answer_key:
+                    local[ANSWERS] = pass_at_k_lib.answer_ids(texts, self.answer_key)
                 breakdowns.append({name: values[: len(chunk)]
                                    for name, values in hosts.gather_rows(first, local, self.rows).items()})
                 if repeat == 0:  # this host's rows of the chunk (process 0's are the first)
@@ -102,11 +116,12 @@ class Evaluator:
                                     "format_correct": float(f)}
                                    for e, t, a, f in zip(mine[:real], texts, scores["accuracy"],
                                                          scores["strict_format"]))
-            for name in EVAL_PARTS:
-                parts[name].append(np.stack([np.asarray(b[name], np.float64) for b in breakdowns]))
-        values_RE = {name: np.concatenate(chunks, axis=1) if chunks else np.zeros((run_config.eval_repeats, 0))
+            for name in kept:
+                parts[name].append(np.stack([np.asarray(b[name]) for b in breakdowns]))
+        values_RE = {name: np.concatenate(chunks, axis=1) if chunks
+                     else np.zeros((run_config.eval_repeats, 0), np.int64 if name == ANSWERS else np.float64)
                      for name, chunks in parts.items()}
-        return eval_scalars(values_RE, EVAL_METRICS[run_config.eval_metric]), samples
+        return eval_scalars(values_RE, EVAL_METRICS[run_config.eval_metric], run_config.eval_k), samples
 
 
 def with_strict_format(rewards: tuple[rewards_lib.WeightedReward, ...]) -> tuple[rewards_lib.WeightedReward, ...]:
@@ -116,15 +131,26 @@ def with_strict_format(rewards: tuple[rewards_lib.WeightedReward, ...]) -> tuple
     return (*rewards, rewards_lib.WeightedReward(rewards_lib.strict_format_reward, 0.0, "strict_format"))
 
 
-def eval_scalars(values_RE: dict[str, np.ndarray], metric: tuple[str, ...]) -> dict[str, float]:
-    """Evaluation's scalars from each part's [R passes, E examples] values (see :class:`Evaluator`)."""
+def eval_scalars(values_RE: dict[str, np.ndarray], metric: tuple[str, ...],
+                 eval_k: Sequence[int] = ()) -> dict[str, float]:
+    """Evaluation's scalars from each part's [R passes, E examples] values (see :class:`Evaluator`).
+
+    pass@k and maj@k (for each k of ``eval_k``) count a completion correct by ``metric``, so
+    pass@1 is ``eval/accuracy``; maj@k reads the answer ids in ``values_RE["answer_id"]``.
+    """
+    if eval_k and ANSWERS not in values_RE:
+        raise ValueError(f"eval_k needs each completion's answer id (values_RE[{ANSWERS!r}]) for maj@k")
     repeats, count = values_RE[metric[0]].shape
     metric_RE = np.prod([values_RE[name] for name in metric], axis=0)
     per_pass_R = metric_RE.mean(axis=1) if count else np.zeros(repeats)
-    return {
+    scalars = {
         "eval/accuracy": float(per_pass_R.mean()),
         "eval/accuracy_std": float(per_pass_R.std(ddof=1)) if repeats > 1 else 0.0,
         "eval/answer_accuracy": float(values_RE["accuracy"].mean()) if count else 0.0,
         "eval/format_accuracy": float(values_RE["strict_format"].mean()) if count else 0.0,
         "eval/examples": float(count),
     }
+    for k in eval_k:  # '@' is out of names W&B can sort and filter: pass_at_<k>
+        scalars[f"eval/pass_at_{k}"] = pass_at_k_lib.pass_at_k(metric_RE, k)
+        scalars[f"eval/maj_at_{k}"] = pass_at_k_lib.maj_at_k(values_RE[ANSWERS], metric_RE, k)
+    return scalars
