@@ -11,6 +11,7 @@ from tiny_checkpoint import save_tiny_checkpoint
 import podsjax.models as pm
 from podsjax import algorithms, data, loop, prompts, sampling
 from podsjax import rewards as rewards_lib
+from podsjax.pass_at_k import gsm8k_answer_key
 from podsjax.rewards import format_correct
 
 QUESTIONS = [("What is 2 + 2?", "4"), ("What is 3 + 4?", "7"), ("What is 5 - 1?", "4"), ("What is 6 / 2?", "3")]
@@ -180,3 +181,67 @@ def test_the_trainer_adds_the_strict_format_check_to_evaluation_only(setup, tmp_
     trainer.close()
     assert [w.name for w in trainer.rewards] == ["accuracy", "format", "tag_count"]
     assert [(w.name, w.weight) for w in trainer.evaluator.rewards][-1] == ("strict_format", 0.0)
+
+
+# Four passes of the four questions: each completion's grade and final answer (None: unreadable).
+CORRECT_RE = [[1, 0, 1, 1],
+              [0, 0, 0, 1],
+              [0, 1, 0, 1],
+              [0, 0, 0, 1]]
+ANSWERS_RE = [["a", None, "e", "g"],
+              ["b", None, "f", "g"],
+              ["b", "c", "e", "g"],
+              [None, "d", "f", "g"]]
+
+
+def test_pass_and_maj_at_k_come_from_the_passes_grades_and_answers(setup, tmp_path):
+    grades, answers = iter(CORRECT_RE), iter(ANSWERS_RE)
+    rows = []  # the answer key sees one pass's rows at a time, padding rows included
+
+    def accuracy(completions, **_):  # one call per pass
+        grade = next(grades)
+        return [float(grade[i]) if i < len(grade) else 0.0 for i in range(len(completions))]
+
+    def answer_key(text):
+        if not rows:
+            rows.extend(next(answers) + ["pad"] * (8 - len(QUESTIONS)))
+        return rows.pop(0)
+
+    rewards = [rewards_lib.WeightedReward(accuracy, 1.0, "accuracy")]
+    trainer = make_trainer(setup, tmp_path / "run", rewards=rewards, scorer=InProcessScorer(), eval_repeats=4,
+                           eval_temperature=0.9, eval_k=(1, 2, 4))
+    try:
+        evaluator = loop.Evaluator(trainer.generator, trainer.prompts, InProcessScorer(), setup[3],
+                                   trainer.run_config, rows=8, rewards=rewards, eos_ids=trainer.eos_ids,
+                                   answer_key=answer_key)
+        result, _ = evaluator(*trainer.policy_params())
+    finally:
+        trainer.close()
+    assert result["eval/accuracy"] == pytest.approx(7 / 16, abs=1e-12)
+    assert result["eval/pass_at_1"] == pytest.approx(7 / 16, abs=1e-12)
+    # Three questions right once in 4 (1 - C(3,2)/C(4,2) = 1/2), one right every time.
+    assert result["eval/pass_at_2"] == pytest.approx((3 * 0.5 + 1) / 4, abs=1e-12)
+    assert result["eval/pass_at_4"] == 1.0
+    # Blocks of passes (0, 1) and (2, 3). Q1: a (tie, first) right; b wrong. Q2: nobody votes;
+    # c (tie, first) right. Q3: e right at pass 0; e wrong at pass 2. Q4: right twice.
+    assert result["eval/maj_at_2"] == pytest.approx(5 / 8, abs=1e-12)
+    # One block: Q1 b (2 to 1) wrong; Q2 c (tie with d) right; Q3 e (tie with f) right at pass 0; Q4 right.
+    assert result["eval/maj_at_4"] == pytest.approx(3 / 4, abs=1e-12)
+    assert result["eval/maj_at_1"] == pytest.approx(7 / 16, abs=1e-12)  # the unreadable ones are wrong too
+
+
+def test_the_tasks_answer_key_votes_by_default_and_eval_k_off_logs_nothing_new(setup, tmp_path):
+    rewards = [rewards_lib.WeightedReward(by_position([1, 0, 1, 0]), 1.0, "accuracy")]
+    results = {}
+    for eval_k in ((), (1, 2)):
+        trainer = make_trainer(setup, tmp_path / str(len(eval_k)), rewards=rewards, scorer=InProcessScorer(),
+                               eval_repeats=2, eval_temperature=0.9, eval_k=eval_k)
+        try:
+            assert trainer.evaluator.answer_key is (gsm8k_answer_key if eval_k else None)
+            results[eval_k] = trainer.evaluate()
+        finally:
+            trainer.close()
+    assert not any("_at_" in name for name in results[()])
+    on = results[(1, 2)]
+    assert on["eval/pass_at_1"] == on["eval/accuracy"] == 0.5 and on["eval/pass_at_2"] == 0.5
+    assert 0.0 <= on["eval/maj_at_2"] <= 0.5 and 0.0 <= on["eval/maj_at_1"] <= 0.5
