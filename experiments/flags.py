@@ -46,13 +46,16 @@ SHORTCUTS: dict[str, str] = {
     "--max-prompt-length": "run.max_prompt_length", "--time-budget": "run.time_budget_s",
     "--max-steps": "run.max_steps", "--eval-every": "run.eval_every_s", "--eval-limit": "run.eval_limit",
     "--eval-temperature": "run.eval_temperature", "--eval-repeats": "run.eval_repeats",
-    "--eval-metric": "run.eval_metric", "--checkpoint-every-steps": "run.checkpoint_every_steps",
+    "--eval-metric": "run.eval_metric", "--eval-k": "run.eval_k",
+    "--checkpoint-every-steps": "run.checkpoint_every_steps",
     "--seed": "run.seed", "--reward-workers": "run.reward_workers", "--log": "run.log",
     "--wandb-project": "run.wandb_project", "--data": "data.train", "--eval-data": "data.test",
     "--prompt-column": "data.prompt_column", "--answer-column": "data.answer_column",
     "--train-split": "data.train_split", "--test-split": "data.test_split", "--system-prompt": "run.system_prompt",
     "--warmup-dir": "tiny.warmup_dir", "--warmup-steps": "tiny.warmup_steps",
 }
+# Shortcuts of list fields: "--log a,b" and "--eval-k 1,4" give the list [a, b] and [1, 4].
+LIST_SHORTCUTS = ("run.log", "run.eval_k")
 SECTIONS = tuple(f.name for f in dataclasses.fields(ExperimentConfig))
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+(:[\w.-]+)?")
 # What a resumed run may change: how long it goes on, and memory (the same numbers either way).
@@ -145,7 +148,7 @@ def _field_flags(args, rest: list[str]) -> tuple[list[str], dict[str, str]]:
     for flag, field in SHORTCUTS.items():
         value = getattr(args, _dest(flag))
         if value is not None:
-            flags += [f"--{field}", f"[{value}]" if field == "run.log" else value]  # --log a,b: a list
+            flags += [f"--{field}", f"[{value}]" if field in LIST_SHORTCUTS else value]
             names[field] = flag
     if args.full:
         if args.short_lora_rank is not None or any(t.startswith("--model.lora_rank") for t in rest):
