@@ -171,5 +171,5 @@ def answer_id(key: str | None) -> int:
 
 
 def answer_ids(completions, answer_key: Callable[[str], str | None]) -> np.ndarray:
-    """[B] int64 :func:`answer_id` of each completion's ``answer_key``."""
-    return np.asarray([answer_id(answer_key(text)) for text in completions], np.int64)
+    """[B] int32 :func:`answer_id` of each completion's ``answer_key`` (int32: what hosts gather as it is)."""
+    return np.asarray([answer_id(answer_key(text)) for text in completions], np.int32)

@@ -169,7 +169,7 @@ def test_answer_keys_read_nothing_where_the_rewards_read_nothing(key, text):
 
 def test_answer_ids_are_stable_31_bit_and_split_answers():
     ids = answer_ids(["<answer>18</answer>", "18.0", "<answer>7</answer>", "nothing"], gsm8k_answer_key)
-    assert ids.dtype == np.int64 and ids[0] == ids[1] != ids[2] and ids[3] == NO_ANSWER
+    assert ids.dtype == np.int32 and ids[0] == ids[1] != ids[2] and ids[3] == NO_ANSWER
     assert 0 <= ids[:3].min() and ids[:3].max() < 2**31
     assert answer_id("18") == int(ids[0])  # the same id in every process: no salted hash()
     assert task_answer_key("gsm8k") is gsm8k_answer_key

@@ -117,7 +117,8 @@ class Evaluator:
                                    for e, t, a, f in zip(mine[:real], texts, scores["accuracy"],
                                                          scores["strict_format"]))
             for name in kept:
-                parts[name].append(np.stack([np.asarray(b[name]) for b in breakdowns]))
+                dtype = np.int64 if name == ANSWERS else np.float64
+                parts[name].append(np.stack([np.asarray(b[name], dtype) for b in breakdowns]))
         values_RE = {name: np.concatenate(chunks, axis=1) if chunks
                      else np.zeros((run_config.eval_repeats, 0), np.int64 if name == ANSWERS else np.float64)
                      for name, chunks in parts.items()}
