@@ -16,6 +16,13 @@ Shared conventions:
   the remaining slots in index order. Callers can spot them with
   ``~jnp.isfinite(jnp.take_along_axis(rewards, indices, -1))``.
 * Subnormal rewards compare equal to zero, because XLA flushes denormals.
+
+Flat layouts. Libraries such as TRL, verl and tunix keep a step's rollouts as
+flat rows [P*N, ...], prompt after prompt (row p*N + j is rollout j of prompt
+p). ``select_flat`` takes such flat rewards and returns flat rows;
+``flat_rows`` turns [..., P, M] indices into those rows. Both, and
+``select``, take ``in_position_order=True`` to keep each group's rollouts in
+their original order, so a gather does not reorder a host's trajectory ids.
 """
 
 from __future__ import annotations
@@ -249,7 +256,9 @@ def rule_needs_key(name: str) -> bool:
     return _RULES[_canonical_name(name)].needs_key
 
 
-def select(rule: str, rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
+def select(
+    rule: str, rewards: jax.Array, m: int, *, key: jax.Array | None = None, in_position_order: bool = False
+) -> jax.Array:
     """Dispatches to a registered rule by name.
 
     Args:
@@ -258,6 +267,8 @@ def select(rule: str, rewards: jax.Array, m: int, *, key: jax.Array | None = Non
       rewards: [..., N] rewards.
       m: static number of rollouts to keep per group.
       key: PRNG key, required by rules registered with ``needs_key``.
+      in_position_order: sort each group's indices ascending instead of the
+        rule's own order (same subset).
 
     Returns:
       int32 [..., M] indices into the last axis of ``rewards``.
@@ -265,7 +276,76 @@ def select(rule: str, rewards: jax.Array, m: int, *, key: jax.Array | None = Non
     fn = get_rule(rule)
     if rule_needs_key(rule) and key is None:
         raise ValueError(f"selection rule {rule!r} needs a PRNG key: pass key=jax.random.key(...)")
-    return fn(rewards, m, key=key)
+    indices = fn(rewards, m, key=key)
+    return jnp.sort(indices, axis=-1) if in_position_order else indices
+
+
+def _static_group_size(n) -> int:
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"n must be a static Python int; got {type(n).__name__}") from None
+    if n < 1:
+        raise ValueError(f"n must be >= 1; got {n}")
+    return n
+
+
+def flat_rows(indices: jax.Array, n: int, *, in_position_order: bool = False) -> jax.Array:
+    """Rows of a flat [..., P*N] layout picked by per-group indices.
+
+    Args:
+      indices: int [..., P, M] positions in [0, N) within each group, as a
+        rule returns them for rewards [..., P, N].
+      n: static group size N.
+      in_position_order: sort each group's indices ascending first, so the
+        rows keep the flat layout's order.
+
+    Returns:
+      int32 [..., P*M] rows p*N + indices[..., p, j], group after group.
+    """
+    n = _static_group_size(n)
+    indices = jnp.asarray(indices)
+    if indices.ndim < 2 or not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ValueError(
+            f"indices must be an integer array [..., P, M]; got dtype {indices.dtype}, shape {indices.shape}"
+        )
+    if in_position_order:
+        indices = jnp.sort(indices, axis=-1)
+    groups_P1 = lax.broadcasted_iota(jnp.int32, (*indices.shape[:-1], 1), indices.ndim - 2)
+    rows = groups_P1 * n + indices.astype(jnp.int32)
+    return rows.reshape(*indices.shape[:-2], -1)
+
+
+def select_flat(
+    rule: str,
+    rewards: jax.Array,
+    n: int,
+    m: int,
+    *,
+    key: jax.Array | None = None,
+    in_position_order: bool = False,
+) -> jax.Array:
+    """``select`` for rewards kept flat, prompt after prompt.
+
+    Args:
+      rule: a registered rule name (see ``select``).
+      rewards: [..., P*N] rewards; entry p*N + j is rollout j of prompt p.
+      n: static rollouts per prompt N.
+      m: static rollouts to keep per prompt.
+      key: PRNG key, for rules that need one.
+      in_position_order: keep each group's rows ascending (the flat order).
+
+    Returns:
+      int32 [..., P*M] rows into the last axis of ``rewards``, group after
+      group: gather any [P*N, ...] tensor with them to get its [P*M, ...] batch.
+    """
+    n = _static_group_size(n)
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim < 1 or rewards.shape[-1] % n:
+        raise ValueError(f"rewards must be flat [..., P*N] with N={n} rollouts per prompt; got shape {rewards.shape}")
+    rewards_PN = rewards.reshape(*rewards.shape[:-1], rewards.shape[-1] // n, n)
+    indices_PM = select(rule, rewards_PN, m, key=key)
+    return flat_rows(indices_PM, n, in_position_order=in_position_order)
 
 
 def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
@@ -275,12 +355,7 @@ def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
       indices: int [..., M] positions in [0, N).
       n: static group size N.
     """
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise TypeError(f"n must be a static Python int; got {type(n).__name__}") from None
-    if n < 1:
-        raise ValueError(f"n must be >= 1; got {n}")
+    n = _static_group_size(n)
     indices = jnp.asarray(indices)
     if indices.ndim < 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ValueError(f"indices must be an integer array [..., M]; got dtype {indices.dtype}, shape {indices.shape}")
