@@ -33,7 +33,14 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "m": {f"m={m}": {"algorithm": "pods", "n": 64, "m": m} for m in (2, 4, 8, 16)},
     "rule": {rule: {"algorithm": "pods", "rule": rule}
              for rule in ("max_variance", "max_reward", "random", "percentile")},
+    # PODS's in-group selection with and without DAPO's dynamic sampling of groups
+    "dynamic_sampling": {"pods": {"algorithm": "pods"},
+                         "pods+dynamic": {"algorithm": "pods", "dynamic_sampling": True}},
 }
+# The per-step figures the second table averages: what the groups held, and where a step's time went.
+STEP_FIGURES = {"zero-variance groups drawn": "data/zero_std_groups_drawn",
+                "before selection": "reward/zero_std_groups", "after selection": "reward/zero_std_groups_selected"}
+PHASES = ("generation", "scoring", "selection", "update")
 # Set per run by compare itself, so refused among the shared flags.
 OWN_FLAGS = ("--out", "--seed", "--resume", "--overwrite", "--method", "--warmup-dir")
 
@@ -221,11 +228,47 @@ def report(comparison: Comparison, histories: dict[str, list[list[dict]]]) -> in
     analysis.plot(groups, plot_path, title)
     rows = analysis.summarize(groups, baseline)
     print(format_summary(rows, baseline, len(args.seeds)))
+    figures = {label: step_figures([os.path.join(args.out, f"{label}-seed{seed}") for seed in args.seeds])
+               for label in histories}
+    print(format_step_figures(figures))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump({"baseline": baseline, "seeds": args.seeds, "plot": plot_path,
-                   "methods": [r.__dict__ for r in rows]}, f, indent=2, default=str)
+                   "methods": [r.__dict__ for r in rows], "steps": figures}, f, indent=2, default=str)
     print(f"plot: {plot_path}")
     return 0
+
+
+def step_figures(run_dirs: list[str]) -> dict[str, float]:
+    """Means over every training step of the runs (each run's first, compiling step left out):
+    the zero-variance fractions of ``STEP_FIGURES`` and each phase's share of a step's time."""
+    steps = []
+    for run_dir in run_dirs:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        steps += [r for r in rows if "train/loss" in r][1:]
+    out: dict[str, float] = {"steps": float(len(steps))}
+    for label, key in STEP_FIGURES.items():
+        values = [r[key] for r in steps if r.get(key) is not None]
+        if values:
+            out[label] = sum(values) / len(values)
+    totals = {phase: sum(r.get(f"time/{phase}", 0.0) for r in steps) for phase in PHASES}
+    whole = sum(totals.values())
+    for phase in PHASES:
+        out[f"{phase} share"] = totals[phase] / whole if whole > 0 else math.nan
+    return out
+
+
+def format_step_figures(figures: dict[str, dict[str, float]]) -> str:
+    """The table of ``step_figures`` per method (a dash where a run does not log a figure)."""
+    columns = [*STEP_FIGURES, *(f"{phase} share" for phase in PHASES)]
+    lines = ["| method | steps | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    for label, values in figures.items():
+        cells = ["-" if c not in values or math.isnan(values[c]) else f"{values[c]:.1%}" for c in columns]
+        lines.append(f"| {label} | {values['steps']:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_summary(rows, baseline, seeds) -> str:

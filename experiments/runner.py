@@ -272,6 +272,11 @@ def _check_rows(mesh, algo, run_config) -> None:
     if trained % algo.grad_accum:
         raise UsageError(f"{trained} trained rows per update (prompt rows x --m) do not split into --grad-accum "
                          f"{algo.grad_accum} micro-batches; change --grad-accum, --m or --prompts-per-step")
+    steps = algo.steps_per_generation
+    if trained % (steps * algo.grad_accum):
+        raise UsageError(f"{trained} trained rows per step (prompt rows x --m) do not split into "
+                         f"--algorithm.steps_per_generation {steps} mini-batches of --grad-accum {algo.grad_accum} "
+                         "micro-batches; change one of them, --m or --prompts-per-step")
 
 
 def _millions(n: int) -> str:
@@ -327,7 +332,7 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
         export_dir += (f"\nbest model ({trainer.best.accuracy:.1%} at step {trainer.best.step}; "
                        f"chosen on the eval split): {best_dir}")
     if hosts.is_primary():
-        print_summary(config, history, int(trainer.state.step), trainer.host.elapsed_train_s,
+        print_summary(config, history, trainer.step, trainer.host.elapsed_train_s,
                       time.time() - start, export_dir)
     return 0
 

@@ -18,11 +18,13 @@ from podsjax import grpo, paper_settings, selection
 
 ALGORITHMS = ("grpo", "grpo-ga", "pods")
 SCHEDULES = ("constant", "cosine")
+OLD_LOGPROBS = ("recompute", "sampler")
 
 
-_INT_FIELDS = ("n", "m", "grad_accum", "groups_per_prompt", "num_iterations", "total_steps", "top_k")
+_INT_FIELDS = ("n", "m", "grad_accum", "groups_per_prompt", "num_iterations", "steps_per_generation", "total_steps",
+               "top_k", "max_sampling_rounds")
 _FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "logprob_temperature", "top_p", "learning_rate",
-                 "warmup_ratio", "max_grad_norm", "weight_decay", "adam_b1", "adam_b2", "advantage_eps")
+                 "warmup_ratio", "max_grad_norm", "weight_decay", "adam_b1", "adam_b2", "advantage_eps", "tis_cap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,21 @@ class AlgorithmConfig:
     beta: float = 0.0  # k3 KL weight (0: no reference model is evaluated)
     epsilon: float = 0.2  # clip range of the ratio
     epsilon_high: float | None = None  # upper clip range (null: epsilon)
-    num_iterations: int = 1  # updates per generated batch (1: the ratio is 1)
+    num_iterations: int = 1  # passes over each generated batch (1 with one step per generation: the ratio is 1)
+    steps_per_generation: int = 1  # optimizer steps per pass: the batch splits into this many mini-batches
+    # the ratio's old policy: recompute (the update program's log-probs before the first
+    # optimizer step; with one step, the current ones) or sampler (the rollouts' own log-probs)
+    old_logprobs: str = "recompute"
+    # truncated importance sampling: weight each token's policy term by
+    # min(pi_old / pi_sampler, tis_cap) (null: off; TRL's default cap is 3)
+    tis_cap: float | None = None
+    tis_level: str = "token"  # TIS ratio per token, or per sequence (the product of its tokens' ratios)
+    log_mismatch: bool = False  # log the sampler/update log-prob mismatch (train/mismatch_*) each step
+    # DAPO's dynamic sampling: drop groups whose n rewards all agree before selection and draw
+    # more prompts until the step's groups are full (at most max_sampling_rounds draws; then
+    # dropped groups fill the rest, so the update's shapes never change)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4  # dynamic sampling: draws of prompts_per_step prompts per step, at most
     aggregation: str = "token-mean"  # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm
     # policy loss: grpo (clipped token ratio), gspo (clipped sequence ratio) or cispo (capped token weight)
     loss_type: str = "grpo"
@@ -88,6 +104,18 @@ class AlgorithmConfig:
             bad(f"groups_per_prompt must be >= 1; got {self.groups_per_prompt}")
         if self.num_iterations < 1:
             bad(f"num_iterations must be >= 1; got {self.num_iterations}")
+        if self.steps_per_generation < 1:
+            bad(f"steps_per_generation must be >= 1; got {self.steps_per_generation}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            bad(f"old_logprobs must be one of {OLD_LOGPROBS}; got {self.old_logprobs!r}")
+        if self.tis_cap is not None and self.old_logprobs == "sampler":
+            bad("tis_cap corrects the sampler against the update's own old log-probs; with old_logprobs='sampler' "
+                "the ratio is already against the sampler: set one of them")
+        for name in ("log_mismatch", "dynamic_sampling"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false; got {getattr(self, name)!r}")
+        if self.max_sampling_rounds < 1:
+            bad(f"max_sampling_rounds must be >= 1; got {self.max_sampling_rounds}")
         if self.schedule not in SCHEDULES:
             bad(f"schedule must be one of {SCHEDULES}; got {self.schedule!r}")
         if not 0 <= self.warmup_ratio < 1:
@@ -99,7 +127,8 @@ class AlgorithmConfig:
         if not self.temperature > 0:
             bad(f"training temperature must be > 0; got {self.temperature}")
         if self.logprob_temperature is not None and not self.logprob_temperature > 0:
-            bad(f"logprob_temperature must be > 0, or null for the sampling temperature; got {self.logprob_temperature}")
+            bad("logprob_temperature must be > 0, or null for the sampling temperature; "
+                f"got {self.logprob_temperature}")
         if not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1]; got {self.top_p}")
         if self.top_k < 0:
@@ -115,7 +144,7 @@ class AlgorithmConfig:
             bad(f"advantage_eps must be >= 0; got {self.advantage_eps}")
         if self.std_scaling not in grpo.STD_SCALINGS:
             bad(f"std_scaling must be one of {grpo.STD_SCALINGS}; got {self.std_scaling!r}")
-        self.loss_config  # validates epsilon, beta, aggregation, loss_type
+        self.loss_config  # validates epsilon, beta, aggregation, loss_type, tis_cap, tis_level
 
     @property
     def update_temperature(self) -> float:
@@ -123,9 +152,29 @@ class AlgorithmConfig:
         return self.temperature if self.logprob_temperature is None else self.logprob_temperature
 
     @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps each generated batch takes: ``num_iterations x steps_per_generation``."""
+        return self.num_iterations * self.steps_per_generation
+
+    @property
+    def sampler_logprobs_reason(self) -> str | None:
+        """The option that needs the sampler's log-probs in the update, or None."""
+        if self.tis_cap is not None:
+            return f"tis_cap={self.tis_cap}"
+        if self.old_logprobs == "sampler":
+            return "old_logprobs='sampler'"
+        return "log_mismatch" if self.log_mismatch else None
+
+    @property
+    def sampler_logprobs(self) -> bool:
+        """Whether the sampler returns its log-probs and the batch carries them to the update."""
+        return self.sampler_logprobs_reason is not None
+
+    @property
     def loss_config(self) -> grpo.LossConfig:
         return grpo.LossConfig(epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta,
-                               aggregation=self.aggregation, loss_type=self.loss_type)
+                               aggregation=self.aggregation, loss_type=self.loss_type, tis_cap=self.tis_cap,
+                               tis_level=self.tis_level)
 
 
 def method_config(name: str, **overrides) -> AlgorithmConfig:

@@ -250,9 +250,9 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
         gen = (generator or sampling.Generator(model)).compile(
             base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
             max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=tuple(eos_token_ids),
-            pad_token_id=pad_token_id)
+            pad_token_id=pad_token_id, return_logprobs=algo.sampler_logprobs)
     rows = prompts * algo.m
-    batch = programs.abstract_batch(model.mesh, rows, prompt_len, max_new_tokens)
+    batch = programs.abstract_batch(model.mesh, rows, prompt_len, max_new_tokens, algo)
     start = time.perf_counter()
     with (log.label("update", f"{rows} rows x {prompt_len + max_new_tokens} tokens"),
           _refused_by_compiler("the update", device.device_kind)):

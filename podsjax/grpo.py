@@ -19,6 +19,8 @@ STD_SCALINGS = ("group", "batch", "none")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LossType = Literal["grpo", "gspo", "cispo"]
 LOSS_TYPES = ("grpo", "gspo", "cispo")
+TisLevel = Literal["token", "sequence"]
+TIS_LEVELS = ("token", "sequence")
 
 
 def group_advantages(
@@ -179,7 +181,8 @@ def _chunked_head(hidden_BTD, head_VD, targets_BT, temperature: float, chunk: in
     def block(xs):
         h_BCD, targets_BC = xs
         logits = _head_logits(h_BCD, head_VD)
-        return token_logprobs(logits, targets_BC, temperature=temperature), token_entropy(logits, temperature=temperature)
+        logp = token_logprobs(logits, targets_BC, temperature=temperature)
+        return logp, token_entropy(logits, temperature=temperature)
 
     logp, entropy = jax.lax.map(block, (_chunks(hidden_BTD, chunk), _chunks(targets_BT, chunk)))
     return _unchunk(logp), jax.lax.stop_gradient(_unchunk(entropy))
@@ -229,6 +232,13 @@ class LossConfig:
       loss_type: each token's policy term: "grpo" clips the token's ratio, "gspo" the
         sequence's (:func:`gspo_token_loss`), "cispo" caps a stop-gradient weight on
         REINFORCE (:func:`cispo_token_loss`); each takes every aggregation and the KL.
+      tis_cap: truncated importance sampling against the sampler (None: off). Each
+        token's policy term is weighted by sg(min(pi_old / pi_sampler, tis_cap)), where
+        pi_old is the update program's log-prob of the policy that sampled; the KL term
+        is not weighted (as TRL and verl). Needs the sampler's log-probs
+        (:func:`tis_weights`).
+      tis_level: "token" (one weight per token) or "sequence" (one per sequence: the
+        product of its tokens' ratios, truncated).
     """
 
     epsilon: float = 0.2
@@ -237,6 +247,8 @@ class LossConfig:
     aggregation: Aggregation = "token-mean"
     norm_length: int | None = None
     loss_type: LossType = "grpo"
+    tis_cap: float | None = None
+    tis_level: TisLevel = "token"
 
     def __post_init__(self):
         if not self.epsilon >= 0:
@@ -251,6 +263,10 @@ class LossConfig:
             raise ValueError(f"norm_length must be >= 1; got {self.norm_length}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {self.loss_type!r}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0, or None for no truncated importance sampling; got {self.tis_cap}")
+        if self.tis_level not in TIS_LEVELS:
+            raise ValueError(f"tis_level must be one of {TIS_LEVELS}; got {self.tis_level!r}")
 
     @property
     def clip_high(self) -> float:
@@ -279,6 +295,8 @@ class LossMetrics:
     advantage_mean: jax.Array
     ratio_mean: jax.Array
     num_tokens: jax.Array
+    tis_weight_mean: jax.Array  # the TIS weight's token mean (1 without TIS)
+    tis_truncated_frac: jax.Array  # tokens whose TIS weight the cap cut
 
 
 def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:
@@ -340,6 +358,47 @@ def cispo_token_loss(logp_BL, old_BL, adv_B1, config: LossConfig) -> TokenLoss:
                      clipped_low=jnp.zeros(ratio.shape, bool), clipped_high=ratio > cap)
 
 
+def tis_weights(old_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.Array, cap: float,
+                level: TisLevel = "token") -> tuple[jax.Array, jax.Array]:
+    """Truncated importance weights min(pi_old / pi_sampler, cap), stop-gradient, and which were cut.
+
+    ``old_BL`` are the update program's log-probs of the policy that sampled and
+    ``sampler_BL`` the sampler's own; both [B, L], ``mask_BL`` 1 on the tokens that count.
+    "sequence" gives every token of a sequence the truncated product of its tokens' ratios.
+    The ratio is formed in log space and capped there, so a large log-ratio cannot
+    overflow. Returns ``(weights_BL, truncated_BL)``.
+    """
+    if level not in TIS_LEVELS:
+        raise ValueError(f"tis_level must be one of {TIS_LEVELS}; got {level!r}")
+    valid = mask_BL.astype(bool)
+    log_ratio = jnp.where(valid, old_BL - sampler_BL, 0.0)
+    if level == "sequence":
+        log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, axis=-1, keepdims=True), log_ratio.shape)
+    log_cap = jnp.log(jnp.float32(cap))
+    weights = jnp.exp(jnp.minimum(log_ratio, log_cap))
+    return jax.lax.stop_gradient(weights), log_ratio > log_cap
+
+
+class Mismatch(NamedTuple):
+    """Sums over the tokens that count of how far the sampler's log-probs are from the update's."""
+
+    abs_logp_diff: jax.Array  # sum of |logp_update - logp_sampler|
+    max_ratio: jax.Array  # largest pi_update / pi_sampler of a token (0 with no tokens)
+    tokens: jax.Array
+
+
+def sampler_mismatch(update_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.Array) -> Mismatch:
+    """The sampler/update mismatch of one batch: the two programs' log-probs of the same tokens
+    under the same weights, which differ by precision (bf16 decode over a bf16 cache against
+    a rematerialised update) and by filtering the sampler did not apply to its log-probs."""
+    valid = mask_BL.astype(bool)
+    diff = jnp.where(valid, update_BL - sampler_BL, 0.0)
+    max_log_ratio = jnp.max(jnp.where(valid, diff, -jnp.inf))
+    return jax.lax.stop_gradient(Mismatch(abs_logp_diff=jnp.sum(jnp.abs(diff)),
+                                          max_ratio=jnp.exp(max_log_ratio),
+                                          tokens=jnp.sum(valid.astype(jnp.float32))))
+
+
 def grpo_loss_terms(
     logprobs_BL: jax.Array,
     advantages_B: jax.Array,
@@ -348,6 +407,7 @@ def grpo_loss_terms(
     *,
     old_logprobs_BL: jax.Array | None = None,
     ref_logprobs_BL: jax.Array | None = None,
+    sampler_logprobs_BL: jax.Array | None = None,
 ) -> tuple[LossTerms, LossMetrics]:
     """The policy loss with k3 KL, as (numerator, denominator) plus metrics.
 
@@ -365,6 +425,9 @@ def grpo_loss_terms(
         the current policy (one update per batch, ratio 1 with the gradient
         of logp).
       ref_logprobs_BL: [B, L] reference log-probs; required iff beta > 0.
+      sampler_logprobs_BL: [B, L] the sampler's own log-probs of the tokens; required iff
+        ``config.tis_cap`` is set. The TIS weight compares them with ``old_logprobs_BL``
+        (or, with none, the current log-probs, which then are the sampling policy's).
 
     Returns:
       (LossTerms, LossMetrics). Masked positions get exactly zero gradient,
@@ -376,11 +439,14 @@ def grpo_loss_terms(
         raise ValueError(f"mask {mask_BL.shape} must match logprobs {logprobs_BL.shape}")
     if advantages_B.shape != logprobs_BL.shape[:1]:
         raise ValueError(f"advantages must be [B]={logprobs_BL.shape[:1]}; got {advantages_B.shape}")
-    for name, other in (("old_logprobs", old_logprobs_BL), ("ref_logprobs", ref_logprobs_BL)):
+    for name, other in (("old_logprobs", old_logprobs_BL), ("ref_logprobs", ref_logprobs_BL),
+                        ("sampler_logprobs", sampler_logprobs_BL)):
         if other is not None and other.shape != logprobs_BL.shape:
             raise ValueError(f"{name} {other.shape} must match logprobs {logprobs_BL.shape}")
     if config.beta > 0 and ref_logprobs_BL is None:
         raise ValueError(f"beta={config.beta} > 0 needs ref_logprobs_BL")
+    if config.tis_cap is not None and sampler_logprobs_BL is None:
+        raise ValueError(f"tis_cap={config.tis_cap} needs sampler_logprobs_BL (the sampler's log-probs)")
 
     valid = mask_BL.astype(bool)
     weight = valid.astype(jnp.float32)
@@ -397,6 +463,11 @@ def grpo_loss_terms(
     else:
         policy = grpo_token_loss(logp - old, adv, config)
     per_token = policy.per_token
+    tis, truncated = jnp.ones_like(logp), jnp.zeros(logp.shape, bool)
+    if config.tis_cap is not None:
+        sampler = jnp.where(valid, sampler_logprobs_BL, 0.0)
+        tis, truncated = tis_weights(old, sampler, weight, config.tis_cap, config.tis_level)
+        per_token = per_token * tis
 
     if ref_logprobs_BL is not None:
         log_ref_ratio = jnp.where(valid, ref_logprobs_BL, 0.0) - logp
@@ -426,6 +497,8 @@ def grpo_loss_terms(
         advantage_mean=jnp.mean(advantages_B.astype(jnp.float32)),
         ratio_mean=token_mean(policy.ratio),
         num_tokens=num_tokens,
+        tis_weight_mean=token_mean(tis),
+        tis_truncated_frac=token_mean(truncated.astype(jnp.float32)),
     )
     return LossTerms(numerator=numerator, denominator=loss_denominator(mask_BL, config)), metrics
 
@@ -438,14 +511,9 @@ def grpo_loss(
     *,
     old_logprobs_BL: jax.Array | None = None,
     ref_logprobs_BL: jax.Array | None = None,
+    sampler_logprobs_BL: jax.Array | None = None,
 ) -> tuple[jax.Array, LossMetrics]:
     """The scalar policy loss (GRPO, GSPO or CISPO) and its metrics; see ``grpo_loss_terms``."""
-    terms, metrics = grpo_loss_terms(
-        logprobs_BL,
-        advantages_B,
-        mask_BL,
-        config,
-        old_logprobs_BL=old_logprobs_BL,
-        ref_logprobs_BL=ref_logprobs_BL,
-    )
+    terms, metrics = grpo_loss_terms(logprobs_BL, advantages_B, mask_BL, config, old_logprobs_BL=old_logprobs_BL,
+                                     ref_logprobs_BL=ref_logprobs_BL, sampler_logprobs_BL=sampler_logprobs_BL)
     return terms.numerator / terms.denominator, metrics

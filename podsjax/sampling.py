@@ -67,7 +67,7 @@ class Generator:
 
     def compile(self, params: Any, lora: Any, *, prompts: int, prompt_len: int, num_samples: int,
                 max_new_tokens: int, top_p: float = 1.0, top_k: int = 0, eos_token_ids=(0,),
-                pad_token_id: int = 0) -> dict:
+                pad_token_id: int = 0, return_logprobs: bool = False) -> dict:
         """Compiles the generation stages ahead of time for one prompt shape.
 
         ``params`` and ``lora`` may be concrete or ``jax.ShapeDtypeStruct`` trees (with
@@ -82,7 +82,8 @@ class Generator:
             weights (None for the scanned layout, whose decode reads the params themselves).
         """
         cfg = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
-                             top_k=top_k, eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id)
+                             top_k=top_k, eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id,
+                             return_logprobs=bool(return_logprobs))
         timings = dict.fromkeys(sampler_programs.STAGES, 0.0)
         weights, prefill, decode, cache = sampler_programs.stages(
             self._programs, self.model, cfg, params, lora, jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32),

@@ -11,6 +11,7 @@ One PODS step after generation and scoring, as data:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -74,10 +75,16 @@ class TrainBatch:
       attention_mask: int32 [B, Lp + T], 1 on prompt and valid completion tokens.
       completion_mask: float32 [B, T], 1 on completion tokens that count in the loss.
       advantages: float32 [B].
-      loss_denominator, advantage_mean: float32 scalars over the whole batch, or None to
-        have the step compute them. ``build_batch`` fills them, so the update program holds
-        no batch-only collective beside the layer scan's (such pairs deadlock fake CPU
-        devices: docs/reliability.md, "Not promised").
+      loss_denominator: the loss normalizer of each optimizer step's rows: a float32 scalar
+        over the whole batch, or [S] for ``steps_per_generation`` S > 1 (one per
+        mini-batch); None to have the step compute it.
+      advantage_mean: float32 scalar over the whole batch, or None to have the step compute
+        it. ``build_batch`` fills both, so the update program holds no batch-only collective
+        beside the layer scan's (such pairs deadlock fake CPU devices: docs/reliability.md,
+        "Not promised").
+      sampler_logprobs: float32 [B, T], the sampler's log-probs of the completion tokens
+        (``Rollouts.logprobs``), or None; needed for TIS, the mismatch metrics and
+        ``old_logprobs="sampler"``.
     """
 
     input_ids: jax.Array
@@ -86,6 +93,7 @@ class TrainBatch:
     advantages: jax.Array
     loss_denominator: jax.Array | None = None
     advantage_mean: jax.Array | None = None
+    sampler_logprobs: jax.Array | None = None
 
     @property
     def completion_length(self) -> int:
@@ -100,6 +108,7 @@ def build_batch(
     rewards_PN: jax.Array,
     config: AlgorithmConfig,
     key: jax.Array | None = None,
+    logprobs_PNT: jax.Array | None = None,
 ) -> tuple[TrainBatch, jax.Array]:
     """Selects (PODS), computes group advantages and assembles the update batch.
 
@@ -109,6 +118,8 @@ def build_batch(
       rewards_PN: total rewards.
       config: the algorithm.
       key: PRNG key for rules that need one.
+      logprobs_PNT: the sampler's log-probs of the completion tokens, or None; kept for the
+        selected rows when ``config.sampler_logprobs`` says the update needs them.
 
     Returns:
       (TrainBatch with P * M rows, prompt-major, and the selected indices [P, M]
@@ -117,6 +128,9 @@ def build_batch(
     p, n = rewards_PN.shape
     if n != config.n:
         raise ValueError(f"rewards have {n} rollouts per prompt but the config says n={config.n}")
+    if config.sampler_logprobs and logprobs_PNT is None:
+        raise ValueError(f"{config.sampler_logprobs_reason} needs the sampler's log-probs: generate with "
+                         "return_logprobs=True and pass them as logprobs_PNT")
     if config.algorithm == "pods":
         idx_PM = selection.select(config.rule, rewards_PN, config.m, key=key)
     else:
@@ -131,29 +145,62 @@ def build_batch(
     t = tokens_PNT.shape[-1]
     completion_mask = mask_PMT.reshape(p * rows, t).astype(jnp.float32)
     advantages = adv_PM.reshape(p * rows)
+    sampler_logprobs = None
+    if config.sampler_logprobs:
+        picked = jnp.take_along_axis(logprobs_PNT.astype(jnp.float32), idx_PM[..., None], axis=1)
+        sampler_logprobs = jnp.where(completion_mask > 0, picked.reshape(p * rows, t), 0.0)
+    steps = config.steps_per_generation
+    if (p * rows) % (steps * config.grad_accum):
+        raise ValueError(f"{p * rows} trained rows do not split into steps_per_generation {steps} mini-batches "
+                         f"of grad_accum {config.grad_accum} micro-batches")
+    if steps == 1:
+        denominator = grpo.loss_denominator(completion_mask, config.loss_config)
+    else:  # one normalizer per optimizer step's mini-batch
+        denominator = jax.vmap(lambda m: grpo.loss_denominator(m, config.loss_config))(
+            completion_mask.reshape(steps, -1, t))
     batch = TrainBatch(
         input_ids=jnp.concatenate([prompt_ids, tokens_PMT.reshape(p * rows, t)], axis=1).astype(jnp.int32),
         attention_mask=jnp.concatenate([prompt_mask, mask_PMT.reshape(p * rows, t)], axis=1),
         completion_mask=completion_mask,
         advantages=advantages,
-        loss_denominator=grpo.loss_denominator(completion_mask, config.loss_config),
+        loss_denominator=denominator,
         advantage_mean=jnp.mean(advantages),
+        sampler_logprobs=sampler_logprobs,
     )
     return batch, idx_PM
 
 
 class _TokenSums(NamedTuple):
-    """Per-token statistics summed over the micro-batches of one update (each weighted by its tokens)."""
+    """Per-token statistics of one optimizer step, summed over its micro-batches (each weighted by its tokens)."""
 
     clip_low: jax.Array
     clip_high: jax.Array
     kl: jax.Array
     entropy: jax.Array
+    tis_weight: jax.Array
+    tis_truncated: jax.Array
     tokens: jax.Array
+    mismatch_abs: jax.Array  # sum of |logp_update - logp_sampler|
+    mismatch_max: jax.Array  # the largest token ratio pi_update / pi_sampler
+
+
+class _UpdateMetrics(NamedTuple):
+    loss: jax.Array
+    grad_norm: jax.Array
+    learning_rate: jax.Array
+    skipped: jax.Array
+    sums: _TokenSums
 
 
 @flax.struct.dataclass
 class StepMetrics:
+    """One generated batch's update, over its ``num_iterations x steps_per_generation`` optimizer
+    steps: loss and grad norm are their means, the token statistics token-weighted means,
+    ``skipped`` counts the skipped ones and ``learning_rate`` is the last one's.
+    ``num_tokens`` counts the batch's trained tokens once. The optional fields are None
+    unless their option is on (``tis_cap``, ``log_mismatch``).
+    """
+
     loss: jax.Array
     grad_norm: jax.Array
     learning_rate: jax.Array
@@ -164,6 +211,10 @@ class StepMetrics:
     kl_mean: jax.Array
     advantage_mean: jax.Array
     num_tokens: jax.Array
+    tis_weight_mean: jax.Array | None = None
+    tis_truncated_frac: jax.Array | None = None
+    mismatch_logp_abs: jax.Array | None = None  # mean |logp_update - logp_sampler| over the trained tokens
+    mismatch_ratio_max: jax.Array | None = None  # the largest token ratio pi_update / pi_sampler
 
 
 def completion_logprobs(hidden_fn: Callable, batch: TrainBatch, temperature: float) -> tuple[jax.Array, jax.Array]:
@@ -178,9 +229,37 @@ def completion_logprobs(hidden_fn: Callable, batch: TrainBatch, temperature: flo
     return grpo.head_logprobs(hidden_BTD, head_VD, batch.input_ids[:, -t:], temperature=temperature)
 
 
-def _split(batch: TrainBatch, k: int) -> TrainBatch:
-    """[B, ...] -> [k, B/k, ...], so micro-batch i is rows i*B/k .. (i+1)*B/k-1."""
-    return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+def _split(batch: Any, *counts: int) -> Any:
+    """[B, ...] -> [*counts, B / prod(counts), ...]: micro-batch i is a contiguous run of rows."""
+    def split(x):
+        return x.reshape(*counts, x.shape[0] // math.prod(counts), *x.shape[1:])
+
+    return jax.tree.map(split, batch)
+
+
+def _summarize(per_update: _UpdateMetrics, first_pass: int, iterations: int, advantage_mean) -> StepMetrics:
+    """StepMetrics from every optimizer step's metrics ([U] each; the first ``first_pass`` are
+    the first pass over the batch, which measures the mismatch before any update of it)."""
+    sums = per_update.sums
+    tokens = jnp.sum(sums.tokens)
+    per_token = jnp.maximum(tokens, 1.0)
+    first_tokens = jnp.maximum(jnp.sum(sums.tokens[:first_pass]), 1.0)
+    return StepMetrics(
+        loss=jnp.mean(per_update.loss),
+        grad_norm=jnp.mean(per_update.grad_norm),
+        learning_rate=per_update.learning_rate[-1],
+        skipped=jnp.sum(per_update.skipped),
+        entropy=jnp.sum(sums.entropy) / per_token,
+        clip_frac_low=jnp.sum(sums.clip_low) / per_token,
+        clip_frac_high=jnp.sum(sums.clip_high) / per_token,
+        kl_mean=jnp.sum(sums.kl) / per_token,
+        advantage_mean=advantage_mean,
+        num_tokens=tokens / iterations,
+        tis_weight_mean=jnp.sum(sums.tis_weight) / per_token,
+        tis_truncated_frac=jnp.sum(sums.tis_truncated) / per_token,
+        mismatch_logp_abs=jnp.sum(sums.mismatch_abs[:first_pass]) / first_tokens,
+        mismatch_ratio_max=jnp.max(sums.mismatch_max[:first_pass]),
+    )
 
 
 def make_train_step(
@@ -204,17 +283,24 @@ def make_train_step(
         LoRA off, so no second copy of the weights).
 
     Returns:
-      The step; jit it at the call site with shardings and ``donate_argnums=0``.
-      Micro-batches run in a ``lax.scan``; each adds its loss numerator over the
-      whole batch's denominator, so accumulated gradients equal the big-batch
-      gradient. A non-finite loss or gradient skips the update and leaves
-      params and optimizer state untouched.
+      The step; jit it at the call site with shardings and ``donate_argnums=0``. It takes
+      ``num_iterations`` passes over the batch, each of ``steps_per_generation`` optimizer
+      steps on consecutive mini-batches of rows (a ``lax.scan`` when more than one). Each
+      step's micro-batches (``grad_accum``) run in a ``lax.scan`` and add their loss
+      numerators over the mini-batch's denominator, so accumulated gradients equal the
+      mini-batch gradient. The ratio's old policy is the sampler's (``old_logprobs=
+      "sampler"``) or, with more than one step, the update program's, computed before the
+      first. A non-finite loss or gradient skips that optimizer step and leaves params and
+      optimizer state untouched.
     """
     if config.beta > 0 and reference_fn is None:
         raise ValueError(f"beta={config.beta} > 0 needs a reference_fn")
     loss_config = config.loss_config
-    k = config.grad_accum
+    k, steps = config.grad_accum, config.steps_per_generation
     temperature = config.update_temperature
+    sampler_old = config.old_logprobs == "sampler"
+    recompute_old = not sampler_old and config.updates_per_step > 1
+    tis = config.tis_cap is not None
 
     def logprobs_of(trainable, frozen, mb: TrainBatch):
         return completion_logprobs(functools.partial(apply_fn, trainable, frozen), mb, temperature)
@@ -222,29 +308,40 @@ def make_train_step(
     def micro_loss(trainable, frozen, mb: TrainBatch, old_BT, ref_BT, denominator):
         logp_BT, entropy_BT = logprobs_of(trainable, frozen, mb)
         terms, metrics = grpo.grpo_loss_terms(
-            logp_BT, mb.advantages, mb.completion_mask, loss_config, old_logprobs_BL=old_BT, ref_logprobs_BL=ref_BT
-        )
+            logp_BT, mb.advantages, mb.completion_mask, loss_config, old_logprobs_BL=old_BT, ref_logprobs_BL=ref_BT,
+            sampler_logprobs_BL=mb.sampler_logprobs if tis else None)
+        mismatch = None
+        if config.log_mismatch:  # the update program's log-probs of the policy that sampled
+            update_old = old_BT if recompute_old else jax.lax.stop_gradient(logp_BT)
+            mismatch = grpo.sampler_mismatch(update_old, mb.sampler_logprobs, mb.completion_mask)
         entropy = jnp.sum(entropy_BT * mb.completion_mask)
-        return terms.numerator / denominator, (metrics, entropy)
+        return terms.numerator / denominator, (metrics, entropy, mismatch)
 
-    def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator, lr,
-                    advantage_mean):
+    def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator):
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
         def accumulate(carry, xs):
             grads, loss, sums = carry
             mb, old_BT, ref_BT = xs
-            (mb_loss, (metrics, entropy)), mb_grads = grad_fn(state.params, frozen, mb, old_BT, ref_BT, denominator)
+            (mb_loss, (metrics, entropy, mismatch)), mb_grads = grad_fn(state.params, frozen, mb, old_BT, ref_BT,
+                                                                        denominator)
             grads = mb_grads if grads is None else jax.tree.map(jnp.add, grads, mb_grads)
             tokens = metrics.num_tokens
+            if mismatch is not None:
+                mismatch_abs, mismatch_max = sums.mismatch_abs + mismatch.abs_logp_diff, jnp.maximum(
+                    sums.mismatch_max, mismatch.max_ratio)
+            else:
+                mismatch_abs, mismatch_max = sums.mismatch_abs, sums.mismatch_max
             sums = _TokenSums(clip_low=sums.clip_low + metrics.clip_frac_low * tokens,
                               clip_high=sums.clip_high + metrics.clip_frac_high * tokens,
                               kl=sums.kl + metrics.kl_mean * tokens, entropy=sums.entropy + entropy,
-                              tokens=sums.tokens + tokens)
+                              tis_weight=sums.tis_weight + metrics.tis_weight_mean * tokens,
+                              tis_truncated=sums.tis_truncated + metrics.tis_truncated_frac * tokens,
+                              tokens=sums.tokens + tokens, mismatch_abs=mismatch_abs, mismatch_max=mismatch_max)
             return (grads, loss + mb_loss, sums), None
 
         zero = jnp.zeros((), jnp.float32)
-        no_sums = _TokenSums(zero, zero, zero, zero, zero)
+        no_sums = _TokenSums(*(zero,) * len(_TokenSums._fields))
         if k == 1:
             # One micro-batch: no scan, so no zero-filled accumulator to add into.
             one = jax.tree.map(lambda x: x[0], (batches, old_kBT, ref_kBT))
@@ -262,58 +359,69 @@ def make_train_step(
         # A cond, not a where over every leaf: the skip branch costs nothing and the
         # update branch writes params and moments once.
         new_params, new_opt = jax.lax.cond(finite, apply_update, lambda _: (state.params, state.opt_state), None)
-        state = state.replace(
-            params=new_params,
-            opt_state=new_opt,
-            step=state.step + 1,
-            skipped_updates=state.skipped_updates + (~finite).astype(jnp.int32),
-        )
-        tokens = jnp.maximum(sums.tokens, 1.0)
-        metrics = StepMetrics(
-            loss=loss,
-            grad_norm=grad_norm,
-            learning_rate=lr,
-            skipped=(~finite).astype(jnp.int32),
-            entropy=sums.entropy / tokens,
-            clip_frac_low=sums.clip_low / tokens,
-            clip_frac_high=sums.clip_high / tokens,
-            kl_mean=sums.kl / tokens,
-            advantage_mean=advantage_mean,
-            num_tokens=sums.tokens,
-        )
-        return state, metrics
+        lr = jnp.asarray(schedule(state.step), jnp.float32)  # the rate of this optimizer step
+        skipped = (~finite).astype(jnp.int32)
+        state = state.replace(params=new_params, opt_state=new_opt, step=state.step + 1,
+                              skipped_updates=state.skipped_updates + skipped)
+        return state, _UpdateMetrics(loss=loss, grad_norm=grad_norm, learning_rate=lr, skipped=skipped, sums=sums)
 
     schedule = learning_rate_schedule(config)
 
     def step(state: TrainState, batch: TrainBatch, frozen) -> tuple[TrainState, StepMetrics]:
         b = batch.advantages.shape[0]
-        if b % k:
-            raise ValueError(f"batch of {b} rows does not split into {k} micro-batches")
-        denominator, advantage_mean = batch.loss_denominator, batch.advantage_mean
-        if denominator is None:
-            denominator = grpo.loss_denominator(batch.completion_mask, loss_config)
+        if b % (steps * k):
+            raise ValueError(f"batch of {b} rows does not split into steps_per_generation {steps} mini-batches of "
+                             f"grad_accum {k} micro-batches")
+        if config.sampler_logprobs and batch.sampler_logprobs is None:
+            raise ValueError(f"{config.sampler_logprobs_reason} needs the batch's sampler_logprobs (build_batch "
+                             "keeps them from the rollouts' log-probs)")
+        denominators, advantage_mean = batch.loss_denominator, batch.advantage_mean
+        if denominators is None:
+            denominators = jax.vmap(lambda m: grpo.loss_denominator(m, loss_config))(
+                _split(batch.completion_mask, steps))
+        elif denominators.size != steps:
+            raise ValueError(f"loss_denominator has {denominators.size} values; the update takes one per "
+                             f"optimizer step's mini-batch, steps_per_generation={steps}")
+        denominators = jnp.reshape(denominators, (steps,))
         if advantage_mean is None:
             advantage_mean = jnp.mean(batch.advantages)
-        batches = _split(batch.replace(loss_denominator=None, advantage_mean=None), k)
+        batches = _split(batch.replace(loss_denominator=None, advantage_mean=None), steps * k)
 
         def per_micro(fn):
             return jax.lax.map(lambda mb: jax.lax.stop_gradient(fn(mb)), batches)
 
-        # The policy that sampled, evaluated once before the first update.
-        old_kBT = None
-        if config.num_iterations > 1:
-            old_kBT = per_micro(lambda mb: logprobs_of(state.params, frozen, mb)[0])
-        ref_kBT = None
+        old = None  # the policy that sampled: [steps * k, rows, T]
+        if sampler_old:
+            old = batches.sampler_logprobs
+        elif recompute_old:  # evaluated once, before the first update
+            old = per_micro(lambda mb: logprobs_of(state.params, frozen, mb)[0])
+        ref = None
         if config.beta > 0:
             def ref_logprobs(mb):
                 return completion_logprobs(functools.partial(reference_fn, frozen), mb, temperature)[0]
 
-            ref_kBT = per_micro(ref_logprobs)
-        lr = jnp.asarray(schedule(state.step), jnp.float32)  # the rate of this batch's updates
-        metrics = None
+            ref = per_micro(ref_logprobs)
+        # [steps, k, ...]: optimizer step s takes micro-batches s*k .. s*k + k - 1.
+        batches, old, ref = jax.tree.map(lambda x: x.reshape(steps, k, *x.shape[1:]), (batches, old, ref))
+        passes = []
         for _ in range(config.num_iterations):
-            state, metrics = update_once(state, batches, frozen, old_kBT, ref_kBT, denominator, lr,
-                                         advantage_mean)
+            if steps == 1:
+                first = jax.tree.map(lambda x: x[0], (batches, old, ref))
+                state, metrics = update_once(state, first[0], frozen, first[1], first[2], denominators[0])
+                metrics = jax.tree.map(lambda x: x[None], metrics)
+            else:
+                def mini_step(st, xs):
+                    mb, old_k, ref_k, denominator = xs
+                    return update_once(st, mb, frozen, old_k, ref_k, denominator)
+
+                state, metrics = jax.lax.scan(mini_step, state, (batches, old, ref, denominators))
+            passes.append(metrics)
+        per_update = jax.tree.map(lambda *xs: jnp.concatenate(xs), *passes)
+        metrics = _summarize(per_update, steps, config.num_iterations, advantage_mean)
+        if not tis:
+            metrics = metrics.replace(tis_weight_mean=None, tis_truncated_frac=None)
+        if not config.log_mismatch:
+            metrics = metrics.replace(mismatch_logp_abs=None, mismatch_ratio_max=None)
         return state, metrics
 
     return step

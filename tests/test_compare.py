@@ -120,3 +120,30 @@ def test_a_stopped_run_continues_a_complete_one_is_read_and_a_changed_one_is_ref
         f.write(json.dumps({"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}) + "\n")
     assert compare.run_one(changed) == [{"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}]
     assert len(calls) == 2
+
+
+def test_the_dynamic_sampling_ablation_and_its_step_figures(tmp_path):
+    variants = prepare(tmp_path, "--ablation", "dynamic_sampling", "--n", "8", "--m", "2").variants
+    assert {label: (c.algorithm.algorithm, c.algorithm.dynamic_sampling) for label, c in variants.items()} == {
+        "pods": ("pods", False), "pods+dynamic": ("pods", True)}
+    # Two runs' metrics: the first step of each (its compile) is left out of the means.
+    rows = {"a": [(0.9, 0.9, None, 50.0, 50.0), (0.5, 0.25, 0.75, 3.0, 1.0), (0.25, 0.0, 0.5, 1.0, 3.0)],
+            "b": [(0.0, 0.0, None, 9.0, 9.0), (0.75, 0.5, 1.0, 2.0, 2.0)]}
+    for run, steps in rows.items():
+        os.makedirs(tmp_path / run)
+        with open(tmp_path / run / "metrics.jsonl", "w") as f:
+            f.write(json.dumps({"step": 0, "eval/accuracy": 0.1}) + "\n")
+            for before, after, drawn, generation, update in steps:
+                record = {"train/loss": 0.0, "reward/zero_std_groups": before,
+                          "reward/zero_std_groups_selected": after, "time/generation": generation,
+                          "time/scoring": 0.0, "time/selection": 0.0, "time/update": update}
+                if drawn is not None:
+                    record["data/zero_std_groups_drawn"] = drawn
+                f.write(json.dumps(record) + "\n")
+    figures = compare.step_figures([str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "missing")])
+    assert figures == pytest.approx({"steps": 3, "zero-variance groups drawn": 0.75, "before selection": 0.5,
+                                     "after selection": 0.25, "generation share": 0.5, "scoring share": 0.0,
+                                     "selection share": 0.0, "update share": 0.5})
+    table = compare.format_step_figures({"pods": figures, "grpo": {"steps": 0.0}})
+    assert "| pods | 3 | 75.0% | 50.0% | 25.0% | 50.0% | 0.0% | 0.0% | 50.0% |" in table
+    assert "| grpo | 0 | - | - | - |" in table

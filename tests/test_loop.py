@@ -15,6 +15,7 @@ from podsjax import checkpoint as ckpt_lib
 from podsjax import algorithms, data, dry_run, loop, metrics, prompts, sampling
 from podsjax import mesh as mesh_lib
 from podsjax.loop import run_files
+from podsjax.rewards import combine as rewards_combine
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -332,3 +333,60 @@ def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path
     # The last checkpoint (step 4, saved before its evaluation) still records step 1 as the best,
     # so that one stays on disk until a later checkpoint records step 4.
     assert sorted(os.listdir(out / "best")) == ["1", "4"]
+
+
+class ScriptedScorer:
+    """Scores each call's groups of 4 from a script: "flat" groups all get 0, "mixed" ones 0, 1, 0, 1."""
+
+    def __init__(self, calls):
+        self.calls, self.completions = list(calls), []
+
+    def score(self, completions, rewards, **columns):
+        self.completions.append(list(completions))
+        script = self.calls.pop(0)
+        accuracy = np.concatenate([np.zeros(4) if kind == "flat" else np.array([0.0, 1.0, 0.0, 1.0])
+                                   for kind in script])
+        values = np.stack([accuracy if w.name == "accuracy" else np.zeros(len(completions)) for w in rewards])
+        return rewards_combine.summarize(rewards, values, np.zeros(len(completions), bool), {}, 0.0)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_draws_again_until_the_groups_have_variance(setup, tmp_path):
+    model, params, tokenizer, train_set, test_set = setup
+    run = loop.RunConfig(out_dir=str(tmp_path / "dyn"), max_steps=2, prompts_per_step=2, max_new_tokens=4,
+                         eval_every_s=None, reward_workers=1, progress=False)
+    algo = algorithms.method_config("pods", n=4, m=2, dynamic_sampling=True, max_sampling_rounds=2)
+    # Step 1: one informative group per draw, so a second draw fills the step. Step 2: both
+    # draws flat, so the first draw's groups fill in and the step keeps its shape.
+    scorer = ScriptedScorer([("flat", "mixed"), ("mixed", "flat"), ("flat", "flat"), ("flat", "flat")])
+    trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run, scorer=scorer,
+                           generator=shared_generator(model), log=lambda line: None)
+    try:
+        first = trainer.rl_step()
+        assert first["data/sampling_rounds"] == 2 and first["data/groups_filled"] == 0
+        assert first["data/zero_std_groups_drawn"] == 0.5
+        assert first["reward/zero_std_groups"] == 0 and first["reward/mean"] == 0.5
+        assert trainer.prompts.stream.position == 4  # both draws moved the data on
+        second = trainer.rl_step()
+        assert second["data/sampling_rounds"] == 2 and second["data/groups_filled"] == 2
+        assert second["reward/zero_std_groups"] == 1 and second["data/zero_std_groups_drawn"] == 1
+        assert trainer.step == 2 and trainer.compile_counts["update"] == 1  # one shape for every step
+        # The groups trained are the drawn ones: group 1 of the first draw and group 0 of the second.
+        draws = [trainer._draw_and_generate(*trainer.policy_params(), jax.random.key(i)) for i in range(2)]
+        scores = [{"total": np.array(t, np.float32).repeat(4), "length": np.full(8, 4), "truncated": np.zeros(8)}
+                  for t in ([0, 0], [0, 0])]
+        scores[0]["total"][4:] = [0, 1, 0, 1]
+        scores[1]["total"][:4] = [1, 0, 1, 0]
+        merged, scored, stats = trainer._merge_draws(draws, scores)
+        assert stats == {"data/sampling_rounds": 2.0, "data/zero_std_groups_drawn": 0.5, "data/groups_filled": 0.0}
+        tokens = [np.asarray(d["rollouts"].tokens) for d in draws]
+        expected = np.concatenate([tokens[0][4:], tokens[1][:4]])
+        np.testing.assert_array_equal(np.asarray(merged["rollouts"].tokens), expected)
+        assert [e.prompt for e in merged["examples"]] == [draws[0]["examples"][1].prompt,
+                                                          draws[1]["examples"][0].prompt]
+        np.testing.assert_array_equal(scored["total"], [0, 1, 0, 1, 1, 0, 1, 0])
+    finally:
+        trainer.close()

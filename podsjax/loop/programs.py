@@ -25,6 +25,8 @@ EVAL_STREAM = 2
 # selection from that key folded with SELECTION_STREAM.
 ROLLOUT_SEED_OFFSET = 1
 SELECTION_STREAM = 7
+# Dynamic sampling's later draws of a step fold the step's key with this, then the draw's index.
+SAMPLING_ROUND_STREAM = 8
 
 
 def prompt_rows(run_config: RunConfig, algo: algorithms.AlgorithmConfig) -> int:
@@ -118,45 +120,58 @@ def policy_copy_program(params: Any) -> Callable[[Any], Any] | None:
     return jax.jit(policy_copy, out_shardings=shardings)
 
 
-def batch_program(mesh, rows: int):
+def batch_program(mesh, rows: int, algo: algorithms.AlgorithmConfig | None = None):
     """``train.build_batch`` over flat rollouts ``[P * N, T]``, jitted.
 
     With a mesh the batch comes out split over its batch axes (replicated when its
     ``rows`` do not divide evenly), so the update takes it as it is, on every host.
+    ``algo`` says which optional parts the batch has (None: the defaults'); the call passes
+    the same one as ``config``.
     """
-    def build_batch(prompt_ids_PL, prompt_mask_PL, tokens_BT, mask_BT, rewards_PN, config, key):  # the compile label
+    def build_batch(prompt_ids_PL, prompt_mask_PL, tokens_BT, mask_BT, rewards_PN, config, key,
+                    logprobs_BT=None):  # the compile label
         p, n = rewards_PN.shape
+        logprobs = None if logprobs_BT is None else logprobs_BT.reshape(p, n, -1)
         return train.build_batch(prompt_ids_PL, prompt_mask_PL, tokens_BT.reshape(p, n, -1),
-                                 mask_BT.reshape(p, n, -1), rewards_PN, config=config, key=key)
+                                 mask_BT.reshape(p, n, -1), rewards_PN, config=config, key=key, logprobs_PNT=logprobs)
 
     if mesh is None:
         return jax.jit(build_batch, static_argnames="config")
     replicated = mesh_lib.batch_sharding(mesh, 0)
-    return jax.jit(build_batch, static_argnames="config", out_shardings=(batch_shardings(mesh, rows), replicated))
+    return jax.jit(build_batch, static_argnames="config",
+                   out_shardings=(batch_shardings(mesh, rows, algo), replicated))
 
 
-def batch_shardings(mesh, rows: int) -> train.TrainBatch:
+def batch_shardings(mesh, rows: int, algo: algorithms.AlgorithmConfig | None = None) -> train.TrainBatch:
     """Where the update's input batch lives: rows over the mesh's batch axes when they
-    divide evenly, else replicated; the whole-batch scalars replicated."""
+    divide evenly, else replicated; the whole-batch and per-mini-batch scalars replicated."""
+    algo = algo or algorithms.AlgorithmConfig()
+
     def sharding(ndim):
         return mesh_lib.rows_sharding(mesh, rows, ndim)
 
     return train.TrainBatch(input_ids=sharding(2), attention_mask=sharding(2), completion_mask=sharding(2),
-                            advantages=sharding(1), loss_denominator=sharding(0), advantage_mean=sharding(0))
+                            advantages=sharding(1), loss_denominator=sharding(0), advantage_mean=sharding(0),
+                            sampler_logprobs=sharding(2) if algo.sampler_logprobs else None)
 
 
-def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int) -> train.TrainBatch:
+def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int,
+                   algo: algorithms.AlgorithmConfig | None = None) -> train.TrainBatch:
     """The update's input batch as ``ShapeDtypeStruct``s, placed as :func:`batch_program` places it."""
-    shardings = batch_shardings(mesh, rows) if mesh is not None else None
+    algo = algo or algorithms.AlgorithmConfig()
+    shardings = batch_shardings(mesh, rows, algo) if mesh is not None else None
 
     def struct(name, shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(shardings, name) if shardings else None)
 
     length = prompt_len + max_new_tokens
-    return train.TrainBatch(input_ids=struct("input_ids", (rows, length), jnp.int32),
-                            attention_mask=struct("attention_mask", (rows, length), jnp.int32),
-                            completion_mask=struct("completion_mask", (rows, max_new_tokens), jnp.float32),
-                            advantages=struct("advantages", (rows,), jnp.float32),
-                            loss_denominator=struct("loss_denominator", (), jnp.float32),
-                            advantage_mean=struct("advantage_mean", (), jnp.float32))
-
+    steps = algo.steps_per_generation
+    completion = (rows, max_new_tokens)
+    return train.TrainBatch(
+        input_ids=struct("input_ids", (rows, length), jnp.int32),
+        attention_mask=struct("attention_mask", (rows, length), jnp.int32),
+        completion_mask=struct("completion_mask", completion, jnp.float32),
+        advantages=struct("advantages", (rows,), jnp.float32),
+        loss_denominator=struct("loss_denominator", () if steps == 1 else (steps,), jnp.float32),
+        advantage_mean=struct("advantage_mean", (), jnp.float32),
+        sampler_logprobs=struct("sampler_logprobs", completion, jnp.float32) if algo.sampler_logprobs else None)

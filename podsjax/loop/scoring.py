@@ -31,11 +31,18 @@ def score_rollouts(tokenizer, scorer, rewards, examples, n: int, start: int, tok
 
 
 def reward_stats(scored: dict[str, np.ndarray], rewards_PN: np.ndarray, selected_PN: np.ndarray) -> dict[str, float]:
-    """The step's reward scalars: over all rollouts, over the selected ones, and per reward function."""
+    """The step's reward scalars: over all rollouts, over the selected ones, and per reward function.
+
+    ``reward/zero_std_groups`` is the fraction of groups whose n rewards all agree (no
+    advantage anywhere), ``reward/zero_std_groups_selected`` the same over the m each kept.
+    """
     out = {"reward/mean": float(rewards_PN.mean()), "reward/std": float(rewards_PN.std()),
            "reward/selected_mean": float(rewards_PN[selected_PN].mean()),
            "reward/selected_std": float(rewards_PN[selected_PN].std()),
-           "reward/zero_std_groups": float(np.mean(rewards_PN.std(axis=1) == 0))}
+           "reward/zero_std_groups": float(np.mean(_all_equal(rewards_PN))),
+           # each group keeps the same count m, so the kept rewards are [P, m]
+           "reward/zero_std_groups_selected": float(np.mean(_all_equal(
+               rewards_PN[selected_PN].reshape(len(rewards_PN), -1))))}
     for name, values in scored.items():
         if name.startswith("reward/"):
             values_PN = values.reshape(rewards_PN.shape)
@@ -44,3 +51,17 @@ def reward_stats(scored: dict[str, np.ndarray], rewards_PN: np.ndarray, selected
         elif name.startswith("count/"):
             out[name.removeprefix("count/")] = float(values)
     return out
+
+
+def _all_equal(rewards_PN: np.ndarray) -> np.ndarray:
+    """[P] bool: the groups whose rewards all agree (TRL's frac_reward_zero_std counts them)."""
+    return np.all(rewards_PN == rewards_PN[:, :1], axis=1)
+
+
+def length_stats(scored: dict[str, np.ndarray]) -> dict[str, float]:
+    """Completion lengths of every rollout of the step, as TRL and verl report them."""
+    length, truncated = scored["length"], scored["truncated"] > 0
+    terminated = length[~truncated]
+    return {"completion/length_mean": float(length.mean()), "completion/length_min": float(length.min()),
+            "completion/length_max": float(length.max()), "completion/truncated_frac": float(truncated.mean()),
+            "completion/terminated_length_mean": float(terminated.mean()) if terminated.size else float("nan")}

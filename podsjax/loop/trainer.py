@@ -21,7 +21,8 @@ from podsjax import metrics as metrics_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
 from podsjax import algorithms, run_state, sampling
-from podsjax.loop import programs, reporting, run_files, scoring
+from podsjax import topology
+from podsjax.loop import dynamic_sampling, perf, programs, reporting, run_files, scoring
 from podsjax.loop.config import RunConfig
 from podsjax.loop.evaluator import Evaluator
 from podsjax.loop.prompt_source import DataStream, PromptSource
@@ -73,7 +74,7 @@ class Trainer:
         self.generator = generator or sampling.Generator(model)
         self.optimizer, self.update_fn = update or programs.update_program(model, algo, lora)
         prompt_rows = programs.prompt_rows(run_config, algo)
-        self.batch_fn = programs.batch_program(model.mesh, prompt_rows * algo.m)
+        self.batch_fn = programs.batch_program(model.mesh, prompt_rows * algo.m, algo)
         self.state, self.frozen = self._start_state(base_params)
         os.makedirs(run_config.out_dir, exist_ok=True)
         self.host = HostState()  # replaced by a restored checkpoint's
@@ -142,6 +143,11 @@ class Trainer:
         return restored
 
     @property
+    def step(self) -> int:
+        """RL steps taken: the state counts optimizer steps, ``algo.updates_per_step`` per RL step."""
+        return int(self.state.step) // self.algo.updates_per_step
+
+    @property
     def compile_counts(self) -> dict[str, int]:
         """Compiles so far per program, e.g. ``{"generate[prefill]": 1, "update": 1, ...}``."""
         return dict(self.compile_log.counts)
@@ -179,7 +185,7 @@ class Trainer:
             return self.base_params, self.state.params
         if self._policy_copy is None:  # the weights are trained in their own dtype
             return self.state.params, None
-        step = int(self.state.step)
+        step = int(self.state.step)  # optimizer steps: the policy changes with each
         if step != self._policy_step:
             self.base_params = None  # the old copy goes before the new one is made
             with self.compile_log.label("policy copy"):
@@ -189,37 +195,88 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------
 
+    def _draw_and_generate(self, params, lora, key) -> dict:
+        """One draw of prompts, generated: ``{"examples", "prompts", "skipped", "ids", "prompt_mask", "rollouts"}``."""
+        run_config, algo = self.run_config, self.algo
+        examples, prompts, skipped = self.prompts.draw(run_config.prompts_per_step, algo.groups_per_prompt)
+        ids, prompt_mask = (self.generator.place_rows(x) for x in (prompts.ids_PL, prompts.mask_PL))
+        shape = reporting.generate_shape(prompts.ids_PL, algo.n, run_config.max_new_tokens)
+        with self.compile_log.label("generate", shape):
+            rollouts = self.generator.generate(
+                params, ids, prompt_mask, key, num_samples=algo.n, max_new_tokens=run_config.max_new_tokens,
+                temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=self.eos_ids,
+                pad_token_id=prompts.pad_id, lora=lora, return_logprobs=algo.sampler_logprobs)
+        return {"examples": examples, "prompts": prompts, "skipped": skipped, "ids": ids, "prompt_mask": prompt_mask,
+                "rollouts": rollouts}
+
+    def _score(self, drawn: dict) -> dict[str, np.ndarray]:
+        rollouts = drawn["rollouts"]
+        start, tokens = hosts.local_rows(rollouts.tokens)
+        mask, truncated = (hosts.local_rows(x)[1] for x in (rollouts.mask, rollouts.truncated))
+        return scoring.score_rollouts(self.tokenizer, self.scorer, self.rewards, drawn["examples"], self.algo.n,
+                                      start, tokens, mask, truncated)
+
+    def _merge_draws(self, draws: list[dict], scores: list[dict]) -> tuple[dict, dict, dict[str, float]]:
+        """Dynamic sampling: the step's groups from several draws, and what it did (``data/*`` scalars)."""
+        n, wanted = self.algo.n, len(draws[0]["examples"])
+        zero = np.concatenate([dynamic_sampling.zero_variance(s["total"].reshape(-1, n)) for s in scores])
+        groups, filled = dynamic_sampling.choose_groups(zero, wanted)
+        stats = {"data/sampling_rounds": float(len(draws)), "data/zero_std_groups_drawn": float(zero.mean()),
+                 "data/groups_filled": float(filled)}
+        if len(draws) == 1:
+            return draws[0], scores[0], stats
+        examples = [e for d in draws for e in d["examples"]]
+        examples = [examples[g] for g in groups]
+        prompts = self.prompts.prepare(examples)  # every one fit before: one padded batch of them all
+        rows = dynamic_sampling.group_rows(groups, n)
+        with self.compile_log.label("dynamic sampling"):
+            rollouts = draws[0]["rollouts"].replace(**{
+                name: dynamic_sampling.take_rows([getattr(d["rollouts"], name) for d in draws], rows)
+                for name in ("tokens", "mask", "truncated", "logprobs")})
+        ids, prompt_mask = (self.generator.place_rows(x) for x in (prompts.ids_PL, prompts.mask_PL))
+        merged = {"examples": examples, "prompts": prompts, "ids": ids, "prompt_mask": prompt_mask,
+                  "rollouts": rollouts, "skipped": sum(d["skipped"] for d in draws)}
+        return merged, dynamic_sampling.take_scored(scores, rows), stats
+
     def rl_step(self) -> dict[str, float]:
-        """One PODS step: draw prompts, generate, score, select, update. Returns its scalars."""
+        """One PODS step: draw prompts, generate, score, select, update. Returns its scalars.
+
+        With ``algo.dynamic_sampling`` the draw, generation and scoring repeat (up to
+        ``max_sampling_rounds``) until the step has its groups with reward variance.
+        """
         run_config, algo = self.run_config, self.algo
         timer = metrics_lib.PhaseTimer()
         # Until the update, the state and the host state are as the last step left them: a stop drops this work.
         with self.signals.droppable():
-            with timer.phase("generation"):
-                examples, prompts, skipped = self.prompts.draw(run_config.prompts_per_step, algo.groups_per_prompt)
-                params, lora = self.policy_params()
-                key = jax.random.fold_in(jax.random.key(run_config.seed + programs.ROLLOUT_SEED_OFFSET),
-                                         int(self.state.step))
-                ids, prompt_mask = (self.generator.place_rows(x) for x in (prompts.ids_PL, prompts.mask_PL))
-                shape = reporting.generate_shape(prompts.ids_PL, algo.n, run_config.max_new_tokens)
-                with self.compile_log.label("generate", shape):
-                    rollouts = self.generator.generate(
-                        params, ids, prompt_mask, key, num_samples=algo.n, max_new_tokens=run_config.max_new_tokens,
-                        temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=self.eos_ids,
-                        pad_token_id=prompts.pad_id, lora=lora)
-                start, tokens = hosts.local_rows(rollouts.tokens)
-                mask, truncated = (hosts.local_rows(x)[1] for x in (rollouts.mask, rollouts.truncated))
-            with timer.phase("scoring"):
-                scored = scoring.score_rollouts(self.tokenizer, self.scorer, self.rewards, examples, algo.n, start,
-                                                tokens, mask, truncated)
-            p = len(examples)
-            rewards_PN = scored["total"].reshape(p, algo.n)
+            key = jax.random.fold_in(jax.random.key(run_config.seed + programs.ROLLOUT_SEED_OFFSET), self.step)
+            draws, scores = [], []
+            for round_index in range(algo.max_sampling_rounds if algo.dynamic_sampling else 1):
+                with timer.phase("generation"):
+                    if round_index == 0:
+                        params, lora = self.policy_params()
+                    round_key = key if round_index == 0 else jax.random.fold_in(
+                        jax.random.fold_in(key, programs.SAMPLING_ROUND_STREAM), round_index)
+                    draws.append(self._draw_and_generate(params, lora, round_key))
+                with timer.phase("scoring"):
+                    scores.append(self._score(draws[-1]))
+                if algo.dynamic_sampling:
+                    informative = sum(int((~dynamic_sampling.zero_variance(s["total"].reshape(-1, algo.n))).sum())
+                                      for s in scores)
+                    if informative >= len(draws[0]["examples"]):
+                        break
             with timer.phase("selection"):
+                drawn, scored, sampling_stats = draws[0], scores[0], {}
+                if algo.dynamic_sampling:
+                    drawn, scored, sampling_stats = self._merge_draws(draws, scores)
+                examples, rollouts = drawn["examples"], drawn["rollouts"]
+                p = len(examples)
+                rewards_PN = scored["total"].reshape(p, algo.n)
                 select_key = jax.random.fold_in(key, programs.SELECTION_STREAM)
                 with self.compile_log.label("select"):
                     # The rollouts stay on device: only the rewards come from the host.
-                    batch, idx_PM = self.batch_fn(ids, prompt_mask, rollouts.tokens, rollouts.mask, rewards_PN,
-                                                  config=algo, key=select_key)
+                    batch, idx_PM = self.batch_fn(drawn["ids"], drawn["prompt_mask"], rollouts.tokens, rollouts.mask,
+                                                  rewards_PN, config=algo, key=select_key,
+                                                  logprobs_BT=rollouts.logprobs)
         with timer.phase("update"):
             rows, length = batch.input_ids.shape
             with self.compile_log.label("update", f"{rows} rows x {length} tokens"):
@@ -235,33 +292,50 @@ class Trainer:
         self._compiled_once = True
         self.host.data_position = self.prompts.stream.position
         if self._histograms:
-            self.writer.histograms(int(self.state.step), {"reward/total": scored["total"],
-                                                          "train/advantages": hosts.fetch(batch.advantages)})
+            self.writer.histograms(self.step, {"reward/total": scored["total"],
+                                               "train/advantages": hosts.fetch(batch.advantages)})
         selected = np.zeros((p, algo.n), bool)
         np.put_along_axis(selected, idx_PM, True, axis=1)
+        generated = sum(int(s["length"].sum()) for s in scores)
         return {
-            **{f"train/{k}": float(v) for k, v in dataclasses.asdict(step_metrics).items()},
+            **self._perf(phases, draws, drawn, scored, selected, generated),
+            **{f"train/{k}": float(v) for k, v in dataclasses.asdict(step_metrics).items() if v is not None},
             **scoring.reward_stats(scored, rewards_PN, selected),
-            "data/prompts_skipped": float(skipped),
-            "completion/length_mean": float(scored["length"].mean()),
-            "completion/truncated_frac": float(scored["truncated"].mean()),
+            **sampling_stats,
+            "data/prompts_skipped": float(drawn["skipped"]),
+            **scoring.length_stats(scored),
             **{f"time/{k}": v for k, v in phases.items()},
-            "time/tokens_per_s": metrics_lib.tokens_per_second(int(scored["length"].sum()), phases["generation"]),
+            "time/tokens_per_s": metrics_lib.tokens_per_second(generated, phases["generation"]),
             "time/elapsed_train_s": self.host.elapsed_train_s,
         }
+
+    def _perf(self, phases, draws, drawn, scored, selected_PN, generated: int) -> dict[str, float]:
+        """``perf/*``: the step's time, tokens per second per device and MFU (``podsjax.loop.perf``)."""
+        algo, n = self.algo, self.algo.n
+        prompt_tokens = sum(int(d["prompts"].lengths_P.sum()) for d in draws)
+        trained = int(drawn["prompts"].lengths_P.sum()) * algo.m + int(
+            scored["length"].reshape(selected_PN.shape)[selected_PN].sum())
+        extra = int(algo.beta > 0) + int(algo.old_logprobs == "recompute" and algo.updates_per_step > 1)
+        flops = perf.step_flops(self.model.config.num_params, prompt_tokens=prompt_tokens,
+                                completion_tokens=generated, trained_tokens=trained, passes=algo.num_iterations,
+                                extra_forwards=extra)
+        chip = topology.chip(jax.devices()[0].device_kind)
+        devices = 1 if self.model.mesh is None else self.model.mesh.size
+        return perf.perf_scalars(seconds=sum(phases.values()), tokens=prompt_tokens * n + generated, flops=flops,
+                                 devices=devices, peak_flops=chip.peak_flops if chip else None)
 
     def evaluate(self) -> dict[str, float]:
         """The evaluator's scalars for the current policy; its samples go to ``samples.jsonl``."""
         with self.signals.droppable():  # nothing is written until every pass is scored
             scalars, samples = self.evaluator(*self.policy_params())
-        self.writer.write_samples(int(self.state.step), samples[: self.run_config.log_samples])
+        self.writer.write_samples(self.step, samples[: self.run_config.log_samples])
         return scalars
 
     # -- the loop ---------------------------------------------------------------------
 
     def done(self) -> bool:
         run_config = self.run_config
-        if run_config.max_steps is not None and int(self.state.step) >= run_config.max_steps:
+        if run_config.max_steps is not None and self.step >= run_config.max_steps:
             return True
         return run_config.time_budget_s is not None and self.host.elapsed_train_s >= run_config.time_budget_s
 
@@ -280,7 +354,7 @@ class Trainer:
         history = run_files.read_history(run_config.out_dir)
         enabled = None if run_config.progress else False
         if run_config.max_steps is not None:
-            bar = metrics_lib.Progress(run_config.max_steps, unit="step", initial=int(self.state.step), enabled=enabled)
+            bar = metrics_lib.Progress(run_config.max_steps, unit="step", initial=self.step, enabled=enabled)
         else:
             bar = metrics_lib.Progress(run_config.time_budget_s, unit="s", initial=self.host.elapsed_train_s,
                                        enabled=enabled)
@@ -291,9 +365,9 @@ class Trainer:
             with self.signals:
                 stopped = self._steps(history, bar, lines)
                 # The last whole step is kept, whether the budget is spent or a stop came.
-                self._save_checkpoint(int(self.state.step), force=True)
+                self._save_checkpoint(self.step, force=True)
                 if stopped or self._stop_agreed():
-                    raise run_state.StopRequested(self.signals.requested, int(self.state.step),
+                    raise run_state.StopRequested(self.signals.requested, self.step,
                                                   self.checkpointer.latest_step())
         finally:
             bar.close()
@@ -311,7 +385,7 @@ class Trainer:
                 if self.done():
                     return False
                 scalars = self.rl_step()
-                step = int(self.state.step)
+                step = self.step
                 self.writer.write(step, scalars)
                 self._check_finite(step, scalars)
                 position = step if run_config.max_steps is not None else self.host.elapsed_train_s
@@ -334,7 +408,7 @@ class Trainer:
     def _record_evaluation(self, history: list[dict[str, float]]) -> None:
         evaluation = {**self.evaluate(), "time/elapsed_train_s": self.host.elapsed_train_s}
         self.host.last_eval_s = self.host.elapsed_train_s
-        step = int(self.state.step)
+        step = self.step
         self.writer.write(step, evaluation)
         evaluation["step"] = step
         history.append(evaluation)
