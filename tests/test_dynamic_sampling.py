@@ -1,4 +1,4 @@
-"""Dynamic sampling's choice of groups, the step's zero-variance and length scalars, and the perf estimate."""
+"""Dynamic sampling's choice of groups, the step's zero-variance and length scalars, perf, the eval line."""
 
 import jax
 import jax.numpy as jnp
@@ -81,3 +81,14 @@ def test_step_flops_and_mfu_by_hand():
     assert out == pytest.approx({"perf/time_per_step": 2.0, "perf/throughput": 125.0,
                                  "perf/mfu": flops / (2.0 * 4 * 1e12)})
     assert "perf/mfu" not in perf.perf_scalars(seconds=2.0, tokens=1000, flops=flops, devices=1, peak_flops=None)
+
+
+def test_the_eval_line_adds_pass_and_maj_at_k():
+    from podsjax.loop import RunConfig, reporting
+
+    run = RunConfig(out_dir="unused", max_steps=1, eval_repeats=4, eval_temperature=0.9, eval_k=(1, 4))
+    evaluation = {"step": 3, "eval/accuracy": 0.25, "eval/accuracy_std": 0.01, "eval/examples": 8.0,
+                  "eval/pass_at_1": 0.25, "eval/maj_at_1": 0.25, "eval/pass_at_4": 0.5, "eval/maj_at_4": 0.375}
+    assert reporting.eval_line(evaluation, run) == (
+        "eval at step 3: accuracy 25.0% (mean of 4 passes at temperature 0.9, std 1.0%) on 8 examples; "
+        "pass@1 25.0%, maj@1 25.0%; pass@4 50.0%, maj@4 37.5%")

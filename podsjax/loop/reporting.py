@@ -25,13 +25,17 @@ def progress_line(step: int, scalars: dict[str, float], accuracy: float, host: H
 
 
 def eval_line(evaluation: dict[str, float], run_config: RunConfig) -> str:
-    """``eval at step 3: accuracy 41.2% (mean of 5 passes at temperature 0.9, std 1.1%) on 1319 examples``."""
+    """``eval at step 3: accuracy 41.2% (mean of 5 passes at temperature 0.9, std 1.1%) on 1319 examples``,
+    then ``; pass@k ..., maj@k ...`` for each k of ``eval_k``."""
     what = "accuracy" if run_config.eval_metric == "accuracy" else "answer and format correct"
     line = f"eval at step {evaluation['step']}: {what} {evaluation['eval/accuracy']:.1%}"
     if run_config.eval_repeats > 1:
         line += (f" (mean of {run_config.eval_repeats} passes at temperature {run_config.eval_temperature:g}, "
                  f"std {evaluation['eval/accuracy_std']:.1%})")
-    return f"{line} on {int(evaluation['eval/examples'])} examples"
+    line = f"{line} on {int(evaluation['eval/examples'])} examples"
+    for k in run_config.eval_k:  # logged as eval/pass_at_<k> and eval/maj_at_<k>
+        line += f"; pass@{k} {evaluation[f'eval/pass_at_{k}']:.1%}, maj@{k} {evaluation[f'eval/maj_at_{k}']:.1%}"
+    return line
 
 
 def generate_shape(ids_PL, samples: int, new_tokens: int) -> str:
