@@ -18,8 +18,9 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("data", "grpo", "loop", "mesh", "models", "prompts", "rewards", "sampling", "selection", "train")
-_SELECTION_NAMES = ("select", "register_rule", "indices_to_mask")
+_SUBMODULES = ("algorithms", "data", "grpo", "logprobs", "loop", "mesh", "models", "prompts", "rewards", "sampling",
+               "selection", "train")
+_SELECTION_NAMES = ("select", "select_flat", "flat_rows", "register_rule", "indices_to_mask")
 __all__ = [*_SUBMODULES, *_SELECTION_NAMES]
 
 

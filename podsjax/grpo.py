@@ -1,12 +1,12 @@
-"""The GRPO objective as pure functions: advantages, token log-probs, GRPO / GSPO / CISPO losses.
+"""The GRPO objective as pure functions: advantages, GRPO / GSPO / CISPO losses, TIS and the sampler mismatch.
 
-Everything here is jit/vmap/grad-able and imports nothing else from podsjax.
+Everything here is jit/vmap/grad-able and imports nothing else from podsjax. The log-probs the
+loss takes come from ``podsjax.logprobs``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Literal, NamedTuple
 
 import flax.struct
@@ -74,145 +74,6 @@ def group_advantages(
     # 0 / 0 (equal rewards with eps = 0) is 0 here, not NaN.
     return centered / jnp.where(scale > 0, scale, 1.0)
 
-
-def _check_temperature(temperature: float) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (log-probs and entropies are of softmax(logits / T)); "
-                         f"got {temperature}")
-
-
-def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature: float = 1.0) -> jax.Array:
-    """Log-probability of each target token under softmax(logits / temperature).
-
-    Computed as the target's scaled logit minus a logsumexp, in float32. Under
-    jit the scaling and the upcast fuse into the logsumexp reduction, so no
-    [B, L, V] softmax or log-softmax copy is materialized.
-
-    Args:
-      logits_BLV: [..., L, V] logits of any float dtype.
-      targets_BL: [..., L] int token ids.
-      temperature: > 0; the sampler's temperature, so the ratio compares the
-        same distribution the rollouts came from.
-
-    Returns:
-      [..., L] float32 log-probs.
-    """
-    _check_temperature(temperature)
-    if logits_BLV.shape[:-1] != targets_BL.shape:
-        raise ValueError(f"logits {logits_BLV.shape} and targets {targets_BL.shape} disagree on the leading axes")
-    scaled = logits_BLV.astype(jnp.float32) / temperature
-    picked = jnp.take_along_axis(scaled, targets_BL[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(scaled, axis=-1)
-
-
-def token_entropy(logits_BLV: jax.Array, *, temperature: float = 1.0) -> jax.Array:
-    """Entropy of softmax(logits / temperature) per position, [..., L] float32.
-
-    H = logsumexp(x) - sum softmax(x) * x, written as reductions so XLA fuses it, with x
-    shifted by its maximum first: the two terms then stay small and cancel less.
-    """
-    _check_temperature(temperature)
-    scaled = logits_BLV.astype(jnp.float32) / temperature
-    scaled = scaled - jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))
-    lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
-    return lse[..., 0] - jnp.sum(jnp.exp(scaled - lse) * scaled, axis=-1)
-
-
-# Largest fp32 logits block [B, chunk, V] the chunked head materialises at once (512 MB).
-LOGITS_CHUNK_ELEMENTS = 2**27
-
-
-def logits_chunk(rows: int, length: int, vocab: int, max_elements: int = LOGITS_CHUNK_ELEMENTS) -> int:
-    """The largest divisor of ``length`` whose [rows, chunk, vocab] block fits ``max_elements``."""
-    limit = max(1, max_elements // max(1, rows * vocab))
-    return max(c for c in range(1, min(limit, length) + 1) if length % c == 0)
-
-
-def head_logprobs(
-    hidden_BTD: jax.Array,
-    head_VD: jax.Array,
-    targets_BT: jax.Array,
-    *,
-    temperature: float = 1.0,
-    max_elements: int = LOGITS_CHUNK_ELEMENTS,
-) -> tuple[jax.Array, jax.Array]:
-    """Target log-probs and entropies from hidden states, never holding all logits.
-
-    The LM head runs over chunks of positions, forward and backward (a custom VJP that
-    recomputes each chunk's logits), so both keep one [B, chunk, V] fp32 block at a time
-    instead of the [B, T, V] logits (5 GB for 16 x 512 tokens of a 152k vocabulary). The
-    backward multiplies in the head's dtype with fp32 accumulation: the head is never
-    upcast (an fp32 copy of a tied 152k x 1536 head per chunk was 22 GB of traffic in a
-    Qwen2.5-1.5B update), and its gradient is summed over the chunks in fp32.
-
-    Args:
-      hidden_BTD: final normed hidden states of the positions that predict ``targets``.
-      head_VD: the LM head matrix (the embedding when tied).
-      targets_BT: int token ids.
-      temperature: > 0, as in :func:`token_logprobs`.
-      max_elements: logits elements per chunk.
-
-    Returns:
-      ``(logprobs_BT, entropy_BT)`` float32; the entropy carries no gradient.
-    """
-    _check_temperature(temperature)
-    b, t, _ = hidden_BTD.shape
-    chunk = logits_chunk(b, t, head_VD.shape[0], max_elements)
-    return _chunked_head(hidden_BTD, head_VD, targets_BT, float(temperature), chunk)
-
-
-def _head_logits(h_BCD: jax.Array, head_VD: jax.Array) -> jax.Array:
-    return jnp.einsum("bcd,vd->bcv", h_BCD, head_VD.astype(h_BCD.dtype), preferred_element_type=jnp.float32)
-
-
-def _chunks(x: jax.Array, chunk: int) -> jax.Array:
-    """[B, T, ...] -> [T / chunk, B, chunk, ...]."""
-    b, t = x.shape[:2]
-    return x.reshape(b, t // chunk, chunk, *x.shape[2:]).swapaxes(0, 1)
-
-
-def _unchunk(x: jax.Array) -> jax.Array:
-    n, b, c = x.shape[:3]
-    return x.swapaxes(0, 1).reshape(b, n * c, *x.shape[3:])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked_head(hidden_BTD, head_VD, targets_BT, temperature: float, chunk: int):
-    def block(xs):
-        h_BCD, targets_BC = xs
-        logits = _head_logits(h_BCD, head_VD)
-        logp = token_logprobs(logits, targets_BC, temperature=temperature)
-        return logp, token_entropy(logits, temperature=temperature)
-
-    logp, entropy = jax.lax.map(block, (_chunks(hidden_BTD, chunk), _chunks(targets_BT, chunk)))
-    return _unchunk(logp), jax.lax.stop_gradient(_unchunk(entropy))
-
-
-def _chunked_head_fwd(hidden_BTD, head_VD, targets_BT, temperature, chunk):
-    return _chunked_head(hidden_BTD, head_VD, targets_BT, temperature, chunk), (hidden_BTD, head_VD, targets_BT)
-
-
-def _chunked_head_bwd(temperature, chunk, residuals, cotangents):
-    hidden_BTD, head_VD, targets_BT = residuals
-    g_logp_BT = cotangents[0]  # the entropy carries no gradient
-    compute = hidden_BTD.dtype
-
-    def block(d_head, xs):
-        h_BCD, targets_BC, g_BC = xs
-        scaled = _head_logits(h_BCD, head_VD) / temperature
-        probs = jax.nn.softmax(scaled, axis=-1)
-        picked = jax.nn.one_hot(targets_BC, scaled.shape[-1], dtype=jnp.float32)
-        d_logits = ((picked - probs) * (g_BC[..., None] / temperature)).astype(compute)
-        d_h = jnp.einsum("bcv,vd->bcd", d_logits, head_VD.astype(compute), preferred_element_type=jnp.float32)
-        d_head = d_head + jnp.einsum("bcv,bcd->vd", d_logits, h_BCD, preferred_element_type=jnp.float32)
-        return d_head, d_h.astype(hidden_BTD.dtype)
-
-    xs = (_chunks(hidden_BTD, chunk), _chunks(targets_BT, chunk), _chunks(g_logp_BT.astype(jnp.float32), chunk))
-    d_head, d_h = jax.lax.scan(block, jnp.zeros(head_VD.shape, jnp.float32), xs)
-    return _unchunk(d_h), d_head.astype(head_VD.dtype), None
-
-
-_chunked_head.defvjp(_chunked_head_fwd, _chunked_head_bwd)
 
 
 @dataclasses.dataclass(frozen=True)

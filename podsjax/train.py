@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from podsjax import grpo, selection
+from podsjax import grpo, logprobs, selection
 from podsjax.algorithms import AlgorithmConfig, learning_rate_schedule
 
 # optax >= 0.2.6 moved the global norm; keep older optax working too.
@@ -222,11 +222,11 @@ def completion_logprobs(hidden_fn: Callable, batch: TrainBatch, temperature: flo
 
     ``hidden_fn(ids_BL, mask_BL, positions)`` returns ``(hidden_BTD, head_VD)`` for the
     positions in the static slice ``positions``: the LM head then runs only on the
-    positions that predict completion tokens, in chunks (``grpo.head_logprobs``).
+    positions that predict completion tokens, in chunks (``logprobs.head_logprobs``).
     """
     t = batch.completion_length
     hidden_BTD, head_VD = hidden_fn(batch.input_ids, batch.attention_mask, slice(-t - 1, -1))
-    return grpo.head_logprobs(hidden_BTD, head_VD, batch.input_ids[:, -t:], temperature=temperature)
+    return logprobs.head_logprobs(hidden_BTD, head_VD, batch.input_ids[:, -t:], temperature=temperature)
 
 
 def _split(batch: Any, *counts: int) -> Any:

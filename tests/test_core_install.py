@@ -18,7 +18,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-CORE_MODULES = ("podsjax", "podsjax.selection", "podsjax.grpo", "podsjax.models")
+CORE_MODULES = ("podsjax", "podsjax.selection", "podsjax.grpo", "podsjax.logprobs", "podsjax.models")
 # What the issue that split the core named as too heavy for someone else's stack.
 NEVER_IN_CORE = ("transformers", "datasets", "math-verify", "matplotlib", "pyarrow", "draccus", "tensorboardx", "torch")
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from podsjax import grpo
+from podsjax import grpo, logprobs
 from podsjax.grpo import LossConfig
 
 LOSS = jax.jit(grpo.grpo_loss, static_argnums=3)
@@ -85,12 +85,14 @@ def test_token_logprobs_and_entropy_match_float64_numpy():
     targets = rng.integers(0, 50, (3, 5))
     for temperature in (1.0, 0.7):
         ref = log_softmax_f64(logits, temperature)
-        got = np.asarray(jax.jit(grpo.token_logprobs, static_argnames="temperature")(logits, targets, temperature=temperature))
+        jitted = jax.jit(logprobs.token_logprobs, static_argnames="temperature")
+        got = np.asarray(jitted(logits, targets, temperature=temperature))
         np.testing.assert_allclose(got, np.take_along_axis(ref, targets[..., None], -1)[..., 0], atol=1e-5, rtol=0)
         entropy = -(np.exp(ref) * ref).sum(-1)
-        np.testing.assert_allclose(np.asarray(grpo.token_entropy(logits, temperature=temperature)), entropy, atol=1e-5)
+        got_entropy = np.asarray(logprobs.token_entropy(logits, temperature=temperature))
+        np.testing.assert_allclose(got_entropy, entropy, atol=1e-5)
     # bf16 logits are upcast before the reduction
-    got_bf16 = grpo.token_logprobs(jnp.asarray(logits, jnp.bfloat16), targets)
+    got_bf16 = logprobs.token_logprobs(jnp.asarray(logits, jnp.bfloat16), targets)
     assert got_bf16.dtype == jnp.float32
 
 
@@ -98,7 +100,7 @@ def test_token_logprobs_does_not_materialize_a_log_softmax():
     b, l, v = 4, 64, 8192
     logits_bytes = b * l * v * 4
     compiled = (
-        jax.jit(grpo.token_logprobs)
+        jax.jit(logprobs.token_logprobs)
         .lower(jax.ShapeDtypeStruct((b, l, v), jnp.float32), jax.ShapeDtypeStruct((b, l), jnp.int32))
         .compile()
     )
@@ -273,7 +275,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match=r"advantages must be \[B\]"):
         grpo.grpo_loss(jnp.zeros((2, 3)), jnp.zeros(3), jnp.ones((2, 3)))
     with pytest.raises(ValueError, match="temperature must be > 0"):
-        grpo.token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), jnp.int32), temperature=0.0)
+        logprobs.token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), jnp.int32), temperature=0.0)
     assert math.isclose(LossConfig(epsilon=0.2).clip_high, 0.2)
 
 
@@ -287,13 +289,13 @@ def test_chunked_head_matches_full_logits_in_values_and_gradients():
 
     def full(hidden, head):
         logits = jnp.einsum("btd,vd->btv", hidden, head)
-        return (grpo.token_logprobs(logits, targets, temperature=0.7),
-                grpo.token_entropy(logits, temperature=0.7))
+        return (logprobs.token_logprobs(logits, targets, temperature=0.7),
+                logprobs.token_entropy(logits, temperature=0.7))
 
     def chunked(hidden, head):  # 3 x 4 x 50 = 600 elements per chunk: 3 chunks of 4 positions
-        return grpo.head_logprobs(hidden, head, targets, temperature=0.7, max_elements=600)
+        return logprobs.head_logprobs(hidden, head, targets, temperature=0.7, max_elements=600)
 
-    assert grpo.logits_chunk(b, t, v, 600) == 4
+    assert logprobs.logits_chunk(b, t, v, 600) == 4
     (logp_a, ent_a), (logp_b, ent_b) = jax.jit(full)(hidden, head), jax.jit(chunked)(hidden, head)
     np.testing.assert_allclose(np.asarray(logp_b), np.asarray(logp_a), atol=1e-5)
     np.testing.assert_allclose(np.asarray(ent_b), np.asarray(ent_a), atol=1e-5)
@@ -312,7 +314,7 @@ def test_chunked_head_never_holds_all_logits():
     targets = jax.ShapeDtypeStruct((b, t), jnp.int32)
 
     def temp_bytes(max_elements):
-        loss = lambda h, w, y: jnp.sum(grpo.head_logprobs(h, w, y, max_elements=max_elements)[0])  # noqa: E731
+        loss = lambda h, w, y: jnp.sum(logprobs.head_logprobs(h, w, y, max_elements=max_elements)[0])  # noqa: E731
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, head, targets).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
@@ -330,10 +332,10 @@ def test_a_bf16_head_gradient_is_summed_over_its_chunks_in_fp32():
     targets = jax.random.randint(keys[2], (b, t), 0, v)
 
     def loss(h, w, max_elements):
-        return jnp.sum(grpo.head_logprobs(h, w, targets, max_elements=max_elements)[0])
+        return jnp.sum(logprobs.head_logprobs(h, w, targets, max_elements=max_elements)[0])
 
     reference = np.asarray(jax.grad(loss, argnums=1)(hidden, head, b * t * v))  # fp32, one chunk
-    assert grpo.logits_chunk(b, t, v, b * 4 * v) == 4
+    assert logprobs.logits_chunk(b, t, v, b * 4 * v) == 4
     got = jax.jit(jax.grad(loss, argnums=1), static_argnums=2)(hidden.astype(jnp.bfloat16),
                                                                 head.astype(jnp.bfloat16), b * 4 * v)
     assert got.dtype == jnp.bfloat16

@@ -7,8 +7,9 @@ import pytest
 import podsjax
 
 # What users reach as podsjax.<name>.
-SUBMODULES = ["data", "grpo", "loop", "mesh", "models", "prompts", "rewards", "sampling", "selection", "train"]
-SELECTION_NAMES = ["select", "register_rule", "indices_to_mask"]
+SUBMODULES = ["algorithms", "data", "grpo", "logprobs", "loop", "mesh", "models", "prompts", "rewards", "sampling",
+              "selection", "train"]
+SELECTION_NAMES = ["select", "select_flat", "flat_rows", "register_rule", "indices_to_mask"]
 
 
 def test_the_public_names_are_the_documented_ones():

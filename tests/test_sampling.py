@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from test_models import build_hf
 
 import podsjax.models as pm
-from podsjax import grpo, mesh as mesh_lib, sampling
+from podsjax import logprobs, mesh as mesh_lib, sampling
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -105,7 +105,8 @@ def completion_logprobs(model, params, prompt_ids, prompt_mask, rollouts, num_sa
     mask = np.concatenate([np.repeat(prompt_mask, num_samples, 0), np.asarray(rollouts.mask)], axis=1)
     logits = model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV
     lp = prompt_ids.shape[1]
-    return np.asarray(grpo.token_logprobs(logits[:, lp - 1 : -1], jnp.asarray(ids[:, lp:]), temperature=temperature))
+    targets = jnp.asarray(ids[:, lp:])
+    return np.asarray(logprobs.token_logprobs(logits[:, lp - 1 : -1], targets, temperature=temperature))
 
 
 @pytest.mark.slow
