@@ -61,8 +61,8 @@ def logged(out, step):
 
 
 def without_timing(rows):
-    """The records minus wall-clock fields (wall_time, time/*)."""
-    return [{k: v for k, v in r.items() if k != "wall_time" and not k.startswith("time/")} for r in rows]
+    """The records minus wall-clock fields (wall_time, time/*, perf/*)."""
+    return [{k: v for k, v in r.items() if k != "wall_time" and not k.startswith(("time/", "perf/"))} for r in rows]
 
 
 def tail(path):
