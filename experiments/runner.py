@@ -268,15 +268,15 @@ def _check_rows(mesh, algo, run_config) -> None:
     if rows % shards:
         raise UsageError(f"--prompts-per-step x --n = {rows} rollout rows must divide evenly over the mesh's "
                          f"{shards} batch shards; change --n, --prompts-per-step or --mesh")
-    trained = prompt_rows * algo.m
-    if trained % algo.grad_accum:
+    trained, steps = prompt_rows * algo.m, algo.steps_per_generation
+    if trained % (steps * algo.grad_accum) == 0:
+        return
+    if steps == 1:
         raise UsageError(f"{trained} trained rows per update (prompt rows x --m) do not split into --grad-accum "
                          f"{algo.grad_accum} micro-batches; change --grad-accum, --m or --prompts-per-step")
-    steps = algo.steps_per_generation
-    if trained % (steps * algo.grad_accum):
-        raise UsageError(f"{trained} trained rows per step (prompt rows x --m) do not split into "
-                         f"--algorithm.steps_per_generation {steps} mini-batches of --grad-accum {algo.grad_accum} "
-                         "micro-batches; change one of them, --m or --prompts-per-step")
+    raise UsageError(f"{trained} trained rows per step (prompt rows x --m) do not split into "
+                     f"--algorithm.steps_per_generation {steps} mini-batches of --grad-accum {algo.grad_accum} "
+                     "micro-batches; change one of them, --m or --prompts-per-step")
 
 
 def _millions(n: int) -> str:

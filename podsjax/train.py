@@ -153,21 +153,25 @@ def build_batch(
     if (p * rows) % (steps * config.grad_accum):
         raise ValueError(f"{p * rows} trained rows do not split into steps_per_generation {steps} mini-batches "
                          f"of grad_accum {config.grad_accum} micro-batches")
-    if steps == 1:
-        denominator = grpo.loss_denominator(completion_mask, config.loss_config)
-    else:  # one normalizer per optimizer step's mini-batch
-        denominator = jax.vmap(lambda m: grpo.loss_denominator(m, config.loss_config))(
-            completion_mask.reshape(steps, -1, t))
     batch = TrainBatch(
         input_ids=jnp.concatenate([prompt_ids, tokens_PMT.reshape(p * rows, t)], axis=1).astype(jnp.int32),
         attention_mask=jnp.concatenate([prompt_mask, mask_PMT.reshape(p * rows, t)], axis=1),
         completion_mask=completion_mask,
         advantages=advantages,
-        loss_denominator=denominator,
+        loss_denominator=mini_batch_denominators(completion_mask, config),
         advantage_mean=jnp.mean(advantages),
         sampler_logprobs=sampler_logprobs,
     )
     return batch, idx_PM
+
+
+def mini_batch_denominators(completion_mask_BT: jax.Array, config: AlgorithmConfig) -> jax.Array:
+    """The loss normalizer of each optimizer step's rows: a scalar over the whole batch with
+    one step per generation, else one per mini-batch of ``steps_per_generation`` ([S])."""
+    steps = config.steps_per_generation
+    if steps == 1:
+        return grpo.loss_denominator(completion_mask_BT, config.loss_config)
+    return jax.vmap(lambda m: grpo.loss_denominator(m, config.loss_config))(_split(completion_mask_BT, steps))
 
 
 class _TokenSums(NamedTuple):
@@ -377,8 +381,7 @@ def make_train_step(
                              "keeps them from the rollouts' log-probs)")
         denominators, advantage_mean = batch.loss_denominator, batch.advantage_mean
         if denominators is None:
-            denominators = jax.vmap(lambda m: grpo.loss_denominator(m, loss_config))(
-                _split(batch.completion_mask, steps))
+            denominators = mini_batch_denominators(batch.completion_mask, config)
         elif denominators.size != steps:
             raise ValueError(f"loss_denominator has {denominators.size} values; the update takes one per "
                              f"optimizer step's mini-batch, steps_per_generation={steps}")
@@ -403,18 +406,19 @@ def make_train_step(
             ref = per_micro(ref_logprobs)
         # [steps, k, ...]: optimizer step s takes micro-batches s*k .. s*k + k - 1.
         batches, old, ref = jax.tree.map(lambda x: x.reshape(steps, k, *x.shape[1:]), (batches, old, ref))
+        xs = (batches, old, ref, denominators)
+
+        def mini_step(st, x):
+            mb, old_k, ref_k, denominator = x
+            return update_once(st, mb, frozen, old_k, ref_k, denominator)
+
         passes = []
         for _ in range(config.num_iterations):
-            if steps == 1:
-                first = jax.tree.map(lambda x: x[0], (batches, old, ref))
-                state, metrics = update_once(state, first[0], frozen, first[1], first[2], denominators[0])
+            if steps == 1:  # no scan around a single step
+                state, metrics = mini_step(state, jax.tree.map(lambda x: x[0], xs))
                 metrics = jax.tree.map(lambda x: x[None], metrics)
             else:
-                def mini_step(st, xs):
-                    mb, old_k, ref_k, denominator = xs
-                    return update_once(st, mb, frozen, old_k, ref_k, denominator)
-
-                state, metrics = jax.lax.scan(mini_step, state, (batches, old, ref, denominators))
+                state, metrics = jax.lax.scan(mini_step, state, xs)
             passes.append(metrics)
         per_update = jax.tree.map(lambda *xs: jnp.concatenate(xs), *passes)
         metrics = _summarize(per_update, steps, config.num_iterations, advantage_mean)

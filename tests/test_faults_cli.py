@@ -25,6 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (["--method", "pods", "--n", "4", "--m", "8"], "need 1 <= m <= n"),
     (["--method", "grpo-ga", "--n", "8", "--prompts-per-step", "1", "--grad-accum", "3"],
      "8 trained rows per update (prompt rows x --m) do not split into --grad-accum 3 micro-batches"),
+    (["--method", "pods", "--n", "8", "--m", "2", "--prompts-per-step", "2", "--grad-accum", "2",
+      "--algorithm.steps_per_generation", "3"],
+     "4 trained rows per step (prompt rows x --m) do not split into --algorithm.steps_per_generation 3 "
+     "mini-batches of --grad-accum 2 micro-batches"),
     (["--beta", "-1"], "beta must be >= 0; got -1.0"),
     (["--groups-per-prompt", "0"], "groups_per_prompt must be >= 1; got 0"),
 ])

@@ -14,7 +14,7 @@ import podsjax.models as pm
 from podsjax import checkpoint as ckpt_lib
 from podsjax import algorithms, data, dry_run, loop, metrics, prompts, sampling
 from podsjax import mesh as mesh_lib
-from podsjax.loop import run_files
+from podsjax.loop import dynamic_sampling, run_files
 from podsjax.rewards import combine as rewards_combine
 
 pytestmark = pytest.mark.cpu_mesh
@@ -380,7 +380,8 @@ def test_dynamic_sampling_draws_again_until_the_groups_have_variance(setup, tmp_
                   for t in ([0, 0], [0, 0])]
         scores[0]["total"][4:] = [0, 1, 0, 1]
         scores[1]["total"][:4] = [1, 0, 1, 0]
-        merged, scored, stats = trainer._merge_draws(draws, scores)
+        zero = dynamic_sampling.zero_variance(np.concatenate([s["total"] for s in scores]).reshape(-1, 4))
+        merged, scored, stats = trainer._merge_draws(draws, scores, zero)
         assert stats == {"data/sampling_rounds": 2.0, "data/zero_std_groups_drawn": 0.5, "data/groups_filled": 0.0}
         tokens = [np.asarray(d["rollouts"].tokens) for d in draws]
         expected = np.concatenate([tokens[0][4:], tokens[1][:4]])

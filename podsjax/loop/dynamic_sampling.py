@@ -16,7 +16,8 @@ import numpy as np
 
 
 def zero_variance(rewards_GN: np.ndarray) -> np.ndarray:
-    """[G] bool: the groups whose rewards are all equal (no group-relative signal)."""
+    """[G] bool: the groups whose rewards are all equal (no group-relative signal; TRL's
+    ``frac_reward_zero_std`` counts them)."""
     rewards_GN = np.asarray(rewards_GN)
     return np.all(rewards_GN == rewards_GN[:, :1], axis=1)
 

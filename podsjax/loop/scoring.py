@@ -7,6 +7,7 @@ import numpy as np
 from podsjax import data as data_lib
 from podsjax import hosts
 from podsjax import prompts as prompts_lib
+from podsjax.loop.dynamic_sampling import zero_variance
 
 
 def score_rollouts(tokenizer, scorer, rewards, examples, n: int, start: int, tokens, mask,
@@ -39,9 +40,9 @@ def reward_stats(scored: dict[str, np.ndarray], rewards_PN: np.ndarray, selected
     out = {"reward/mean": float(rewards_PN.mean()), "reward/std": float(rewards_PN.std()),
            "reward/selected_mean": float(rewards_PN[selected_PN].mean()),
            "reward/selected_std": float(rewards_PN[selected_PN].std()),
-           "reward/zero_std_groups": float(np.mean(_all_equal(rewards_PN))),
+           "reward/zero_std_groups": float(np.mean(zero_variance(rewards_PN))),
            # each group keeps the same count m, so the kept rewards are [P, m]
-           "reward/zero_std_groups_selected": float(np.mean(_all_equal(
+           "reward/zero_std_groups_selected": float(np.mean(zero_variance(
                rewards_PN[selected_PN].reshape(len(rewards_PN), -1))))}
     for name, values in scored.items():
         if name.startswith("reward/"):
@@ -51,11 +52,6 @@ def reward_stats(scored: dict[str, np.ndarray], rewards_PN: np.ndarray, selected
         elif name.startswith("count/"):
             out[name.removeprefix("count/")] = float(values)
     return out
-
-
-def _all_equal(rewards_PN: np.ndarray) -> np.ndarray:
-    """[P] bool: the groups whose rewards all agree (TRL's frac_reward_zero_std counts them)."""
-    return np.all(rewards_PN == rewards_PN[:, :1], axis=1)
 
 
 def length_stats(scored: dict[str, np.ndarray]) -> dict[str, float]:

@@ -216,10 +216,10 @@ class Trainer:
         return scoring.score_rollouts(self.tokenizer, self.scorer, self.rewards, drawn["examples"], self.algo.n,
                                       start, tokens, mask, truncated)
 
-    def _merge_draws(self, draws: list[dict], scores: list[dict]) -> tuple[dict, dict, dict[str, float]]:
-        """Dynamic sampling: the step's groups from several draws, and what it did (``data/*`` scalars)."""
+    def _merge_draws(self, draws: list[dict], scores: list[dict], zero: np.ndarray) -> tuple[dict, dict, dict]:
+        """Dynamic sampling: the step's groups from several draws (``zero``: each drawn group's
+        rewards all agree, in draw order), and what it did (``data/*`` scalars)."""
         n, wanted = self.algo.n, len(draws[0]["examples"])
-        zero = np.concatenate([dynamic_sampling.zero_variance(s["total"].reshape(-1, n)) for s in scores])
         groups, filled = dynamic_sampling.choose_groups(zero, wanted)
         stats = {"data/sampling_rounds": float(len(draws)), "data/zero_std_groups_drawn": float(zero.mean()),
                  "data/groups_filled": float(filled)}
@@ -249,7 +249,7 @@ class Trainer:
         # Until the update, the state and the host state are as the last step left them: a stop drops this work.
         with self.signals.droppable():
             key = jax.random.fold_in(jax.random.key(run_config.seed + programs.ROLLOUT_SEED_OFFSET), self.step)
-            draws, scores = [], []
+            draws, scores, zero = [], [], np.zeros(0, bool)
             for round_index in range(algo.max_sampling_rounds if algo.dynamic_sampling else 1):
                 with timer.phase("generation"):
                     if round_index == 0:
@@ -260,14 +260,14 @@ class Trainer:
                 with timer.phase("scoring"):
                     scores.append(self._score(draws[-1]))
                 if algo.dynamic_sampling:
-                    informative = sum(int((~dynamic_sampling.zero_variance(s["total"].reshape(-1, algo.n))).sum())
-                                      for s in scores)
-                    if informative >= len(draws[0]["examples"]):
+                    flat = dynamic_sampling.zero_variance(scores[-1]["total"].reshape(-1, algo.n))
+                    zero = np.concatenate([zero, flat])
+                    if (~zero).sum() >= len(draws[0]["examples"]):
                         break
             with timer.phase("selection"):
                 drawn, scored, sampling_stats = draws[0], scores[0], {}
                 if algo.dynamic_sampling:
-                    drawn, scored, sampling_stats = self._merge_draws(draws, scores)
+                    drawn, scored, sampling_stats = self._merge_draws(draws, scores, zero)
                 examples, rollouts = drawn["examples"], drawn["rollouts"]
                 p = len(examples)
                 rewards_PN = scored["total"].reshape(p, algo.n)
