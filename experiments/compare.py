@@ -25,6 +25,7 @@ from experiments import cli
 from experiments import flags as flags_lib
 from experiments.config import METHODS, ExperimentConfig, describe_setting
 from experiments.usage import UsageError
+from podsjax.metrics import read_jsonl
 
 # label -> the AlgorithmConfig fields it sets over the shared config; the paper's sweeps
 # (n at m=16, m at n=64, the selection rule at the setting's n and m).
@@ -244,11 +245,8 @@ def step_figures(run_dirs: list[str]) -> dict[str, float]:
     steps = []
     for run_dir in run_dirs:
         path = os.path.join(run_dir, "metrics.jsonl")
-        if not os.path.isfile(path):
-            continue
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        steps += [r for r in rows if "train/loss" in r][1:]
+        if os.path.isfile(path):
+            steps += [r for r in read_jsonl(path) if "train/loss" in r][1:]
     out: dict[str, float] = {"steps": float(len(steps))}
     for label, key in STEP_FIGURES.items():
         values = [r[key] for r in steps if r.get(key) is not None]
