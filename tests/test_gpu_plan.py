@@ -107,7 +107,7 @@ def test_an_h100_decode_step_of_qwen_1_5b_moves_at_most_1_3x_its_floor():
 
 @needs_cuda_plugin
 @pytest.mark.slow
-def test_an_h100_decode_step_of_256_rows_reads_each_prompt_once_and_moves_less_than_a_row_cache_floor():
+def test_an_h100_decode_step_of_256_rows_reads_each_prompt_once_and_moves_at_most_1_3x_its_floor():
     # Four prompts of setting a's shapes, 64 samples each. The cache holds each prompt's KV
     # once and each row's completion: half the bytes of a cache with the prompt in every row.
     mesh = mesh_lib.make_mesh("1", devices=topology.compile_only_devices("h100"))
@@ -121,8 +121,12 @@ def test_an_h100_decode_step_of_256_rows_reads_each_prompt_once_and_moves_less_t
     step = dry_run.decode_step_cost(gen["decode"])
     row_cache_floor = gen["weights_read_bytes"] + per_token * 256 * (512 + 512)
     assert step.bytes <= row_cache_floor, (step.bytes, row_cache_floor)
-    # Above its own floor: the fp32 scores, 12.6 MB a layer, are written and read back.
-    assert step.bytes <= 1.5 * (gen["weights_read_bytes"] + gen["kv_cache_bytes"])
+    assert step.bytes <= 1.3 * (gen["weights_read_bytes"] + gen["kv_cache_bytes"])
+    # Attention is one fused kernel a layer, its fp32 scores kept in registers: no kernel
+    # writes a layer's scores [rows, kv heads, queries per kv head, slots].
+    text = gen["decode"].as_text()
+    assert hlo_cost.custom_call_targets(text).count("__gpu$xla.gpu.triton") == config.num_layers
+    assert not any(re.search(r"f32\[256,2,6,512\]", t) for t in kernel_output_types(text))
 
 
 @needs_cuda_plugin

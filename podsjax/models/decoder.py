@@ -329,7 +329,9 @@ class Decoder(nn.Module):
             Forward-only calls (sampling) are unaffected.
         mesh: when set, activations get sharding constraints from the logical rules.
         attention: one of ``attention.ATTENTION_IMPLEMENTATIONS``; "auto" is cuDNN flash
-            attention on GPU in 16-bit, XLA elsewhere. Decode steps always use XLA.
+            attention on GPU in 16-bit, XLA elsewhere. Decode steps use XLA, except the
+            GPU rollout layout's grouped decode, which then runs a fused Pallas kernel
+            (``podsjax.models.decode_kernel``); "xla" opts out of both.
         rollout_layers: one of :data:`ROLLOUT_LAYERS`, how the sampler runs the layers:
             "scanned" over the stacked params, as training does; "unrolled" over merged
             per-layer weights and a per-layer KV cache (``podsjax.models.rollout``);

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podsjax import mesh as mesh_lib
+from podsjax.models import decode_kernel
 from podsjax.models import decoder as dec
 from podsjax.models.lora import LoraParams, merged_kernel
 
@@ -197,6 +198,7 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
     platform = mesh_lib.platform(mesh)
     implementation = dec.attention_implementation(model.attention, dt, e, platform)
     rope = dec.rope_tables(slots.positions_BL, dec.rope_inv_freq(cfg), dt)
+    use_kernel = grouped is not None and decode_kernel_fits(implementation, e, cache.keys[0].dtype)
 
     def rows(x):
         return mesh_lib.constrain(x, mesh, ("batch",) + (None,) * (x.ndim - 1))
@@ -216,8 +218,12 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
         keys[y] = keys[y].at[rows_B1, :, slots.slots_BL].set(k_BLKE.astype(keys[y].dtype))
         if grouped is not None:  # the completions' values are [B, K, E, T]
             values[y] = values[y].at[rows_B1, :, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
-            out_BLHE = attend_grouped(q_BLHE, grouped.prompts.keys[y], grouped.prompts.values[y],
-                                      grouped.prompts.mask_BS, keys[y], values[y], slots.allowed_BLS)
+            layer_kv = (grouped.prompts.keys[y], grouped.prompts.values[y], grouped.prompts.mask_BS,
+                        keys[y], values[y], slots.allowed_BLS)
+            if use_kernel:
+                out_BLHE = attend_grouped_kernel(q_BLHE, *layer_kv, slots.slots_BL[:, 0] + 1, mesh)
+            else:
+                out_BLHE = attend_grouped(q_BLHE, *layer_kv)
         else:
             values[y] = values[y].at[rows_B1, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
             if length == 1:
@@ -270,3 +276,57 @@ def attend_grouped(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_PKSE: j
     from_own_BKGE = jnp.sum(own_BKGT[:, :, :, None, :] * v_BKET[:, :, None].astype(jnp.float32), axis=-1)
     out_BKGE = (from_prompt_PNKGE.reshape(b, k, g, e) + from_own_BKGE) / total_BKG[..., None]
     return out_BKGE.reshape(b, 1, h, e).astype(q_B1HE.dtype)
+
+
+def decode_kernel_fits(implementation: str, head_dim: int, cache_dtype) -> bool:
+    """Whether grouped decode runs :mod:`~podsjax.models.decode_kernel`: where prefill runs
+    cuDNN (a GPU, 16-bit; ``attention="xla"`` opts out of both), with a head size Triton
+    tiles (a power of two, at least 16)."""
+    return (implementation == "cudnn" and jnp.dtype(cache_dtype).itemsize == 2
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+
+def attend_grouped_kernel(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_PKSE: jax.Array,
+                          prompt_mask_PS: jax.Array, k_BKTE: jax.Array, v_BKET: jax.Array, allowed_B1T: jax.Array,
+                          length_B: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """:func:`attend_grouped` as one fused kernel per layer (:mod:`~podsjax.models.decode_kernel`).
+
+    ``length_B``: the completion slots each row reads (its write slot + 1). On a mesh the
+    kernel runs per device on its rows (``shard_map``). Its prompts are local when the
+    prompt count divides over the rows' axes, as :func:`cache_shardings` places them; when
+    it does not, the prompts are whole on every device and a device whose rows all sample
+    one prompt slices that prompt out; any other split takes :func:`attend_grouped`.
+    """
+    b, _, h, e = q_B1HE.shape
+    p, k = prompt_k_PKSE.shape[:2]
+    n = b // p
+
+    def call(q, pk, pv, pmask, keys, values, allowed, length):
+        out = decode_kernel.grouped_decode_attention(
+            q.reshape(q.shape[0], k, h // k, e).astype(keys.dtype), pk, pv, pmask, keys, values, allowed[:, 0], length)
+        return out.reshape(q.shape[0], 1, h, e).astype(q.dtype)
+
+    args = (q_B1HE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, k_BKTE, v_BKET, allowed_B1T, length_B)
+    if mesh is None or mesh.size == 1:
+        return call(*args)
+    rows = mesh_lib.logical_to_spec(("batch",), mesh, (b,))
+    prompts = mesh_lib.logical_to_spec(("batch",), mesh, (p,))
+    shards = math.prod(mesh.shape[a] for a in _axes(rows[0]))
+    local_rows = b // shards
+    if prompts != rows and n % local_rows != 0:
+        return attend_grouped(*args[:-1])
+    row_spec = lambda x: PartitionSpec(*rows, *[None] * (x.ndim - 1))  # noqa: E731
+    prompt_spec = lambda x: PartitionSpec(*prompts, *[None] * (x.ndim - 1))  # noqa: E731
+    specs = tuple(prompt_spec(x) if i in (1, 2, 3) else row_spec(x) for i, x in enumerate(args))
+
+    def per_device(q, pk, pv, pmask, *rest):
+        if prompts != rows:  # this device's rows all sample one prompt
+            first = jax.lax.axis_index(_axes(rows[0])) * local_rows // n
+            pk, pv, pmask = (jax.lax.dynamic_slice_in_dim(x, first, 1, axis=0) for x in (pk, pv, pmask))
+        return call(q, pk, pv, pmask, *rest)
+
+    return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
