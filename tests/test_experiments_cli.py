@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from test_log_backends import wandb_history
 from test_metrics import read_events
 from tiny_checkpoint import save_tiny_checkpoint
 
@@ -166,6 +167,45 @@ def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, t
         assert steps == [1, 2]
         assert (out / "final_model" / "config.json").is_file()
         assert not (out / "tiny_warmup").exists()  # the shared warm-up was used
+
+
+@pytest.mark.slow
+def test_the_grpo_toolbox_trains_on_the_tiny_preset_and_logs_to_every_backend(tmp_path_factory, tmp_path, capsys,
+                                                                              monkeypatch):
+    # GSPO with two mini-batches and two passes over each, TIS against the sampler, the
+    # mismatch, dynamic sampling and pass@k/maj@k, together: the metrics reach jsonl,
+    # TensorBoard and W&B alike.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    warmup = str(tmp_path_factory.getbasetemp() / "tiny_warmup_seed0_steps30")
+    code = cli.main("gsm8k", [
+        "--method", "pods", "--mesh", "8", "--max-steps", "2", "--eval-limit", "8", "--warmup-dir", warmup,
+        "--warmup-steps", "30", "--no-progress", "--no-compile-cache", "--reward-workers", "1", "--out", str(tmp_path),
+        "--algorithm.loss_type", "gspo", "--algorithm.steps_per_generation", "2", "--algorithm.num_iterations", "2",
+        "--algorithm.tis_cap", "3", "--algorithm.log_mismatch", "true", "--algorithm.dynamic_sampling", "true",
+        "--eval-repeats", "2", "--eval-temperature", "0.7", "--eval-k", "1,2", "--log", "jsonl,tensorboard,wandb"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-2000:]
+    assert "pass@2" in printed and "maj@2" in printed
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    wanted = ["train/tis_weight_mean", "train/tis_truncated_frac", "train/mismatch_logp_abs",
+              "train/mismatch_ratio_max", "train/entropy", "reward/zero_std_groups",
+              "reward/zero_std_groups_selected", "data/sampling_rounds", "completion/length_mean",
+              "perf/throughput", "perf/time_per_step"]
+    for record in steps:
+        missing = [k for k in wanted if k not in record]
+        assert not missing, missing
+        assert 0 < record["train/tis_weight_mean"] <= 3 and record["train/mismatch_ratio_max"] >= 1
+        assert 1 <= record["data/sampling_rounds"] <= 4 and record["train/skipped"] == 0
+    assert any("eval/pass_at_2" in r and "eval/maj_at_2" in r for r in records)
+    events = read_events(glob.glob(str(tmp_path / "events.out.tfevents.*"))[0])
+    tags = {v.tag for e in events if e.HasField("summary") for v in e.summary.value}
+    assert set(wanted) <= tags, set(wanted) - tags
+    (run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
+    logged = {key for h in wandb_history(run) for key in h}
+    assert set(wanted) <= logged, set(wanted) - logged
 
 
 @pytest.mark.slow
