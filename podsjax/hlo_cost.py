@@ -7,9 +7,11 @@ backend:
 - every top-level instruction of an executed computation is one kernel (a fusion, a
   library call such as cuBLAS or cuDNN, a copy, a collective), except those that move no
   data (parameters, tuples, bitcasts, constants, control flow);
-- its bytes are the bytes its operands and result occupy, except where only part is
-  touched: an operand a fusion reads only through slices or gathers counts what they take,
-  and a result written in place (dynamic-update-slice, scatter) counts the update;
+- its bytes are the bytes its operands and result occupy in device memory (HBM), except
+  where only part is touched: an operand a fusion reads only through slices or gathers
+  counts what they take, and a result written in place (dynamic-update-slice, scatter)
+  counts the update. Arrays in another memory space (a TPU's on-chip VMEM, ``S(1)`` in
+  their layout) cost nothing; an async copy or slice between the spaces counts its HBM side;
 - flops are those of matmuls (dots, cuBLAS calls) and of cuDNN attention, the terms that
   can reach a chip's peak; elementwise work is left out;
 - a ``while`` loop costs its body times its trip count when that is known (XLA:GPU's
@@ -32,7 +34,11 @@ import re
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
                 "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "token": 0}
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+# A layout's memory space other than 0 is not device memory: S(1) is a TPU's on-chip VMEM,
+# S(2) its sync flags, S(5) the host. Only arrays in space 0 cost HBM traffic.
+_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+_ASYNC_COPIES = {"copy-start": 0, "slice-start": -2}  # where the destination sits in the result tuple
 # Instructions that launch nothing and move no data.
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency", "domain", "get-dimension-size"}
@@ -71,15 +77,35 @@ class _Instr:
     args: str = ""
 
 
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _ARRAY.findall(type_text)
-            if d in _DTYPE_BYTES]
+def _arrays(type_text: str, in_hbm_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims, layout in _ARRAY.findall(type_text)
+            if d in _DTYPE_BYTES and not (in_hbm_only and _on_chip(layout))]
 
 
-def type_bytes(type_text: str, skip_scratch: bool = False) -> float:
-    """Bytes of an HLO type (an array or a tuple of them), layouts and tiling ignored."""
-    return sum(_DTYPE_BYTES[d] * math.prod(dims) for d, dims in _arrays(type_text)
+def _on_chip(layout: str) -> bool:
+    space = _MEMORY_SPACE.search(layout or "")
+    return space is not None and int(space.group(1)) != 0
+
+
+def type_bytes(type_text: str, skip_scratch: bool = False, in_hbm_only: bool = True) -> float:
+    """Bytes an HLO type (an array or a tuple of them) occupies in device memory: tiling
+    ignored, arrays in another memory space (a TPU's VMEM) left out unless ``in_hbm_only``
+    is False."""
+    return sum(_DTYPE_BYTES[d] * math.prod(dims) for d, dims in _arrays(type_text, in_hbm_only)
                if not (skip_scratch and d in _SCRATCH))
+
+
+def _async_copy_bytes(instr: _Instr, operand_type: str) -> float:
+    """An async copy or slice between memory spaces: its destination's bytes, once for the
+    read where the source is in HBM and once for the write where the destination is."""
+    found = _ARRAY.findall(instr.type)
+    if len(found) < 2:
+        return 0.0
+    dtype, dims, layout = found[_ASYNC_COPIES[instr.opcode]]
+    size = _DTYPE_BYTES.get(dtype, 0) * math.prod(int(x) for x in dims.split(",") if x)
+    source = _ARRAY.search(operand_type)
+    from_hbm = source is not None and not _on_chip(source.group(3))
+    return size * (int(from_hbm) + int(not _on_chip(layout)))
 
 
 def _matching(text: str, start: int, open_c: str, close_c: str) -> int:
@@ -280,7 +306,7 @@ class _Module:
         total = 0.0
         for reader in readers:
             if reader.opcode in _PARTIAL_READS and reader.operands[0] == name:
-                total += type_bytes(reader.type)
+                total += type_bytes(reader.type, in_hbm_only=False)  # read from HBM, wherever it goes
             elif reader.opcode == "bitcast":
                 total += self._read_bytes(computation, reader.name, size)
             elif reader.opcode == "fusion":
@@ -321,6 +347,8 @@ class _Module:
             moved, flops = 2 * update, 0.0
         elif instr.opcode in _SLICES:
             moved, flops = 2 * type_bytes(instr.type), 0.0
+        elif instr.opcode in _ASYNC_COPIES:
+            moved, flops = _async_copy_bytes(instr, types.get(instr.operands[0], "") if instr.operands else ""), 0.0
         else:
             scratch = instr.opcode == "custom-call"
             moved = sum(type_bytes(types.get(o, "")) for o in instr.operands) + type_bytes(instr.type, scratch)

@@ -114,3 +114,56 @@ def test_type_bytes_reads_arrays_and_tuples_and_skips_library_scratch():
     assert hlo_cost.type_bytes("(f32[4]{0}, s8[100]{0})") == 116
     assert hlo_cost.type_bytes("(f32[4]{0}, s8[100]{0})", skip_scratch=True) == 16
     assert hlo_cost.type_bytes("bf16[8,128]{1,0:T(8,128)(2,1)}") == 2048  # a TPU tiling is a layout, not bytes
+
+
+def test_arrays_in_another_memory_space_cost_no_hbm_traffic():
+    assert hlo_cost.type_bytes("bf16[8,128]{1,0:T(8,128)(2,1)S(1)}") == 0  # a TPU's VMEM
+    assert hlo_cost.type_bytes("(f32[4]{0:S(1)}, f32[4]{0}, u32[]{:S(2)})") == 16
+    assert hlo_cost.type_bytes("bf16[8,128]{1,0:T(8,128)(2,1)S(1)}", in_hbm_only=False) == 2048
+
+
+# A TPU decode layer as its compiler leaves it: the layer's cache slice is sliced out of
+# the stacked cache in HBM into VMEM (S(1)); the attention fusion reads it there and writes
+# its result there; a weight slice is prefetched with an async slice, a vector copied back.
+TPU_VMEM = """HloModule decode, is_scheduled=true
+
+%fused_slice (param_0: bf16[28,64,1024], param_1: s32[]) -> bf16[1,64,1024] {
+  %param_0 = bf16[28,64,1024]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %param_1 = s32[]{:T(128)} parameter(1)
+  %zero = s32[]{:T(128)} constant(0)
+  ROOT %ds = bf16[1,64,1024]{2,1,0:T(8,128)(2,1)S(1)} dynamic-slice(%param_0, %param_1, %zero, %zero), dynamic_slice_sizes={1,64,1024}
+}
+
+%fused_attend (param_0.1: bf16[1,64,1024], param_1.1: bf16[64,1024]) -> f32[64,1024] {
+  %param_0.1 = bf16[1,64,1024]{2,1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %param_1.1 = bf16[64,1024]{1,0:T(8,128)(2,1)S(1)} parameter(1)
+  %b = bf16[64,1024]{1,0:T(8,128)(2,1)S(1)} bitcast(%param_0.1)
+  %m = bf16[64,1024]{1,0:T(8,128)(2,1)S(1)} multiply(%b, %param_1.1)
+  ROOT %c = f32[64,1024]{1,0:T(8,128)S(1)} convert(%m)
+}
+
+ENTRY %main (cache: bf16[28,64,1024], q: bf16[64,1024], w: bf16[28,512,128], v: f32[64]) -> (f32[64,1024], bf16[7,512,128], f32[64]) {
+  %cache = bf16[28,64,1024]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %q = bf16[64,1024]{1,0:T(8,128)(2,1)S(1)} parameter(1)
+  %w = bf16[28,512,128]{2,1,0:T(8,128)(2,1)} parameter(2)
+  %v = f32[64]{0:T(128)S(1)} parameter(3)
+  %i = s32[]{:T(128)} constant(3)
+  %layer = bf16[1,64,1024]{2,1,0:T(8,128)(2,1)S(1)} fusion(%cache, %i), kind=kLoop, calls=%fused_slice
+  %out = f32[64,1024]{1,0:T(8,128)S(1)} fusion(%layer, %q), kind=kLoop, calls=%fused_attend
+  %ss = ((bf16[28,512,128]{2,1,0:T(8,128)(2,1)}), bf16[7,512,128]{2,1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:7], [0:512], [0:128]}
+  %sd = bf16[7,512,128]{2,1,0:T(8,128)(2,1)S(1)} slice-done(%ss)
+  %cs = (f32[64]{0:T(128)}, f32[64]{0:T(128)S(1)}, u32[]{:S(2)}) copy-start(%v)
+  %cd = f32[64]{0:T(128)} copy-done(%cs)
+  ROOT %t = (f32[64,1024]{1,0:T(8,128)S(1)}, bf16[7,512,128]{2,1,0:T(8,128)(2,1)S(1)}, f32[64]{0:T(128)}) tuple(%out, %sd, %cd)
+}
+"""
+
+
+def test_a_tpu_program_counts_hbm_traffic_only():
+    cost = hlo_cost.program_cost(TPU_VMEM)
+    layer = 64 * 1024 * 2  # the cache slice read from HBM, written to VMEM
+    prefetch = 7 * 512 * 128 * 2  # the weight slice read from HBM, written to VMEM
+    evict = 64 * 4  # the vector read from VMEM, written to HBM
+    # The attention fusion reads and writes VMEM only: no HBM bytes. (+ 4: the slice's index.)
+    assert cost.bytes == layer + prefetch + evict + 4
+    assert cost.kernels == 4
