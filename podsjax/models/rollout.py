@@ -280,8 +280,8 @@ def attend_grouped(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_PKSE: j
 
 def decode_kernel_fits(implementation: str, head_dim: int, cache_dtype) -> bool:
     """Whether grouped decode runs :mod:`~podsjax.models.decode_kernel`: where prefill runs
-    cuDNN (a GPU, 16-bit; ``attention="xla"`` opts out of both), with a head size Triton
-    tiles (a power of two, at least 16)."""
+    cuDNN (a GPU, 16-bit; ``attention="xla"`` opts out of both), with a 16-bit cache and a
+    head size Triton tiles (a power of two, at least 16)."""
     return (implementation == "cudnn" and jnp.dtype(cache_dtype).itemsize == 2
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
