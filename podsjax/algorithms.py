@@ -129,6 +129,10 @@ class AlgorithmConfig:
         if self.logprob_temperature is not None and not self.logprob_temperature > 0:
             bad("logprob_temperature must be > 0, or null for the sampling temperature; "
                 f"got {self.logprob_temperature}")
+        if self.sampler_logprobs and self.update_temperature != self.temperature:
+            bad(f"{self.sampler_logprobs_reason} compares the sampler's log-probs with the update's, which needs "
+                f"them at one temperature: logprob_temperature {self.logprob_temperature} is not the sampling "
+                f"temperature {self.temperature} (leave logprob_temperature null)")
         if not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1]; got {self.top_p}")
         if self.top_k < 0:

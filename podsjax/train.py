@@ -199,7 +199,8 @@ class _UpdateMetrics(NamedTuple):
 @flax.struct.dataclass
 class StepMetrics:
     """One generated batch's update, over its ``num_iterations x steps_per_generation`` optimizer
-    steps: loss and grad norm are their means, the token statistics token-weighted means,
+    steps: loss and grad norm are means over the applied ones, the token statistics
+    token-weighted means,
     ``skipped`` counts the skipped ones and ``learning_rate`` is the last one's.
     ``num_tokens`` counts the batch's trained tokens once. The optional fields are None
     unless their option is on (``tis_cap``, ``log_mismatch``).
@@ -217,8 +218,10 @@ class StepMetrics:
     num_tokens: jax.Array
     tis_weight_mean: jax.Array | None = None
     tis_truncated_frac: jax.Array | None = None
-    mismatch_logp_abs: jax.Array | None = None  # mean |logp_update - logp_sampler| over the trained tokens
-    mismatch_ratio_max: jax.Array | None = None  # the largest token ratio pi_update / pi_sampler
+    # mean |logp_update - logp_sampler| before any update of the batch: over every trained token,
+    # or with old_logprobs='sampler' and several mini-batches over the first mini-batch's
+    mismatch_logp_abs: jax.Array | None = None
+    mismatch_ratio_max: jax.Array | None = None  # the largest token ratio pi_update / pi_sampler, same tokens
 
 
 def completion_logprobs(hidden_fn: Callable, batch: TrainBatch, temperature: float) -> tuple[jax.Array, jax.Array]:
@@ -241,16 +244,24 @@ def _split(batch: Any, *counts: int) -> Any:
     return jax.tree.map(split, batch)
 
 
-def _summarize(per_update: _UpdateMetrics, first_pass: int, iterations: int, advantage_mean) -> StepMetrics:
-    """StepMetrics from every optimizer step's metrics ([U] each; the first ``first_pass`` are
-    the first pass over the batch, which measures the mismatch before any update of it)."""
+def _summarize(per_update: _UpdateMetrics, before_updates: int, iterations: int, advantage_mean) -> StepMetrics:
+    """StepMetrics from every optimizer step's metrics ([U] each). The first ``before_updates``
+    measured the mismatch against log-probs taken before any update of the batch: the first
+    pass's mini-batches when those were computed up front, else only the first step's.
+    Loss and grad norm are means over the steps that were applied (non-finite when none was)."""
     sums = per_update.sums
     tokens = jnp.sum(sums.tokens)
     per_token = jnp.maximum(tokens, 1.0)
-    first_tokens = jnp.maximum(jnp.sum(sums.tokens[:first_pass]), 1.0)
+    first_tokens = jnp.maximum(jnp.sum(sums.tokens[:before_updates]), 1.0)
+    applied = per_update.skipped == 0
+
+    def applied_mean(x):
+        return jnp.where(jnp.any(applied), jnp.sum(jnp.where(applied, x, 0.0)) / jnp.maximum(jnp.sum(applied), 1),
+                         jnp.mean(x))
+
     return StepMetrics(
-        loss=jnp.mean(per_update.loss),
-        grad_norm=jnp.mean(per_update.grad_norm),
+        loss=applied_mean(per_update.loss),
+        grad_norm=applied_mean(per_update.grad_norm),
         learning_rate=per_update.learning_rate[-1],
         skipped=jnp.sum(per_update.skipped),
         entropy=jnp.sum(sums.entropy) / per_token,
@@ -261,8 +272,8 @@ def _summarize(per_update: _UpdateMetrics, first_pass: int, iterations: int, adv
         num_tokens=tokens / iterations,
         tis_weight_mean=jnp.sum(sums.tis_weight) / per_token,
         tis_truncated_frac=jnp.sum(sums.tis_truncated) / per_token,
-        mismatch_logp_abs=jnp.sum(sums.mismatch_abs[:first_pass]) / first_tokens,
-        mismatch_ratio_max=jnp.max(sums.mismatch_max[:first_pass]),
+        mismatch_logp_abs=jnp.sum(sums.mismatch_abs[:before_updates]) / first_tokens,
+        mismatch_ratio_max=jnp.max(sums.mismatch_max[:before_updates]),
     )
 
 
@@ -421,7 +432,9 @@ def make_train_step(
                 state, metrics = jax.lax.scan(mini_step, state, xs)
             passes.append(metrics)
         per_update = jax.tree.map(lambda *xs: jnp.concatenate(xs), *passes)
-        metrics = _summarize(per_update, steps, config.num_iterations, advantage_mean)
+        # Mismatch before any update: every first-pass mini-batch where the update's log-probs
+        # of the sampling policy were computed up front, else the first step's alone.
+        metrics = _summarize(per_update, steps if recompute_old else 1, config.num_iterations, advantage_mean)
         if not tis:
             metrics = metrics.replace(tis_weight_mean=None, tis_truncated_frac=None)
         if not config.log_mismatch:

@@ -298,7 +298,7 @@ def test_updates_that_stay_non_finite_stop_the_run_with_one_line(setup, tmp_path
         return state, metrics.replace(skipped=jnp.ones((), jnp.int32), loss=jnp.full((), jnp.nan))
 
     trainer = make_trainer(setup, tmp_path / "run", max_steps=10, update=(optimizer, non_finite))
-    with pytest.raises(loop.TrainingDiverged, match="3 updates in a row had a non-finite loss") as error:
+    with pytest.raises(loop.TrainingDiverged, match="3 steps in a row had a non-finite loss") as error:
         trainer.run()
     assert "\n" not in str(error.value) and "the last checkpoint is step 2" in str(error.value)
     # The steps before the third were saved (checkpoint_every_steps=1); the third was not.
@@ -386,6 +386,9 @@ def test_dynamic_sampling_draws_again_until_the_groups_have_variance(setup, tmp_
         tokens = [np.asarray(d["rollouts"].tokens) for d in draws]
         expected = np.concatenate([tokens[0][4:], tokens[1][:4]])
         np.testing.assert_array_equal(np.asarray(merged["rollouts"].tokens), expected)
+        # Every per-row field follows the rows, the lengths too.
+        np.testing.assert_array_equal(np.asarray(merged["rollouts"].lengths),
+                                      np.asarray(merged["rollouts"].mask).sum(axis=-1))
         assert [e.prompt for e in merged["examples"]] == [draws[0]["examples"][1].prompt,
                                                           draws[1]["examples"][0].prompt]
         np.testing.assert_array_equal(scored["total"], [0, 1, 0, 1, 1, 0, 1, 0])

@@ -164,6 +164,34 @@ def test_mini_batches_equal_steps_taken_one_after_another(model_and_params):
 
 
 @pytest.mark.slow
+def test_with_the_samplers_old_log_probs_the_mismatch_is_measured_before_any_update(model_and_params):
+    # The sampler's log-probs are the start policy's: no mismatch, although the second
+    # mini-batch is scored after the first optimizer step has moved the policy.
+    model, params = model_and_params
+    fields = dict(steps_per_generation=2, old_logprobs="sampler", log_mismatch=True)
+    _, metrics = run_step(model, params, batch_with(model, params, fields), **fields)
+    assert float(metrics.mismatch_logp_abs) <= 1e-6
+    assert float(metrics.mismatch_ratio_max) == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_skipped_mini_batch_leaves_the_step_figures_of_the_applied_one(model_and_params):
+    model, params = model_and_params
+    fields = dict(steps_per_generation=2)
+    batch = batch_with(model, params, fields)
+    half = P * N // 2
+    broken = batch.replace(advantages=batch.advantages.at[half:].set(jnp.nan))
+    state, metrics = run_step(model, params, broken, **fields)
+    assert int(metrics.skipped) == 1 and int(state.skipped_updates) == 1
+    first = batch.replace(**{name: getattr(batch, name)[:half] for name in
+                             ("input_ids", "attention_mask", "completion_mask", "advantages")},
+                          loss_denominator=batch.loss_denominator[0])
+    _, alone = run_step(model, params, first)
+    assert float(metrics.loss) == pytest.approx(float(alone.loss), rel=1e-5)
+    assert float(metrics.grad_norm) == pytest.approx(float(alone.grad_norm), rel=1e-5)
+
+
+@pytest.mark.slow
 def test_tis_and_the_mismatch_see_a_shifted_sampler(model_and_params):
     model, params = model_and_params
     shift = np.zeros((P, N, T), np.float32)
@@ -212,6 +240,9 @@ def test_config_checks_of_the_off_policy_options():
         (dict(log_mismatch="yes"), "log_mismatch must be true or false"),
         (dict(dynamic_sampling=1), "dynamic_sampling must be true or false"),
         (dict(max_sampling_rounds=0), "max_sampling_rounds must be >= 1; got 0"),
+        (dict(log_mismatch=True, temperature=0.9, logprob_temperature=1.0),
+         "log_mismatch compares the sampler's log-probs with the update's, which needs them at one temperature"),
+        (dict(tis_cap=3.0, temperature=0.9, logprob_temperature=1.0), "tis_cap=3.0 compares"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message) as err:

@@ -232,7 +232,7 @@ class Trainer:
         with self.compile_log.label("dynamic sampling"):
             rollouts = draws[0]["rollouts"].replace(**{
                 name: dynamic_sampling.take_rows([getattr(d["rollouts"], name) for d in draws], rows)
-                for name in ("tokens", "mask", "truncated", "logprobs")})
+                for name in ("tokens", "mask", "truncated", "logprobs", "lengths")})
         ids, prompt_mask = (self.generator.place_rows(x) for x in (prompts.ids_PL, prompts.mask_PL))
         merged = {"examples": examples, "prompts": prompts, "ids": ids, "prompt_mask": prompt_mask,
                   "rollouts": rollouts, "skipped": sum(d["skipped"] for d in draws)}
@@ -434,16 +434,19 @@ class Trainer:
             self.best.checkpoint_started()
 
     def _check_finite(self, step: int, scalars: dict[str, float]) -> None:
-        """Counts skipped (non-finite) updates in a row; too many stop the run before the next save."""
+        """Counts steps in a row with a skipped (non-finite) update; too many stop the run before
+        the next save. A step of several optimizer steps counts when any of them was skipped."""
         in_a_row = self.host.nonfinite_in_a_row + 1 if scalars["train/skipped"] else 0
         self.host.nonfinite_in_a_row = in_a_row
         if in_a_row >= self.run_config.max_nonfinite_updates:
             last = self.checkpointer.latest_step()
             kept = "no checkpoint was saved yet" if last is None else f"the last checkpoint is step {last}"
+            updates = self.algo.updates_per_step
+            skipped = "" if updates == 1 else f", {scalars['train/skipped']:.0f} of its {updates} updates skipped"
             raise TrainingDiverged(
-                f"{in_a_row} updates in a row had a non-finite loss or gradient (step {step}: loss "
-                f"{scalars['train/loss']}, grad norm {scalars['train/grad_norm']}); stopped. The weights were not "
-                f"changed by them; {kept}. Lower the learning rate or check the rewards")
+                f"{in_a_row} steps in a row had a non-finite loss or gradient (step {step}: loss "
+                f"{scalars['train/loss']}, grad norm {scalars['train/grad_norm']}{skipped}); stopped. Skipped "
+                f"updates left the weights as they were; {kept}. Lower the learning rate or check the rewards")
 
     def close(self):
         # The reward workers go first: a second signal may cut the rest (waiting for a save) short.
