@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import podsjax.models as pm
@@ -64,7 +65,20 @@ def test_ga_micro_batches_equal_one_big_batch(model_and_params):
     new_big, m_big = jax.jit(step_big)(state_big, batch_big, None)
     assert float(m_ga.loss) == pytest.approx(float(m_big.loss), abs=1e-6)
     assert float(m_ga.grad_norm) == pytest.approx(float(m_big.grad_norm), rel=1e-5)
-    assert tree_max_diff(new_ga.params, new_big.params) <= 1e-5
+    # Adam's first moment after one step is 0.1 x the gradient: the summed micro-batch
+    # gradients equal the big batch's, entry by entry.
+    mu_ga, mu_big = (optax.tree_utils.tree_get(s.opt_state, "mu") for s in (new_ga, new_big))
+    for a, b in zip(jax.tree.leaves(mu_ga), jax.tree.leaves(mu_big)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+    # The params follow wherever Adam's step is well conditioned: a gradient within a few
+    # eps (1e-8) of zero turns float noise into steps of up to lr (1e-2).
+    compared = 0
+    for new_a, new_b, g in zip(jax.tree.leaves(new_ga.params), jax.tree.leaves(new_big.params),
+                               jax.tree.leaves(mu_big)):
+        steady = np.abs(np.asarray(g)) > 1e-6  # 0.1 x |gradient| > 100 eps
+        np.testing.assert_allclose(np.asarray(new_a)[steady], np.asarray(new_b)[steady], atol=1e-5)
+        compared += int(steady.sum())
+    assert compared > 0.9 * sum(x.size for x in jax.tree.leaves(params))
     assert tree_max_diff(new_ga.params, params) > 1e-4  # the update really moved the params
 
 
