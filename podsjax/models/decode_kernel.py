@@ -43,40 +43,35 @@ def _kernel(q_ref, pk_ref, pv_ref, pmask_ref, k_ref, v_ref, allowed_ref, length_
     q = plgpu.load(q_ref, mask=q_rows[:, None], other=0).astype(jnp.float32) * scale
     offsets = jnp.arange(block)
 
-    def update(carry, scores, v_block, v_slots_last: bool):
-        o, top, total = carry
-        new_top = jnp.maximum(top, scores.max(axis=-1))
-        correction = jnp.exp(top - new_top)
-        p = jnp.exp(scores - new_top[:, None])
-        pv = plgpu.dot(p, v_block.astype(jnp.float32), trans_b=v_slots_last, allow_tf32=False)
-        return o * correction[:, None] + pv, new_top, total * correction + p.sum(axis=-1)
+    def blocks(keys_ref, values_ref, real_ref, length: int, slots_last: bool):
+        """The loop body over one part of the cache: ``length`` slots of ``keys_ref`` ``[.., E]``
+        and ``values_ref`` (``[E, ..]`` when ``slots_last``), ``real_ref`` marking those attended."""
+        def step(i, carry):
+            o, top, total = carry
+            start = i * block
+            inside = start + offsets < length
+            window = pl.ds(start, block)
+            keys = plgpu.load(keys_ref.at[window, :], mask=inside[:, None], other=0)
+            real = plgpu.load(real_ref.at[window], mask=inside, other=0) != 0
+            scores = plgpu.dot(q, keys.astype(jnp.float32), trans_b=True, allow_tf32=False)
+            scores = jnp.where(real[None, :], scores, _NEG)
+            if slots_last:
+                values = plgpu.load(values_ref.at[:, window], mask=inside[None, :], other=0)
+            else:
+                values = plgpu.load(values_ref.at[window, :], mask=inside[:, None], other=0)
+            new_top = jnp.maximum(top, scores.max(axis=-1))
+            correction = jnp.exp(top - new_top)
+            p = jnp.exp(scores - new_top[:, None])
+            pv = plgpu.dot(p, values.astype(jnp.float32), trans_b=slots_last, allow_tf32=False)
+            return o * correction[:, None] + pv, new_top, total * correction + p.sum(axis=-1)
 
-    def prompt_step(i, carry):
-        start = i * block
-        inside = start + offsets < prompt_len
-        window = pl.ds(start, block)
-        keys = plgpu.load(pk_ref.at[window, :], mask=inside[:, None], other=0)
-        real = plgpu.load(pmask_ref.at[window], mask=inside, other=0) != 0
-        scores = plgpu.dot(q, keys.astype(jnp.float32), trans_b=True, allow_tf32=False)
-        scores = jnp.where(real[None, :], scores, _NEG)
-        values = plgpu.load(pv_ref.at[window, :], mask=inside[:, None], other=0)
-        return update(carry, scores, values, v_slots_last=False)
-
-    def own_step(i, carry):
-        start = i * block
-        inside = start + offsets < slots
-        window = pl.ds(start, block)
-        keys = plgpu.load(k_ref.at[window, :], mask=inside[:, None], other=0)
-        real = plgpu.load(allowed_ref.at[window], mask=inside, other=0) != 0
-        scores = plgpu.dot(q, keys.astype(jnp.float32), trans_b=True, allow_tf32=False)
-        scores = jnp.where(real[None, :], scores, _NEG)
-        values = plgpu.load(v_ref.at[:, window], mask=inside[None, :], other=0)
-        return update(carry, scores, values, v_slots_last=True)
+        return step
 
     carry = (jnp.zeros((gp, e), jnp.float32), jnp.full((gp,), _NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
-    carry = jax.lax.fori_loop(0, pl.cdiv(prompt_len, block), prompt_step, carry)
+    carry = jax.lax.fori_loop(0, pl.cdiv(prompt_len, block), blocks(pk_ref, pv_ref, pmask_ref, prompt_len, False),
+                              carry)
     own_blocks = pl.cdiv(jnp.minimum(length_ref[0], slots), block)
-    o, _, total = jax.lax.fori_loop(0, own_blocks, own_step, carry)
+    o, _, total = jax.lax.fori_loop(0, own_blocks, blocks(k_ref, v_ref, allowed_ref, slots, True), carry)
     out = o / total[:, None]
     plgpu.store(o_ref, out.astype(o_ref.dtype), mask=q_rows[:, None])
 
