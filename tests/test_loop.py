@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ def make_trainer(setup, out_dir, max_steps, lora=None, **parts):
                          eval_every_s=0.0, eval_batch_size=2, checkpoint_every_steps=1, reward_workers=1,
                          progress=False)
     return loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run, lora=lora,
-                        generator=shared_generator(model), **parts)
+                        **{"generator": shared_generator(model), **parts})
 
 
 def read_jsonl(path):
@@ -333,6 +334,46 @@ def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path
     # The last checkpoint (step 4, saved before its evaluation) still records step 1 as the best,
     # so that one stays on disk until a later checkpoint records step 4.
     assert sorted(os.listdir(out / "best")) == ["1", "4"]
+
+
+@jax.jit
+def _busy(tokens):
+    """``tokens``, after a few hundred device matmuls (a fraction of a second on a CPU)."""
+    x = jnp.full((384, 384), 1e-3, jnp.float32)
+    x = jax.lax.fori_loop(0, 400, lambda i, y: jnp.tanh(y @ y + 1e-3), x)
+    return tokens + (x[0, 0] * 0).astype(tokens.dtype)
+
+
+class SlowGenerator:
+    """The shared generator, its tokens finished by a slow device computation."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, *args, **kwargs):
+        rollouts = self.inner.generate(*args, **kwargs)
+        return rollouts.replace(tokens=_busy(rollouts.tokens))
+
+
+@pytest.mark.slow
+def test_generation_time_is_counted_in_generation_not_in_scoring(setup, tmp_path):
+    # JAX returns from generate before the tokens exist: the phase must wait for them.
+    tokens = jnp.zeros((8, 8), jnp.int32)
+    _busy(tokens).block_until_ready()
+    start = time.perf_counter()
+    _busy(tokens).block_until_ready()
+    busy_s = time.perf_counter() - start
+    trainer = make_trainer(setup, tmp_path / "slow", max_steps=1, generator=SlowGenerator(shared_generator(setup[0])))
+    try:
+        trainer.rl_step()  # compiles
+        scalars = trainer.rl_step()
+    finally:
+        trainer.close()
+    assert scalars["time/generation"] >= 0.8 * busy_s, (scalars["time/generation"], busy_s)
+    assert scalars["time/scoring"] < busy_s, (scalars["time/scoring"], busy_s)
 
 
 class ScriptedScorer:

@@ -257,6 +257,9 @@ class Trainer:
                     round_key = key if round_index == 0 else jax.random.fold_in(
                         jax.random.fold_in(key, programs.SAMPLING_ROUND_STREAM), round_index)
                     draws.append(self._draw_and_generate(params, lora, round_key))
+                    # JAX dispatches generation and returns at once; without the wait its time
+                    # lands in scoring, which reads the tokens first.
+                    jax.block_until_ready(draws[-1]["rollouts"])
                 with timer.phase("scoring"):
                     scores.append(self._score(draws[-1]))
                 if algo.dynamic_sampling:
