@@ -98,15 +98,16 @@ def test_the_kernel_runs_where_prefill_runs_cudnn_and_triton_can_tile_the_head(i
 
 
 @pytest.mark.cpu_mesh
-@pytest.mark.parametrize("prompts, samples", [
-    (8, 2),  # the prompts split with their rows
-    (2, 8),  # whole on every device; each device's 2 rows sample one prompt
-    (3, 8),  # whole on every device; a device's 3 rows straddle two prompts: the XLA form
+@pytest.mark.parametrize("spec, prompts, samples", [
+    ("fsdp=8", 8, 2),  # the prompts split with their rows
+    ("fsdp=8", 2, 8),  # whole on every device; each device's 2 rows sample one prompt
+    ("fsdp=8", 3, 8),  # whole on every device; a device's 3 rows straddle two prompts: the XLA form
+    ("data=2,fsdp=4", 4, 4),  # the prompts split over data only, the rows over both: gathered, sliced
 ])
-def test_on_a_mesh_each_device_attends_its_own_rows_to_their_prompts(monkeypatch, prompts, samples):
+def test_on_a_mesh_each_device_attends_its_own_rows_to_their_prompts(monkeypatch, spec, prompts, samples):
     monkeypatch.setattr(decode_kernel, "grouped_decode_attention",
                         functools.partial(decode_kernel.grouped_decode_attention, interpret=True))
-    mesh = mesh_lib.make_mesh("fsdp=8")
+    mesh = mesh_lib.make_mesh(spec)
     case = grouped_case(prompts, samples, 2, 2, 24, 16, 16, jnp.float32, seed=4)
     names = ["q_B1HE", "prompt_k_PKSE", "prompt_v_PKSE", "prompt_mask_PS", "k_BKTE", "v_BKET", "allowed_B1T",
              "length_B"]

@@ -316,7 +316,9 @@ def attend_grouped_kernel(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_
     if prompts != rows and n % local_rows != 0:
         return attend_grouped(*args[:-1])
     row_spec = lambda x: PartitionSpec(*rows, *[None] * (x.ndim - 1))  # noqa: E731
-    prompt_spec = lambda x: PartitionSpec(*prompts, *[None] * (x.ndim - 1))  # noqa: E731
+    # Prompts split as their rows are stay local; otherwise each device takes them whole
+    # (a small gather where they were split over fewer axes) and slices out its one prompt.
+    prompt_spec = row_spec if prompts == rows else (lambda x: PartitionSpec())
     specs = tuple(prompt_spec(x) if i in (1, 2, 3) else row_spec(x) for i, x in enumerate(args))
 
     def per_device(q, pk, pv, pmask, *rest):
