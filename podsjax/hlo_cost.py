@@ -98,14 +98,14 @@ def type_bytes(type_text: str, skip_scratch: bool = False, in_hbm_only: bool = T
 def _async_copy_bytes(instr: _Instr, operand_type: str) -> float:
     """An async copy or slice between memory spaces: its destination's bytes, once for the
     read where the source is in HBM and once for the write where the destination is."""
-    found = _ARRAY.findall(instr.type)
+    found = list(_ARRAY.finditer(instr.type))
     if len(found) < 2:
         return 0.0
-    dtype, dims, layout = found[_ASYNC_COPIES[instr.opcode]]
-    size = _DTYPE_BYTES.get(dtype, 0) * math.prod(int(x) for x in dims.split(",") if x)
+    destination = found[_ASYNC_COPIES[instr.opcode]]
+    size = type_bytes(destination.group(0), in_hbm_only=False)
     source = _ARRAY.search(operand_type)
     from_hbm = source is not None and not _on_chip(source.group(3))
-    return size * (int(from_hbm) + int(not _on_chip(layout)))
+    return size * (int(from_hbm) + int(not _on_chip(destination.group(3))))
 
 
 def _matching(text: str, start: int, open_c: str, close_c: str) -> int:
