@@ -25,6 +25,7 @@ from experiments import cli
 from experiments import flags as flags_lib
 from experiments.config import METHODS, ExperimentConfig, describe_setting
 from experiments.usage import UsageError
+from podsjax import analysis
 from podsjax.metrics import read_jsonl
 
 # label -> the AlgorithmConfig fields it sets over the shared config; the paper's sweeps
@@ -180,7 +181,20 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
 def _history(out: str) -> list[dict]:
     from podsjax.loop import read_history
 
-    return read_history(out)
+    return with_trained_tokens(read_history(out), out)
+
+
+def with_trained_tokens(history: list[dict], run_dir: str) -> list[dict]:
+    """Each evaluation with ``analysis.TRAINED_TOKENS``: the tokens trained by its step, summed from
+    metrics.jsonl, whose training rows hold each step's own count. Unchanged where the run
+    logged no counts (an older run), so its plot leaves the tokens panel empty."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    steps = [r for r in read_jsonl(path) if r.get("train/num_tokens") is not None] if os.path.isfile(path) else []
+    if not steps:
+        return history
+    # A training row's step counts the update it logs, so step s's tokens are trained at an evaluation at s.
+    return [{**e, analysis.TRAINED_TOKENS: sum(r["train/num_tokens"] for r in steps if r["step"] <= e["step"])}
+            if "step" in e else e for e in history]
 
 
 def main(argv=None) -> int:
@@ -220,23 +234,49 @@ def main(argv=None) -> int:
 
 def report(comparison: Comparison, histories: dict[str, list[list[dict]]]) -> int:
     """The plot, the speed-up table and summary.json, from every run's evaluations."""
-    from podsjax import analysis
-
     args, baseline = comparison.args, comparison.baseline
     groups = {label: [analysis.Curve.from_history(h) for h in runs] for label, runs in histories.items()}
+    by_steps = analysis.curves_on(histories, "steps")
     title = f"{args.task}: {args.ablation + ' ablation' if args.ablation else ' vs '.join(groups)}"
-    plot_path = os.path.join(args.out, "accuracy_vs_time.png")
-    analysis.plot(groups, plot_path, title)
+    plot_path = os.path.join(args.out, "accuracy_vs_time.png")  # three panels: time, steps, trained tokens
+    analysis.plot(groups, plot_path, title, by_steps=by_steps, by_tokens=analysis.curves_on(histories, "tokens"))
     rows = analysis.summarize(groups, baseline)
     print(format_summary(rows, baseline, len(args.seeds)))
+    step_speedups = speedups_in_steps(by_steps, histories, baseline)
+    if step_speedups:
+        print(format_step_speedups(step_speedups, baseline))
     figures = {label: step_figures([os.path.join(args.out, f"{label}-seed{seed}") for seed in args.seeds])
                for label in histories}
     print(format_step_figures(figures))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump({"baseline": baseline, "seeds": args.seeds, "plot": plot_path,
-                   "methods": [r.__dict__ for r in rows], "steps": figures}, f, indent=2, default=str)
+                   "methods": [r.__dict__ for r in rows], "steps": figures, "step_speedups": step_speedups},
+                  f, indent=2, default=str)
     print(f"plot: {plot_path}")
     return 0
+
+
+def speedups_in_steps(by_steps: dict, histories: dict, baseline: str) -> dict[str, dict[str, Any]]:
+    """label -> the per-seed estimator measured in optimizer steps instead of seconds: each seed's
+    steps to 99% of the baseline's peak on it, the speed-ups, and their median. Empty when a
+    run's evaluations do not record their step, as the seeds must pair up."""
+    if any(len(by_steps[label]) != len(runs) for label, runs in histories.items()):
+        return {}
+    return {r.label: {"steps_to_target": list(r.seed_times), "speedups": list(r.seed_speedups),
+                      "median": r.speedup} for r in analysis.summarize(by_steps, baseline)}
+
+
+def format_step_speedups(speedups: dict[str, dict[str, Any]], baseline: str) -> str:
+    """One line per method: its per-seed speed-ups in steps and their median."""
+    lines = [f"speed-up vs {baseline} in optimizer steps (steps to 99% of its peak on the seed), per seed:"]
+    for label, s in speedups.items():
+        per_seed = ", ".join(_times(x) for x in s["speedups"])
+        lines.append(f"  {label}: {per_seed} (median {_times(s['median'])})")
+    return "\n".join(lines)
+
+
+def _times(speedup: float) -> str:
+    return "never" if speedup == 0 else f"{speedup:.2f}x"
 
 
 def step_figures(run_dirs: list[str]) -> dict[str, float]:

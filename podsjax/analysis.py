@@ -1,4 +1,5 @@
-"""Accuracy-versus-training-clock curves across seeds: means, 95% CIs, peaks, speed-ups.
+"""Accuracy curves across seeds (against the training clock, steps or trained tokens): means,
+95% CIs, peaks, speed-ups.
 
 Two speed-up estimators, both to 99 % of the baseline's (GRPO's) peak:
 
@@ -19,19 +20,32 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+# The cumulative trained tokens at an evaluation, which experiments.compare adds from metrics.jsonl.
+TRAINED_TOKENS = "train/tokens_total"
+# What a curve can be drawn against: x -> the evaluation record's key, and the plot's axis label.
+X_KEYS = {"time": "time/elapsed_train_s", "steps": "step", "tokens": TRAINED_TOKENS}
+X_LABELS = {"time": "training clock (s, evaluation excluded)", "steps": "optimizer steps",
+            "tokens": "trained tokens"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Curve:
-    """Step-function accuracy of one run: the last evaluation at or before each time."""
+    """Step-function accuracy of one run: the last evaluation at or before each x (time, step, tokens)."""
 
-    times: np.ndarray  # [E] training-clock seconds of each evaluation, ascending
+    # [E] x of each evaluation, ascending: training-clock seconds unless built with another x
+    times: np.ndarray
     accuracy: np.ndarray  # [E]
 
     @classmethod
-    def from_history(cls, history: Sequence[Mapping[str, float]]) -> Curve:
+    def from_history(cls, history: Sequence[Mapping[str, float]], x: str = "time") -> Curve:
+        """The run's accuracy against ``x`` ("time", "steps" or "tokens", see ``X_KEYS``)."""
+        if x not in X_KEYS:
+            raise ValueError(f"x must be one of {', '.join(X_KEYS)}; got {x!r}")
         if not history:
             raise ValueError("a run has no evaluations")
-        points = sorted((float(h["time/elapsed_train_s"]), float(h["eval/accuracy"])) for h in history)
+        if not records(history, x):
+            raise ValueError(f"a run's evaluations lack {X_KEYS[x]!r}, which x={x!r} reads")
+        points = sorted((float(h[X_KEYS[x]]), float(h["eval/accuracy"])) for h in history)
         times, accuracy = zip(*points)
         return cls(np.asarray(times), np.asarray(accuracy))
 
@@ -44,6 +58,16 @@ class Curve:
         """Training seconds of the first evaluation at or above ``threshold``; inf if never."""
         hits = np.flatnonzero(self.accuracy >= threshold)
         return float(self.times[hits[0]]) if len(hits) else math.inf
+
+
+def records(history: Sequence[Mapping[str, float]], x: str) -> bool:
+    """Whether every evaluation of a run records ``x`` (runs from before trained tokens were added lack it)."""
+    return bool(history) and all(X_KEYS[x] in h for h in history)
+
+
+def curves_on(histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], x: str) -> dict[str, list[Curve]]:
+    """label -> the curves against ``x`` of that label's runs that record it; the others are left out."""
+    return {label: [Curve.from_history(h, x) for h in runs if records(h, x)] for label, runs in histories.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,24 +197,37 @@ def _speedup(base_time: float, time: float) -> float:
     return base_time / time
 
 
-def plot(groups: Mapping[str, Sequence[Curve]], path: str, title: str) -> None:
-    """Mean accuracy with a shaded 95% CI per method against the training clock, as a PNG."""
+def plot(groups: Mapping[str, Sequence[Curve]], path: str, title: str, *,
+         by_steps: Mapping[str, Sequence[Curve]] | None = None,
+         by_tokens: Mapping[str, Sequence[Curve]] | None = None) -> None:
+    """Mean accuracy with a shaded 95% CI per method, as a PNG of three panels side by side:
+    against the training clock (``groups``), optimizer steps and trained tokens. A panel
+    without curves (runs that do not record its x) says so instead."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    panels = {"time": groups, "steps": by_steps or {}, "tokens": by_tokens or {}}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.2), dpi=120)
+    for ax, (x, panel) in zip(axes, panels.items()):
+        _draw_panel(ax, {label: curves for label, curves in panel.items() if curves}, X_LABELS[x])
+    axes[0].set_ylabel("test accuracy")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _draw_panel(ax, groups: Mapping[str, Sequence[Curve]], xlabel: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.grid(alpha=0.3)
+    if not groups:
+        ax.text(0.5, 0.5, "not recorded by these runs", ha="center", va="center", transform=ax.transAxes)
+        return
     grid = common_grid(groups)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for label, curves in groups.items():
         b = band(curves, grid)
         ax.plot(grid, b.mean, label=f"{label} (n={len(curves)} seeds)")
         ax.fill_between(grid, b.low, b.high, alpha=0.2)
-    ax.set_xlabel("training clock (s, evaluation excluded)")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

@@ -59,10 +59,50 @@ def test_speedup_to_99_percent_of_the_baseline_peak_per_seed():
         analysis.summarize({"grpo": grpo, "pods": pods[:1]}, "grpo")
 
 
-def test_plot_writes_a_png(tmp_path):
+def test_a_curve_against_steps_or_trained_tokens_reads_their_keys():
+    history = [{"time/elapsed_train_s": 30.0, "step": 4, "train/tokens_total": 900, "eval/accuracy": 0.5},
+               {"time/elapsed_train_s": 0.0, "step": 0, "train/tokens_total": 0, "eval/accuracy": 0.2},
+               {"time/elapsed_train_s": 12.0, "step": 2, "train/tokens_total": 500, "eval/accuracy": 0.4}]
+    by_time = analysis.Curve.from_history(history)
+    by_steps = analysis.Curve.from_history(history, x="steps")
+    by_tokens = analysis.Curve.from_history(history, x="tokens")
+    assert by_time.times.tolist() == [0, 12, 30] and by_time.accuracy.tolist() == [0.2, 0.4, 0.5]
+    assert by_steps.times.tolist() == [0, 2, 4] and by_steps.accuracy.tolist() == [0.2, 0.4, 0.5]
+    assert by_tokens.times.tolist() == [0, 500, 900] and by_tokens.accuracy.tolist() == [0.2, 0.4, 0.5]
+    assert by_steps.first_time_reaching(0.4) == 2
+    with pytest.raises(ValueError, match="x must be one of time, steps, tokens; got 'epochs'"):
+        analysis.Curve.from_history(history, x="epochs")
+    old_run = [{k: v for k, v in h.items() if k != "train/tokens_total"} for h in history]
+    with pytest.raises(ValueError, match="lack 'train/tokens_total', which x='tokens' reads"):
+        analysis.Curve.from_history(old_run, x="tokens")
+    # curves_on leaves out the runs that do not record x instead of failing.
+    on_tokens = analysis.curves_on({"grpo": [history, old_run]}, "tokens")
+    assert [c.times.tolist() for c in on_tokens["grpo"]] == [[0, 500, 900]]
+
+
+def figures_saved(monkeypatch):
+    """The figures plot saves, kept for a look at their panels."""
+    from matplotlib.figure import Figure
+
+    saved, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (saved.append(fig), savefig(fig, *a, **k)))
+    return saved
+
+
+def test_plot_writes_a_png_of_three_panels(tmp_path, monkeypatch):
+    saved = figures_saved(monkeypatch)
     path = tmp_path / "plot.png"
-    analysis.plot({"grpo": [curve([(0, 0.1), (10, 0.3)])], "pods": [curve([(0, 0.1), (5, 0.4)])]}, str(path), "t")
+    by_time = {"grpo": [curve([(0, 0.1), (10, 0.3)])], "pods": [curve([(0, 0.1), (5, 0.4)])]}
+    by_steps = {"grpo": [curve([(0, 0.1), (2, 0.3)])], "pods": [curve([(0, 0.1), (1, 0.4)])]}
+    # Old runs record no trained tokens: that panel stays empty, the others are drawn.
+    analysis.plot(by_time, str(path), "t", by_steps=by_steps, by_tokens={"grpo": [], "pods": []})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = saved
+    assert [ax.get_xlabel() for ax in fig.axes] == ["training clock (s, evaluation excluded)", "optimizer steps",
+                                                    "trained tokens"]
+    assert [len(ax.get_lines()) for ax in fig.axes] == [2, 2, 0]
+    assert fig.axes[1].get_lines()[0].get_xdata().max() == 2
+    assert [t.get_text() for t in fig.axes[2].texts] == ["not recorded by these runs"]
 
 
 def test_mean_curve_averages_runs_point_by_point_cut_to_the_shortest():

@@ -1,5 +1,6 @@
 """experiments.compare: every variant is a typed override of one parsed config; stopped runs continue."""
 
+import argparse
 import dataclasses
 import json
 import os
@@ -147,3 +148,46 @@ def test_the_dynamic_sampling_ablation_and_its_step_figures(tmp_path):
     table = compare.format_step_figures({"pods": figures, "grpo": {"steps": 0.0}})
     assert "| pods | 3 | 75.0% | 50.0% | 25.0% | 50.0% | 0.0% | 0.0% | 50.0% |" in table
     assert "| grpo | 0 | - | - | - |" in table
+
+
+def write_jsonl(path, records):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_each_evaluation_gets_the_tokens_trained_by_its_step(tmp_path):
+    # Steps 1, 2 and 4 trained 100, 250 and 40 tokens; step 3 left no row; evaluation rows count nothing.
+    write_jsonl(tmp_path / "metrics.jsonl", [
+        {"step": 0, "eval/accuracy": 0.1}, {"step": 1, "train/num_tokens": 100.0},
+        {"step": 2, "train/num_tokens": 250.0}, {"step": 2, "eval/accuracy": 0.2},
+        {"step": 4, "train/num_tokens": 40.0}])
+    history = [{"step": s, "eval/accuracy": 0.1} for s in (0, 2, 3, 4)]
+    got = compare.with_trained_tokens(history, str(tmp_path))
+    assert [e["train/tokens_total"] for e in got] == [0, 350, 350, 390]
+    assert [e["eval/accuracy"] for e in got] == [0.1] * 4
+    # A run with no token counts (an older run, or none logged) keeps its evaluations as they are.
+    assert compare.with_trained_tokens(history, str(tmp_path / "missing")) == history
+
+
+def test_report_plots_three_panels_and_stores_the_speed_up_in_steps(tmp_path, capsys):
+    def run(points):
+        return [{"time/elapsed_train_s": t, "step": s, "train/tokens_total": 10 * s, "eval/accuracy": a}
+                for t, s, a in points]
+
+    # GRPO reaches its peak at step 4 on both seeds; PODS reaches it at step 2 and step 1.
+    histories = {"grpo": [run([(0, 0, 0.1), (40, 4, 0.5)]), run([(0, 0, 0.1), (40, 4, 0.3)])],
+                 "pods": [run([(0, 0, 0.1), (30, 2, 0.5)]), run([(0, 0, 0.1), (10, 1, 0.3)])]}
+    args = argparse.Namespace(task="gsm8k", ablation=None, seeds=[0, 1], out=str(tmp_path))
+    assert compare.report(compare.Comparison(args, None, None, {}, "grpo"), histories) == 0
+    printed = capsys.readouterr().out
+    assert "  pods: 2.00x, 4.00x (median 3.00x)" in printed
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["step_speedups"]["pods"] == {"steps_to_target": [2, 1], "speedups": [2.0, 4.0], "median": 3.0}
+    assert summary["methods"][1]["speedup"] == pytest.approx((40 / 30 + 4) / 2)  # still on the clock
+    assert (tmp_path / "accuracy_vs_time.png").read_bytes()[:4] == b"\x89PNG"
+    # Runs whose evaluations lack trained tokens or steps still plot; the steps table is left out.
+    old = {label: [[{"time/elapsed_train_s": e["time/elapsed_train_s"], "eval/accuracy": e["eval/accuracy"]}
+                    for e in h] for h in runs] for label, runs in histories.items()}
+    assert compare.report(compare.Comparison(args, None, None, {}, "grpo"), old) == 0
+    assert "optimizer steps" not in capsys.readouterr().out
+    assert json.load(open(tmp_path / "summary.json"))["step_speedups"] == {}
