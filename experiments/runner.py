@@ -104,7 +104,9 @@ def _tiny(config, out_dir):
     how = "reused" if stats.cached else f"trained in {stats.total_seconds:.0f} s"
     print(f"tiny preset: warm-up test accuracy {stats.test_accuracy:.0%} ({how}; cached in {directory})",
           flush=True)
-    train_set, test_set = tiny.tiny_tasks(seed, task=config.task)
+    # The test split is a prefix-stable stream, so a larger --eval-limit extends it.
+    num_test = max(tiny.TEST_PROBLEMS, config.run.eval_limit or 0)
+    train_set, test_set = tiny.tiny_tasks(seed, task=config.task, num_test=num_test)
     return stats.path, train_set, test_set
 
 

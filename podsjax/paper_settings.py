@@ -318,7 +318,7 @@ TINY = Setting(
     methods={"grpo": dict(algorithm="grpo", n=4, m=4), "grpo-ga": dict(algorithm="grpo-ga", n=16, m=16, grad_accum=4),
              "pods": dict(algorithm="pods", n=16, m=4, rule="max_variance")},
     common=dict(learning_rate=2e-4, temperature=1.0),
-    run=dict(prompts_per_step=8, max_new_tokens=48, max_prompt_length=128, time_budget_s=240.0, eval_every_s=20.0,
+    run=dict(prompts_per_step=32, max_new_tokens=48, max_prompt_length=128, time_budget_s=240.0, eval_every_s=20.0,
              eval_limit=256),
     sources={"model": "[podsjax] the built-in tiny model (podsjax.tiny)",
              "algorithm": "[podsjax] measured on a 2-core CPU", "run": "[podsjax] measured on a 2-core CPU",

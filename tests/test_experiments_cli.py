@@ -158,6 +158,7 @@ def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, t
     for method in ("grpo", "grpo-ga", "pods"):
         out = tmp_path / method
         code = cli.main("gsm8k", ["--method", method, "--mesh", "8", "--max-steps", "2", "--eval-limit", "8",
+                                  "--prompts-per-step", "8",
                                   "--warmup-dir", warmup, "--warmup-steps", "30", "--no-progress", "--no-compile-cache",
                                   "--reward-workers", "1", "--out", str(out)])
         printed = capsys.readouterr().out
@@ -179,7 +180,8 @@ def test_the_grpo_toolbox_trains_on_the_tiny_preset_and_logs_to_every_backend(tm
     monkeypatch.setenv("WANDB_SILENT", "true")
     warmup = str(tmp_path_factory.getbasetemp() / "tiny_warmup_seed0_steps30")
     code = cli.main("gsm8k", [
-        "--method", "pods", "--mesh", "8", "--max-steps", "2", "--eval-limit", "8", "--warmup-dir", warmup,
+        "--method", "pods", "--mesh", "8", "--max-steps", "2", "--eval-limit", "8", "--prompts-per-step", "8",
+        "--warmup-dir", warmup,
         "--warmup-steps", "30", "--no-progress", "--no-compile-cache", "--reward-workers", "1", "--out", str(tmp_path),
         "--algorithm.loss_type", "gspo", "--algorithm.steps_per_generation", "2", "--algorithm.num_iterations", "2",
         "--algorithm.tis_cap", "3", "--algorithm.log_mismatch", "true", "--algorithm.dynamic_sampling", "true",

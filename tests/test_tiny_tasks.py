@@ -123,6 +123,20 @@ def test_exhausted_space_raises_unless_at_most():
     assert 64 <= len(every) < 10_000 and len({e.prompt for e in every}) == len(every)
 
 
+@pytest.mark.parametrize("task", tiny.TASKS)
+def test_a_larger_test_split_extends_the_default_one_and_stops_where_the_task_does(task):
+    _, default = tiny.tiny_tasks(0, task=task)
+    train, larger = tiny.tiny_tasks(0, task=task, num_test=512)
+    assert len(default) == tiny.TEST_PROBLEMS
+    assert [e.prompt for e in larger[:len(default)]] == [e.prompt for e in default]
+    # chemistry-like has fewer than 512 distinct test problems: all of them, none repeated
+    assert tiny.TEST_PROBLEMS < len(larger) <= 512 and len({e.prompt for e in larger}) == len(larger)
+    assert (len(larger) == 512) == (task != "chemistry")
+    assert not {e.prompt for e in train} & {e.prompt for e in larger}
+    with pytest.raises(ValueError, match="num_test must be >= 1, got 0"):
+        tiny.tiny_tasks(0, task=task, num_test=0)
+
+
 def test_unknown_task_is_one_line():
     with pytest.raises(ValueError, match="no task 'mmlu'; expected one of gsm8k, math, chemistry"):
         tiny.generate_problems(1, seed=0, task="mmlu")

@@ -217,8 +217,12 @@ class TinyTasks:
     test: tuple[Example, ...]
 
 
+# The test problems the RL loop evaluates on unless --eval-limit asks for more.
+TEST_PROBLEMS = 256
+
+
 def make_splits(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, num_validation: int = 128,
-                num_test: int = 256) -> TinyTasks:
+                num_test: int = TEST_PROBLEMS) -> TinyTasks:
     """Builds the train / validation / test splits of a data seed.
 
     Each split is a prefix of its own stream, so a smaller request returns the first
@@ -234,17 +238,21 @@ def make_splits(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, nu
 
 
 def tiny_tasks(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000,
-               num_test: int = 256) -> tuple[list[Example], list[Example]]:
+               num_test: int = TEST_PROBLEMS) -> tuple[list[Example], list[Example]]:
     """(train, test) examples for the RL loop on the tiny preset.
 
     Args:
         seed: the data seed (independent of the model seed).
         task: "gsm8k", "math" or "chemistry".
         num_train: training problems (the loop cycles through them).
-        num_test: test problems (``RunConfig.eval_limit`` may evaluate fewer).
+        num_test: test problems, or all the task has where that is fewer (``RunConfig.eval_limit``
+            may evaluate fewer).
     """
-    splits = make_splits(seed, task=task, num_train=num_train, num_validation=1, num_test=num_test)
-    return list(splits.train), list(splits.test)
+    if num_test < 1:
+        raise ValueError(f"num_test must be >= 1, got {num_test}")
+    splits = make_splits(seed, task=task, num_train=num_train, num_validation=1, num_test=1)
+    # A task with fewer distinct test problems than asked gives all it has (chemistry-like: 505).
+    return list(splits.train), generate_problems(num_test, seed, "test", task, at_most=True)
 
 
 def sft_completion(example: Example) -> str:
