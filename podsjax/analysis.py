@@ -227,7 +227,10 @@ def _draw_panel(ax, groups: Mapping[str, Sequence[Curve]], xlabel: str) -> None:
         return
     grid = common_grid(groups)
     for label, curves in groups.items():
-        b = band(curves, grid)
-        ax.plot(grid, b.mean, label=f"{label} (n={len(curves)} seeds)")
-        ax.fill_between(grid, b.low, b.high, alpha=0.2)
+        # Drawn up to the label's earliest-ending run: past it the band would hold that run's
+        # last evaluation flat (a faster method's runs end at fewer steps).
+        shown = grid[grid <= min(float(c.times[-1]) for c in curves)]
+        b = band(curves, shown)
+        ax.plot(shown, b.mean, label=f"{label} (n={len(curves)} seeds)")
+        ax.fill_between(shown, b.low, b.high, alpha=0.2)
     ax.legend()

@@ -102,6 +102,9 @@ def test_plot_writes_a_png_of_three_panels(tmp_path, monkeypatch):
                                                     "trained tokens"]
     assert [len(ax.get_lines()) for ax in fig.axes] == [2, 2, 0]
     assert fig.axes[1].get_lines()[0].get_xdata().max() == 2
+    # Each method is drawn to its own last evaluation, not held flat to the other's.
+    assert fig.axes[1].get_lines()[1].get_xdata().max() <= 1
+    assert fig.axes[0].get_lines()[1].get_xdata().max() <= 5
     assert [t.get_text() for t in fig.axes[2].texts] == ["not recorded by these runs"]
 
 
