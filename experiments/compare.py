@@ -257,7 +257,7 @@ def report(comparison: Comparison, histories: dict[str, list[list[dict]]]) -> in
 
 
 def speedups_in_steps(by_steps: dict, histories: dict, baseline: str) -> dict[str, dict[str, Any]]:
-    """label -> the per-seed estimator measured in optimizer steps instead of seconds: each seed's
+    """label -> the per-seed estimator measured in RL steps (generated batches) instead of seconds: each seed's
     steps to 99% of the baseline's peak on it, the speed-ups, and their median. Empty when a
     run's evaluations do not record their step, as the seeds must pair up."""
     if any(len(by_steps[label]) != len(runs) for label, runs in histories.items()):
@@ -268,9 +268,12 @@ def speedups_in_steps(by_steps: dict, histories: dict, baseline: str) -> dict[st
 
 def format_step_speedups(speedups: dict[str, dict[str, Any]], baseline: str) -> str:
     """One line per method: its per-seed speed-ups in steps and their median."""
-    lines = [f"speed-up vs {baseline} in optimizer steps (steps to 99% of its peak on the seed), per seed:"]
+    lines = [f"speed-up vs {baseline} in RL steps (steps to 99% of its peak on the seed), per seed:"]
     for label, s in speedups.items():
-        per_seed = ", ".join(_times(x) for x in s["speedups"])
+        # "never" where the method never reached the target; a 0.00x where it did, but the
+        # baseline's start already had.
+        per_seed = ", ".join("never" if math.isinf(steps) else f"{x:.2f}x"
+                             for x, steps in zip(s["speedups"], s["steps_to_target"]))
         lines.append(f"  {label}: {per_seed} (median {_times(s['median'])})")
     return "\n".join(lines)
 

@@ -24,7 +24,7 @@ import numpy as np
 TRAINED_TOKENS = "train/tokens_total"
 # What a curve can be drawn against: x -> the evaluation record's key, and the plot's axis label.
 X_KEYS = {"time": "time/elapsed_train_s", "steps": "step", "tokens": TRAINED_TOKENS}
-X_LABELS = {"time": "training clock (s, evaluation excluded)", "steps": "optimizer steps",
+X_LABELS = {"time": "training clock (s, evaluation excluded)", "steps": "RL steps (generated batches)",
             "tokens": "trained tokens"}
 
 
@@ -45,7 +45,8 @@ class Curve:
             raise ValueError("a run has no evaluations")
         if not records(history, x):
             raise ValueError(f"a run's evaluations lack {X_KEYS[x]!r}, which x={x!r} reads")
-        points = sorted((float(h[X_KEYS[x]]), float(h["eval/accuracy"])) for h in history)
+        # Sorted by x alone: evaluations at the same x keep their logged order, the last one counting.
+        points = sorted(((float(h[X_KEYS[x]]), float(h["eval/accuracy"])) for h in history), key=lambda p: p[0])
         times, accuracy = zip(*points)
         return cls(np.asarray(times), np.asarray(accuracy))
 
@@ -201,7 +202,7 @@ def plot(groups: Mapping[str, Sequence[Curve]], path: str, title: str, *,
          by_steps: Mapping[str, Sequence[Curve]] | None = None,
          by_tokens: Mapping[str, Sequence[Curve]] | None = None) -> None:
     """Mean accuracy with a shaded 95% CI per method, as a PNG of three panels side by side:
-    against the training clock (``groups``), optimizer steps and trained tokens. A panel
+    against the training clock (``groups``), RL steps and trained tokens. A panel
     without curves (runs that do not record its x) says so instead."""
     import matplotlib
 
@@ -210,8 +211,10 @@ def plot(groups: Mapping[str, Sequence[Curve]], path: str, title: str, *,
 
     panels = {"time": groups, "steps": by_steps or {}, "tokens": by_tokens or {}}
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.2), dpi=120)
+    # One colour per label in every panel, also where a panel lacks some labels.
+    colours = {label: f"C{i}" for i, label in enumerate(dict.fromkeys(l for p in panels.values() for l in p))}
     for ax, (x, panel) in zip(axes, panels.items()):
-        _draw_panel(ax, {label: curves for label, curves in panel.items() if curves}, X_LABELS[x])
+        _draw_panel(ax, {label: curves for label, curves in panel.items() if curves}, X_LABELS[x], colours)
     axes[0].set_ylabel("test accuracy")
     fig.suptitle(title)
     fig.tight_layout()
@@ -219,7 +222,7 @@ def plot(groups: Mapping[str, Sequence[Curve]], path: str, title: str, *,
     plt.close(fig)
 
 
-def _draw_panel(ax, groups: Mapping[str, Sequence[Curve]], xlabel: str) -> None:
+def _draw_panel(ax, groups: Mapping[str, Sequence[Curve]], xlabel: str, colours: Mapping[str, str]) -> None:
     ax.set_xlabel(xlabel)
     ax.grid(alpha=0.3)
     if not groups:
@@ -231,6 +234,6 @@ def _draw_panel(ax, groups: Mapping[str, Sequence[Curve]], xlabel: str) -> None:
         # last evaluation flat (a faster method's runs end at fewer steps).
         shown = grid[grid <= min(float(c.times[-1]) for c in curves)]
         b = band(curves, shown)
-        ax.plot(shown, b.mean, label=f"{label} (n={len(curves)} seeds)")
-        ax.fill_between(shown, b.low, b.high, alpha=0.2)
+        ax.plot(shown, b.mean, color=colours[label], label=f"{label} (n={len(curves)} seeds)")
+        ax.fill_between(shown, b.low, b.high, color=colours[label], alpha=0.2)
     ax.legend()

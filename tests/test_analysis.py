@@ -12,6 +12,12 @@ def curve(points):
     return analysis.Curve.from_history([{"time/elapsed_train_s": t, "eval/accuracy": a} for t, a in points])
 
 
+def test_evaluations_at_the_same_x_keep_their_logged_order():
+    # Two evaluations at one step (a resumed run re-evaluates): the later one counts, not the best.
+    history = [{"step": 0, "eval/accuracy": 0.1}, {"step": 2, "eval/accuracy": 0.5}, {"step": 2, "eval/accuracy": 0.3}]
+    assert analysis.Curve.from_history(history, "steps").at(np.array([2.0])).tolist() == [0.3]
+
+
 def test_curve_is_a_step_function_of_the_last_evaluation():
     c = curve([(10, 0.5), (0, 0.2), (20, 0.4)])  # unsorted input
     assert c.times.tolist() == [0, 10, 20]
@@ -98,10 +104,16 @@ def test_plot_writes_a_png_of_three_panels(tmp_path, monkeypatch):
     analysis.plot(by_time, str(path), "t", by_steps=by_steps, by_tokens={"grpo": [], "pods": []})
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (fig,) = saved
-    assert [ax.get_xlabel() for ax in fig.axes] == ["training clock (s, evaluation excluded)", "optimizer steps",
+    assert [ax.get_xlabel() for ax in fig.axes] == ["training clock (s, evaluation excluded)",
+                                                    "RL steps (generated batches)",
                                                     "trained tokens"]
     assert [len(ax.get_lines()) for ax in fig.axes] == [2, 2, 0]
     assert fig.axes[1].get_lines()[0].get_xdata().max() == 2
+    # A label missing from one panel leaves the others' colours as in the rest.
+    saved.clear()
+    analysis.plot(by_time, str(path), "t", by_steps={"grpo": [], "pods": by_steps["pods"]})
+    (partial,) = saved
+    assert partial.axes[1].get_lines()[0].get_color() == partial.axes[0].get_lines()[1].get_color()
     # Each method is drawn to its own last evaluation, not held flat to the other's.
     assert fig.axes[1].get_lines()[1].get_xdata().max() <= 1
     assert fig.axes[0].get_lines()[1].get_xdata().max() <= 5

@@ -1,6 +1,7 @@
 """experiments.compare: every variant is a typed override of one parsed config; stopped runs continue."""
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -162,11 +163,16 @@ def test_each_evaluation_gets_the_tokens_trained_by_its_step(tmp_path):
         {"step": 2, "train/num_tokens": 250.0}, {"step": 2, "eval/accuracy": 0.2},
         {"step": 4, "train/num_tokens": 40.0}])
     history = [{"step": s, "eval/accuracy": 0.1} for s in (0, 2, 3, 4)]
+    before = copy.deepcopy(history)
     got = compare.with_trained_tokens(history, str(tmp_path))
     assert [e["train/tokens_total"] for e in got] == [0, 350, 350, 390]
     assert [e["eval/accuracy"] for e in got] == [0.1] * 4
+    assert history == before  # the caller's evaluations are not changed in place
     # A run with no token counts (an older run, or none logged) keeps its evaluations as they are.
-    assert compare.with_trained_tokens(history, str(tmp_path / "missing")) == history
+    assert compare.with_trained_tokens(history, str(tmp_path / "missing")) == before
+    (tmp_path / "old").mkdir()
+    write_jsonl(tmp_path / "old" / "metrics.jsonl", [{"step": 1, "train/loss": 0.5}])
+    assert compare.with_trained_tokens(history, str(tmp_path / "old")) == before
 
 
 def test_report_plots_three_panels_and_stores_the_speed_up_in_steps(tmp_path, capsys):
@@ -189,5 +195,5 @@ def test_report_plots_three_panels_and_stores_the_speed_up_in_steps(tmp_path, ca
     old = {label: [[{"time/elapsed_train_s": e["time/elapsed_train_s"], "eval/accuracy": e["eval/accuracy"]}
                     for e in h] for h in runs] for label, runs in histories.items()}
     assert compare.report(compare.Comparison(args, None, None, {}, "grpo"), old) == 0
-    assert "optimizer steps" not in capsys.readouterr().out
+    assert "RL steps" not in capsys.readouterr().out
     assert json.load(open(tmp_path / "summary.json"))["step_speedups"] == {}
