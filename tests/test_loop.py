@@ -363,17 +363,23 @@ def test_generation_time_is_counted_in_generation_not_in_scoring(setup, tmp_path
     # JAX returns from generate before the tokens exist: the phase must wait for them.
     tokens = jnp.zeros((8, 8), jnp.int32)
     _busy(tokens).block_until_ready()
-    start = time.perf_counter()
-    _busy(tokens).block_until_ready()
-    busy_s = time.perf_counter() - start
+    busy_s = min(_seconds(lambda: _busy(tokens).block_until_ready()) for _ in range(2))  # least disturbed
     trainer = make_trainer(setup, tmp_path / "slow", max_steps=1, generator=SlowGenerator(shared_generator(setup[0])))
     try:
         trainer.rl_step()  # compiles
         scalars = trainer.rl_step()
     finally:
         trainer.close()
-    assert scalars["time/generation"] >= 0.8 * busy_s, (scalars["time/generation"], busy_s)
-    assert scalars["time/scoring"] < busy_s, (scalars["time/scoring"], busy_s)
+    # Relative, so that other work on the cores does not decide it: without the wait, the busy
+    # time lands in scoring and generation is only the dispatch.
+    gap = scalars["time/generation"] - scalars["time/scoring"]
+    assert gap >= 0.5 * busy_s, (scalars["time/generation"], scalars["time/scoring"], busy_s)
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 class ScriptedScorer:
