@@ -235,6 +235,11 @@ def main(argv=None) -> int:
 def report(comparison: Comparison, histories: dict[str, list[list[dict]]]) -> int:
     """The plot, the speed-up table and summary.json, from every run's evaluations."""
     args, baseline = comparison.args, comparison.baseline
+    empty = [f"{label}-seed{seed}" for label, runs in histories.items() for seed, h in zip(args.seeds, runs) if not h]
+    if empty:  # a run stopped before its first evaluation: no curve to compare
+        print(f"error: no evaluations in {', '.join(empty)} (under {args.out}); nothing to compare: give each run "
+              "time for at least one evaluation (--time-budget, --max-steps, --eval-every)", file=sys.stderr)
+        return 2
     groups = {label: [analysis.Curve.from_history(h) for h in runs] for label, runs in histories.items()}
     by_steps = analysis.curves_on(histories, "steps")
     title = f"{args.task}: {args.ablation + ' ablation' if args.ablation else ' vs '.join(groups)}"

@@ -107,6 +107,9 @@ def _tiny(config, out_dir):
     # The test split is a prefix-stable stream, so a larger --eval-limit extends it.
     num_test = max(tiny.TEST_PROBLEMS, config.run.eval_limit or 0)
     train_set, test_set = tiny.tiny_tasks(seed, task=config.task, num_test=num_test)
+    if len(test_set) < num_test:
+        print(f"tiny preset: the {config.task} test split holds {len(test_set)} problems (at most "
+              f"{tiny.MAX_TEST_PROBLEMS}); --eval-limit {num_test} evaluates all of them", flush=True)
     return stats.path, train_set, test_set
 
 

@@ -197,3 +197,13 @@ def test_report_plots_three_panels_and_stores_the_speed_up_in_steps(tmp_path, ca
     assert compare.report(compare.Comparison(args, None, None, {}, "grpo"), old) == 0
     assert "RL steps" not in capsys.readouterr().out
     assert json.load(open(tmp_path / "summary.json"))["step_speedups"] == {}
+
+
+def test_report_names_the_runs_without_evaluations_in_one_line(tmp_path, capsys):
+    args = argparse.Namespace(task="gsm8k", ablation=None, seeds=[0, 1], out=str(tmp_path))
+    evaluated = [{"time/elapsed_train_s": 0, "step": 0, "eval/accuracy": 0.1}]
+    histories = {"grpo": [evaluated, evaluated], "pods": [evaluated, []]}
+    assert compare.report(compare.Comparison(args, None, None, {}, "grpo"), histories) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no evaluations in pods-seed1 ") and "\n" not in err
+    assert not (tmp_path / "summary.json").exists()

@@ -137,6 +137,12 @@ def test_a_larger_test_split_extends_the_default_one_and_stops_where_the_task_do
         tiny.tiny_tasks(0, task=task, num_test=0)
 
 
+def test_an_absurd_test_split_stops_at_its_cap(monkeypatch):
+    monkeypatch.setattr(problems, "MAX_TEST_PROBLEMS", 300)  # the cap, small enough to generate here
+    _, test = tiny.tiny_tasks(0, task="gsm8k", num_test=1000)
+    assert len(test) == 300
+
+
 def test_unknown_task_is_one_line():
     with pytest.raises(ValueError, match="no task 'mmlu'; expected one of gsm8k, math, chemistry"):
         tiny.generate_problems(1, seed=0, task="mmlu")

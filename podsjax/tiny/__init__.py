@@ -19,6 +19,7 @@ Its RL settings, checked to run quickly on a 2-core CPU, are ``podsjax.paper_set
 
 from podsjax.tiny.build import CHATML_TEMPLATE, TINY_MODEL, build_tiny_checkpoint, build_tokenizer, tiny_model
 from podsjax.tiny.problems import (
+    MAX_TEST_PROBLEMS,
     TASKS,
     TEST_PROBLEMS,
     TEMPLATES,
@@ -43,7 +44,8 @@ from podsjax.tiny.warmup import (
 )
 
 __all__ = [
-    "CHATML_TEMPLATE", "MARKER_FILE", "TASKS", "TEMPLATES", "TEST_PROBLEMS", "TINY_MODEL", "TinyTasks",
+    "CHATML_TEMPLATE", "MARKER_FILE", "MAX_TEST_PROBLEMS", "TASKS", "TEMPLATES", "TEST_PROBLEMS", "TINY_MODEL",
+    "TinyTasks",
     "WARMUP_DIRNAME", "WarmupConfig", "WarmupError", "WarmupStats", "build_tiny_checkpoint", "build_tokenizer",
     "evaluate_greedy", "generate_problems", "iter_problems", "load_cached", "make_splits", "sft_completion",
     "split_of", "tiny_model", "tiny_tasks", "warm_up", "worked_steps",

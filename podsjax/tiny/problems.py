@@ -219,6 +219,9 @@ class TinyTasks:
 
 # The test problems the RL loop evaluates on unless --eval-limit asks for more.
 TEST_PROBLEMS = 256
+# The most a test split holds, whatever is asked: 16x the default, far past where an
+# evaluation's interval stops narrowing for the comparisons run here.
+MAX_TEST_PROBLEMS = 4096
 
 
 def make_splits(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, num_validation: int = 128,
@@ -245,14 +248,15 @@ def tiny_tasks(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000,
         seed: the data seed (independent of the model seed).
         task: "gsm8k", "math" or "chemistry".
         num_train: training problems (the loop cycles through them).
-        num_test: test problems, or all the task has where that is fewer (``RunConfig.eval_limit``
-            may evaluate fewer).
+        num_test: test problems, at most ``MAX_TEST_PROBLEMS`` and at most what the task has
+            (``RunConfig.eval_limit`` may evaluate fewer).
     """
     if num_test < 1:
         raise ValueError(f"num_test must be >= 1, got {num_test}")
     splits = make_splits(seed, task=task, num_train=num_train, num_validation=1, num_test=1)
     # A task with fewer distinct test problems than asked gives all it has (chemistry-like: 505).
-    return list(splits.train), generate_problems(num_test, seed, "test", task, at_most=True)
+    test = generate_problems(min(num_test, MAX_TEST_PROBLEMS), seed, "test", task, at_most=True)
+    return list(splits.train), test
 
 
 def sft_completion(example: Example) -> str:
