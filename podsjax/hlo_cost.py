@@ -185,6 +185,18 @@ def _backend_config(attrs: str) -> dict:
         return {}
 
 
+def _declared_cost(instr: _Instr) -> tuple[float, float] | None:
+    """(flops, bytes) a TPU kernel declares (Pallas's ``cost_estimate``), else None. A kernel
+    whose blocks read part of an operand (one layer of a stacked cache) moves that part, not
+    the operand: its declaration, computed from its blocks, is the count to take."""
+    if instr.opcode != "custom-call" or "tpu_custom_call" not in instr.attrs:
+        return None
+    estimate = _backend_config(instr.attrs).get("custom_call_config", {}).get("cost_estimate")
+    if not estimate or "bytes_accessed" not in estimate:
+        return None
+    return float(estimate.get("flops", 0)), float(estimate["bytes_accessed"])
+
+
 def _constant(instr: _Instr | None) -> int | None:
     if instr is None or instr.opcode != "constant" or not re.fullmatch(r"-?\d+", instr.args.strip()):
         return None
@@ -349,6 +361,8 @@ class _Module:
             moved, flops = 2 * type_bytes(instr.type), 0.0
         elif instr.opcode in _ASYNC_COPIES:
             moved, flops = _async_copy_bytes(instr, types.get(instr.operands[0], "") if instr.operands else ""), 0.0
+        elif (declared := _declared_cost(instr)) is not None:
+            flops, moved = declared
         else:
             scratch = instr.opcode == "custom-call"
             moved = sum(type_bytes(types.get(o, "")) for o in instr.operands) + type_bytes(instr.type, scratch)

@@ -167,3 +167,26 @@ def test_a_tpu_program_counts_hbm_traffic_only():
     # The attention fusion reads and writes VMEM only: no HBM bytes. (+ 4: the slice's index.)
     assert cost.bytes == layer + prefetch + evict + 4
     assert cost.kernels == 4
+
+
+# A TPU kernel handed the whole stacked cache [4, 8, 16, 256] that reads one layer of it, with
+# the cost it declares (Pallas's cost_estimate), and one that declares nothing.
+TPU_KERNEL = """
+HloModule kernel
+
+ENTRY %main (cache: bf16[4,8,16,256], q: bf16[8,256]) -> (bf16[8,256], bf16[8,256]) {
+  %cache = bf16[4,8,16,256]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %q = bf16[8,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %declared = bf16[8,256]{1,0:T(8,128)(2,1)} custom-call(%q, %cache), custom_call_target="tpu_custom_call", backend_config={"flag_configs":[],"custom_call_config":{"body":"AAAA","cost_estimate":{"flops":"4096","transcendentals":"128","bytes_accessed":"73728","remote_bytes_transferred":"0"}}}
+  %silent = bf16[8,256]{1,0:T(8,128)(2,1)} custom-call(%q, %cache), custom_call_target="tpu_custom_call", backend_config={"flag_configs":[],"custom_call_config":{"body":"AAAA"}}
+  ROOT %t = (bf16[8,256]{1,0:T(8,128)(2,1)}, bf16[8,256]{1,0:T(8,128)(2,1)}) tuple(%declared, %silent)
+}
+"""
+
+
+def test_a_tpu_kernel_counts_what_it_declares_and_otherwise_its_operands():
+    cost = hlo_cost.program_cost(TPU_KERNEL)
+    operands = 8 * 256 * 2 + 4 * 8 * 16 * 256 * 2 + 8 * 256 * 2  # q, the whole cache, the output
+    assert cost.bytes == 73728 + operands
+    assert cost.flops == 4096
+    assert cost.kernels == 2

@@ -1,7 +1,7 @@
 """Qwen2 / Llama decoders in Flax Linen, loaded from and exported to HF checkpoints.
 
 Axis letters used in names here, beyond the package glossary: E head_dim, F MLP width,
-S KV-cache slots, Y layers.
+S KV-cache slots, C a slot's K * E cached features, Y layers.
 
 Example:
     >>> model, params = podsjax.models.from_pretrained("/ckpt/Qwen2.5-0.5B-Instruct", mesh=mesh)

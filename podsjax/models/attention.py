@@ -58,9 +58,11 @@ def attend(q_BLHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BLS:
         q_BLHE, k_BSKE, v_BSKE, allowed_BLS)
 
 
-def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_BLS: jax.Array,
-                  platform: str | None = None) -> jax.Array:
-    """:func:`attend` over a head-major cache layer ``[B, K, S, E]``, for few queries (decode).
+def attend_cached(q_BLHE: jax.Array, k_cache: jax.Array, v_cache: jax.Array, allowed_BLS: jax.Array,
+                  platform: str | None = None, layout: str = "BKSE") -> jax.Array:
+    """:func:`attend` over a cache layer, for few queries (decode): head-major ``[B, K, S, E]``
+    (``layout="BKSE"``, the rollout cache's) or slot-major ``[B, S, K, E]`` ("BSKE", a layer
+    of the decoder's stacked cache).
 
     The cache is read in its stored dtype and summed in fp32: decode is bound by memory
     bandwidth, and an upcast copy of the cache would double the bytes read per step. For
@@ -70,33 +72,39 @@ def attend_cached(q_BLHE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allow
     elsewhere two matmuls: cuBLAS pads a kv head's queries and writes fp32 scores that a
     separate softmax kernel reads back (docs/accelerators.md, "Decoding at the memory floor").
     """
+    if layout not in ("BKSE", "BSKE"):
+        raise ValueError(f"layout must be 'BKSE' or 'BSKE'; got {layout!r}")
+    cache = "bkse" if layout == "BKSE" else "bske"
     platform = platform or jax.default_backend()
     if platform == "gpu" and q_BLHE.shape[1] == 1:
-        return _attend_one_query(q_BLHE, k_BKSE, v_BKSE, allowed_BLS)
+        return _attend_one_query(q_BLHE, k_cache, v_cache, allowed_BLS, cache)
     b, length, h, e = q_BLHE.shape
-    k = k_BKSE.shape[1]
-    if platform == "cpu" and k_BKSE.dtype != jnp.float32:
+    k = k_cache.shape[cache.index("k")]
+    if platform == "cpu" and k_cache.dtype != jnp.float32:
         # XLA:CPU has no 16-bit batched dot with an fp32 result (it fails at run time);
         # it would compute in fp32 anyway.
-        k_BKSE, v_BKSE = k_BKSE.astype(jnp.float32), v_BKSE.astype(jnp.float32)
-    q_BLKGE = q_BLHE.reshape(b, length, k, h // k, e).astype(k_BKSE.dtype)
-    scores_BKGLS = jnp.einsum("blkge,bkse->bkgls", q_BLKGE, k_BKSE, preferred_element_type=jnp.float32)
+        k_cache, v_cache = k_cache.astype(jnp.float32), v_cache.astype(jnp.float32)
+    q_BLKGE = q_BLHE.reshape(b, length, k, h // k, e).astype(k_cache.dtype)
+    scores_BKGLS = jnp.einsum(f"blkge,{cache}->bkgls", q_BLKGE, k_cache, preferred_element_type=jnp.float32)
     scores_BKGLS = jnp.where(allowed_BLS[:, None, None], scores_BKGLS * (e ** -0.5), jnp.finfo(jnp.float32).min)
-    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BKSE.dtype)
-    out_BLKGE = jnp.einsum("bkgls,bkse->blkge", probs_BKGLS, v_BKSE, preferred_element_type=jnp.float32)
+    probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_cache.dtype)
+    out_BLKGE = jnp.einsum(f"bkgls,{cache}->blkge", probs_BKGLS, v_cache, preferred_element_type=jnp.float32)
     return out_BLKGE.reshape(b, length, h, e).astype(q_BLHE.dtype)
 
 
-def _attend_one_query(q_B1HE: jax.Array, k_BKSE: jax.Array, v_BKSE: jax.Array, allowed_B1S: jax.Array) -> jax.Array:
+def _attend_one_query(q_B1HE: jax.Array, k_cache: jax.Array, v_cache: jax.Array, allowed_B1S: jax.Array,
+                      cache: str = "bkse") -> jax.Array:
     """One query per row as elementwise products summed in fp32: XLA fuses each sum with its
     reads of the cache (and the softmax with them), so K and V are read once, in place."""
+    if cache == "bske":  # a transpose XLA folds into the fused reads' indexing
+        k_cache, v_cache = jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
     b, _, h, e = q_B1HE.shape
-    k = k_BKSE.shape[1]
+    k = k_cache.shape[1]
     q_BKGE = q_B1HE.reshape(b, k, h // k, e).astype(jnp.float32) * (e ** -0.5)
-    scores_BKGS = jnp.sum(q_BKGE[:, :, :, None, :] * k_BKSE[:, :, None].astype(jnp.float32), axis=-1)
+    scores_BKGS = jnp.sum(q_BKGE[:, :, :, None, :] * k_cache[:, :, None].astype(jnp.float32), axis=-1)
     scores_BKGS = jnp.where(allowed_B1S[:, :, None, :], scores_BKGS, jnp.finfo(jnp.float32).min)
     probs_BKGS = jax.nn.softmax(scores_BKGS, axis=-1)
-    out_BKGE = jnp.sum(probs_BKGS[..., None] * v_BKSE[:, :, None].astype(jnp.float32), axis=-2)
+    out_BKGE = jnp.sum(probs_BKGS[..., None] * v_cache[:, :, None].astype(jnp.float32), axis=-2)
     return out_BKGE.reshape(b, 1, h, e).astype(q_B1HE.dtype)
 
 
@@ -105,12 +113,12 @@ class LayerCache:
     """The KV-cache part a layer scan carries: every layer's keys/values plus write slots.
 
     Attributes:
-        keys_YBKSE / values_YBKSE: stacked per-layer caches, updated in place.
+        keys_YBSC / values_YBSC: stacked per-layer caches ``[Y, B, S, K * E]``, updated in place.
         slots_BL: the slot each new token is written to.
     """
 
-    keys_YBKSE: jax.Array
-    values_YBKSE: jax.Array
+    keys_YBSC: jax.Array
+    values_YBSC: jax.Array
     slots_BL: jax.Array
 
 

@@ -25,10 +25,10 @@ from jax.sharding import Mesh
 
 from podsjax import mesh as mesh_lib
 
-# Logical names of each cache field, for shardings.
+# Logical names of each cache field, for shardings (a slot's K*E features split as its kv heads).
 CACHE_LOGICAL_AXES = {
-    "keys_YBKSE": ("layers", "batch", "kv_heads", "cache_slots", "head_dim"),
-    "values_YBKSE": ("layers", "batch", "kv_heads", "cache_slots", "head_dim"),
+    "keys_YBSC": ("layers", "batch", "cache_slots", "kv_heads"),
+    "values_YBSC": ("layers", "batch", "cache_slots", "kv_heads"),
     "mask_BS": ("batch", "cache_slots"),
     "index_B": ("batch",),
     "positions_B": ("batch",),
@@ -40,22 +40,26 @@ class KVCache:
     """Keys/values of every layer in S fixed slots, with per-row bookkeeping.
 
     Keys/values are stacked over the layers (Y), as the decoder's layer scan carries
-    them; heads come before slots so a decode step reads a layer's [B, K, S, E] block as
-    it is stored, without a transpose.
+    them. A slot holds its K heads' E features as one row of F = K * E values: a layer reads
+    as ``[B, S, K, E]`` without a transpose, a new token writes one contiguous row, and a
+    TPU keeps the cache in its default tiling, which its decode kernel reads in place
+    (:mod:`~podsjax.models.tpu_decode_kernel`).
 
     Attributes:
-        keys_YBKSE: [Y, B, K, S, E] rotated keys.
-        values_YBKSE: [Y, B, K, S, E].
+        keys_YBSC: [Y, B, S, K * E] rotated keys.
+        values_YBSC: [Y, B, S, K * E].
         mask_BS: bool, slot holds a real (non-pad) token.
         index_B: int32, next slot each row writes to.
         positions_B: int32, RoPE position of each row's next real token.
+        kv_heads: K (static), how a slot's features split into heads.
     """
 
-    keys_YBKSE: jax.Array
-    values_YBKSE: jax.Array
+    keys_YBSC: jax.Array
+    values_YBSC: jax.Array
     mask_BS: jax.Array
     index_B: jax.Array
     positions_B: jax.Array
+    kv_heads: int = flax.struct.field(pytree_node=False)
 
     @property
     def max_len(self) -> int:
@@ -64,11 +68,12 @@ class KVCache:
     def repeat(self, n: int) -> KVCache:
         """Repeats every row ``n`` times in place order: row b becomes rows b*n .. b*n+n-1."""
         return KVCache(
-            keys_YBKSE=jnp.repeat(self.keys_YBKSE, n, axis=1),
-            values_YBKSE=jnp.repeat(self.values_YBKSE, n, axis=1),
+            keys_YBSC=jnp.repeat(self.keys_YBSC, n, axis=1),
+            values_YBSC=jnp.repeat(self.values_YBSC, n, axis=1),
             mask_BS=jnp.repeat(self.mask_BS, n, axis=0),
             index_B=jnp.repeat(self.index_B, n, axis=0),
             positions_B=jnp.repeat(self.positions_B, n, axis=0),
+            kv_heads=self.kv_heads,
         )
 
 
@@ -82,15 +87,16 @@ def init_cache(config, batch: int, max_len: int, dtype: Any = jnp.bfloat16, mesh
         dtype: storage dtype of keys/values.
         mesh: when given, the cache is created directly in :func:`cache_shardings`.
     """
-    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads * config.head_dim)
 
     def make():
         return KVCache(
-            keys_YBKSE=jnp.zeros(shape, dtype),
-            values_YBKSE=jnp.zeros(shape, dtype),
+            keys_YBSC=jnp.zeros(shape, dtype),
+            values_YBSC=jnp.zeros(shape, dtype),
             mask_BS=jnp.zeros((batch, max_len), bool),
             index_B=jnp.zeros((batch,), jnp.int32),
             positions_B=jnp.zeros((batch,), jnp.int32),
+            kv_heads=config.num_kv_heads,
         )
 
     if mesh is None:
@@ -102,12 +108,15 @@ def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     """A KVCache of NamedShardings (batch over data+fsdp, kv heads over tensor).
 
     ``cache`` may be abstract (``jax.eval_shape``) or concrete; use the result as the
-    in/out shardings of the sampler's jit.
+    in/out shardings of the sampler's jit. The features split over tensor only where it
+    divides the kv heads, so no device holds part of a head.
     """
-    return KVCache(**{
-        name: mesh_lib.logical_sharding(mesh, names, getattr(cache, name).shape)
-        for name, names in CACHE_LOGICAL_AXES.items()
-    })
+    def shape(name):  # as the sharding rules see it: the kv heads in place of the features
+        shape = tuple(getattr(cache, name).shape)
+        return (*shape[:-1], cache.kv_heads) if name in ("keys_YBSC", "values_YBSC") else shape
+
+    return KVCache(**{name: mesh_lib.logical_sharding(mesh, names, shape(name))
+                      for name, names in CACHE_LOGICAL_AXES.items()}, kv_heads=cache.kv_heads)
 
 
 def prefill(model, params, input_ids_BL: jax.Array, attention_mask_BL: jax.Array, cache: KVCache,

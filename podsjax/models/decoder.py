@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from podsjax import mesh as mesh_lib
+from podsjax.models import tpu_decode_kernel
 from podsjax.models.attention import (
     LayerCache,
     attend,
@@ -174,21 +175,20 @@ class Attention(_LayerModule):
             out_BLHE = attend(q_BLHE, k_BLKE, v_BLKE, allowed_BLS, self.implementation, self.mesh)
         else:
             # Scatter the new keys/values into this layer's slots of the stacked cache, in
-            # place in the scan carry; out-of-range slots are dropped. With the slice between
-            # the advanced indices the update is [B, L, K, E], as k_BLKE is.
-            rows_B1 = jnp.arange(x_BLD.shape[0])[:, None]
-            keys = cache.keys_YBKSE.at[layer_index, rows_B1, :, cache.slots_BL].set(
-                k_BLKE.astype(cache.keys_YBKSE.dtype))
-            values = cache.values_YBKSE.at[layer_index, rows_B1, :, cache.slots_BL].set(
-                v_BLKE.astype(cache.values_YBKSE.dtype))
-            cache = cache.replace(keys_YBKSE=keys, values_YBKSE=values)
-            k_BKSE, v_BKSE = keys[layer_index], values[layer_index]
-            if x_BLD.shape[1] == 1:
-                out_BLHE = attend_cached(q_BLHE, k_BKSE, v_BKSE, allowed_BLS, mesh_lib.platform(self.mesh))
-            else:  # prefill: one transpose of the layer, then flash attention where available
-                k_BSKE, v_BSKE = k_BKSE.transpose(0, 2, 1, 3), v_BKSE.transpose(0, 2, 1, 3)
-                out_BLHE = attend(q_BLHE, k_BSKE.astype(q_BLHE.dtype), v_BSKE.astype(q_BLHE.dtype), allowed_BLS,
-                                  self.implementation, self.mesh)
+            # place in the scan carry; out-of-range slots are dropped. A token writes one row
+            # of K*E features.
+            b, length = x_BLD.shape[:2]
+            rows_B1 = jnp.arange(b)[:, None]
+            keys = cache.keys_YBSC.at[layer_index, rows_B1, cache.slots_BL].set(
+                k_BLKE.reshape(b, length, k * e).astype(cache.keys_YBSC.dtype))
+            values = cache.values_YBSC.at[layer_index, rows_B1, cache.slots_BL].set(
+                v_BLKE.reshape(b, length, k * e).astype(cache.values_YBSC.dtype))
+            cache = cache.replace(keys_YBSC=keys, values_YBSC=values)
+            if length == 1:
+                out_BLHE = tpu_decode_kernel.attend_layer(q_BLHE, keys, values, layer_index, allowed_BLS, self.mesh)
+            else:  # prefill: the layer read as [B, S, K, E], then flash attention where available
+                k_BSKE, v_BSKE = (c[layer_index].reshape(b, -1, k, e).astype(q_BLHE.dtype) for c in (keys, values))
+                out_BLHE = attend(q_BLHE, k_BSKE, v_BSKE, allowed_BLS, self.implementation, self.mesh)
         return proj("o", (d,), out_BLHE), cache
 
 
@@ -407,7 +407,7 @@ class Decoder(nn.Module):
             if positions_BL is None:
                 positions_BL = slots.positions_BL
             allowed_BLS = slots.allowed_BLS
-            layer_cache = LayerCache(cache.keys_YBKSE, cache.values_YBKSE, slots.slots_BL)
+            layer_cache = LayerCache(cache.keys_YBSC, cache.values_YBSC, slots.slots_BL)
             cache = cache.replace(**slots.bookkeeping(cache, mask_BL))
 
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.param_dtype, self.mesh, name="embed")
@@ -428,7 +428,7 @@ class Decoder(nn.Module):
         else:
             head_VD = LMHead(cfg.vocab_size, cfg.hidden_size, self.dtype, self.param_dtype, name="lm_head").head_VD()
         if cache is not None:
-            cache = cache.replace(keys_YBKSE=layer_cache.keys_YBKSE, values_YBKSE=layer_cache.values_YBKSE)
+            cache = cache.replace(keys_YBSC=layer_cache.keys_YBSC, values_YBSC=layer_cache.values_YBSC)
         if return_hidden:
             return DecoderOutput(cache=cache, hidden_BLD=x_BLD, head_VD=head_VD)
         logits_BLV = lm_logits(x_BLD, head_VD)
