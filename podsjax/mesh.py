@@ -278,3 +278,8 @@ def platform(mesh: Mesh | None) -> str:
     if mesh is not None:
         return mesh.devices.flat[0].platform
     return jax.default_backend()
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry names (None, one axis, or a tuple of them)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

@@ -311,7 +311,7 @@ def attend_grouped_kernel(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_
         return call(*args)
     rows = mesh_lib.logical_to_spec(("batch",), mesh, (b,))
     prompts = mesh_lib.logical_to_spec(("batch",), mesh, (p,))
-    shards = math.prod(mesh.shape[a] for a in _axes(rows[0]))
+    shards = math.prod(mesh.shape[a] for a in mesh_lib.spec_axes(rows[0]))
     local_rows = b // shards
     if prompts != rows and n % local_rows != 0:
         return attend_grouped(*args[:-1])
@@ -323,12 +323,8 @@ def attend_grouped_kernel(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_
 
     def per_device(q, pk, pv, pmask, *rest):
         if prompts != rows:  # this device's rows all sample one prompt
-            first = jax.lax.axis_index(_axes(rows[0])) * local_rows // n
+            first = jax.lax.axis_index(mesh_lib.spec_axes(rows[0])) * local_rows // n
             pk, pv, pmask = (jax.lax.dynamic_slice_in_dim(x, first, 1, axis=0) for x in (pk, pv, pmask))
         return call(q, pk, pv, pmask, *rest)
 
     return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)

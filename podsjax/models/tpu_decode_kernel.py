@@ -119,7 +119,7 @@ def attend_layer(q_B1HE: jax.Array, keys_YBSC: jax.Array, values_YBSC: jax.Array
     platform = platform or mesh_lib.platform(mesh)
     sharded = mesh is not None and mesh.size > 1
     rows = mesh_lib.logical_to_spec(("batch",), mesh, (b,)) if sharded else P(None)
-    shards = math.prod(mesh.shape[a] for a in _axes(rows[0])) if sharded else 1
+    shards = math.prod(mesh.shape[a] for a in mesh_lib.spec_axes(rows[0])) if sharded else 1
     # The cache splits its kv heads over tensor where that divides them (cache.cache_shardings).
     heads_split = sharded and mesh_lib.logical_to_spec(("kv_heads",), mesh, (features // e,)) != P(None)
     if platform != "tpu" or heads_split or rows_per_step(b // shards, slots, features,
@@ -138,7 +138,3 @@ def attend_layer(q_B1HE: jax.Array, keys_YBSC: jax.Array, values_YBSC: jax.Array
     specs = (P(), P(*rows, None, None, None), P(None, *rows, None, None), P(None, *rows, None, None),
              P(*rows, None, None))
     return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=specs[1], check_vma=False)(*args)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
