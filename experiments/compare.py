@@ -158,12 +158,13 @@ def check_resumable(config: ExperimentConfig, out: str) -> None:
 def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | None = None) -> list[dict]:
     """Runs ``config`` in its ``run.out_dir`` and returns its evaluations.
 
-    A complete run (with ``final_model/``) is only read; one with a ``config.json`` but no
-    export continues from its last checkpoint.
+    A complete run (with ``final_model/``) is only read, unless ``config`` asks for a longer
+    budget than it started with and its last evaluation came before that budget: then it
+    continues, as one with a ``config.json`` but no export does, from its last checkpoint.
     """
     out = config.run.out_dir
     done = os.path.isfile(os.path.join(out, "final_model", "config.json"))
-    if done and not dry_run:
+    if done and not dry_run and not _extends(config, out):
         return _history(out)
     resume = not dry_run and os.path.isfile(os.path.join(out, "config.json"))
     flags_lib.check_out(argparse.Namespace(out=out, resume=resume, overwrite=False, dry_run=dry_run))
@@ -176,6 +177,20 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
     if code != 0:
         raise SystemExit(code)
     return [] if dry_run else _history(out)
+
+
+def _extends(config: ExperimentConfig, out: str) -> bool:
+    """Whether ``config`` continues the complete run in ``out``: a longer --time-budget or
+    --max-steps than the run was started with, which its last training step has not reached."""
+    path = os.path.join(out, "metrics.jsonl")
+    rows = read_jsonl(path) if os.path.isfile(path) else []
+    last = next((r for r in reversed(rows) if "time/elapsed_train_s" in r), {})
+    started = flags_lib.read_run_config(out).run
+    for field, key in (("time_budget_s", "time/elapsed_train_s"), ("max_steps", "step")):
+        wanted, before = getattr(config.run, field), getattr(started, field)
+        if wanted is not None and before is not None and wanted > before and last.get(key, 0) < wanted:
+            return True
+    return False
 
 
 def _history(out: str) -> list[dict]:
@@ -247,6 +262,7 @@ def report(comparison: Comparison, histories: dict[str, list[list[dict]]]) -> in
     analysis.plot(groups, plot_path, title, by_steps=by_steps, by_tokens=analysis.curves_on(histories, "tokens"))
     rows = analysis.summarize(groups, baseline)
     print(format_summary(rows, baseline, len(args.seeds)))
+    print(format_late_gains(rows))
     step_speedups = speedups_in_steps(by_steps, histories, baseline)
     if step_speedups:
         print(format_step_speedups(step_speedups, baseline))
@@ -314,6 +330,25 @@ def format_step_figures(figures: dict[str, dict[str, float]]) -> str:
     for label, values in figures.items():
         cells = ["-" if c not in values or math.isnan(values[c]) else f"{values[c]:.1%}" for c in columns]
         lines.append(f"| {label} | {values['steps']:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_late_gains(rows) -> str:
+    """Whether each method still gained at the end of its runs, the check that a budget was long
+    enough: the slope of accuracy over the last third of each run's training clock, in points
+    per 100 s, its mean over seeds with a 95% interval, and each seed's."""
+    def points(x):
+        return f"{x * 1e4:+.1f}"
+
+    lines = ["accuracy over the last third of each run's training clock, points per 100 s:"]
+    for r in rows:
+        low, high = r.late_slope_ci95
+        if any(math.isnan(x) for x in (*r.late_slopes, low, high)):
+            lines.append(f"  {r.label}: - (needs 2 seeds, each with 3 evaluations in its last third)")
+            continue
+        verdict = "still rising" if low > 0 else "falling" if high < 0 else "no trend its interval can tell from 0"
+        lines.append(f"  {r.label}: {points(sum(r.late_slopes) / len(r.late_slopes))} (95% CI {points(low)} to "
+                     f"{points(high)}; per seed {', '.join(points(x) for x in r.late_slopes)}): {verdict}")
     return "\n".join(lines)
 
 

@@ -130,6 +130,19 @@ class MethodSummary:
     seed_peaks: tuple[float, ...] = ()  # per seed, the best accuracy
     peak_ci95: tuple[float, float] = (math.nan, math.nan)  # Student-t interval of the mean peak over seeds
     speedup_ci95: tuple[float, float] = (math.nan, math.nan)  # of the geometric-mean per-seed speed-up
+    late_slopes: tuple[float, ...] = ()  # per seed, ``late_slope``: accuracy per unit of x at the end
+    late_slope_ci95: tuple[float, float] = (math.nan, math.nan)  # Student-t interval of their mean
+
+
+def late_slope(curve: Curve, fraction: float = 1 / 3) -> float:
+    """The least-squares slope of accuracy against x over the last ``fraction`` of the run's x
+    range: whether a run still gains at its end (a budget long enough for it has it near 0).
+    NaN with fewer than 3 evaluations there."""
+    end = float(curve.times[-1])
+    late = curve.times >= end - fraction * (end - float(curve.times[0]))
+    if late.sum() < 3:
+        return math.nan
+    return float(np.polyfit(curve.times[late], curve.accuracy[late], 1)[0])
 
 
 def ci95(values: Sequence[float]) -> tuple[float, float]:
@@ -183,9 +196,11 @@ def summarize(groups: Mapping[str, Sequence[Curve]], baseline: str, fraction: fl
         ratios = [_speedup(b, t) for b, t in zip(base_times, times)]
         peaks = tuple(float(c.accuracy.max()) for c in curves)
         mean_time = means[label].first_time_reaching(mean_target)
+        slopes = tuple(late_slope(c) for c in curves)
         out.append(MethodSummary(label, float(np.mean(peaks)), float(np.median(times)), float(np.median(ratios)),
                                  tuple(times), tuple(ratios), float(means[label].accuracy.max()), mean_time,
-                                 _speedup(mean_base_time, mean_time), peaks, ci95(peaks), ratio_ci95(ratios)))
+                                 _speedup(mean_base_time, mean_time), peaks, ci95(peaks), ratio_ci95(ratios),
+                                 slopes, ci95(slopes)))
     return out
 
 

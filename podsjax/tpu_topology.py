@@ -13,9 +13,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import sys
+import tempfile
 
 _NAME = re.compile(r"^(v[0-9][a-z0-9]*):([1-9][0-9]*(?:x[1-9][0-9]*){1,2})$")
 _CHIPS_PER_HOST = (2, 2, 1)  # a TPU VM's chip block; smaller slices are one host
@@ -41,10 +44,29 @@ def compile_only_devices(topology: str) -> list:
     dims += [1] * (3 - len(dims))
     per_host = tuple(min(d, h) for d, h in zip(dims, _CHIPS_PER_HOST))
     try:
-        description = topologies.get_topology_desc(platform="tpu", topology_name=topology,
-                                                   chip_config_name="default", chips_per_host_bounds=per_host,
-                                                   num_slices=1)
+        with _without_tpu_probes():
+            description = topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                                       chip_config_name="default", chips_per_host_bounds=per_host,
+                                                       num_slices=1)
     except Exception as exc:  # noqa: BLE001 - libtpu reports an unknown slice as a runtime error
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"TPU topology {topology!r}: {reason}") from None
     return list(description.devices)
+
+
+@contextlib.contextmanager
+def _without_tpu_probes():
+    """Keeps libtpu's start-up off the console: on a host without a TPU it writes its failed
+    probes for one (accelerator type, worker hostnames) straight to file descriptor 2, about 5
+    lines that say nothing of the compile. Its errors still arrive as exceptions."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)

@@ -5,7 +5,9 @@ multi-device meshes: those are pinned to the 8 CPU devices (their default device
 ``jax.devices()`` and child processes all see the CPU), so they test the same sharding.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 from experiments.cli import host_device_flags  # noqa: E402
@@ -18,8 +20,11 @@ if not has_accelerator():
     # the programs compiled for GPUs from here use cuBLAS GEMMs, as the CLI's do.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] += " " + DEVICELESS_XLA_FLAGS
-# CLI runs in tests keep their compiled programs out of the user's compile cache.
-os.environ.setdefault("PODSJAX_CACHE_DIR", tempfile.mkdtemp(prefix="podsjax-test-compile-cache-"))
+# CLI runs in tests keep their compiled programs out of the user's compile cache, in a
+# directory of the session's own that goes when it ends.
+if "PODSJAX_CACHE_DIR" not in os.environ:
+    os.environ["PODSJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="podsjax-test-compile-cache-")
+    atexit.register(shutil.rmtree, os.environ["PODSJAX_CACHE_DIR"], ignore_errors=True)
 # Tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

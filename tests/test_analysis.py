@@ -162,3 +162,28 @@ def test_compare_reports_both_estimators():
     table = format_summary(analysis.summarize({"grpo": grpo, "pods": pods}, "grpo"), "grpo", 2)
     assert "median of per-seed ratios" in table and "authors': mean curves" in table
     assert "| pods | 50.0% | 45 s | 3.25x | 50.0% | 45 s | 4.44x | -204.1% to 304.1% | 0.16x to 62.63x |" in table
+
+
+def test_late_slope_fits_the_last_third_of_a_run_only():
+    # Rising 0.1 per 100 s until 600 s, then flat: over 600-900 s the slope is 0, over a run cut at
+    # 600 s it is the rise; a last third with 2 evaluations has no slope.
+    rising = [(t, 0.2 + 0.001 * t) for t in range(0, 601, 20)]
+    assert analysis.late_slope(curve(rising)) == pytest.approx(0.001)
+    assert analysis.late_slope(curve(rising + [(t, 0.8) for t in range(620, 901, 20)])) == pytest.approx(0.0, abs=1e-12)
+    assert math.isnan(analysis.late_slope(curve([(0, 0.1), (10, 0.2), (100, 0.3), (200, 0.4)])))
+
+
+def test_compare_says_whether_each_method_still_gained_at_the_end():
+    from experiments.compare import format_late_gains
+
+    def run(slope, wobble):  # accuracy rising by ``slope`` per second, with a seed's own wobble
+        return curve([(t, 0.3 + slope * t + wobble * (-1) ** (t // 20)) for t in range(0, 301, 20)])
+
+    groups = {"grpo": [run(0.0005, 0.001), run(0.0004, -0.002), run(0.0006, 0.0)],
+              "pods": [run(0.0003, 0.01), run(-0.0003, -0.01), run(0.0, 0.005)]}
+    text = format_late_gains(analysis.summarize(groups, "grpo"))
+    grpo, pods = text.splitlines()[1:]
+    assert grpo.startswith("  grpo: +5.0 (95% CI +") and grpo.endswith("still rising")
+    assert pods.startswith("  pods: -0.1 (") and pods.endswith("no trend its interval can tell from 0")
+    single = format_late_gains(analysis.summarize({"grpo": [run(0.0005, 0.0)]}, "grpo"))
+    assert single.splitlines()[1] == "  grpo: - (needs 2 seeds, each with 3 evaluations in its last third)"

@@ -90,7 +90,7 @@ def test_a_seed_sets_the_seed_the_directory_and_on_the_tiny_preset_the_shared_wa
     assert (real.run.seed, real.tiny.warmup_dir) == (1, None)
 
 
-def test_a_stopped_run_continues_a_complete_one_is_read_and_a_changed_one_is_refused(tmp_path, monkeypatch):
+def test_a_stopped_run_continues_a_complete_one_is_read_or_extended_and_a_changed_one_is_refused(tmp_path, monkeypatch):
     from experiments import runner
 
     calls = []
@@ -122,6 +122,19 @@ def test_a_stopped_run_continues_a_complete_one_is_read_and_a_changed_one_is_ref
         f.write(json.dumps({"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}) + "\n")
     assert compare.run_one(changed) == [{"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}]
     assert len(calls) == 2
+    # Complete, and asked for a longer budget than it started with: it continues, until its last
+    # training step reaches that budget (its last evaluation may come a step before).
+    budget = config.run.time_budget_s
+    longer = flags_lib.replace_run(config, time_budget_s=budget + 300)
+    compare.run_one(longer)
+    assert calls[-1] == (longer, out, True)
+    with open(os.path.join(out, "eval_history.jsonl"), "a") as f:
+        f.write(json.dumps({"time/elapsed_train_s": budget + 299, "eval/accuracy": 0.6}) + "\n")
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 9, "time/elapsed_train_s": budget + 301}) + "\n")
+    assert compare.run_one(longer)[-1]["eval/accuracy"] == 0.6
+    assert compare.run_one(config)[-1]["eval/accuracy"] == 0.6
+    assert len(calls) == 3
 
 
 def test_the_dynamic_sampling_ablation_and_its_step_figures(tmp_path):

@@ -4,6 +4,7 @@ Against the XLA form in Pallas's interpreter here; compiled by XLA's TPU compile
 no TPU needed) for what a decode step moves.
 """
 
+import functools
 import importlib.util
 
 import jax
@@ -63,6 +64,49 @@ def test_the_kernel_matches_the_xla_form_in_bf16():
     got = kernel_form(q, keys, values, layer, allowed).astype(jnp.float32)
     want = xla_form(q, keys, values, layer, allowed).astype(jnp.float32)
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)  # both round the output to bf16
+
+
+def dot_precisions(closed):
+    """The precisions of every dot_general in a jaxpr, the kernels' bodies included."""
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.add(eqn.params["precision"])
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+
+    walk(closed.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("dtype, precision", [(jnp.float32, jax.lax.Precision.HIGHEST),
+                                              (jnp.bfloat16, jax.lax.Precision.DEFAULT)])
+def test_the_kernel_multiplies_an_fp32_cache_in_full_fp32_and_a_bf16_one_in_the_mxus_own_pass(dtype, precision):
+    # Whatever jax_default_matmul_precision says (the suite sets "highest"): Mosaic has no fp32
+    # precision for bf16 operands, and DEFAULT would leave an fp32 cache to the MXU's bf16 pass.
+    q, keys, values, layer, allowed = stacked_case(1, 2, 16, 1, 2, 128, 0, dtype)
+    kernel = functools.partial(tpu_decode_kernel.stacked_decode_attention, interpret=True)
+    closed = jax.make_jaxpr(kernel)(q[:, 0], keys, values, layer, allowed[:, 0])
+    assert dot_precisions(closed) == {(precision, precision)}
+
+
+@needs_libtpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_kernel_compiles_for_a_v5e_in_either_cache_dtype(dtype):
+    devices = tpu_topology.compile_only_devices("v5e:1x1")
+    mesh = mesh_lib.make_mesh("1", devices=devices)
+
+    def spec(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
+
+    args = (spec((8, 12, 128), dtype), spec((2, 8, 64, 256), dtype), spec((2, 8, 64, 256), dtype),
+            spec((), jnp.int32), spec((8, 64), jnp.bool_))
+    compiled = tpu_decode_kernel.stacked_decode_attention.lower(*args).compile()
+    assert "tpu_custom_call" in compiled.as_text()
 
 
 def test_rows_a_grid_step_holds_fit_the_vmem_budget():

@@ -53,6 +53,8 @@ def test_dry_run_compiles_for_a_tpu_slice_this_host_does_not_have(tmp_path):
     assert report["update_temp"] > 0 and report["kv_cache"] > 0
     assert report["limit"] == topology.CHIPS["TPU v5 lite"].hbm_bytes  # the peak is checked against a chip's HBM
     assert "fitted each program into one TPU v5 lite chip, and the peak is within its HBM" in done.stdout
+    # libtpu's failed probes for a TPU on this host stay off the console.
+    assert "could not determine TPU" not in done.stderr and "InitGoogle" not in done.stderr, done.stderr[-3000:]
 
 
 @needs_libtpu

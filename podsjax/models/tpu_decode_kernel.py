@@ -30,9 +30,6 @@ from podsjax import mesh as mesh_lib
 from podsjax.models.attention import attend_cached
 
 _NEG = 0.7 * float(jnp.finfo(jnp.float32).min)  # masked scores: exp underflows to 0, no inf - inf
-# The MXU's own precision for the operands' dtype, whatever jax_default_matmul_precision says:
-# Mosaic has no fp32-precision matmul of bf16 operands.
-_NATIVE = jax.lax.Precision.DEFAULT
 _VMEM_BUDGET = 24 << 20  # bytes of cache blocks a grid step may hold (keys and values, two buffers each)
 
 
@@ -43,23 +40,31 @@ def rows_per_step(rows: int, slots: int, features: int, itemsize: int) -> int | 
     return next((n for n in (8, 4, 2, 1) if rows % n == 0 and n * block <= _VMEM_BUDGET), None)
 
 
+def dot_precision(dtype) -> jax.lax.Precision:
+    """The kernel's matmul precision, whatever ``jax_default_matmul_precision`` says: full fp32 for
+    an fp32 cache (decode waits on memory, not on the MXU's extra passes), else the MXU's native
+    pass (Mosaic has no fp32-precision matmul of bf16 operands)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def _kernel(layer_ref, q_ref, allowed_ref, k_ref, v_ref, o_ref, *, kv_heads: int, head_dim: int):
     """Refs: ``layer`` ``[1]`` (prefetched; used by the index maps); q and out ``[R, H, E]``;
     allowed ``[R, 1, S]``; this layer's keys and values of the R rows ``[R, S, K*E]``."""
     del layer_ref
     rows, heads, e = q_ref.shape
     groups = heads // kv_heads
+    precision = dot_precision(k_ref.dtype)
     for r in range(rows):
         allowed = allowed_ref[r] != 0  # [1, S]
         for k in range(kv_heads):
             q = q_ref[r, k * groups:(k + 1) * groups, :]  # [G, E]
             keys = k_ref[r, :, k * head_dim:(k + 1) * head_dim]  # [S, E]
-            scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=_NATIVE,
+            scores = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=precision,
                                          preferred_element_type=jnp.float32)
             scores = jnp.where(allowed, scores * (head_dim ** -0.5), _NEG)
             p = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
             values = v_ref[r, :, k * head_dim:(k + 1) * head_dim]
-            out = jax.lax.dot_general(p.astype(values.dtype), values, (((1,), (0,)), ((), ())), precision=_NATIVE,
+            out = jax.lax.dot_general(p.astype(values.dtype), values, (((1,), (0,)), ((), ())), precision=precision,
                                       preferred_element_type=jnp.float32)
             o_ref[r, k * groups:(k + 1) * groups, :] = (out / p.sum(axis=-1, keepdims=True)).astype(o_ref.dtype)
 
@@ -81,7 +86,8 @@ def stacked_decode_attention(q_BHE: jax.Array, keys_YBSC: jax.Array, values_YBSC
     """
     b, heads, e = q_BHE.shape
     _, _, slots, features = keys_YBSC.shape
-    rows = rows_per_step(b, slots, features, keys_YBSC.dtype.itemsize)
+    itemsize = keys_YBSC.dtype.itemsize
+    rows = rows_per_step(b, slots, features, itemsize)
     if rows is None:
         raise ValueError(f"a row's cache ({slots} slots of {features}) does not fit the kernel's VMEM budget")
     cache_block = pl.BlockSpec((None, rows, slots, features), lambda i, y: (y[0], i, 0, 0))
@@ -91,7 +97,6 @@ def stacked_decode_attention(q_BHE: jax.Array, keys_YBSC: jax.Array, values_YBSC
                   pl.BlockSpec((rows, 1, slots), lambda i, y: (i, 0, 0)),
                   cache_block, cache_block],
         out_specs=pl.BlockSpec((rows, heads, e), lambda i, y: (i, 0, 0)))
-    itemsize = keys_YBSC.dtype.itemsize
     # What the blocks move: this layer's keys and values, the queries, the mask and the output.
     moved = 2 * b * slots * features * itemsize + 2 * q_BHE.size * q_BHE.dtype.itemsize + 4 * b * slots
     return pl.pallas_call(
