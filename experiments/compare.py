@@ -159,7 +159,7 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
     """Runs ``config`` in its ``run.out_dir`` and returns its evaluations.
 
     A complete run (with ``final_model/``) is only read, unless ``config`` asks for a longer
-    budget than it started with and its last evaluation came before that budget: then it
+    budget than it started with and its last training step came before that budget: then it
     continues, as one with a ``config.json`` but no export does, from its last checkpoint.
     """
     out = config.run.out_dir
