@@ -5,7 +5,6 @@ multi-device meshes: those are pinned to the 8 CPU devices (their default device
 ``jax.devices()`` and child processes all see the CPU), so they test the same sharding.
 """
 
-import atexit
 import os
 import shutil
 import tempfile
@@ -20,11 +19,19 @@ if not has_accelerator():
     # the programs compiled for GPUs from here use cuBLAS GEMMs, as the CLI's do.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] += " " + DEVICELESS_XLA_FLAGS
+# Under pytest-xdist several test processes share one accelerator: each allocates what it
+# uses instead of most of the device up front.
+if has_accelerator():
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # CLI runs in tests keep their compiled programs out of the user's compile cache, in a
-# directory of the session's own that goes when it ends.
-if "PODSJAX_CACHE_DIR" not in os.environ:
-    os.environ["PODSJAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="podsjax-test-compile-cache-")
-    atexit.register(shutil.rmtree, os.environ["PODSJAX_CACHE_DIR"], ignore_errors=True)
+# directory of each test process's own that goes when it ends (xdist's workers inherit the
+# controller's environment, so the marker says the directory is not theirs to share).
+_OWN_CACHE = "PODSJAX_TEST_OWN_CACHE"
+if "PODSJAX_CACHE_DIR" not in os.environ or os.environ.get(_OWN_CACHE):
+    os.environ["PODSJAX_CACHE_DIR"] = _test_cache = tempfile.mkdtemp(prefix="podsjax-test-compile-cache-")
+    os.environ[_OWN_CACHE] = "1"
+else:
+    _test_cache = None
 # Tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -62,6 +69,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes seconds (an end-to-end run, a subprocess, a real compile)")
     cpus = jax.devices("cpu")
     assert len(cpus) == 8, f"expected 8 fake CPU devices, got {len(cpus)}"
+
+
+def pytest_unconfigure(config):
+    if _test_cache:  # the controller and each xdist worker remove their own
+        shutil.rmtree(_test_cache, ignore_errors=True)
+
+
+def pytest_xdist_auto_num_workers(config):
+    # `-n auto`: a process a core, at most 4. Each holds a JAX runtime and compiles on its
+    # own; more than 4 gain little on the suite and multiply the memory.
+    return max(1, min(os.cpu_count() or 1, 4))
 
 
 @pytest.fixture(autouse=True)
