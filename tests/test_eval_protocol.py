@@ -9,7 +9,7 @@ import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
-from podsjax import algorithms, data, loop, prompts, sampling
+from podsjax import algorithms, data, decoding, loop, prompts, sampling
 from podsjax import rewards as rewards_lib
 from podsjax.pass_at_k import gsm8k_answer_key
 from podsjax.rewards import format_correct
@@ -96,14 +96,19 @@ class RecordingGenerator:
 
 
 @pytest.mark.slow
-def test_sampled_passes_draw_their_own_keys_and_share_the_rollouts_decode_program(setup, tmp_path):
-    recorder = RecordingGenerator(setup[0])
+@pytest.mark.parametrize("layers", ["scanned", "unrolled"])
+def test_sampled_passes_draw_their_own_keys_and_share_the_rollouts_decode_program(setup, tmp_path, layers):
+    model = setup[0].clone(rollout_layers=layers)
+    recorder = RecordingGenerator(model)
     calls = recorder.calls
-    trainer = make_trainer(setup, tmp_path / "run", generator=recorder, eval_repeats=3, eval_temperature=0.9)
+    trainer = make_trainer((model, *setup[1:]), tmp_path / "run", generator=recorder, eval_repeats=3,
+                           eval_temperature=0.9)
+    decodes = []
     try:
         first = trainer.evaluate()
-        decodes = [trainer.compile_counts.get("generate[decode]", 0)]
+        decodes.append(trainer.compile_counts.get("generate[decode]", 0))
         trainer.rl_step()
+        decodes.append(trainer.compile_counts.get("generate[decode]", 0))
         second = trainer.evaluate()
         decodes.append(trainer.compile_counts.get("generate[decode]", 0))
     finally:
@@ -112,12 +117,17 @@ def test_sampled_passes_draw_their_own_keys_and_share_the_rollouts_decode_progra
     assert len(evals) == 6 and {c[1] for c in evals} == {0.9}
     assert len({c[0] for c in evals[:3]}) == 3  # a key per pass
     assert [c[0] for c in evals[:3]] == [c[0] for c in evals[3:]]  # the same keys at every evaluation
-    # 4 prompts in one chunk of prompts_per_step x n = 8 rows, as the step's 2 prompts x 4
-    # samples: the rollouts' decode program.
+    # 4 prompts in one chunk of prompts_per_step x n = 8 rows, as the step's 2 prompts x 4 samples.
     assert {c[3] for c in evals} == {8} and [(c[3], c[1]) for c in calls if c[2] == 4] == [(2, 0.9)]
     # At most one compile (none when an earlier test in this process built the same program),
-    # and neither the step nor the next evaluation compiles another.
-    assert decodes[0] == decodes[1] <= 1, trainer.compile_counts
+    # and the next evaluation compiles nothing. The scanned layout's cache holds each row's
+    # prompt, so the evaluation runs the rollouts' decode program. The unrolled one (GPUs)
+    # holds a prompt once for its n samples: 8 prompts x 1 sample is a cache of another
+    # shape from 2 prompts x 4, so the step compiles its own decode program, once.
+    own_rollout_program = isinstance(decoding.layers_for(model), decoding.UnrolledLayers)
+    assert own_rollout_program == (layers == "unrolled")
+    assert decodes[0] <= 1 and decodes[0] <= decodes[1] <= decodes[0] + own_rollout_program, trainer.compile_counts
+    assert decodes[2] == decodes[1], trainer.compile_counts
     for result in (first, second):
         assert result["eval/examples"] == 4.0 and result["eval/accuracy_std"] >= 0.0
         assert {"eval/answer_accuracy", "eval/format_accuracy"} <= set(result)

@@ -266,6 +266,35 @@ def test_attention_paths_match_a_numpy_reference_without_repeating_kv():
     assert "f32[2,40,2,8]" in hlo and "[2,40,4,8]" not in hlo
 
 
+@pytest.mark.parametrize("length, keys", [(77, 77), (10, 77), (77, 40)])
+def test_attention_padded_to_even_lengths_gives_the_unpadded_result(length, keys):
+    # cuDNN refuses odd lengths in its masked backward pass; its path pads them. Here the
+    # padding wraps the XLA path, so the CPU checks it: padded keys are never attended,
+    # the padded query is sliced off, and the gradients are those of the unpadded call.
+    from podsjax.models import attention
+
+    q, kk, v, allowed = attention_inputs(77, 13)
+    q, allowed = q[:, -length:], allowed[:, -length:, :keys]
+    kk, v = kk[:, :keys], v[:, :keys]
+    allowed = allowed.at[:, :, 0].set(True)  # every query sees a key within the first `keys`
+
+    def plain(q, k, v, allowed):
+        return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None])
+
+    def loss(fn, q, k, v):
+        out = fn(q, k, v, allowed)
+        return jnp.sum(jnp.sin(out)), out
+
+    (_, want), want_grads = jax.value_and_grad(functools.partial(loss, plain), (0, 1, 2), has_aux=True)(q, kk, v)
+    padded = attention._even_lengths(plain)
+    (_, got), got_grads = jax.value_and_grad(functools.partial(loss, padded), (0, 1, 2), has_aux=True)(q, kk, v)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, atol=1e-6)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention needs a GPU")
 def test_cudnn_attention_matches_the_xla_path_in_bf16():
     from podsjax.models import decoder

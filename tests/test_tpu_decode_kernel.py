@@ -122,6 +122,7 @@ def test_a_row_too_long_for_vmem_takes_the_xla_form():
                                   xla_form(q, keys, values, layer, allowed))
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.parametrize("spec", ["data=8", "data=2,fsdp=4"])
 def test_on_a_mesh_each_device_runs_the_kernel_on_its_rows(spec):
     mesh = mesh_lib.make_mesh(spec)
@@ -134,6 +135,7 @@ def test_on_a_mesh_each_device_runs_the_kernel_on_its_rows(spec):
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.parametrize("spec, split", [("data=4,tensor=2", True), ("data=2,tensor=4", False)])
 def test_the_cache_splits_a_slot_over_tensor_only_where_that_divides_its_kv_heads(spec, split):
     # 2 kv heads of 8: a slot's 16 features divide over 4 devices, but a head must not.

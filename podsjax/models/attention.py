@@ -48,6 +48,8 @@ def attend(q_BLHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BLS:
     batch split over ("data", "fsdp").
     """
     def call(q, k, v, allowed):
+        if implementation == "cudnn":
+            return _even_lengths(_cudnn_attention)(q, k, v, allowed)
         return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation=implementation)
 
     if implementation != "cudnn" or mesh is None or mesh.size == 1:
@@ -56,6 +58,33 @@ def attend(q_BLHE: jax.Array, k_BSKE: jax.Array, v_BSKE: jax.Array, allowed_BLS:
     specs = tuple(PartitionSpec(*rows, *[None] * (x.ndim - 1)) for x in (q_BLHE, k_BSKE, v_BSKE, allowed_BLS))
     return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
         q_BLHE, k_BSKE, v_BSKE, allowed_BLS)
+
+
+def _cudnn_attention(q_BLHE, k_BSKE, v_BSKE, allowed_BLS):
+    return jax.nn.dot_product_attention(q_BLHE, k_BSKE, v_BSKE, mask=allowed_BLS[:, None], implementation="cudnn")
+
+
+def _even_lengths(attention):
+    """``attention`` on queries and keys padded to even lengths, the padding sliced off.
+
+    cuDNN's flash attention with a mask (a bias to it) refuses odd sequence lengths in the
+    backward pass, and jax raises while tracing: a completion of 201 tokens would stop the
+    update. A padded key is allowed to no real query; a padded query sees key 0 (or the
+    padded key), so no row is fully masked.
+    """
+    def padded(q_BLHE, k_BSKE, v_BSKE, allowed_BLS):
+        extra_l, extra_s = q_BLHE.shape[1] % 2, k_BSKE.shape[1] % 2
+        if not (extra_l or extra_s):
+            return attention(q_BLHE, k_BSKE, v_BSKE, allowed_BLS)
+        length = q_BLHE.shape[1]
+        q_BLHE = jnp.pad(q_BLHE, ((0, 0), (0, extra_l), (0, 0), (0, 0)))
+        k_BSKE, v_BSKE = (jnp.pad(x, ((0, 0), (0, extra_s), (0, 0), (0, 0))) for x in (k_BSKE, v_BSKE))
+        allowed_BLS = jnp.pad(allowed_BLS, ((0, 0), (0, extra_l), (0, extra_s)))
+        if extra_l:
+            allowed_BLS = allowed_BLS.at[:, -1, -1 if extra_s else 0].set(True)
+        return attention(q_BLHE, k_BSKE, v_BSKE, allowed_BLS)[:, :length]
+
+    return padded
 
 
 def attend_cached(q_BLHE: jax.Array, k_cache: jax.Array, v_cache: jax.Array, allowed_BLS: jax.Array,
