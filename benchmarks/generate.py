@@ -40,6 +40,9 @@ stall far more than XLA's, so trust ratios from a quiet one.
 Run (CPU): python -m benchmarks.generate [--rows 32 --prompt-len 64 --new-tokens 128]
 Run (GPU): python -m benchmarks.generate --shape qwen2.5-1.5b --dtype bfloat16 --rows 256 --prompt-len 512 \
     --new-tokens 512 --tasks ''
+Where a GPU decode step goes (kernels against the time between them):
+    python -m benchmarks.generate --shape qwen2.5-1.5b --rows 64 --prompt-len 512 --new-tokens 256 --tasks '' \
+        --profile /tmp/podsjax-trace    (then: python -m benchmarks.trace_summary /tmp/podsjax-trace --steps 256)
 Smoke: python -m benchmarks.generate --layers 2 --rows 4 --new-tokens 16 --vocab 4096 --reward-limit 50
 """
 
@@ -140,6 +143,16 @@ def run_generate(args) -> dict:
          lambda: jax.block_until_ready(prefill_fn(params, ids, mask)), torch_synced(torch, torch_prefill)],
         args.repeats)
     (t_jax, times_jax), (t_pt, times_pt), (prefill_jax, _), (prefill_pt, _) = timed
+    profile = None
+    if args.profile:  # one more podsjax call under the profiler, after the timed ones
+        from benchmarks import trace_summary
+
+        with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+            podsjax_generate()
+        events = trace_summary.load_events(trace_summary.find_trace(args.profile))
+        device = "/host:CPU" if jax.default_backend() == "cpu" else f"/device:{jax.default_backend().upper()}"
+        profile = trace_summary.format_summary(trace_summary.summarize(trace_summary.device_kernels(events, device)),
+                                               steps=t_new)
     return dict(
         num_params=num_params,
         attn_impl=hf_model.config._attn_implementation,
@@ -151,6 +164,7 @@ def run_generate(args) -> dict:
         prefill_pt=prefill_pt,
         times_jax=times_jax,
         times_pt=times_pt,
+        profile=profile,
     )
 
 
@@ -297,6 +311,8 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=2, help="RewardPool worker processes")
     parser.add_argument("--reward-timeout", type=float, default=10.0, help="RewardPool per-item timeout_s")
     parser.add_argument("--skip-generate", action="store_true", help="only the reward benchmark")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="trace one more podsjax generate into DIR (jax.profiler) and summarize its kernels")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("error: --repeats must be >= 1")
@@ -325,6 +341,10 @@ def main(argv=None):
         print(format_decode_table(args, r))
         print_runs({"podsjax": r["times_jax"], "transformers": r["times_pt"]}, busy_during, bool(warning),
                    during="during generation")
+        if r["profile"]:
+            print(f"podsjax generate traced (prefill + {args.new_tokens} decode steps, figures per step), "
+                  f"trace in {args.profile}:")
+            print(r["profile"])
     if args.tasks:
         rows, startup_s = run_rewards(args)
         print(

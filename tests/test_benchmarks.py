@@ -124,3 +124,33 @@ def test_update_flops_follow_the_stated_formula():
 
     shapes = lora_shapes(podsjax_config(spec, 2048), LoraConfig(rank=64, alpha=64.0)).values()
     assert costs.lora_params(spec, 64) == sum(math.prod(a) + math.prod(b) for a, _, b, _ in shapes)
+
+
+def test_trace_summary_counts_stream_kernels_once_and_leaves_derived_lines_out(tmp_path):
+    import gzip
+    import json
+
+    from benchmarks import trace_summary
+
+    meta = [
+        {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 7, "tid": 1, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "pid": 7, "tid": 2, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+        {"ph": "M", "pid": 7, "tid": 3, "name": "thread_name", "args": {"name": "XLA Modules"}},
+        {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/host:CPU"}},
+    ]
+    kernels = [  # (tid, name, start, duration): 10-30 and 25-35 overlap on two streams; 50-60 alone
+        (1, "loop_fusion_12", 10, 20), (2, "loop_fusion.13", 25, 10), (1, "gemm", 50, 10),
+        (3, "jit_decode", 0, 100), (4, "ignored on host", 0, 100)]
+    events = meta + [{"ph": "X", "pid": 9 if tid == 4 else 7, "tid": tid, "name": n, "ts": t, "dur": d}
+                     for tid, n, t, d in kernels]
+    path = tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = trace_summary.summarize(trace_summary.device_kernels(
+        trace_summary.load_events(trace_summary.find_trace(str(tmp_path)))))
+    assert (summary.kernels, summary.span_us, summary.busy_us) == (3, 50.0, 35.0)
+    assert summary.by_name == [("loop_fusion", 2, 30.0), ("gemm", 1, 10.0)]
+    text = trace_summary.format_summary(summary, steps=2)
+    assert "busy 0.018 ms (70% of the span)" in text and "| loop_fusion | 1.0 | 0.015 ms | 86% |" in text
