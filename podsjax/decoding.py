@@ -109,17 +109,13 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
     """
     logits_BV = logits_BV.astype(jnp.float32)
     greedy = temperature <= 0
-
-    def scaled():
-        return logits_BV / jnp.where(greedy, 1.0, temperature)
-
-    def sampled():  # scaled inside the branch, so the draw reads the logits once
-        return jax.random.categorical(key, filter_logits(scaled(), cfg.top_k, cfg.top_p), axis=-1)
-
-    tokens_B = lax.cond(greedy, lambda: jnp.argmax(logits_BV, axis=-1), sampled)
+    scaled_BV = logits_BV / jnp.where(greedy, 1.0, temperature)
+    # Both draws, then a select: XLA runs a lax.cond on a GPU by reading its predicate on the
+    # host, a wait in every decode step. The extra draw is one pass over [B, V].
+    sampled_B = jax.random.categorical(key, filter_logits(scaled_BV, cfg.top_k, cfg.top_p), axis=-1)
+    tokens_B = jnp.where(greedy, jnp.argmax(logits_BV, axis=-1), sampled_B)
     if not cfg.return_logprobs:
         return tokens_B, None
-    scaled_BV = scaled()
     picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, picked_B - jax.nn.logsumexp(scaled_BV, axis=-1)
 

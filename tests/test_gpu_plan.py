@@ -80,6 +80,8 @@ def test_h100_decode_reads_a_bf16_cache_layer_by_layer(h100_model):
     assert "bf16[1,2,64,64]" in text and "bf16[8,2,64,64]" in text
     assert not re.search(r"(bf16|f32)\[[0-9,]*8,2,128,64\]", text)  # the prompt in no row
     assert not re.search(r"(bf16|f32)\[2,8,2,64,64\]", text)  # no stacked cache
+    # Greedy or sampled is a select: a conditional's predicate is read on the host, each step.
+    assert "conditional(" not in text
     # No fp32 copy of a layer in memory (a fusion may still upcast what it reads, in registers).
     assert not any(re.search(r"f32\[[0-9,]*8,2,64,64\]", t) for t in kernel_output_types(text))
 
