@@ -255,3 +255,14 @@ def test_the_tasks_answer_key_votes_by_default_and_eval_k_off_logs_nothing_new(s
     on = results[(1, 2)]
     assert on["eval/pass_at_1"] == on["eval/accuracy"] == 0.5 and on["eval/pass_at_2"] == 0.5
     assert 0.0 <= on["eval/maj_at_2"] <= 0.5 and 0.0 <= on["eval/maj_at_1"] <= 0.5
+
+
+def test_an_evaluation_where_no_prompt_fits_is_an_error_not_zero_accuracy(setup, tmp_path):
+    trainer = make_trainer(setup, tmp_path / "run", max_prompt_length=8)
+    try:
+        with pytest.raises(prompts.PromptError, match=r"^no evaluation example fits in max_prompt_length 8 tokens: "
+                                                      r"all 4 are longer; raise --max-prompt-length") as info:
+            trainer.evaluate()
+    finally:
+        trainer.close()
+    assert "\n" not in str(info.value)

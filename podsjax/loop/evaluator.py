@@ -83,10 +83,12 @@ class Evaluator:
         kept = EVAL_PARTS + ((ANSWERS,) if self.answer_key else ())
         parts: dict[str, list[np.ndarray]] = {name: [] for name in kept}  # name -> chunks of [R, e]
         samples: list[dict[str, Any]] = []
+        evaluated = 0
         for index, start in enumerate(range(0, len(self.examples), self.size)):
             chunk = self.examples[start : start + self.size]
             prompts = self.prompts.prepare(chunk)
             chunk = [chunk[i] for i in prompts.kept_P]
+            evaluated += len(chunk)
             if not chunk:
                 continue
             # The last prompt repeats to fill the chunk; its copies' results are dropped.
@@ -119,6 +121,10 @@ class Evaluator:
             for name in kept:
                 dtype = np.int64 if name == ANSWERS else np.float64
                 parts[name].append(np.stack([np.asarray(b[name], dtype) for b in breakdowns]))
+        if self.examples and not evaluated:  # an accuracy of nothing would read as 0 %
+            raise prompts_lib.PromptError(
+                f"no evaluation example fits in max_prompt_length {self.prompts.max_prompt_length} tokens: all "
+                f"{len(self.examples)} are longer; raise --max-prompt-length or filter the test set")
         values_RE = {name: np.concatenate(chunks, axis=1) if chunks
                      else np.zeros((run_config.eval_repeats, 0), np.int64 if name == ANSWERS else np.float64)
                      for name, chunks in parts.items()}
