@@ -177,3 +177,31 @@ class CompileLog:
     def total(self) -> int:
         """Compiles so far, all labels together."""
         return sum(self.counts.values())
+
+
+class InBackground:
+    """``fn()`` on a thread of its own, started at once; :meth:`result` waits and re-raises.
+
+    For compiles that can overlap other work: XLA compiles without holding Python's lock, so
+    a program compiles while another compiles or runs. The thread is a daemon: a process that
+    stops does not wait for a compile nobody will use.
+    """
+
+    def __init__(self, fn: Callable[[], object]):
+        self._value: object = None
+        self._error: BaseException | None = None
+
+        def run():
+            try:
+                self._value = fn()
+            except BaseException as exc:  # handed to the caller of result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="podsjax-compile", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value

@@ -214,7 +214,7 @@ def _param_bytes(base: Any, trained: Any, frozen: Any) -> int:
 def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | None, *, base_params: Any,
          prompts: int, prompt_len: int, max_new_tokens: int, eos_token_ids, pad_token_id: int = 0,
          update_fn=None, optimizer=None, state=None, frozen=None, compile_log=None,
-         generator: sampling.Generator | None = None) -> MemoryPlan:
+         generator: sampling.Generator | None = None, concurrent: bool = False) -> MemoryPlan:
     """Compiles generate and the update for these shapes and measures their memory.
 
     Args:
@@ -233,6 +233,8 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
         compile_log: a :class:`podsjax.compilation.CompileLog` to report the compiles to.
         generator: the :class:`podsjax.sampling.Generator` to compile in (default: a new one);
             the Trainer's own, so its first step reuses these programs.
+        concurrent: compile the update on another thread while generation compiles (the
+            compile times reported then overlap).
 
     Returns:
         The :class:`MemoryPlan`.
@@ -245,19 +247,24 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
     lora = abstract(state.params) if lora_config is not None else None
     log = compile_log or compilation.CompileLog()
     device = run_device(model.mesh)
+    rows = prompts * algo.m
+    batch = programs.abstract_batch(model.mesh, rows, prompt_len, max_new_tokens, algo)
+
+    def compile_update():
+        start = time.perf_counter()
+        with (log.label("update", f"{rows} rows x {prompt_len + max_new_tokens} tokens"),
+              _refused_by_compiler("the update", device.device_kind)):
+            return update_fn.lower(state, batch, frozen).compile(), time.perf_counter() - start
+
+    # Overlapped, the two compiles take the longer one's time, but each is timed slower.
+    pending = compilation.InBackground(compile_update) if concurrent else None
     with (log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"),
           _refused_by_compiler("generation", device.device_kind)):
         gen = (generator or sampling.Generator(model)).compile(
             base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
             max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=tuple(eos_token_ids),
             pad_token_id=pad_token_id, return_logprobs=algo.sampler_logprobs)
-    rows = prompts * algo.m
-    batch = programs.abstract_batch(model.mesh, rows, prompt_len, max_new_tokens, algo)
-    start = time.perf_counter()
-    with (log.label("update", f"{rows} rows x {prompt_len + max_new_tokens} tokens"),
-          _refused_by_compiler("the update", device.device_kind)):
-        update = update_fn.lower(state, batch, frozen).compile()
-    update_s = time.perf_counter() - start
+    update, update_s = pending.result() if pending is not None else compile_update()
     stage_temp = {stage: _temp(gen[stage]) for stage in ("weights", "prefill", "decode") if gen[stage] is not None}
     chip = topology.chip(device.device_kind)  # None for a CPU
     costs = _costs(gen, update, chip)

@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import threading
 import time
 
 import jax
@@ -100,6 +101,34 @@ def test_resume_rewinds_logs_to_the_checkpoint_and_keeps_the_cut_tail(tmp_path):
     assert (tmp_path / "metrics.jsonl.superseded").read_text() == '{"step": 2}\n{"ste\n'
     assert (tmp_path / "samples.jsonl").read_text() == ""
     assert (tmp_path / "samples.jsonl.superseded").read_text() == '{"step": 2}\n'
+
+
+def test_the_first_step_compiles_the_update_behind_generation(setup, tmp_path):
+    # The update's shape is known once the prompts are drawn: it compiles on another thread
+    # while generation compiles and runs, once per shape, and the step's call reuses it.
+    model, params, tokenizer, train_set, _ = setup
+    run = loop.RunConfig(out_dir=str(tmp_path / "run"), max_steps=2, prompts_per_step=2, max_new_tokens=8,
+                         eval_every_s=None, reward_workers=1, progress=False, console=False)
+    trainer = loop.Trainer(model, params, tokenizer, [train_set[0]] * 8, [], algorithms.method_config("pods", n=4, m=2),
+                           run, lora=pm.LoraConfig(rank=2, alpha=4.0), generator=shared_generator(model))
+    real, lowered_on = trainer.update_fn, []
+
+    class Recorded:
+        def lower(self, *args):
+            lowered_on.append(threading.current_thread().name)
+            return real.lower(*args)
+
+        def __call__(self, *args):
+            return real(*args)
+
+    trainer.update_fn = Recorded()
+    try:
+        trainer.rl_step()
+        trainer.rl_step()
+    finally:
+        trainer.close()
+    assert lowered_on == ["podsjax-compile"]
+    assert trainer.compile_counts["update"] == 1, trainer.compile_counts
 
 
 @pytest.mark.slow

@@ -103,6 +103,7 @@ class Trainer:
         # Installed while run() runs; multi-host runs stop where every process agrees (a step boundary).
         self.signals = run_state.StopSignals(drop_at_once=hosts.count() == 1)
         self._compiled_once = False
+        self._update_shapes: set[tuple[int, int]] = set()  # (rows, prompt length) the update compiled for
 
     def _start_state(self, base_params):
         """The first ``(state, frozen)``; a full fine-tune of narrow weights keeps a cast copy to sample from."""
@@ -168,12 +169,15 @@ class Trainer:
         these compiles instead of compiling again.
         """
         run_config = self.run_config
+        prompt_len = programs.padded_prompt_length(run_config)
+        self._update_shapes.add((programs.prompt_rows(run_config, self.algo) * self.algo.m, prompt_len))
         return dry_run.plan(
             self.model, self.algo, self.lora_config, base_params=self.policy_params()[0],
-            prompts=programs.prompt_rows(run_config, self.algo), prompt_len=programs.padded_prompt_length(run_config),
+            prompts=programs.prompt_rows(run_config, self.algo), prompt_len=prompt_len,
             max_new_tokens=run_config.max_new_tokens, eos_token_ids=self.eos_ids,
             pad_token_id=prompts_lib.pad_token_id(self.tokenizer), update_fn=self.update_fn, optimizer=self.optimizer,
-            state=self.state, frozen=self.frozen, compile_log=self.compile_log, generator=self.generator)
+            state=self.state, frozen=self.frozen, compile_log=self.compile_log, generator=self.generator,
+            concurrent=True)
 
     def policy_params(self):
         """(params, lora) to sample from: the current policy, in the model's dtype.
@@ -195,10 +199,12 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------
 
-    def _draw_and_generate(self, params, lora, key) -> dict:
-        """One draw of prompts, generated: ``{"examples", "prompts", "skipped", "ids", "prompt_mask", "rollouts"}``."""
+    def _draw_and_generate(self, params, lora, key, first_round: bool = True) -> dict:
+        """One draw of prompts, generated: ``{"examples", "prompts", "skipped", "ids", "prompt_mask", "rollouts",
+        "update_compile"}`` (the update compiling behind generation, or None)."""
         run_config, algo = self.run_config, self.algo
         examples, prompts, skipped = self.prompts.draw(run_config.prompts_per_step, algo.groups_per_prompt)
+        update_compile = self._compile_update_behind(prompts.ids_PL.shape[1]) if first_round else None
         ids, prompt_mask = (self.generator.place_rows(x) for x in (prompts.ids_PL, prompts.mask_PL))
         shape = reporting.generate_shape(prompts.ids_PL, algo.n, run_config.max_new_tokens)
         with self.compile_log.label("generate", shape):
@@ -207,7 +213,30 @@ class Trainer:
                 temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=self.eos_ids,
                 pad_token_id=prompts.pad_id, lora=lora, return_logprobs=algo.sampler_logprobs)
         return {"examples": examples, "prompts": prompts, "skipped": skipped, "ids": ids, "prompt_mask": prompt_mask,
-                "rollouts": rollouts}
+                "rollouts": rollouts, "update_compile": update_compile}
+
+    def _compile_update_behind(self, prompt_len: int) -> compilation.InBackground | None:
+        """The update for this step's batch shape, compiled on another thread while generation
+        compiles and runs; None where it compiled before. Without it the first step of each
+        prompt bucket compiles generation and then the update. With dynamic sampling the
+        batch's shape is known only after its draws, so the update compiles when it runs."""
+        rows = programs.prompt_rows(self.run_config, self.algo) * self.algo.m
+        if (self.algo.dynamic_sampling or (rows, prompt_len) in self._update_shapes
+                or not hasattr(self.update_fn, "lower")):  # an update of the caller's own, not jitted
+            return None
+        self._update_shapes.add((rows, prompt_len))
+        state = jax.tree.map(mesh_lib.abstract, self.state)
+        batch = programs.abstract_batch(self.model.mesh, rows, prompt_len, self.run_config.max_new_tokens, self.algo)
+        if self.model.mesh is None:  # the batch arrives on the state's device, committed: the same signature
+            device = jax.tree.leaves(self.state.params)[0].sharding
+            batch = jax.tree.map(lambda x: x.update(sharding=device), batch)
+        detail = f"{rows} rows x {prompt_len + self.run_config.max_new_tokens} tokens"
+
+        def compile_update():
+            with self.compile_log.label("update", detail):
+                self.update_fn.lower(state, batch, self.frozen).compile()
+
+        return compilation.InBackground(compile_update)
 
     def _score(self, drawn: dict) -> dict[str, np.ndarray]:
         rollouts = drawn["rollouts"]
@@ -256,7 +285,7 @@ class Trainer:
                         params, lora = self.policy_params()
                     round_key = key if round_index == 0 else jax.random.fold_in(
                         jax.random.fold_in(key, programs.SAMPLING_ROUND_STREAM), round_index)
-                    draws.append(self._draw_and_generate(params, lora, round_key))
+                    draws.append(self._draw_and_generate(params, lora, round_key, first_round=round_index == 0))
                     # JAX dispatches generation and returns at once; without the wait its time
                     # lands in scoring, which reads the tokens first.
                     jax.block_until_ready(draws[-1]["rollouts"])
@@ -281,6 +310,8 @@ class Trainer:
                                                   rewards_PN, config=algo, key=select_key,
                                                   logprobs_BT=rollouts.logprobs)
         with timer.phase("update"):
+            if draws[0]["update_compile"] is not None:
+                draws[0]["update_compile"].result()
             rows, length = batch.input_ids.shape
             with self.compile_log.label("update", f"{rows} rows x {length} tokens"):
                 self.state, step_metrics = self.update_fn(self.state, batch, self.frozen)
