@@ -56,19 +56,23 @@ def load_events(path: str) -> list[dict]:
 def device_kernels(events: list[dict], device: str = "/device:GPU") -> list[tuple[str, float, float]]:
     """(name, start us, duration us) of every complete event on the processes named ``device...``.
 
-    A GPU's process also has lines derived from its streams ("XLA Modules", "XLA Ops": one
-    event over a whole program would read as busy throughout), so where a process has
-    ``Stream ...`` threads only those count.
+    A device's process also has lines derived from its work ("XLA Modules": one event over a
+    whole program would read as busy throughout), so only its kernels' lines count: the
+    ``Stream ...`` threads of a GPU, else the ``XLA Ops`` line (a TPU's), else all of them.
     """
     meta = [e for e in events if e.get("ph") == "M"]
     pids = {e["pid"] for e in meta if e.get("name") == "process_name" and e["args"]["name"].startswith(device)}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e.get("name") == "thread_name"}
-    streams = {key for key, name in threads.items() if key[0] in pids and name.startswith("Stream")}
-    with_streams = {pid for pid, _ in streams}
+    kernel_lines: dict[int, set] = {}  # pid -> the thread ids whose events are its kernels
+    for pattern in (lambda name: name.startswith("Stream"), lambda name: name == "XLA Ops"):
+        for pid in pids - set(kernel_lines):
+            lines = {tid for (p, tid), name in threads.items() if p == pid and pattern(name)}
+            if lines:
+                kernel_lines[pid] = lines
 
     def counted(e):
         pid = e.get("pid")
-        return pid in pids and (pid not in with_streams or (pid, e.get("tid")) in streams)
+        return pid in pids and (pid not in kernel_lines or e.get("tid") in kernel_lines[pid])
 
     return [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events if e.get("ph") == "X" and counted(e)]
 
@@ -96,6 +100,8 @@ def summarize(kernels: list[tuple[str, float, float]]) -> Summary:
 
 
 def format_summary(summary: Summary, steps: int = 1, top: int = 15) -> str:
+    if summary.busy_us <= 0:
+        raise SystemExit("error: the trace's kernels have no duration")
     unit = "per step" if steps > 1 else "in all"
     lines = [
         f"device: {summary.kernels / steps:,.0f} kernels {unit}; span {summary.span_us / steps / 1e3:,.3f} ms, "

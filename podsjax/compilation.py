@@ -205,3 +205,7 @@ class InBackground:
         if self._error is not None:
             raise self._error
         return self._value
+
+    def wait(self) -> None:
+        """Until ``fn`` has returned or raised; its error is dropped (the caller is failing already)."""
+        self._thread.join()

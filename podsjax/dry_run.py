@@ -248,7 +248,8 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
     log = compile_log or compilation.CompileLog()
     device = run_device(model.mesh)
     rows = prompts * algo.m
-    batch = programs.abstract_batch(model.mesh, rows, prompt_len, max_new_tokens, algo)
+    batch = programs.abstract_batch(model.mesh, rows, prompt_len, max_new_tokens, algo,
+                                    like=jax.tree.leaves(state.params)[0])
 
     def compile_update():
         start = time.perf_counter()
@@ -258,12 +259,18 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
 
     # Overlapped, the two compiles take the longer one's time, but each is timed slower.
     pending = compilation.InBackground(compile_update) if concurrent else None
-    with (log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"),
-          _refused_by_compiler("generation", device.device_kind)):
-        gen = (generator or sampling.Generator(model)).compile(
-            base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
-            max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=tuple(eos_token_ids),
-            pad_token_id=pad_token_id, return_logprobs=algo.sampler_logprobs)
+    try:
+        with (log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"),
+              _refused_by_compiler("generation", device.device_kind)):
+            gen = (generator or sampling.Generator(model)).compile(
+                base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
+                max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k,
+                eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id,
+                return_logprobs=algo.sampler_logprobs)
+    except BaseException:
+        if pending is not None:
+            pending.wait()  # no compile left running while the error ends the process
+        raise
     update, update_s = pending.result() if pending is not None else compile_update()
     stage_temp = {stage: _temp(gen[stage]) for stage in ("weights", "prefill", "decode") if gen[stage] is not None}
     chip = topology.chip(device.device_kind)  # None for a CPU

@@ -154,3 +154,10 @@ def test_trace_summary_counts_stream_kernels_once_and_leaves_derived_lines_out(t
     assert summary.by_name == [("loop_fusion", 2, 30.0), ("gemm", 1, 10.0)]
     text = trace_summary.format_summary(summary, steps=2)
     assert "busy 0.018 ms (70% of the span)" in text and "| loop_fusion | 1.0 | 0.015 ms | 86% |" in text
+    # A TPU has no streams: its "XLA Ops" line holds the kernels, "XLA Modules" the programs.
+    tpu = [{"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:TPU:0"}},
+           {"ph": "M", "pid": 3, "tid": 1, "name": "thread_name", "args": {"name": "XLA Modules"}},
+           {"ph": "M", "pid": 3, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+           {"ph": "X", "pid": 3, "tid": 1, "name": "jit_decode", "ts": 0, "dur": 100},
+           {"ph": "X", "pid": 3, "tid": 2, "name": "fusion.3", "ts": 10, "dur": 5}]
+    assert trace_summary.device_kernels(tpu, "/device:TPU") == [("fusion.3", 10.0, 5.0)]

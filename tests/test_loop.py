@@ -159,12 +159,14 @@ def test_each_program_compiles_once_and_the_console_says_so(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_dir, tmp_path):
+@pytest.mark.parametrize("mesh", ["8", None])  # None: one device, as a single GPU runs
+def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_dir, tmp_path, mesh):
     from experiments import runner
     from podsjax import mesh as mesh_lib
 
     checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("fit_ckpt"))
-    model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32, mesh=mesh_lib.make_mesh("8"))
+    model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32,
+                                       mesh=mesh_lib.make_mesh(mesh) if mesh else None)
     tokenizer = prompts.load_tokenizer(checkpoint)
     gsm8k = os.path.join(data_dir, "gsm8k")
     example = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=1).examples

@@ -156,13 +156,18 @@ def batch_shardings(mesh, rows: int, algo: algorithms.AlgorithmConfig | None = N
 
 
 def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int,
-                   algo: algorithms.AlgorithmConfig | None = None) -> train.TrainBatch:
-    """The update's input batch as ``ShapeDtypeStruct``s, placed as :func:`batch_program` places it."""
+                   algo: algorithms.AlgorithmConfig | None = None, like: Any = None) -> train.TrainBatch:
+    """The update's input batch as ``ShapeDtypeStruct``s, placed as :func:`batch_program` places it.
+
+    Without a mesh the step's batch arrives committed to the state's device; ``like`` (a leaf
+    of the state) gives that placement, so an ahead-of-time compile has the call's signature.
+    """
     algo = algo or algorithms.AlgorithmConfig()
     shardings = batch_shardings(mesh, rows, algo) if mesh is not None else None
+    device = getattr(like, "sharding", None) if mesh is None else None
 
     def struct(name, shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(shardings, name) if shardings else None)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=getattr(shardings, name) if shardings else device)
 
     length = prompt_len + max_new_tokens
     steps = algo.steps_per_generation

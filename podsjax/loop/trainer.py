@@ -104,6 +104,12 @@ class Trainer:
         self.signals = run_state.StopSignals(drop_at_once=hosts.count() == 1)
         self._compiled_once = False
         self._update_shapes: set[tuple[int, int]] = set()  # (rows, prompt length) the update compiled for
+        # Compiles overlap generation on CPUs and TPUs. XLA's GPU compiler times candidate
+        # kernels on the device as it compiles (autotuning): beside generation those timings
+        # are noise and its scratch memory adds to generation's. GPUs, and runs over several
+        # hosts (untried), keep compiles one at a time until measured.
+        self._overlap_compiles = mesh_lib.platform(model.mesh) != "gpu" and hosts.count() == 1
+        self._pending_compile: compilation.InBackground | None = None
 
     def _start_state(self, base_params):
         """The first ``(state, frozen)``; a full fine-tune of narrow weights keeps a cast copy to sample from."""
@@ -177,7 +183,7 @@ class Trainer:
             max_new_tokens=run_config.max_new_tokens, eos_token_ids=self.eos_ids,
             pad_token_id=prompts_lib.pad_token_id(self.tokenizer), update_fn=self.update_fn, optimizer=self.optimizer,
             state=self.state, frozen=self.frozen, compile_log=self.compile_log, generator=self.generator,
-            concurrent=True)
+            concurrent=self._overlap_compiles)
 
     def policy_params(self):
         """(params, lora) to sample from: the current policy, in the model's dtype.
@@ -221,22 +227,21 @@ class Trainer:
         prompt bucket compiles generation and then the update. With dynamic sampling the
         batch's shape is known only after its draws, so the update compiles when it runs."""
         rows = programs.prompt_rows(self.run_config, self.algo) * self.algo.m
-        if (self.algo.dynamic_sampling or (rows, prompt_len) in self._update_shapes
+        if (not self._overlap_compiles or self.algo.dynamic_sampling or (rows, prompt_len) in self._update_shapes
                 or not hasattr(self.update_fn, "lower")):  # an update of the caller's own, not jitted
             return None
         self._update_shapes.add((rows, prompt_len))
         state = jax.tree.map(mesh_lib.abstract, self.state)
-        batch = programs.abstract_batch(self.model.mesh, rows, prompt_len, self.run_config.max_new_tokens, self.algo)
-        if self.model.mesh is None:  # the batch arrives on the state's device, committed: the same signature
-            device = jax.tree.leaves(self.state.params)[0].sharding
-            batch = jax.tree.map(lambda x: x.update(sharding=device), batch)
+        batch = programs.abstract_batch(self.model.mesh, rows, prompt_len, self.run_config.max_new_tokens, self.algo,
+                                        like=jax.tree.leaves(self.state.params)[0])
         detail = f"{rows} rows x {prompt_len + self.run_config.max_new_tokens} tokens"
 
         def compile_update():
             with self.compile_log.label("update", detail):
                 self.update_fn.lower(state, batch, self.frozen).compile()
 
-        return compilation.InBackground(compile_update)
+        self._pending_compile = compilation.InBackground(compile_update)
+        return self._pending_compile
 
     def _score(self, drawn: dict) -> dict[str, np.ndarray]:
         rollouts = drawn["rollouts"]
@@ -483,6 +488,8 @@ class Trainer:
                 f"updates left the weights as they were; {kept}. Lower the learning rate or check the rewards")
 
     def close(self):
+        if self._pending_compile is not None:  # a step that stopped early: no compile runs on into the exit
+            self._pending_compile.wait()
         # The reward workers go first: a second signal may cut the rest (waiting for a save) short.
         try:
             self.scorer.close()
