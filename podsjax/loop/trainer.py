@@ -74,7 +74,8 @@ class Trainer:
         self.generator = generator or sampling.Generator(model)
         self.optimizer, self.update_fn = update or programs.update_program(model, algo, lora)
         prompt_rows = programs.prompt_rows(run_config, algo)
-        self.batch_fn = programs.batch_program(model.mesh, prompt_rows * algo.m, algo)
+        self._update_rows = prompt_rows * algo.m  # the rows of every update batch
+        self.batch_fn = programs.batch_program(model.mesh, self._update_rows, algo)
         self.state, self.frozen = self._start_state(base_params)
         os.makedirs(run_config.out_dir, exist_ok=True)
         self.host = HostState()  # replaced by a restored checkpoint's
@@ -109,7 +110,7 @@ class Trainer:
         # are noise and its scratch memory adds to generation's. GPUs, and runs over several
         # hosts (untried), keep compiles one at a time until measured.
         self._overlap_compiles = mesh_lib.platform(model.mesh) != "gpu" and hosts.count() == 1
-        self._pending_compile: compilation.InBackground | None = None
+        self._pending_compile: compilation.InBackground | None = None  # the update compiling behind generation
 
     def _start_state(self, base_params):
         """The first ``(state, frozen)``; a full fine-tune of narrow weights keeps a cast copy to sample from."""
@@ -176,7 +177,7 @@ class Trainer:
         """
         run_config = self.run_config
         prompt_len = programs.padded_prompt_length(run_config)
-        self._update_shapes.add((programs.prompt_rows(run_config, self.algo) * self.algo.m, prompt_len))
+        self._update_shapes.add((self._update_rows, prompt_len))
         return dry_run.plan(
             self.model, self.algo, self.lora_config, base_params=self.policy_params()[0],
             prompts=programs.prompt_rows(run_config, self.algo), prompt_len=prompt_len,
@@ -206,11 +207,11 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------
 
     def _draw_and_generate(self, params, lora, key, first_round: bool = True) -> dict:
-        """One draw of prompts, generated: ``{"examples", "prompts", "skipped", "ids", "prompt_mask", "rollouts",
-        "update_compile"}`` (the update compiling behind generation, or None)."""
+        """One draw of prompts, generated: ``{"examples", "prompts", "skipped", "ids", "prompt_mask", "rollouts"}``."""
         run_config, algo = self.run_config, self.algo
         examples, prompts, skipped = self.prompts.draw(run_config.prompts_per_step, algo.groups_per_prompt)
-        update_compile = self._compile_update_behind(prompts.ids_PL.shape[1]) if first_round else None
+        if first_round:
+            self._compile_update_behind(prompts.ids_PL.shape[1])
         ids, prompt_mask = (self.generator.place_rows(x) for x in (prompts.ids_PL, prompts.mask_PL))
         shape = reporting.generate_shape(prompts.ids_PL, algo.n, run_config.max_new_tokens)
         with self.compile_log.label("generate", shape):
@@ -219,17 +220,18 @@ class Trainer:
                 temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=self.eos_ids,
                 pad_token_id=prompts.pad_id, lora=lora, return_logprobs=algo.sampler_logprobs)
         return {"examples": examples, "prompts": prompts, "skipped": skipped, "ids": ids, "prompt_mask": prompt_mask,
-                "rollouts": rollouts, "update_compile": update_compile}
+                "rollouts": rollouts}
 
-    def _compile_update_behind(self, prompt_len: int) -> compilation.InBackground | None:
-        """The update for this step's batch shape, compiled on another thread while generation
-        compiles and runs; None where it compiled before. Without it the first step of each
-        prompt bucket compiles generation and then the update. With dynamic sampling the
-        batch's shape is known only after its draws, so the update compiles when it runs."""
-        rows = programs.prompt_rows(self.run_config, self.algo) * self.algo.m
+    def _compile_update_behind(self, prompt_len: int) -> None:
+        """Starts compiling the update for this step's batch shape on another thread, to run
+        while generation compiles and runs (``_pending_compile``), unless it compiled before.
+        Without it the first step of each prompt bucket compiles generation and then the
+        update. With dynamic sampling the batch's shape is known only after its draws, so the
+        update compiles when it runs."""
+        rows = self._update_rows
         if (not self._overlap_compiles or self.algo.dynamic_sampling or (rows, prompt_len) in self._update_shapes
                 or not hasattr(self.update_fn, "lower")):  # an update of the caller's own, not jitted
-            return None
+            return
         self._update_shapes.add((rows, prompt_len))
         state = jax.tree.map(mesh_lib.abstract, self.state)
         batch = programs.abstract_batch(self.model.mesh, rows, prompt_len, self.run_config.max_new_tokens, self.algo,
@@ -241,7 +243,6 @@ class Trainer:
                 self.update_fn.lower(state, batch, self.frozen).compile()
 
         self._pending_compile = compilation.InBackground(compile_update)
-        return self._pending_compile
 
     def _score(self, drawn: dict) -> dict[str, np.ndarray]:
         rollouts = drawn["rollouts"]
@@ -315,8 +316,9 @@ class Trainer:
                                                   rewards_PN, config=algo, key=select_key,
                                                   logprobs_BT=rollouts.logprobs)
         with timer.phase("update"):
-            if draws[0]["update_compile"] is not None:
-                draws[0]["update_compile"].result()
+            if self._pending_compile is not None:
+                pending, self._pending_compile = self._pending_compile, None
+                pending.result()
             rows, length = batch.input_ids.shape
             with self.compile_log.label("update", f"{rows} rows x {length} tokens"):
                 self.state, step_metrics = self.update_fn(self.state, batch, self.frozen)
@@ -488,7 +490,7 @@ class Trainer:
                 f"updates left the weights as they were; {kept}. Lower the learning rate or check the rewards")
 
     def close(self):
-        if self._pending_compile is not None:  # a step that stopped early: no compile runs on into the exit
+        if self._pending_compile is not None:  # a step stopped before its update: no compile runs into the exit
             self._pending_compile.wait()
         # The reward workers go first: a second signal may cut the rest (waiting for a save) short.
         try:
