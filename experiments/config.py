@@ -140,11 +140,20 @@ class TinySection:
 
     warmup_dir: str | None = None  # where the warmed-up start checkpoint is cached (default: <out>/tiny_warmup)
     warmup_steps: int | None = None  # cap on the warm-up's steps
+    max_operations: int | None = None  # gsm8k only: at most this many operations a problem (1: an easier task)
 
     def __post_init__(self):
         steps = self.warmup_steps
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"tiny.warmup_steps must be an integer >= 1; got {steps!r}")
+
+    def check(self, task: str) -> None:
+        from podsjax.tiny.problems import check_task
+
+        try:
+            check_task(task, self.max_operations)
+        except ValueError as exc:
+            raise ValueError(f"tiny.{exc}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +169,9 @@ class ExperimentConfig:
 
     def __post_init__(self):
         if self.model.path is not None and self.tiny != TinySection():
-            raise ValueError("tiny.warmup_dir and tiny.warmup_steps belong to the tiny preset; they mean nothing "
-                             "with a model.path")
+            raise ValueError("tiny.warmup_dir, tiny.warmup_steps and tiny.max_operations belong to the tiny preset; "
+                             "they mean nothing with a model.path")
+        self.tiny.check(self.task)
 
     @property
     def task(self) -> str:

@@ -53,6 +53,7 @@ SHORTCUTS: dict[str, str] = {
     "--prompt-column": "data.prompt_column", "--answer-column": "data.answer_column",
     "--train-split": "data.train_split", "--test-split": "data.test_split", "--system-prompt": "run.system_prompt",
     "--warmup-dir": "tiny.warmup_dir", "--warmup-steps": "tiny.warmup_steps",
+    "--max-operations": "tiny.max_operations",
 }
 # Shortcuts of list fields: "--log a,b" and "--eval-k 1,4" give the list [a, b] and [1, 4].
 LIST_SHORTCUTS = ("run.log", "run.eval_k")

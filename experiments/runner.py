@@ -89,11 +89,12 @@ def _tiny(config, out_dir):
     directory = config.tiny.warmup_dir or os.path.join(out_dir, tiny.WARMUP_DIRNAME)
     seed = config.run.seed
     steps = {"steps": config.tiny.warmup_steps} if config.tiny.warmup_steps else {}
+    max_operations = config.tiny.max_operations
 
     def warm_up():
         try:
             return tiny.warm_up(directory, seed=seed, data_seed=seed, task=config.task,
-                                log=lambda line: print(line, flush=True), **steps)
+                                max_operations=max_operations, log=lambda line: print(line, flush=True), **steps)
         except tiny.WarmupError as exc:
             raise UsageError(str(exc)) from None
 
@@ -106,7 +107,7 @@ def _tiny(config, out_dir):
           flush=True)
     # The test split is a prefix-stable stream, so a larger --eval-limit extends it.
     num_test = max(tiny.TEST_PROBLEMS, config.run.eval_limit or 0)
-    train_set, test_set = tiny.tiny_tasks(seed, task=config.task, num_test=num_test)
+    train_set, test_set = tiny.tiny_tasks(seed, task=config.task, num_test=num_test, max_operations=max_operations)
     if len(test_set) < num_test:
         print(f"tiny preset: the {config.task} test split holds {len(test_set)} problems (at most "
               f"{tiny.MAX_TEST_PROBLEMS}); --eval-limit {num_test} evaluates all of them", flush=True)

@@ -94,6 +94,7 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--checkpoint-every-steps", "0"], "checkpoint_every_steps must be >= 1; got 0"),
     (["--remat", "some"], "model.remat must be one of none, full, dots; got 'some'"),
     (["--warmup-steps", "0"], "tiny.warmup_steps must be an integer >= 1; got 0"),
+    (["--max-operations", "3"], "tiny.max_operations must be an integer from 1 to 2, got 3"),
     (["--algorithm.nope", "1"], "unrecognized argument --algorithm.nope"),
     (["--nope"], "unrecognized argument --nope"),
     (["--n", "x"], "`algorithm.n`"),

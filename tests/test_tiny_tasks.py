@@ -155,3 +155,28 @@ def test_each_task_has_its_own_vocabulary():
     vocab = tiny.build_tokenizer(task="chemistry").get_vocab()
     assert any("mol" in token for token in vocab)
     assert chemistry_like.number(0.25) == "0.25" and chemistry_like.number(54.0) == "54"
+
+
+def test_max_operations_draws_one_step_problems_only():
+    easy = tiny.generate_problems(500, seed=0, max_operations=1)
+    assert {e.columns["operations"] for e in easy} == {ops for ops, _ in tiny.TEMPLATES if len(ops) == 1}
+    assert all(len(e.columns["operands"]) == 2 for e in easy)
+    # The default difficulty is every template, drawn exactly as without the argument.
+    full = tiny.generate_problems(300, seed=0, max_operations=tiny.MAX_OPERATIONS)
+    assert [e.prompt for e in full] == [e.prompt for e in tiny.generate_problems(300, seed=0)]
+    train, test = tiny.tiny_tasks(0, num_train=200, num_test=100, max_operations=1)
+    assert not {e.prompt for e in train} & {e.prompt for e in test}
+    assert {len(e.columns["operations"]) for e in train + test} == {1}
+
+
+@pytest.mark.parametrize("task, value, message", [
+    ("math", 1, "max_operations sets the gsm8k task's difficulty; the math task has none"),
+    ("gsm8k", 0, "max_operations must be an integer from 1 to 2, got 0"),
+    ("gsm8k", 3, "max_operations must be an integer from 1 to 2, got 3"),
+    ("gsm8k", True, "max_operations must be an integer from 1 to 2, got True"),
+])
+def test_max_operations_out_of_reach_is_one_line(task, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny.generate_problems(1, seed=0, task=task, max_operations=value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny.WarmupConfig(task=task, max_operations=value)

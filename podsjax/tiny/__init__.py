@@ -19,11 +19,13 @@ Its RL settings, checked to run quickly on a 2-core CPU, are ``podsjax.paper_set
 
 from podsjax.tiny.build import CHATML_TEMPLATE, TINY_MODEL, build_tiny_checkpoint, build_tokenizer, tiny_model
 from podsjax.tiny.problems import (
+    MAX_OPERATIONS,
     MAX_TEST_PROBLEMS,
     TASKS,
     TEST_PROBLEMS,
     TEMPLATES,
     TinyTasks,
+    check_task,
     generate_problems,
     iter_problems,
     make_splits,
@@ -44,9 +46,9 @@ from podsjax.tiny.warmup import (
 )
 
 __all__ = [
-    "CHATML_TEMPLATE", "MARKER_FILE", "MAX_TEST_PROBLEMS", "TASKS", "TEMPLATES", "TEST_PROBLEMS", "TINY_MODEL",
+    "CHATML_TEMPLATE", "MARKER_FILE", "MAX_OPERATIONS", "MAX_TEST_PROBLEMS", "TASKS", "TEMPLATES", "TEST_PROBLEMS", "TINY_MODEL",
     "TinyTasks",
     "WARMUP_DIRNAME", "WarmupConfig", "WarmupError", "WarmupStats", "build_tiny_checkpoint", "build_tokenizer",
-    "evaluate_greedy", "generate_problems", "iter_problems", "load_cached", "make_splits", "sft_completion",
+    "check_task", "evaluate_greedy", "generate_problems", "iter_problems", "load_cached", "make_splits", "sft_completion",
     "split_of", "tiny_model", "tiny_tasks", "warm_up", "worked_steps",
 ]

@@ -25,6 +25,7 @@ the tests recompute independently.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from typing import Iterable, Iterator
 
@@ -70,6 +71,8 @@ _SPLIT_BUCKETS = (("test", 2), ("validation", 3), ("train", _BUCKETS))
 _MAX_MISSES = 10_000
 
 _APPLY = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+# The most operations a template has: the default difficulty.
+MAX_OPERATIONS = max(len(operations) for operations, _ in TEMPLATES)
 
 
 def _split_rng(seed: int, split: str) -> np.random.Generator:
@@ -116,8 +119,15 @@ def worked_steps(operands: Iterable[int], operations: str) -> tuple[list[str], i
     return steps, total
 
 
-def _make_example(rng: np.random.Generator, split: str, index: int) -> Example:
-    operations, template = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
+def _templates(max_operations: int | None) -> tuple[tuple[str, str], ...]:
+    if max_operations is None:
+        return TEMPLATES
+    return tuple(t for t in TEMPLATES if len(t[0]) <= max_operations)
+
+
+def _make_example(rng: np.random.Generator, split: str, index: int, max_operations: int | None = None) -> Example:
+    templates = _templates(max_operations)
+    operations, template = templates[int(rng.integers(len(templates)))]
     operands = _draw_operands(rng, operations)
     name, item = NAMES[int(rng.integers(len(NAMES)))], ITEMS[int(rng.integers(len(ITEMS)))]
     question = template.format(name=name, item=item, **dict(zip("abc", operands)))
@@ -145,18 +155,29 @@ def split_of(question: str) -> str:
     raise AssertionError("unreachable: the last bucket bound is _BUCKETS")
 
 
-def _check_task(task: str) -> None:
+def check_task(task: str, max_operations: int | None = None) -> None:
+    """Raises ValueError, in one line, for a task the tiny preset lacks or a difficulty it cannot set."""
     if task not in _MAKERS:
         raise ValueError(f"the tiny preset has no task {task!r}; expected one of {', '.join(TASKS)}")
+    if max_operations is None:
+        return
+    if task != "gsm8k":
+        raise ValueError(f"max_operations sets the gsm8k task's difficulty; the {task} task has none")
+    if isinstance(max_operations, bool) or not isinstance(max_operations, int) \
+            or not 1 <= max_operations <= MAX_OPERATIONS:
+        raise ValueError(f"max_operations must be an integer from 1 to {MAX_OPERATIONS}, got {max_operations!r}")
 
 
-def iter_problems(seed: int, split: str, task: str = "gsm8k") -> Iterator[Example]:
+def iter_problems(seed: int, split: str, task: str = "gsm8k", *,
+                  max_operations: int | None = None) -> Iterator[Example]:
     """A seeded stream of distinct problems of one split, until the task's space runs out.
 
     Args:
         seed: the stream's seed; each split draws from its own stream.
         split: "train", "validation" or "test".
         task: "gsm8k", "math" or "chemistry".
+        max_operations: gsm8k only: draw only problems of at most this many operations
+            (1: one-step problems, an easier task); None: every template.
 
     Yields:
         Examples whose ``source`` is ``tiny:<split>:<index>`` (``tiny-math:...``, ...).
@@ -165,8 +186,10 @@ def iter_problems(seed: int, split: str, task: str = "gsm8k") -> Iterator[Exampl
         ValueError: after the last distinct problem, when ``_MAX_MISSES`` draws in a
             row found nothing new.
     """
-    _check_task(task)
+    check_task(task, max_operations)
     make = _MAKERS[task]
+    if max_operations is not None:
+        make = functools.partial(make, max_operations=max_operations)
     rng = _split_rng(seed, split)
     seen: set[str] = set()
     index = misses = 0
@@ -183,8 +206,8 @@ def iter_problems(seed: int, split: str, task: str = "gsm8k") -> Iterator[Exampl
 
 
 def generate_problems(count: int, seed: int, split: str = "train", task: str = "gsm8k", *,
-                      at_most: bool = False) -> list[Example]:
-    """The first ``count`` problems of ``iter_problems(seed, split, task)``.
+                      at_most: bool = False, max_operations: int | None = None) -> list[Example]:
+    """The first ``count`` problems of ``iter_problems(seed, split, task, max_operations=...)``.
 
     With ``at_most``, a task with fewer distinct problems returns all it has instead
     of raising.
@@ -192,7 +215,7 @@ def generate_problems(count: int, seed: int, split: str = "train", task: str = "
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     problems: list[Example] = []
-    stream = iter_problems(seed, split, task)
+    stream = iter_problems(seed, split, task, max_operations=max_operations)
     try:
         while len(problems) < count:
             problems.append(next(stream))
@@ -225,7 +248,7 @@ MAX_TEST_PROBLEMS = 4096
 
 
 def make_splits(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, num_validation: int = 128,
-                num_test: int = TEST_PROBLEMS) -> TinyTasks:
+                num_test: int = TEST_PROBLEMS, max_operations: int | None = None) -> TinyTasks:
     """Builds the train / validation / test splits of a data seed.
 
     Each split is a prefix of its own stream, so a smaller request returns the first
@@ -235,13 +258,13 @@ def make_splits(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, nu
     for name, value in (("num_train", num_train), ("num_validation", num_validation), ("num_test", num_test)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    return TinyTasks(*(tuple(generate_problems(count, seed, split, task))
+    return TinyTasks(*(tuple(generate_problems(count, seed, split, task, max_operations=max_operations))
                        for split, count in (("train", num_train), ("validation", num_validation),
                                             ("test", num_test))))
 
 
-def tiny_tasks(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000,
-               num_test: int = TEST_PROBLEMS) -> tuple[list[Example], list[Example]]:
+def tiny_tasks(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, num_test: int = TEST_PROBLEMS,
+               max_operations: int | None = None) -> tuple[list[Example], list[Example]]:
     """(train, test) examples for the RL loop on the tiny preset.
 
     Args:
@@ -250,12 +273,15 @@ def tiny_tasks(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000,
         num_train: training problems (the loop cycles through them).
         num_test: test problems, at most ``MAX_TEST_PROBLEMS`` and at most what the task has
             (``RunConfig.eval_limit`` may evaluate fewer).
+        max_operations: gsm8k only: at most this many operations per problem (``iter_problems``).
     """
     if num_test < 1:
         raise ValueError(f"num_test must be >= 1, got {num_test}")
-    splits = make_splits(seed, task=task, num_train=num_train, num_validation=1, num_test=1)
+    splits = make_splits(seed, task=task, num_train=num_train, num_validation=1, num_test=1,
+                         max_operations=max_operations)
     # A task with fewer distinct test problems than asked gives all it has (chemistry-like: 505).
-    test = generate_problems(min(num_test, MAX_TEST_PROBLEMS), seed, "test", task, at_most=True)
+    test = generate_problems(min(num_test, MAX_TEST_PROBLEMS), seed, "test", task, at_most=True,
+                             max_operations=max_operations)
     return list(splits.train), test
 
 

@@ -32,7 +32,7 @@ from podsjax import prompts as prompts_lib
 from podsjax import sampling
 from podsjax.models import Decoder, ModelConfig, from_pretrained, save_pretrained
 from podsjax.tiny.build import TINY_MODEL, build_tiny_checkpoint, check_tiny_model
-from podsjax.tiny.problems import TASKS, generate_problems, make_splits
+from podsjax.tiny.problems import TASKS, check_task, generate_problems, make_splits
 from podsjax.tiny.sft import evaluate_greedy, make_sft_optimizer, make_sft_step, tokenize_sft
 
 MARKER_FILE = "warmup.json"
@@ -57,6 +57,8 @@ class WarmupConfig:
         seed: seeds the model init and the batch order.
         data_seed: seeds the problems (the splits ``tiny_tasks(data_seed, task=task)`` returns).
         task: the tiny task: "gsm8k", "math" or "chemistry" (``tiny.problems.TASKS``).
+        max_operations: gsm8k only: at most this many operations per problem (1: the
+            easier one-step task); None: the task as it is.
         max_seconds: wall-clock limit of the training phase; the warm-up stops there
             with what it has.
         eval_every: steps between validation evaluations.
@@ -80,6 +82,7 @@ class WarmupConfig:
     seed: int = 0
     data_seed: int = 0
     task: str = "gsm8k"
+    max_operations: int | None = None
     max_seconds: float = 150.0
     eval_every: int = 20
     validation_size: int = 64
@@ -111,6 +114,7 @@ class WarmupConfig:
                              f"{self.min_accuracy}, {self.target_accuracy}, {self.max_accuracy}")
         if self.task not in TASKS:
             raise ValueError(f"WarmupConfig.task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        check_task(self.task, self.max_operations)
         check_tiny_model(self.model)
 
     def to_json(self) -> dict[str, Any]:
@@ -270,9 +274,9 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
 
 def _train(model: Decoder, params: Any, tokenizer, config: WarmupConfig, say: Callable[[str], None]) -> dict:
     splits = make_splits(config.data_seed, task=config.task, num_train=1, num_validation=config.validation_size,
-                         num_test=config.test_size)
+                         num_test=config.test_size, max_operations=config.max_operations)
     examples = generate_problems(min(config.steps * config.batch_size, config.pool_size), config.data_seed, "train",
-                                 config.task, at_most=True)
+                                 config.task, at_most=True, max_operations=config.max_operations)
     data = tokenize_sft(tokenizer, examples)
     rng = np.random.default_rng(config.seed)
     order = np.zeros((0,), np.int64)
