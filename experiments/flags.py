@@ -179,8 +179,14 @@ def _given(flags: list[str]) -> dict[str, str]:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return _clip(text.splitlines()[0]) if text else type(exc).__name__
+    lines = [line.strip() for line in str(exc).strip().splitlines()]
+    if not lines or not lines[0]:
+        return type(exc).__name__
+    # A line ending in ":" introduces the reasons below it (draccus on an optional field: "Could not
+    # decode the value into any of the given types:" then one line per type): keep them on the line.
+    if lines[0].endswith(":") and len(lines) > 1:
+        return _clip(lines[0] + " " + "; ".join(line for line in lines[1:] if line))
+    return _clip(lines[0])
 
 
 def _clip(line: str, limit: int = 300) -> str:

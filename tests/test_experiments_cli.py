@@ -95,6 +95,8 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--remat", "some"], "model.remat must be one of none, full, dots; got 'some'"),
     (["--warmup-steps", "0"], "tiny.warmup_steps must be an integer >= 1; got 0"),
     (["--max-operations", "3"], "tiny.max_operations must be an integer from 1 to 2, got 3"),
+    (["--max-operations", "x"], "`tiny.max_operations`: Could not decode the value into any of the given types: "
+                                "int: Couldn't parse 'x' into an int"),
     (["--algorithm.nope", "1"], "unrecognized argument --algorithm.nope"),
     (["--nope"], "unrecognized argument --nope"),
     (["--n", "x"], "`algorithm.n`"),
