@@ -46,9 +46,9 @@ from podsjax.tiny.warmup import (
 )
 
 __all__ = [
-    "CHATML_TEMPLATE", "MARKER_FILE", "MAX_OPERATIONS", "MAX_TEST_PROBLEMS", "TASKS", "TEMPLATES", "TEST_PROBLEMS", "TINY_MODEL",
-    "TinyTasks",
+    "CHATML_TEMPLATE", "MARKER_FILE", "MAX_OPERATIONS", "MAX_TEST_PROBLEMS", "TASKS", "TEMPLATES", "TEST_PROBLEMS",
+    "TINY_MODEL", "TinyTasks",
     "WARMUP_DIRNAME", "WarmupConfig", "WarmupError", "WarmupStats", "build_tiny_checkpoint", "build_tokenizer",
-    "check_task", "evaluate_greedy", "generate_problems", "iter_problems", "load_cached", "make_splits", "sft_completion",
-    "split_of", "tiny_model", "tiny_tasks", "warm_up", "worked_steps",
+    "check_task", "evaluate_greedy", "generate_problems", "iter_problems", "load_cached", "make_splits",
+    "sft_completion", "split_of", "tiny_model", "tiny_tasks", "warm_up", "worked_steps",
 ]

@@ -119,14 +119,8 @@ def worked_steps(operands: Iterable[int], operations: str) -> tuple[list[str], i
     return steps, total
 
 
-def _templates(max_operations: int | None) -> tuple[tuple[str, str], ...]:
-    if max_operations is None:
-        return TEMPLATES
-    return tuple(t for t in TEMPLATES if len(t[0]) <= max_operations)
-
-
-def _make_example(rng: np.random.Generator, split: str, index: int, max_operations: int | None = None) -> Example:
-    templates = _templates(max_operations)
+def _make_example(rng: np.random.Generator, split: str, index: int,
+                  templates: tuple[tuple[str, str], ...] = TEMPLATES) -> Example:
     operations, template = templates[int(rng.integers(len(templates)))]
     operands = _draw_operands(rng, operations)
     name, item = NAMES[int(rng.integers(len(NAMES)))], ITEMS[int(rng.integers(len(ITEMS)))]
@@ -188,8 +182,8 @@ def iter_problems(seed: int, split: str, task: str = "gsm8k", *,
     """
     check_task(task, max_operations)
     make = _MAKERS[task]
-    if max_operations is not None:
-        make = functools.partial(make, max_operations=max_operations)
+    if max_operations is not None:  # the gsm8k task's templates of at most that many operations, chosen once
+        make = functools.partial(make, templates=tuple(t for t in TEMPLATES if len(t[0]) <= max_operations))
     rng = _split_rng(seed, split)
     seen: set[str] = set()
     index = misses = 0
