@@ -220,7 +220,7 @@ def preset_layers(task: str, method: str, setting: str | None) -> list[Layer]:
             raise ValueError(f"setting {preset.name} is a {preset.task} setting; run experiments.{preset.task}")
         values = preset.values(method)
         dotted = [f"{section}.{key}" for section, fields in values.items() for key in fields]
-        layers.append(Layer(f"setting {preset.name}", values, {key: preset.source(key) for key in dotted}))
+        layers.append(Layer(f"setting {preset.name}", values, {key: preset.source(key, method) for key in dotted}))
     return layers
 
 
@@ -265,7 +265,7 @@ def describe_setting(setting: str, method: str, config: ExperimentConfig,
             dotted = f"{section.name}.{key}"
             if dotted == "run.out_dir":
                 continue
-            origin = _origin(dotted, value, preset, set_here, defaults[section.name], origins)
+            origin = _origin(dotted, value, preset, method, set_here, defaults[section.name], origins)
             if origin == "default":
                 default_here.append(f"{key} = {show(value)}")
                 continue
@@ -279,7 +279,7 @@ def describe_setting(setting: str, method: str, config: ExperimentConfig,
     return "\n".join(lines + kept)
 
 
-def _origin(dotted: str, value: Any, preset: paper_settings.Setting, set_here: dict[str, Any],
+def _origin(dotted: str, value: Any, preset: paper_settings.Setting, method: str, set_here: dict[str, Any],
             defaults: dict[str, Any], origins: dict[str, str] | None) -> str:
     """Where ``dotted``'s value comes from: as ``origins`` says, else told from the setting and the default."""
     if origins is not None:
@@ -288,7 +288,7 @@ def _origin(dotted: str, value: Any, preset: paper_settings.Setting, set_here: d
     if dotted == "run.task":
         return "the task's module"
     if key in set_here and value == set_here[key]:
-        return f"setting {preset.name} {preset.source(dotted)}".strip()
+        return f"setting {preset.name} {preset.source(dotted, method)}".strip()
     if key not in set_here and key in defaults and value == defaults[key]:
         return "default"
     return "a flag or --config"
@@ -316,7 +316,10 @@ def settings_table() -> str:
     The "no setting" column is what a run without ``--setting`` gets: the dataclass default,
     or the method's n / m. A dash: the preset leaves the field as that column has it."""
     presets, defaults = paper_settings.PRESETS, default_values()
-    per_method = {key for preset in presets.values() for fields in preset.methods.values() for key in fields}
+    per_method = {("algorithm", key) for preset in presets.values() for fields in preset.methods.values()
+                  for key in fields}
+    per_method |= {("run", key) for preset in presets.values() for fields in preset.method_run.values()
+                   for key in fields}
     rows: dict[tuple[str, str, str], dict[str, str]] = {}  # (section, field, method or "") -> preset -> cell
     for name, preset in presets.items():
         for method in preset.methods:
@@ -324,8 +327,9 @@ def settings_table() -> str:
                 for key, value in fields.items():
                     if (section, key) == ("algorithm", "algorithm"):
                         continue  # the method itself
-                    row = (section, key, method if section == "algorithm" and key in per_method else "")
-                    rows.setdefault(row, {})[name] = f"{_cell(value)} {preset.source(f'{section}.{key}')}".strip()
+                    row = (section, key, method if (section, key) in per_method else "")
+                    source = preset.source(f"{section}.{key}", method)
+                    rows.setdefault(row, {})[name] = f"{_cell(value)} {source}".strip()
 
     def position(row):
         section, key, method = row
@@ -333,8 +337,8 @@ def settings_table() -> str:
 
     lines = ["| field | no setting | " + " | ".join(presets) + " |", "|---" * (len(presets) + 2) + "|"]
     for section, key, method in sorted(rows, key=position):
-        plain = paper_settings.GSM8K_METHODS[method].get(key, defaults[section][key]) if method else \
-            defaults[section][key]
+        plain = paper_settings.GSM8K_METHODS[method].get(key, defaults[section][key]) \
+            if method and section == "algorithm" else defaults[section][key]
         cells = rows[section, key, method]
         shown = [cells.get(name, "-") for name in presets]
         for i, name in enumerate(presets):

@@ -67,7 +67,7 @@ class AlgorithmConfig:
     top_k: int = 0  # sample among the k most likely tokens (0: off)
     learning_rate: float = 5e-6  # peak learning rate
     schedule: str = "constant"  # learning-rate schedule: constant or cosine
-    warmup_ratio: float = 0.0  # cosine: fraction of total_steps spent warming up
+    warmup_ratio: float = 0.0  # cosine: fraction of total_steps spent warming up (rounded up, as transformers)
     total_steps: int = 1000  # cosine: the schedule's length in updates
     max_grad_norm: float = 0.1  # gradients are clipped to this global norm
     weight_decay: float = 0.1  # AdamW weight decay
@@ -156,6 +156,14 @@ class AlgorithmConfig:
         return self.temperature if self.logprob_temperature is None else self.logprob_temperature
 
     @property
+    def warmup_steps(self) -> int:
+        """Cosine warm-up updates: ``ceil(warmup_ratio x total_steps)``, as transformers'
+        ``get_warmup_steps`` counts them, short of the whole schedule."""
+        if self.schedule != "cosine":
+            return 0
+        return min(math.ceil(self.warmup_ratio * self.total_steps), self.total_steps - 1)
+
+    @property
     def updates_per_step(self) -> int:
         """Optimizer steps each generated batch takes: ``num_iterations x steps_per_generation``."""
         return self.num_iterations * self.steps_per_generation
@@ -207,7 +215,7 @@ def make_optimizer(config: AlgorithmConfig) -> optax.GradientTransformation:
 def learning_rate_schedule(config: AlgorithmConfig) -> optax.Schedule:
     if config.schedule == "constant":
         return optax.constant_schedule(config.learning_rate)
-    warmup = int(config.warmup_ratio * config.total_steps)
+    warmup = config.warmup_steps
     if warmup == 0:
         return optax.cosine_decay_schedule(config.learning_rate, config.total_steps)
     return optax.warmup_cosine_decay_schedule(0.0, config.learning_rate, warmup, config.total_steps)

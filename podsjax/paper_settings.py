@@ -46,17 +46,18 @@ What podsjax runs differently from the authors, on purpose or for now:
 - e-f: the authors' trainer gives each GPU one prompt and ``grad_accum`` groups of n for
   it, one group per micro-batch, generated together once per update, so an update sees 8
   prompts x grad_accum groups. podsjax does the same (``groups_per_prompt = grad_accum``).
-- e-f: TRL's ``bnpo`` loss is a token mean per device micro-batch; podsjax's
-  ``token-mean`` is the token mean over the whole update.
+- e-f: the learning-rate schedule and the step limit are one epoch as the authors' trainer
+  steps it (:func:`epoch_updates`): each method its own length, by its ``grad_accum``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from typing import Any, Mapping
 
-# One epoch of openai/gsm8k "main" train (7473 rows) at one prompt per GPU per update. [8gpu]
+# openai/gsm8k "main" train rows, the epoch of settings e-f (epoch_updates). [8gpu]
 _GSM8K_TRAIN_ROWS = 7473
 _GPUS = 8
 # Settings a-d. [1gpu] config/train.yaml: lr 5e-6 "constant" (HF's constant schedule
@@ -106,20 +107,48 @@ _LLAMA_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="a
 
 # Settings e-f. [8gpu] config_pods.yaml: lr 2e-5 on a cosine over the epoch's updates with
 # 10 % warm-up (cut off by the 40-minute stop), Adam (0.9, 0.999), weight decay 0,
-# max grad norm 1.0, beta 0; temperature 0.9 (TRL's GRPOConfig default then). TRL's bnpo
-# loss ~ token-mean. [8gpu] GRPO-GA n = m = 32 with 16 accumulation steps against
-# PODS n = 128, m = 32 with 4, each micro-batch a new group of the GPU's one prompt:
-# groups_per_prompt = grad_accum, so an update holds 8 x 16 groups of 32 (GRPO-GA) or
-# 8 x 4 groups of 128 down-sampled to 32 (PODS), 4096 rollouts either way.
+# max grad norm 1.0, beta 0; temperature 0.9 (TRL's GRPOConfig default then). [8gpu] GRPO-GA
+# n = m = 32 with 16 accumulation steps against PODS n = 128, m = 32 with 4, each
+# micro-batch a new group of the GPU's one prompt: groups_per_prompt = grad_accum, so an
+# update holds 8 x 16 groups of 32 (GRPO-GA) or 8 x 4 groups of 128 down-sampled to 32
+# (PODS), 4096 rollouts either way. TRL's bnpo loss ~ token-mean.
 # [8gpu] grpo_trainer.py divides the logits by the sampling temperature before its log-probs,
 # and samples with TRL's top_k 50 of that commit (use_vllm is false, so generate gets it).
-_MULTI_COMMON = dict(learning_rate=2e-5, schedule="cosine", warmup_ratio=0.1, total_steps=_GSM8K_TRAIN_ROWS // _GPUS,
-                     adam_b1=0.9, adam_b2=0.999, weight_decay=0.0, max_grad_norm=1.0, temperature=0.9,
-                     logprob_temperature=None, top_k=50, beta=0.0, aggregation="token-mean")
+_MULTI_COMMON = dict(learning_rate=2e-5, schedule="cosine", warmup_ratio=0.1, adam_b1=0.9, adam_b2=0.999,
+                     weight_decay=0.0, max_grad_norm=1.0, temperature=0.9, logprob_temperature=None, top_k=50,
+                     beta=0.0, aggregation="token-mean")
+
+
+def epoch_updates(rows: int, processes: int, grad_accum: int, num_iterations: int = 1) -> int:
+    """Optimizer updates in one epoch of ``rows`` prompts, as the authors' 8-GPU trainer and
+    Hugging Face's loop count them.
+
+    ``grpo_trainer.py``'s sampler hands each of the ``processes`` one prompt a batch (a last
+    round of fewer prompts is dropped), ``num_iterations`` times over; a process's batch is
+    that prompt's ``pods_full_size x gradient_accumulation_steps`` rollouts; Hugging Face's
+    Trainer (the commit open-r1 pins) counts ``len(dataloader) // gradient_accumulation_steps``
+    updates an epoch, at least 1. The trainer generates from the first batch of each
+    update only, so an epoch trains on one prompt in ``grad_accum``.
+    """
+    return max(rows // processes * num_iterations // grad_accum, 1)
+
+
+def _epoch_source(grad_accum: int) -> str:
+    updates = epoch_updates(_GSM8K_TRAIN_ROWS, _GPUS, grad_accum)
+    warmup = math.ceil(_MULTI_COMMON["warmup_ratio"] * updates)  # transformers' get_warmup_steps
+    return (f"[8gpu] one epoch as grpo_trainer.py and HF's Trainer step it: {_GSM8K_TRAIN_ROWS} // {_GPUS} "
+            f"= {_GSM8K_TRAIN_ROWS // _GPUS} batches // grad_accum {grad_accum} = {updates} updates, "
+            f"{warmup} of them warm-up (ceil(0.1 x {updates}))")
+
+
 _MULTI_METHODS = {
-    "grpo-ga": dict(algorithm="grpo-ga", n=32, m=32, grad_accum=16, groups_per_prompt=16),
-    "pods": dict(algorithm="pods", n=128, m=32, rule="max_variance", grad_accum=4, groups_per_prompt=4),
+    "grpo-ga": dict(algorithm="grpo-ga", n=32, m=32, grad_accum=16, groups_per_prompt=16,
+                    total_steps=epoch_updates(_GSM8K_TRAIN_ROWS, _GPUS, 16)),
+    "pods": dict(algorithm="pods", n=128, m=32, rule="max_variance", grad_accum=4, groups_per_prompt=4,
+                 total_steps=epoch_updates(_GSM8K_TRAIN_ROWS, _GPUS, 4)),
 }
+# [8gpu] one epoch (config_pods.yaml num_train_epochs 1) is each method's step limit too.
+_MULTI_METHOD_RUN = {method: {"max_steps": fields["total_steps"]} for method, fields in _MULTI_METHODS.items()}
 # [8gpu] 8 prompts per update (one per GPU), 512 + 1024 tokens, one epoch capped at 40 min
 # of training clock (grpo_trainer.py stops there), evaluation every 120 s of training
 # (evaluation time not counted), one pass sampled at temperature 0.9 (do_sample). Checkpoints
@@ -130,7 +159,7 @@ RECIPE_SYSTEM_PROMPT = (
     "format: <think>\n...\n</think>\n<answer>\n...\n</answer>")
 _MULTI_RUN = dict(prompts_per_step=_GPUS, max_prompt_length=512, max_new_tokens=1024, eval_every_s=120.0,
                   eval_temperature=0.9, eval_repeats=1, checkpoint_every_s=1800.0, time_budget_s=40 * 60.0,
-                  max_steps=_GSM8K_TRAIN_ROWS // _GPUS, system_prompt=RECIPE_SYSTEM_PROMPT)
+                  system_prompt=RECIPE_SYSTEM_PROMPT)
 # [8gpu] reward_funcs accuracy, format, tag_count of open-r1's rewards.py with reward_weights
 # 1, 1, 1: LaTeX-only math-verify accuracy, newline-exact format and tags.
 _MULTI_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="open-r1")
@@ -158,11 +187,12 @@ class Setting:
         common: AlgorithmConfig fields shared by the methods.
         run: RunConfig fields, the evaluation protocol among them (``eval_repeats``,
             ``eval_temperature``, ``eval_metric``: see ``podsjax.loop.RunConfig``).
+        method_run: method -> the RunConfig fields of that method, over ``run``.
         mesh: the ``--mesh`` spec; None: the setting leaves it.
         hardware: what it ran on (for ``describe``).
         rewards: keyword arguments of ``podsjax.rewards.default_rewards(task, **rewards)``.
-        sources: where each value comes from, by ``section.key`` or, for the rest of a
-            section, by ``section`` (:meth:`source`).
+        sources: where each value comes from, by ``section.key (method)`` for one method's,
+            ``section.key``, or, for the rest of a section, by ``section`` (:meth:`source`).
     """
 
     name: str
@@ -177,6 +207,7 @@ class Setting:
     hardware: str = ""
     rewards: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    method_run: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.lora_rank is not None and self.lora_rank < 1:
@@ -184,8 +215,9 @@ class Setting:
         # Read-only views: settings share their section dicts, so one edit would change several.
         for name in ("common", "run", "rewards", "sources"):
             object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
-        methods = {method: types.MappingProxyType(dict(fields)) for method, fields in self.methods.items()}
-        object.__setattr__(self, "methods", types.MappingProxyType(methods))
+        for name in ("methods", "method_run"):
+            per_method = {method: types.MappingProxyType(dict(fields)) for method, fields in getattr(self, name).items()}
+            object.__setattr__(self, name, types.MappingProxyType(per_method))
 
     def algorithm_config(self, method: str) -> dict[str, Any]:
         """The AlgorithmConfig fields of ``method``: ``common`` overlaid with the method's own."""
@@ -198,12 +230,13 @@ class Setting:
         """Every field the setting sets for ``method``, by section of the config tree (:data:`SECTIONS`)."""
         model = {"hub_name": self.model, "lora_rank": self.lora_rank, "dtype": self.dtype, "mesh": self.mesh}
         model = {key: value for key, value in model.items() if value is not None or key == "lora_rank"}
-        return {"model": model, "algorithm": self.algorithm_config(method), "run": dict(self.run),
-                "rewards": dict(self.rewards)}
+        return {"model": model, "algorithm": self.algorithm_config(method),
+                "run": {**self.run, **self.method_run.get(method, {})}, "rewards": dict(self.rewards)}
 
-    def source(self, key: str) -> str:
-        """Where ``key`` ("algorithm.learning_rate") comes from: its own entry, else its section's."""
-        return self.sources.get(key) or self.sources.get(key.split(".")[0], "")
+    def source(self, key: str, method: str | None = None) -> str:
+        """Where ``key`` ("algorithm.learning_rate") comes from: the method's own entry, the key's, else its section's."""
+        own = self.sources.get(f"{key} ({method})") if method else None
+        return own or self.sources.get(key) or self.sources.get(key.split(".")[0], "")
 
     @property
     def headline(self) -> str:
@@ -218,7 +251,8 @@ class Setting:
         lines = [self.headline]
         for section, fields in self.values(method).items():
             for key, value in fields.items():
-                lines.append(f"  {section}.{key} = {show_value(value)}  {self.source(f'{section}.{key}')}".rstrip())
+                source = self.source(f"{section}.{key}", method)
+                lines.append(f"  {section}.{key} = {show_value(value)}  {source}".rstrip())
         return "\n".join(lines)
 
 
@@ -264,7 +298,8 @@ _MULTI_SOURCES = {
     "algorithm.algorithm": "[8gpu] exp.sh", "algorithm.n": "[8gpu] exp.sh (pods_full_size)",
     "algorithm.m": "[8gpu] exp.sh (num_generations)", "algorithm.grad_accum": "[8gpu] exp.sh",
     "algorithm.groups_per_prompt": "[8gpu] grpo_trainer.py", "algorithm.rule": "[8gpu] grpo_trainer.py",
-    "algorithm.total_steps": "[8gpu] one epoch of GSM8K train (config_pods.yaml)",
+    **{f"{key} ({method})": _epoch_source(fields["grad_accum"]) for method, fields in _MULTI_METHODS.items()
+       for key in ("algorithm.total_steps", "run.max_steps")},
     "algorithm.adam_b1": "[8gpu] TrainingArguments default",
     "algorithm.adam_b2": "[8gpu] TrainingArguments default", "algorithm.weight_decay": "[8gpu] TrainingArguments default",
     "algorithm.max_grad_norm": "[8gpu] TrainingArguments default",
@@ -272,7 +307,7 @@ _MULTI_SOURCES = {
     "algorithm.logprob_temperature": "[8gpu] grpo_trainer.py", "algorithm.aggregation": "[8gpu] grpo_trainer.py (bnpo)",
     "run": "[8gpu] grpo_trainer.py", "run.prompts_per_step": "[8gpu] exp.sh (8 processes)",
     "run.max_prompt_length": "[8gpu] config_pods.yaml", "run.max_new_tokens": "[8gpu] config_pods.yaml",
-    "run.max_steps": "[8gpu] config_pods.yaml (one epoch)", "run.system_prompt": "[8gpu] config_pods.yaml",
+"run.system_prompt": "[8gpu] config_pods.yaml",
     "run.checkpoint_every_s": "[podsjax]",
     "rewards": "[8gpu] open-r1 rewards.py, config_pods.yaml weights",
 }
@@ -300,9 +335,11 @@ SETTINGS: dict[str, Setting] = {
     # SciBench's grading (within 5 % relative) in place of theirs.
     "d": _single("d", _QWEN_3B, "chemistry", GSM8K_METHODS),
     "e": Setting("e", _QWEN_3B, "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON, _MULTI_RUN,
-                 mesh=str(_GPUS), hardware="8 H100", rewards=_MULTI_REWARDS, sources=_MULTI_SOURCES),
+                 mesh=str(_GPUS), hardware="8 H100", rewards=_MULTI_REWARDS, sources=_MULTI_SOURCES,
+                 method_run=_MULTI_METHOD_RUN),
     "f": Setting("f", "Qwen/Qwen2.5-7B-Instruct", "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON,
-                 _MULTI_RUN, mesh=str(_GPUS), hardware="8 A100", rewards=_MULTI_REWARDS, sources=_MULTI_SOURCES),
+                 _MULTI_RUN, mesh=str(_GPUS), hardware="8 A100", rewards=_MULTI_REWARDS, sources=_MULTI_SOURCES,
+                 method_run=_MULTI_METHOD_RUN),
 }
 
 

@@ -1,5 +1,6 @@
 """The presets: the paper's settings a-f (the table's letters, the authors' defaults) and tiny; valid configs."""
 
+import math
 import re
 
 import pytest
@@ -87,15 +88,15 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     assert set(s.methods) == {"grpo-ga", "pods"}  # the paper's two methods at this scale
     c = config(name, "pods")
     # config_pods.yaml, the recipe exp.sh names: a cosine over the epoch with 10 % warm-up.
-    assert (c.learning_rate, c.schedule, c.warmup_ratio, c.total_steps) == (2e-5, "cosine", 0.1, 7473 // 8)
+    assert (c.learning_rate, c.schedule, c.warmup_ratio) == (2e-5, "cosine", 0.1)
     assert (c.adam_b1, c.adam_b2, c.weight_decay, c.max_grad_norm) == (0.9, 0.999, 0.0, 1.0)
     assert (c.beta, c.aggregation) == (0.0, "token-mean")
     # grpo_trainer.py: log-probs at the sampling temperature, TRL's top_k 50 in generate.
     assert (c.temperature, c.update_temperature, c.top_k) == (0.9, 0.9, 50)
     assert s.rewards == dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="open-r1")
     assert (s.run["prompts_per_step"], s.run["max_new_tokens"], s.run["eval_every_s"]) == (8, 1024, 120.0)
-    # One epoch of GSM8K train, 8 prompts per update, capped at 40 min of training clock.
-    assert (s.run["max_steps"], s.run["time_budget_s"]) == (7473 // 8, 2400.0)
+    # Capped at 40 min of training clock (and at one epoch: see below).
+    assert s.run["time_budget_s"] == 2400.0
     run = loop.RunConfig(out_dir="unused", task=s.task, **s.run)
     assert (run.eval_repeats, run.eval_temperature, run.eval_metric) == (1, 0.9, "accuracy")  # one sampled pass
     assert run.system_prompt.startswith("You are a helpful AI Assistant") and "<think>\n...\n</think>" in run.system_prompt
@@ -103,6 +104,33 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     ga = config(name, "grpo-ga")
     assert (ga.n, ga.m, ga.grad_accum) == (32, 32, 16)
     assert (c.n, c.m, c.grad_accum) == (128, 32, 4)
+
+
+def hf_cosine(step, peak, warmup, total):
+    """transformers' get_cosine_schedule_with_warmup, the rate of update ``step`` (from 0)."""
+    if step < warmup:
+        return peak * step / warmup
+    return peak * max(0.0, 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
+
+
+@pytest.mark.parametrize("name", MULTI)
+@pytest.mark.parametrize("method,updates,warmup", [("pods", 233, 24), ("grpo-ga", 58, 6)])
+def test_eight_gpu_schedules_are_one_epoch_as_the_authors_trainer_steps_it(name, method, updates, warmup):
+    # 7473 GSM8K train rows, one prompt per GPU a dataloader batch: 934 batches on each of
+    # the 8; Hugging Face counts len(dataloader) // gradient_accumulation_steps updates
+    # (grad_accum 4 for PODS, 16 for GRPO-GA) and ceil(0.1 x updates) of them warm up.
+    c = config(name, method)
+    assert paper_settings.epoch_updates(7473, 8, c.grad_accum) == updates
+    assert (c.total_steps, c.warmup_steps) == (updates, warmup)
+    s = paper_settings.get_setting(name)
+    assert s.values(method)["run"]["max_steps"] == updates  # the epoch ends the run too
+    schedule = algorithms.learning_rate_schedule(c)
+    for step in range(updates + 1):
+        assert float(schedule(step)) == pytest.approx(hf_cosine(step, 2e-5, warmup, updates), rel=1e-5, abs=1e-12)
+    lines = [line for line in s.describe(method).splitlines() if ".total_steps = " in line or ".max_steps = " in line]
+    assert len(lines) == 2
+    for line in lines:
+        assert f" = {updates}  [8gpu] " in line and f"{updates} updates, {warmup} of them warm-up" in line
 
 
 def test_bad_setting_fields_raise_one_line_errors():
