@@ -87,6 +87,9 @@ def parse(argv):
     args.methods = methods
     for flag in OWN_FLAGS:
         if flag in passthrough:
+            if flag == "--warmup-dir":
+                raise UsageError("--warmup-dir names one warm-up, but each seed has its own (the tiny preset "
+                                 "keeps them in its shared warm-up cache); remove it")
             raise UsageError(f"{flag} is set by compare itself; remove it")
     return args, passthrough
 
@@ -127,18 +130,23 @@ def with_algorithm(config: ExperimentConfig, label: str, fields: dict[str, Any])
 
 
 def seed_config(config: ExperimentConfig, seed: int, out: str, root: str) -> ExperimentConfig:
-    """One run of a variant: its seed and directory, and on the tiny preset the seed's warm-up.
+    """One run of a variant: its seed and directory.
+
+    On the tiny preset every method of a seed starts from the same warmed-up policy: the
+    shared warm-up cache's (``podsjax.tiny.warmup_cache``), which single runs of that seed
+    use too. A comparison begun before that cache existed keeps the warm-ups it made in
+    ``<root>/tiny_warmup-seed<s>``.
 
     Args:
         config: the variant's config.
         seed: the run's seed.
         out: the run's directory.
-        root: the comparison's directory, which holds the tiny preset's warm-ups.
+        root: the comparison's directory.
     """
     config = flags_lib.replace_run(config, seed=seed, out_dir=out)
-    if config.model.path is None:  # every method of a seed starts from the same warmed-up policy
-        warmup = os.path.join(root, f"tiny_warmup-seed{seed}")
-        config = dataclasses.replace(config, tiny=dataclasses.replace(config.tiny, warmup_dir=warmup))
+    earlier = os.path.join(root, f"tiny_warmup-seed{seed}")
+    if config.model.path is None and os.path.isdir(earlier):
+        config = dataclasses.replace(config, tiny=dataclasses.replace(config.tiny, warmup_dir=earlier))
     return config
 
 

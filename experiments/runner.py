@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -84,19 +85,26 @@ def _load_split(task: str, split: str, path: str | None, columns: dict | None = 
 
 def _tiny(config, out_dir):
     from podsjax import tiny
+    from podsjax.tiny import warmup_cache
 
     print(TINY_HINT, flush=True)
-    directory = config.tiny.warmup_dir or os.path.join(out_dir, tiny.WARMUP_DIRNAME)
     seed = config.run.seed
     steps = {"steps": config.tiny.warmup_steps} if config.tiny.warmup_steps else {}
     max_operations = config.tiny.max_operations
+    settings = tiny.WarmupConfig(seed=seed, data_seed=seed, task=config.task, max_operations=max_operations, **steps)
+    # Every run that would train the same warm-up (a rerun, another method, a comparison) shares one.
+    directory = config.tiny.warmup_dir or warmup_cache.cache_dir(settings)
 
     def warm_up():
         try:
-            return tiny.warm_up(directory, seed=seed, data_seed=seed, task=config.task,
-                                max_operations=max_operations, log=lambda line: print(line, flush=True), **steps)
+            return tiny.warm_up(directory, settings, log=lambda line: print(line, flush=True))
         except tiny.WarmupError as exc:
             raise UsageError(str(exc)) from None
+        except OSError as exc:
+            if config.tiny.warmup_dir or exc.errno not in (errno.EACCES, errno.EROFS, errno.EPERM):
+                raise
+            raise UsageError(f"cannot write the tiny warm-up cache {directory}: {exc.strerror}; set "
+                             f"${warmup_cache.CACHE_ENV} or pass --warmup-dir DIR") from None
 
     # Process 0 warms up; the others then find the cached result (its directory is shared).
     stats = warm_up() if hosts.is_primary() else None

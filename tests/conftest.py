@@ -32,6 +32,11 @@ if "PODSJAX_CACHE_DIR" not in os.environ or os.environ.get(_OWN_CACHE):
     os.environ[_OWN_CACHE] = "1"
 else:
     _test_cache = None
+# Likewise the tiny preset's warm-ups: shared by the runs of one test process, not the user's.
+if "PODSJAX_WARMUP_CACHE_DIR" not in os.environ or os.environ.get(_OWN_CACHE):
+    os.environ["PODSJAX_WARMUP_CACHE_DIR"] = _test_warmups = tempfile.mkdtemp(prefix="podsjax-test-warmups-")
+else:
+    _test_warmups = None
 # Tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -72,8 +77,9 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    if _test_cache:  # the controller and each xdist worker remove their own
-        shutil.rmtree(_test_cache, ignore_errors=True)
+    for own in (_test_cache, _test_warmups):  # the controller and each xdist worker remove their own
+        if own:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config):

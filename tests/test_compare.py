@@ -83,8 +83,13 @@ def test_a_setting_without_a_method_and_bad_lists_give_one_line_and_exit_2(tmp_p
 
 def test_a_seed_sets_the_seed_the_directory_and_on_the_tiny_preset_the_shared_warm_up(tmp_path, model_dir):
     tiny = prepare(tmp_path).variants["pods"]
-    run = compare.seed_config(tiny, 3, "root/pods-seed3", "root")
-    assert (run.run.seed, run.run.out_dir, run.tiny.warmup_dir) == (3, "root/pods-seed3", "root/tiny_warmup-seed3")
+    run = compare.seed_config(tiny, 3, "root/pods-seed3", str(tmp_path))
+    # The shared warm-up cache's, as a single run of the seed (no directory of the comparison's own) ...
+    assert (run.run.seed, run.run.out_dir, run.tiny.warmup_dir) == (3, "root/pods-seed3", None)
+    # ... unless an earlier comparison made its own there: it goes on with that one.
+    (tmp_path / "tiny_warmup-seed3").mkdir()
+    run = compare.seed_config(tiny, 3, "root/pods-seed3", str(tmp_path))
+    assert run.tiny.warmup_dir == str(tmp_path / "tiny_warmup-seed3")
     with_model = prepare(tmp_path, "--model", model_dir, "--max-steps", "2").variants["pods"]
     real = compare.seed_config(with_model, 1, "o", "root")
     assert (real.run.seed, real.tiny.warmup_dir) == (1, None)

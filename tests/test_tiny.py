@@ -24,7 +24,7 @@ pytestmark = pytest.mark.cpu_mesh
 SMALL = tiny.tiny_model(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                         head_dim=16)
 SHORT_WARMUP = dict(steps=4, batch_size=4, eval_every=2, validation_size=4, test_size=4, eval_batch_size=4,
-                    max_new_tokens=6, pool_size=32, max_seconds=120.0, min_accuracy=0.0,
+                    max_new_tokens=6, pool_size=32, min_accuracy=0.0,
                     target_accuracy=1.0, max_accuracy=1.0, model=SMALL)
 APPLY = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
 
@@ -256,7 +256,7 @@ def test_warm_up_refuses_a_directory_that_is_not_a_warm_up(tmp_path):
     (dict(steps=0), "steps"),
     (dict(lr=0.0), "lr"),
     (dict(target_accuracy=0.7), "min_accuracy <= target_accuracy"),
-    (dict(max_seconds=-1.0), "max_seconds"),
+    (dict(eval_every=0), "eval_every"),
 ])
 def test_warmup_config_is_validated(bad, match):
     with pytest.raises(ValueError, match=match):

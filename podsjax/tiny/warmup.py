@@ -8,9 +8,12 @@ the RL loop renders it (default system prompt, chat template, no extra special
 tokens), so the warm-up trains on the inputs RL will see.
 
 Training stops as soon as greedy accuracy on a validation split reaches
-``target_accuracy``, so the starting policy is right some of the time (10-60%) and
-RL has room to improve. The result is a normal HF checkpoint directory plus
-``warmup.json``; a second call with the same settings reuses it without training.
+``target_accuracy``, or after ``steps`` steps, never on the wall clock: the same settings
+give the same weights on a quiet machine and a busy one. The starting policy is then right
+some of the time (10-60%) and RL has room to improve; one that ends weaker says so. The
+result is a normal HF checkpoint directory plus ``warmup.json``; a second call with the
+same settings reuses it without training (``podsjax.tiny.warmup_cache`` keeps one per
+settings and code version for every run to share).
 
 The training pieces (SFT batches, loss, step, greedy evaluation) live in
 ``podsjax.tiny.sft``.
@@ -22,6 +25,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -37,7 +41,8 @@ from podsjax.tiny.sft import evaluate_greedy, make_sft_optimizer, make_sft_step,
 
 MARKER_FILE = "warmup.json"
 WARMUP_DIRNAME = "tiny_warmup"
-_FORMAT_VERSION = 2  # 2: the model is recorded as ModelConfig fields
+_FORMAT_VERSION = 3  # 2: the model is recorded as ModelConfig fields; 3: no wall-clock limit
+_READABLE_VERSIONS = (2, 3)  # a version-2 warm-up is read, its wall-clock limit dropped
 
 
 class WarmupError(ValueError):
@@ -50,6 +55,7 @@ class WarmupConfig:
 
     Attributes:
         steps: the most optimizer steps; training usually stops earlier, at the target.
+            Training never stops on the wall clock, so a busy machine trains the same policy.
         batch_size: sequences per step.
         lr: peak AdamW learning rate (linear warm-up, then cosine decay over ``steps``).
         warmup_steps: steps of the linear warm-up.
@@ -59,8 +65,6 @@ class WarmupConfig:
         task: the tiny task: "gsm8k", "math" or "chemistry" (``tiny.problems.TASKS``).
         max_operations: gsm8k only: at most this many operations per problem (1: the
             easier one-step task); None: the task as it is.
-        max_seconds: wall-clock limit of the training phase; the warm-up stops there
-            with what it has.
         eval_every: steps between validation evaluations.
         validation_size: validation problems per evaluation (greedy decoding).
         test_size: test problems scored at the end (the reported accuracy).
@@ -83,7 +87,6 @@ class WarmupConfig:
     data_seed: int = 0
     task: str = "gsm8k"
     max_operations: int | None = None
-    max_seconds: float = 150.0
     eval_every: int = 20
     validation_size: int = 64
     test_size: int = 128
@@ -107,8 +110,6 @@ class WarmupConfig:
             raise ValueError(f"WarmupConfig.lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:
             raise ValueError(f"WarmupConfig.weight_decay must be >= 0, got {self.weight_decay}")
-        if not self.max_seconds > 0:
-            raise ValueError(f"WarmupConfig.max_seconds must be > 0, got {self.max_seconds}")
         if not 0 <= self.min_accuracy <= self.target_accuracy <= self.max_accuracy <= 1:
             raise ValueError("WarmupConfig needs 0 <= min_accuracy <= target_accuracy <= max_accuracy <= 1, got "
                              f"{self.min_accuracy}, {self.target_accuracy}, {self.max_accuracy}")
@@ -122,6 +123,7 @@ class WarmupConfig:
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> WarmupConfig:
+        record = {k: v for k, v in record.items() if k != "max_seconds"}  # format 2's wall-clock limit
         return cls(**{**record, "model": ModelConfig(**record["model"])})
 
 
@@ -133,7 +135,8 @@ class WarmupStats:
         path: the warmed-up checkpoint directory.
         config: the settings it ran with.
         steps: optimizer steps taken.
-        stop_reason: "target" (validation reached the target), "steps" or "time".
+        stop_reason: "target" (validation reached the target) or "steps" (the step cap came
+            first); "time" in a format-2 warm-up, which also stopped on the wall clock.
         train_seconds: wall-clock of the training phase (compiles and evaluations included).
         total_seconds: the whole call that trained (build, train, test, save).
         final_loss: the last step's mean completion cross-entropy.
@@ -197,7 +200,7 @@ def load_cached(directory: str | os.PathLike, config: WarmupConfig | None = None
     record = _read_marker(directory)
     if record is None:
         return None
-    if record.get("version") != _FORMAT_VERSION:
+    if record.get("version") not in _READABLE_VERSIONS:
         raise WarmupError(f"{directory} holds a warm-up of format version {record.get('version')}, "
                           f"expected {_FORMAT_VERSION}; pass overwrite=True to redo it")
     try:
@@ -217,14 +220,15 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
     """Builds the tiny model, fine-tunes it to a non-trivial accuracy and caches the result.
 
     Args:
-        directory: where the warmed-up checkpoint goes (e.g. ``<run_dir>/tiny_warmup``).
+        directory: where the warmed-up checkpoint goes (the CLI's default:
+            ``podsjax.tiny.warmup_cache.cache_dir(config)``, shared by every run).
             It then loads with ``podsjax.models.from_pretrained`` and
             ``podsjax.prompts.load_tokenizer``.
         config: the settings; defaults to ``WarmupConfig()``.
         overwrite: redo a warm-up already in ``directory``, even with other settings.
         log: called with one-line progress messages (e.g. ``print``); None is silent.
         **overrides: ``WarmupConfig`` fields to replace (``steps=``, ``batch_size=``,
-            ``lr=``, ``seed=``, ``max_seconds=`` ...).
+            ``lr=``, ``seed=``, ``target_accuracy=`` ...).
 
     Returns:
         The WarmupStats; ``cached`` is True when an earlier identical warm-up was reused.
@@ -242,16 +246,36 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
         cached = load_cached(directory, config)
         if cached is not None:
             say(f"tiny warm-up: reusing {directory} (test accuracy {cached.test_accuracy:.0%})")
+            _warn_if_weak(cached, say)
             return cached
         if os.path.isdir(directory) and os.listdir(directory):
             raise WarmupError(f"{directory} is not empty and holds no finished warm-up; "
                               "pass overwrite=True to replace it")
     started = time.perf_counter()
-    # Work in a sibling staging directory and rename at the end, so a killed warm-up
-    # never leaves a directory that looks finished.
-    staging = directory + ".partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    build_tiny_checkpoint(staging, seed=config.seed, model=config.model, task=config.task)
+    # Work in a sibling staging directory of this call's own and rename at the end, so a killed
+    # warm-up never leaves a directory that looks finished, and two runs that warm up at once
+    # (sharing the cache) do not write into each other's.
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".partial-", dir=os.path.dirname(directory))
+    try:
+        result = _build(directory, staging, config, say, started, overwrite)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if result.cached:
+        say(f"tiny warm-up: another run finished the same warm-up first; reusing {directory}")
+        _warn_if_weak(result, say)
+        return result
+    say(f"tiny warm-up: {result.steps} steps in {result.train_seconds:.0f}s ({_STOPPED[result.stop_reason]}), "
+        f"test accuracy {result.test_accuracy:.0%} (format {result.test_format:.0%}), saved to {directory}")
+    _warn_if_weak(result, say)
+    return result
+
+
+def _build(directory: str, staging: str, config: WarmupConfig, say: Callable[[str], None], started: float,
+           overwrite: bool) -> WarmupStats:
+    """Builds and trains the warm-up in ``staging``, then renames it to ``directory``; the
+    stats of the one already there when another call finished first (``cached``)."""
+    build_tiny_checkpoint(staging, seed=config.seed, model=config.model, task=config.task, overwrite=True)
     tokenizer = prompts_lib.load_tokenizer(staging)
     model, params = from_pretrained(staging)
     stats = _train(model, params, tokenizer, config, say)
@@ -260,16 +284,43 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
     result = WarmupStats(path=directory, config=config, total_seconds=time.perf_counter() - started, **stats)
     with open(os.path.join(staging, MARKER_FILE), "w") as handle:
         json.dump(result.to_json(), handle, indent=2)
-    if os.path.isdir(directory):
-        shutil.rmtree(directory)
-    os.replace(staging, directory)
-    if not result.in_range:
-        say(f"tiny warm-up: WARNING test accuracy {result.test_accuracy:.0%} is outside "
-            f"[{config.min_accuracy:.0%}, {config.max_accuracy:.0%}]; RL may start from a policy with "
-            "too little reward signal (or too little room); adjust steps/lr/target_accuracy")
-    say(f"tiny warm-up: {result.steps} steps in {result.train_seconds:.0f}s, test accuracy "
-        f"{result.test_accuracy:.0%} (format {result.test_format:.0%}), saved to {directory}")
+    if not overwrite and (theirs := load_cached(directory, config)) is not None:
+        return theirs
+    shutil.rmtree(directory, ignore_errors=True)  # overwrite=True, or an empty directory
+    try:
+        os.replace(staging, directory)
+    except OSError:  # another call renamed its own there in between
+        theirs = None if overwrite else load_cached(directory, config)
+        if theirs is None:
+            raise
+        return theirs
     return result
+
+
+_STOPPED = {"target": "validation reached the target", "steps": "the step cap", "time": "the wall-clock limit"}
+
+
+def weakness(stats: WarmupStats) -> str | None:
+    """One line saying that a warm-up ended weak or too strong, and what to do; None when it is usable."""
+    config = stats.config
+    if stats.test_accuracy > config.max_accuracy:
+        return (f"tiny warm-up: WARNING test accuracy {stats.test_accuracy:.0%} is above {config.max_accuracy:.0%}, "
+                "so RL has little room to improve; lower target_accuracy")
+    if stats.stop_reason == "target" and stats.in_range:
+        return None
+    if stats.stop_reason == "target":
+        why = f"validation reached the target but test accuracy is {stats.test_accuracy:.0%}"
+    else:
+        why = (f"validation did not reach the target {config.target_accuracy:.0%} in {stats.steps} steps "
+               f"(test accuracy {stats.test_accuracy:.0%})")
+    return (f"tiny warm-up: WARNING it ended weak: {why}, so RL starts with little reward signal; raise the step "
+            f"cap (--warmup-steps {2 * config.steps}; it is {config.steps}) or try another --seed")
+
+
+def _warn_if_weak(stats: WarmupStats, say: Callable[[str], None]) -> None:
+    line = weakness(stats)
+    if line is not None:
+        say(line)
 
 
 def _train(model: Decoder, params: Any, tokenizer, config: WarmupConfig, say: Callable[[str], None]) -> dict:
@@ -302,8 +353,7 @@ def _train(model: Decoder, params: Any, tokenizer, config: WarmupConfig, say: Ca
         params, opt_state, loss_value = step_fn(params, opt_state, prefix, data.suffix_ids[rows],
                                                 data.suffix_mask[rows], data.loss_mask[rows])
         step += 1
-        out_of_time = time.perf_counter() - started >= config.max_seconds
-        if step % config.eval_every == 0 or step == config.steps or out_of_time:
+        if step % config.eval_every == 0 or step == config.steps:
             loss = float(loss_value)
             eval_started = time.perf_counter()
             validation = evaluate(splits.validation)
@@ -315,9 +365,6 @@ def _train(model: Decoder, params: Any, tokenizer, config: WarmupConfig, say: Ca
                 f"format {validation['format']:.0%} ({elapsed:.0f}s, eval {history[-1]['eval_seconds']:.1f}s)")
             if validation["accuracy"] >= config.target_accuracy:
                 stop_reason = "target"
-                break
-            if out_of_time:
-                stop_reason = "time"
                 break
     train_seconds = time.perf_counter() - started
     test = evaluate(splits.test)
