@@ -23,7 +23,7 @@ import time
 import traceback
 import warnings
 
-from experiments import flags
+from experiments import flags, run_dir
 from experiments.config import describe_setting
 from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_device_count
 
@@ -407,6 +407,8 @@ def main(task: str, argv=None) -> int:
         if config is None:  # --resume
             config = flags.read_run_config(args.out, args.field_flags)
         flags.check(args, config)
+        if args.overwrite:
+            run_dir.check_overwrite(args.out, config, args.config)
         start(args, config)
         if args.setting:
             print(describe_setting(args.setting, args.method, config, getattr(args, "origins", None)), flush=True)

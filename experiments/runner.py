@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments import flags
+from experiments import flags, run_dir
 from experiments.config import ExperimentConfig
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError, mesh_device_count
 from podsjax import compilation, data, hosts, loop, prompts, run_state
@@ -125,6 +125,8 @@ def _tiny(config, out_dir):
 def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
                    topology: str | None = None, started_at: float | None = None) -> int:
     config = flags.replace_run(config, out_dir=out_dir)
+    if overwrite:
+        run_dir.check_overwrite(out_dir, config)
     mesh = _mesh(config.model.mesh, topology)
     # Every check that needs no model comes before anything is written to out_dir, so a
     # corrected rerun is not refused as "not empty".
