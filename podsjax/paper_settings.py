@@ -101,8 +101,9 @@ _SINGLE_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="au
 # [1gpu] release 3fc107e: MATH trains on correctness alone by their grader (result names "NF": no format);
 # the format rewards stay as metrics at weight 0.
 _MATH_REWARDS = dict(accuracy=1.0, format=0.0, tag_count=0.0, format_style="authors-release")
-# [1gpu] commit 0c453d2 (Llama): their grader, and 0.01 x format_score (1 - 0.01 per
-# character outside) and 0.01 x the tag count (0.25 a tag) on every completion.
+# [1gpu] commit 0c453d2 (Llama): their grader with that commit's last number (digits, dots
+# and commas), and 0.01 x format_score (1 - 0.01 per character outside) and 0.01 x the tag
+# count (0.25 a tag) on every completion.
 _LLAMA_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="authors-llama")
 
 # Settings e-f. [8gpu] config_pods.yaml: lr 2e-5 on a cosine over the epoch's updates with

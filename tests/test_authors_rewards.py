@@ -7,7 +7,7 @@ The expected totals are worked out by hand from the authors' code: release 3fc10
 import pytest
 
 from podsjax import paper_settings
-from podsjax.rewards import default_rewards, score_rewards
+from podsjax.rewards import authors, default_rewards, score_rewards
 
 RIGHT = "<think>48+24=72</think><answer>72</answer>"
 WRONG = "<think>48+24=71</think><answer>71</answer> extra"  # 6 characters after the span
@@ -21,7 +21,8 @@ EXPECTED = {
     # correctness, then for wrong answers only 0.1 - 0.001 x 6 = 0.094 and 4 x 0.025.
     "a": [1.0, 0.194, 1.0, 1.0, 1.0, 1.0],
     # correctness, then on every completion 0.01 x (1 - 0.01 x outside) and 0.01 x 0.25 a tag.
-    "b": [1.0 + 0.01 + 0.01, 0.01 * 0.94 + 0.01, 1.0 + 0.01 + 0.01, 1.0 + 0.0 + 0.01 * 0.5, 1.0,
+    # The box's sentence ends in ".", the last number the Llama commit reads there: wrong.
+    "b": [1.0 + 0.01 + 0.01, 0.01 * 0.94 + 0.01, 1.0 + 0.01 + 0.01, 1.0 + 0.0 + 0.01 * 0.5, 0.0,
           1.0 + 0.01 * (1 - 0.01 * 12) + 0.01],
     # correctness alone, by grade_answer: "$72$" loses its dollars, and the box's 72 and the
     # rescued 72 are the last runs of digits.
@@ -46,3 +47,31 @@ def test_each_setting_scores_fixed_completions_as_the_authors_code_does(name):
 
 def test_the_eight_gpu_settings_share_their_rewards():
     assert paper_settings.get_setting("f").rewards == paper_settings.get_setting("e").rewards
+
+
+# (completion, gold, right for release 3fc107e (a, c, d), right for the Llama commit 0c453d2 (b)).
+# The release's last number is the last run of digits; the Llama commit's the last run of
+# digits, dots and commas. The whole text and the answer tag are read alike by both.
+LAST_NUMBER_CASES = [
+    # A sentence's closing "." is the Llama commit's last number: wrong for b, right for a.
+    ("... So, Janet makes $18 every day at the farmers' market.", "18", True, False),
+    ("Janet has 3 ducks and sells 18,", "18", True, False),  # "18," is one number there
+    ("Each costs 2.5, so 5", "5", True, True),
+    ("Each costs 2.5", "5", True, False),  # the release reads the "5" after the dot
+    ("The total is 1,000", "1000", False, True),  # the release reads "000"
+    ("Total: 5.00", "5", False, True),  # the release reads "00"
+    ("The answer is 18.", "18", True, True),  # "18." grades as 18
+    ("So she makes $18 a day.\n<answer>18</answer>.", "18", True, True),  # the answer tag
+    ("no number here", "18", False, False),
+]
+
+
+@pytest.mark.parametrize("text,gold,release,llama", LAST_NUMBER_CASES)
+def test_each_commit_reads_the_last_number_with_its_own_extractor(text, gold, release, llama):
+    assert authors.authors_correct(text, gold) is release
+    assert authors.authors_correct(text, gold, authors.LLAMA_LAST_NUMBER) is llama
+    # As setting a and setting b score it (b's accuracy is the Llama commit's grader).
+    for name, right in (("a", release), ("b", llama)):
+        setting = paper_settings.get_setting(name)
+        scores = score_rewards([text], default_rewards(setting.task, **setting.rewards), answer=[gold])
+        assert scores.per_function["accuracy"][0] == float(right), name

@@ -8,8 +8,10 @@ Single GPU, release 3fc107e (``utils/data.py``), settings a, c and d:
   ``<think>..</think>[ \\n]?<answer>..</answer>`` span, and 0.025 per tag that appears
   exactly once (:func:`release_format_reward`, :func:`release_tag_count_reward`).
 
-Single GPU, commit 0c453d2 (Llama, setting b): the same correctness, and 0.01 x the format
-and tag rewards of ``podsjax.rewards.format`` on every completion.
+Single GPU, commit 0c453d2 (Llama, setting b): the same correctness but for its last number,
+the last run of digits, dots and commas (:data:`LLAMA_LAST_NUMBER`: ``1,000`` and ``5.00``
+whole, and a sentence's closing ``.`` a number of its own), and 0.01 x the format and tag
+rewards of ``podsjax.rewards.format`` on every completion.
 
 Eight GPUs, open-r1's ``rewards.py`` (settings e and f), each with weight 1:
 
@@ -34,7 +36,9 @@ from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_O
 _RELEASE_FORMAT_SCALE = 0.1  # 0.1 - 0.001 per character outside: 0.1 x format_score
 _RELEASE_TAG = 0.025
 _TAGS = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
-_DIGITS = re.compile(r"\d+")
+# The last number each commit's extract_last_integer takes: release 3fc107e's, and the Llama commit 0c453d2's.
+RELEASE_LAST_NUMBER = re.compile(r"\d+")
+LLAMA_LAST_NUMBER = re.compile(r"[\d\.\,]+")
 _R1_FORMAT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
 _R1_TAGS = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
 
@@ -44,12 +48,12 @@ def _split_answer(text: str) -> str:
     return text.split(ANSWER_OPEN)[-1].split(ANSWER_CLOSE)[0].strip()
 
 
-def authors_correct(text: str, gold: str) -> bool:
+def authors_correct(text: str, gold: str, last_number: re.Pattern = RELEASE_LAST_NUMBER) -> bool:
     """The authors' correctness: :func:`~podsjax.rewards.answer_grader.grade_answer` accepts the
-    whole text, the answer tag's content or the last run of digits in the text (``-1`` when
-    there is none)."""
-    digits = _DIGITS.findall(text)
-    return any(grade_answer(candidate, gold) for candidate in (text, _split_answer(text), digits[-1] if digits else "-1"))
+    whole text, the answer tag's content or the last match of ``last_number`` in the text
+    (``-1`` when there is none): :data:`RELEASE_LAST_NUMBER` or :data:`LLAMA_LAST_NUMBER`."""
+    numbers = last_number.findall(text)
+    return any(grade_answer(candidate, gold) for candidate in (text, _split_answer(text), numbers[-1] if numbers else "-1"))
 
 
 def authors_gsm8k_gold(answer: Any) -> str:
@@ -60,26 +64,47 @@ def authors_gsm8k_gold(answer: Any) -> str:
     return text.strip()
 
 
-def authors_gsm8k_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None, **_: Any) -> list[float]:
-    """[B] 1.0 where :func:`authors_correct`, else 0.0 (``answer``: the gold, a number or a
-    solution ending in ``#### n``)."""
+def _gsm8k_accuracy(name: str, completions: Sequence[str], answer, last_number: re.Pattern) -> list[float]:
     if answer is None:
-        raise ValueError("authors_gsm8k_accuracy needs an 'answer' column")
-    check_lengths("authors_gsm8k_accuracy", len(completions), answer=answer)
-    return [1.0 if authors_correct(text, authors_gsm8k_gold(gold)) else 0.0 for text, gold in zip(completions, answer)]
+        raise ValueError(f"{name} needs an 'answer' column")
+    check_lengths(name, len(completions), answer=answer)
+    return [1.0 if authors_correct(text, authors_gsm8k_gold(gold), last_number) else 0.0
+            for text, gold in zip(completions, answer)]
+
+
+def _math_accuracy(name: str, completions: Sequence[str], answer, solution, last_number: re.Pattern) -> list[float]:
+    if answer is None and solution is None:
+        raise ValueError(f"{name} needs an 'answer' or 'solution' column")
+    check_lengths(name, len(completions), answer=answer, solution=solution)
+    answers = answer if answer is not None else [None] * len(completions)
+    solutions = solution if solution is not None else [None] * len(completions)
+    return [1.0 if authors_correct(text, math_gold(gold, worked), last_number) else 0.0
+            for text, gold, worked in zip(completions, answers, solutions)]
+
+
+def authors_gsm8k_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None, **_: Any) -> list[float]:
+    """[B] 1.0 where :func:`authors_correct` (release 3fc107e), else 0.0 (``answer``: the gold,
+    a number or a solution ending in ``#### n``)."""
+    return _gsm8k_accuracy("authors_gsm8k_accuracy", completions, answer, RELEASE_LAST_NUMBER)
 
 
 def authors_math_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None,
                           solution: Sequence[Any] | None = None, **_: Any) -> list[float]:
-    """[B] 1.0 where :func:`authors_correct`, else 0.0; the gold is ``answer``, else the
-    solution's last ``\\boxed{..}`` (:func:`~podsjax.rewards.math_gold`)."""
-    if answer is None and solution is None:
-        raise ValueError("authors_math_accuracy needs an 'answer' or 'solution' column")
-    check_lengths("authors_math_accuracy", len(completions), answer=answer, solution=solution)
-    answers = answer if answer is not None else [None] * len(completions)
-    solutions = solution if solution is not None else [None] * len(completions)
-    return [1.0 if authors_correct(text, math_gold(gold, worked)) else 0.0
-            for text, gold, worked in zip(completions, answers, solutions)]
+    """[B] 1.0 where :func:`authors_correct` (release 3fc107e), else 0.0; the gold is ``answer``,
+    else the solution's last ``\\boxed{..}`` (:func:`~podsjax.rewards.math_gold`)."""
+    return _math_accuracy("authors_math_accuracy", completions, answer, solution, RELEASE_LAST_NUMBER)
+
+
+def llama_gsm8k_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None, **_: Any) -> list[float]:
+    """[B] :func:`authors_gsm8k_accuracy` as the Llama commit 0c453d2 grades: its last number
+    is :data:`LLAMA_LAST_NUMBER`'s."""
+    return _gsm8k_accuracy("llama_gsm8k_accuracy", completions, answer, LLAMA_LAST_NUMBER)
+
+
+def llama_math_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None,
+                        solution: Sequence[Any] | None = None, **_: Any) -> list[float]:
+    """[B] :func:`authors_math_accuracy` as the Llama commit 0c453d2 grades (:data:`LLAMA_LAST_NUMBER`)."""
+    return _math_accuracy("llama_math_accuracy", completions, answer, solution, LLAMA_LAST_NUMBER)
 
 
 def _wrong_only(values: list[float], correct: Sequence[float]) -> list[float]:

@@ -38,6 +38,8 @@ _REGISTRY: dict[str, RewardFn] = {
     "strict_format": strict_format_reward,
     "authors_gsm8k_accuracy": authors.authors_gsm8k_accuracy,
     "authors_math_accuracy": authors.authors_math_accuracy,
+    "llama_gsm8k_accuracy": authors.llama_gsm8k_accuracy,
+    "llama_math_accuracy": authors.llama_math_accuracy,
     "r1_accuracy": authors.r1_accuracy,
     "r1_format": authors.r1_format_reward,
     "r1_tag_count": authors.r1_tag_count_reward,
@@ -53,7 +55,8 @@ TASK_ACCURACY: dict[str, RewardFn] = {
 # "score": the same with the authors' soft format score (format.format_score);
 # "authors-release": the authors' single-GPU release (settings a, c, d): their grader,
 #   and the 0.1-scale format and 0.025-a-tag rewards for wrong answers only;
-# "authors-llama": their Llama commit (setting b): their grader, "score" otherwise;
+# "authors-llama": their Llama commit (setting b): their grader with that commit's last
+#   number (digits, dots and commas), "score" otherwise;
 # "open-r1": the 8-GPU runs (e, f): LaTeX-only math-verify accuracy, newline-exact format and tags.
 FORMAT_STYLES = ("exact", "score", "authors-release", "authors-llama", "open-r1")
 # Each task's accuracy as the authors' single-GPU code grades it: their grade_answer on GSM8K
@@ -61,6 +64,12 @@ FORMAT_STYLES = ("exact", "score", "authors-release", "authors-llama", "open-r1"
 AUTHORS_ACCURACY: dict[str, RewardFn] = {
     "gsm8k": authors.authors_gsm8k_accuracy,
     "math": authors.authors_math_accuracy,
+    "chemistry": chemistry_accuracy,
+}
+# The same as their Llama commit 0c453d2 grades: its own last-number extractor.
+LLAMA_ACCURACY: dict[str, RewardFn] = {
+    "gsm8k": authors.llama_gsm8k_accuracy,
+    "math": authors.llama_math_accuracy,
     "chemistry": chemistry_accuracy,
 }
 
@@ -71,7 +80,7 @@ def _style_rewards(task: str, style: str) -> tuple[RewardFn, RewardFn, RewardFn]
     if style == "score":
         return TASK_ACCURACY[task], format_score_reward, tag_count_reward
     if style == "authors-llama":
-        return AUTHORS_ACCURACY[task], format_score_reward, tag_count_reward
+        return LLAMA_ACCURACY[task], format_score_reward, tag_count_reward
     if style == "authors-release":
         accuracy = AUTHORS_ACCURACY[task]
         return (accuracy, functools.partial(authors.release_format_reward, accuracy=accuracy),
