@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from experiments import cli
+from experiments import cli, completed
 from experiments import flags as flags_lib
 from experiments.config import METHODS, ExperimentConfig, describe_setting
 from experiments.usage import UsageError
@@ -171,8 +171,7 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
     continues, as one with a ``config.json`` but no export does, from its last checkpoint.
     """
     out = config.run.out_dir
-    done = os.path.isfile(os.path.join(out, "final_model", "config.json"))
-    if done and not dry_run and not _extends(config, out):
+    if not dry_run and completed.is_complete(config, out):
         return _history(out)
     resume = not dry_run and os.path.isfile(os.path.join(out, "config.json"))
     flags_lib.check_out(argparse.Namespace(out=out, resume=resume, overwrite=False, dry_run=dry_run))
@@ -185,20 +184,6 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
     if code != 0:
         raise SystemExit(code)
     return [] if dry_run else _history(out)
-
-
-def _extends(config: ExperimentConfig, out: str) -> bool:
-    """Whether ``config`` continues the complete run in ``out``: a longer --time-budget or
-    --max-steps than the run was started with, which its last training step has not reached."""
-    path = os.path.join(out, "metrics.jsonl")
-    rows = read_jsonl(path) if os.path.isfile(path) else []
-    last = next((r for r in reversed(rows) if "time/elapsed_train_s" in r), {})
-    started = flags_lib.read_run_config(out).run
-    for field, key in (("time_budget_s", "time/elapsed_train_s"), ("max_steps", "step")):
-        wanted, before = getattr(config.run, field), getattr(started, field)
-        if wanted is not None and before is not None and wanted > before and last.get(key, 0) < wanted:
-            return True
-    return False
 
 
 def _history(out: str) -> list[dict]:

@@ -96,11 +96,13 @@ def test_resume_rewinds_logs_to_the_checkpoint_and_keeps_the_cut_tail(tmp_path):
     # line, plus a log born after it) moves to <log>.superseded; the redo logs it once.
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"ste')
     (tmp_path / "samples.jsonl").write_text('{"step": 2}\n')
-    run_files.rewind_logs(str(tmp_path), {"metrics.jsonl": len('{"step": 1}\n')})
+    assert run_files.rewind_logs(str(tmp_path), {"metrics.jsonl": len('{"step": 1}\n')})
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (tmp_path / "metrics.jsonl.superseded").read_text() == '{"step": 2}\n{"ste\n'
     assert (tmp_path / "samples.jsonl").read_text() == ""
     assert (tmp_path / "samples.jsonl.superseded").read_text() == '{"step": 2}\n'
+    # Nothing logged after the checkpoint: nothing moves, and the resume does not say it did.
+    assert not run_files.rewind_logs(str(tmp_path), {"metrics.jsonl": len('{"step": 1}\n')})
 
 
 def test_the_first_step_compiles_the_update_behind_generation(setup, tmp_path):

@@ -27,21 +27,25 @@ def log_sizes(out_dir) -> dict[str, int]:
     return {name: os.path.getsize(path) for name, path in paths.items() if os.path.exists(path)}
 
 
-def resume_logs(out_dir, sizes: dict[str, int], step: int) -> None:
+def resume_logs(out_dir, sizes: dict[str, int], step: int) -> bool:
     """Checks the logs up to the restored checkpoint, then rewinds them to it (process 0; all agree).
+
+    Returns:
+        Whether anything was logged after the checkpoint (and moved to ``<log>.superseded``).
 
     Raises:
         LogDamaged: a log holds less than, or something else than, whole records up to its
             size at the checkpoint.
     """
-    problem = None
+    problem, moved = None, False
     if hosts.is_primary():
         problem = damaged_log(out_dir, sizes, step)
         if problem is None:
-            rewind_logs(out_dir, sizes)
+            moved = rewind_logs(out_dir, sizes)
     if hosts.sum_over_processes({"damaged": float(problem is not None)})["damaged"]:  # the others stop too
         raise LogDamaged(problem or "process 0 found a run log damaged before the restored checkpoint (its error "
                          "names the file)")
+    return moved
 
 
 def damaged_log(out_dir, sizes: dict[str, int], step: int) -> str | None:
@@ -83,12 +87,16 @@ def _first_damage(path: str, size: int) -> str | None:
     return None
 
 
-def rewind_logs(out_dir, sizes: dict[str, int]) -> None:
+def rewind_logs(out_dir, sizes: dict[str, int]) -> bool:
     """Cuts each log back to its size at the restored checkpoint, keeping the cut tail.
 
     Whatever a killed run logged after that checkpoint is redone by the resumed run;
     leaving it in place would log those steps (and evaluations) twice.
+
+    Returns:
+        Whether any log had a tail to move.
     """
+    moved = False
     for name in LOGS:
         path = os.path.join(out_dir, name)
         if not os.path.exists(path):
@@ -101,6 +109,8 @@ def rewind_logs(out_dir, sizes: dict[str, int]) -> None:
                 with open(path + ".superseded", "ab") as kept:
                     kept.write(tail if tail.endswith(b"\n") else tail + b"\n")  # a torn line stays one line
                 f.truncate(size)
+                moved = True
+    return moved
 
 
 def history_path(out_dir) -> str:

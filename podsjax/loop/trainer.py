@@ -142,12 +142,12 @@ class Trainer:
         self.state, saved, restored = found
         self.host = HostState.from_json(saved)
         try:
-            run_files.resume_logs(run_config.out_dir, self.host.log_sizes, restored)
+            moved = run_files.resume_logs(run_config.out_dir, self.host.log_sizes, restored)
         except run_files.LogDamaged:
             self.checkpointer.close()
             raise
-        self.log(f"resumed from the checkpoint of step {restored} (training clock "
-                 f"{self.host.elapsed_train_s:.0f} s); what was logged after it moved to *.superseded")
+        self.log(f"resumed from the checkpoint of step {restored} (training clock {self.host.elapsed_train_s:.0f} s)"
+                 + ("; what was logged after it moved to *.superseded" if moved else ""))
         return restored
 
     @property

@@ -1,0 +1,58 @@
+"""A complete run: one that exported its model and whose budget a resume does not raise.
+
+``--resume`` of such a run has nothing to do: it says so and how to train further, and
+leaves the directory as it is. Imports no JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+from experiments import flags
+from experiments.config import ExperimentConfig
+
+FINAL_MODEL = "final_model"
+
+
+def is_complete(config: ExperimentConfig, out: str) -> bool:
+    """Whether ``out`` holds a finished run (its ``final_model/``) that ``config`` does not extend."""
+    return os.path.isfile(os.path.join(out, FINAL_MODEL, "config.json")) and not extends(config, out)
+
+
+def _last_step(out: str) -> dict:
+    """The last training record of the run's metrics.jsonl (empty when there is none)."""
+    from podsjax.metrics import read_jsonl  # imports no JAX
+
+    path = os.path.join(out, "metrics.jsonl")
+    rows = read_jsonl(path) if os.path.isfile(path) else []
+    return next((r for r in reversed(rows) if "time/elapsed_train_s" in r), {})
+
+
+def extends(config: ExperimentConfig, out: str) -> bool:
+    """Whether ``config`` continues the complete run in ``out``: a longer --time-budget or
+    --max-steps than the run was started with, which its last training step has not reached."""
+    last = _last_step(out)
+    started = flags.read_run_config(out).run
+    for field, key in (("time_budget_s", "time/elapsed_train_s"), ("max_steps", "step")):
+        wanted, before = getattr(config.run, field), getattr(started, field)
+        if wanted is not None and before is not None and wanted > before and last.get(key, 0) < wanted:
+            return True
+    return False
+
+
+def complete_line(config: ExperimentConfig, out: str) -> str:
+    """What ``--resume`` of a complete run prints: where it ended, and the command that trains it further."""
+    last, run = _last_step(out), config.run
+    done = f"{out} holds a complete run ({last.get('step', '?')} steps, "
+    done += f"{last.get('time/elapsed_train_s', 0.0):.0f} s of training clock)" if last else "no steps logged)"
+    by_steps = run.max_steps is not None and (run.time_budget_s is None or last.get("step", 0) >= run.max_steps)
+    if by_steps:
+        flag, more = "--max-steps", str(2 * run.max_steps)
+        budget = f"its --max-steps {run.max_steps}"
+    else:
+        flag, more = "--time-budget", f"{2 * run.time_budget_s:g}"
+        budget = f"its --time-budget {run.time_budget_s:g}"
+    command = f"python -m experiments.{run.task} --out {shlex.quote(out)} --resume {flag} {more}"
+    return (f"{done}: {budget} is spent, so there is nothing to resume and nothing was changed; to train it "
+            f"further, resume with a larger --time-budget or --max-steps, e.g. {command}")

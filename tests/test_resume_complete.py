@@ -1,0 +1,55 @@
+"""--resume of a complete run says so, and how to train it further, and changes nothing."""
+
+import json
+import os
+
+import pytest
+
+from experiments import cli, flags, runner
+
+pytestmark = pytest.mark.cpu_mesh
+
+
+def _complete_run(out, *argv):
+    """A run directory as a finished run leaves it (its files' contents do not matter here)."""
+    _, config = flags.parse("gsm8k", ["--out", str(out), *argv])
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(flags.as_json(config)))
+    for name in ("final_model", "best_model"):
+        (out / name).mkdir()
+        (out / name / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 104, "time/elapsed_train_s": 241.0}) + "\n")
+    (out / "events.out.tfevents.1").write_bytes(b"x" * 71)
+    return out
+
+
+def _snapshot(out):
+    return {str(p): (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(out.rglob("*"))}
+
+
+def test_resuming_a_complete_run_says_it_is_complete_and_touches_nothing(tmp_path, monkeypatch, capsys):
+    out = _complete_run(tmp_path / "run")
+    before = _snapshot(out)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a complete run was started again")
+
+    monkeypatch.setattr(runner, "run_experiment", fail)
+    for resume in (["--resume"], ["--resume", "auto"], ["--resume", "--time-budget", "240"]):
+        assert cli.main("gsm8k", ["--out", str(out), *resume]) == 0
+        printed = capsys.readouterr()
+        line = [line for line in printed.out.splitlines() if "complete run" in line]
+        assert len(line) == 1, printed
+        assert f"{out} holds a complete run (104 steps, 241 s of training clock)" in line[0]
+        assert "--time-budget 480" in line[0] and "--max-steps" in line[0] and "superseded" not in printed.out
+        assert _snapshot(out) == before and sorted(os.listdir(out)) == sorted(p.name for p in out.iterdir())
+
+
+def test_a_larger_budget_resumes_a_complete_run(tmp_path, monkeypatch, capsys):
+    out = _complete_run(tmp_path / "run", "--max-steps", "104")
+    started = []
+    monkeypatch.setattr(runner, "run_experiment", lambda config, *args, **kwargs: started.append(config) or 0)
+    assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 0
+    assert not started and "--max-steps 208" in capsys.readouterr().out
+    assert cli.main("gsm8k", ["--out", str(out), "--resume", "--max-steps", "200"]) == 0
+    assert [config.run.max_steps for config in started] == [200]
