@@ -152,15 +152,16 @@ _MULTI_METHODS = {
 _MULTI_METHOD_RUN = {method: {"max_steps": fields["total_steps"]} for method, fields in _MULTI_METHODS.items()}
 # [8gpu] 8 prompts per update (one per GPU), 512 + 1024 tokens, one epoch capped at 40 min
 # of training clock (grpo_trainer.py stops there), evaluation every 120 s of training
-# (evaluation time not counted), one pass sampled at temperature 0.9 (do_sample). Checkpoints
-# every 30 min. [podsjax] The recipe's system prompt. [8gpu]
+# (evaluation time not counted), one pass sampled at temperature 0.9 with top-k 50:
+# my_evaluate generates with the training GenerationConfig (do_sample, TRL's top_k 50).
+# Checkpoints every 30 min. [podsjax] The recipe's system prompt. [8gpu]
 RECIPE_SYSTEM_PROMPT = (
     "You are a helpful AI Assistant that provides well-reasoned and detailed responses. You first think about the "
     "reasoning process as an internal monologue and then provide the user with the answer. Respond in the following "
     "format: <think>\n...\n</think>\n<answer>\n...\n</answer>")
 _MULTI_RUN = dict(prompts_per_step=_GPUS, max_prompt_length=512, max_new_tokens=1024, eval_every_s=120.0,
-                  eval_temperature=0.9, eval_repeats=1, checkpoint_every_s=1800.0, time_budget_s=40 * 60.0,
-                  system_prompt=RECIPE_SYSTEM_PROMPT)
+                  eval_temperature=0.9, eval_top_k=50, eval_repeats=1, checkpoint_every_s=1800.0,
+                  time_budget_s=40 * 60.0, system_prompt=RECIPE_SYSTEM_PROMPT)
 # [8gpu] reward_funcs accuracy, format, tag_count of open-r1's rewards.py with reward_weights
 # 1, 1, 1: LaTeX-only math-verify accuracy, newline-exact format and tags.
 _MULTI_REWARDS = dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="open-r1")
@@ -187,7 +188,7 @@ class Setting:
         methods: method -> the AlgorithmConfig fields of that method.
         common: AlgorithmConfig fields shared by the methods.
         run: RunConfig fields, the evaluation protocol among them (``eval_repeats``,
-            ``eval_temperature``, ``eval_metric``: see ``podsjax.loop.RunConfig``).
+            ``eval_temperature``, ``eval_top_k``, ``eval_metric``: see ``podsjax.loop.RunConfig``).
         method_run: method -> the RunConfig fields of that method, over ``run``.
         mesh: the ``--mesh`` spec; None: the setting leaves it.
         hardware: what it ran on (for ``describe``).
@@ -307,6 +308,7 @@ _MULTI_SOURCES = {
     "algorithm.temperature": "[8gpu] GRPOConfig default", "algorithm.top_k": "[8gpu] TRL generation default",
     "algorithm.logprob_temperature": "[8gpu] grpo_trainer.py", "algorithm.aggregation": "[8gpu] grpo_trainer.py (bnpo)",
     "run": "[8gpu] grpo_trainer.py", "run.prompts_per_step": "[8gpu] exp.sh (8 processes)",
+    "run.eval_top_k": "[8gpu] grpo_trainer.py my_evaluate (the training GenerationConfig: TRL top_k 50)",
     "run.max_prompt_length": "[8gpu] config_pods.yaml", "run.max_new_tokens": "[8gpu] config_pods.yaml",
 "run.system_prompt": "[8gpu] config_pods.yaml",
     "run.checkpoint_every_s": "[podsjax]",

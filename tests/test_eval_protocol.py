@@ -1,6 +1,7 @@
 """Evaluation: greedy or the paper's sampled passes, the Llama metric, and one decode program."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,34 @@ def test_greedy_is_one_pass_at_temperature_zero_by_default(setup, tmp_path):
     assert [(c[1], c[2]) for c in calls] == [(0.0, 1)] and result["eval/accuracy_std"] == 0.0
     with pytest.raises(ValueError, match="eval_repeats 2 needs eval_temperature > 0"):
         loop.RunConfig(out_dir="unused", max_steps=1, eval_repeats=2)
+
+
+class StubGenerator:
+    """Records each call's sampling arguments and decodes nothing (empty completions)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def place_rows(self, x):
+        return jnp.asarray(x)
+
+    def generate(self, params, ids, mask, key, *, max_new_tokens, **kwargs):
+        self.calls.append({name: kwargs[name] for name in ("temperature", "top_k")})
+        empty = jnp.zeros((ids.shape[0], max_new_tokens), jnp.int32)
+        return types.SimpleNamespace(tokens=empty, mask=empty.astype(bool))
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_evaluation_samples_among_the_protocols_top_k(setup, tmp_path, top_k):
+    # The evaluation protocol's top-k, not the rollouts' (0 here), reaches every pass.
+    stub = StubGenerator(setup[0])
+    trainer = make_trainer(setup, tmp_path / "run", generator=stub, scorer=InProcessScorer(), eval_repeats=2,
+                           eval_temperature=0.9, eval_top_k=top_k)
+    try:
+        trainer.evaluate()
+    finally:
+        trainer.close()
+    assert stub.calls == [{"temperature": 0.9, "top_k": top_k}] * 2
 
 
 def by_position(pattern):

@@ -67,7 +67,7 @@ def test_single_gpu_defaults_are_the_authors(name):
     assert (s.run["prompts_per_step"], s.run["max_prompt_length"], s.run["max_new_tokens"]) == (1, 512, 512)
     # [1gpu] evaluation: 5 passes sampled at 0.9 with 512 new tokens, averaged.
     run = loop.RunConfig(out_dir="unused", task=s.task, **s.run)
-    assert (run.eval_repeats, run.eval_temperature, run.max_new_tokens) == (5, 0.9, 512)
+    assert (run.eval_repeats, run.eval_temperature, run.eval_top_k, run.max_new_tokens) == (5, 0.9, 0, 512)
     hours, every = (1.5, 600.0) if name == "b" else (6.0, 1800.0)
     assert s.run["time_budget_s"] == hours * 3600 and s.run["eval_every_s"] == every
     assert run.eval_metric == ("accuracy_and_format" if name == "b" else "accuracy")
@@ -98,7 +98,8 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     # Capped at 40 min of training clock (and at one epoch: see below).
     assert s.run["time_budget_s"] == 2400.0
     run = loop.RunConfig(out_dir="unused", task=s.task, **s.run)
-    assert (run.eval_repeats, run.eval_temperature, run.eval_metric) == (1, 0.9, "accuracy")  # one sampled pass
+    # One pass sampled as training samples: my_evaluate uses the training GenerationConfig.
+    assert (run.eval_repeats, run.eval_temperature, run.eval_top_k, run.eval_metric) == (1, 0.9, 50, "accuracy")
     assert run.system_prompt.startswith("You are a helpful AI Assistant") and "<think>\n...\n</think>" in run.system_prompt
     # GRPO-GA: n = m = 32, 16 accumulation steps; PODS: n = 128, m = 32, 4 accumulation steps.
     ga = config(name, "grpo-ga")
@@ -147,6 +148,8 @@ def test_bad_setting_fields_raise_one_line_errors():
     (dict(eval_temperature=-0.1), "eval_temperature must be >= 0"),
     (dict(eval_temperature=float("nan")), "eval_temperature must be a finite number; got nan"),
     (dict(eval_temperature=0.0), "eval_repeats 5 needs eval_temperature > 0"),
+    (dict(eval_top_k=-1), "eval_top_k must be >= 0"),
+    (dict(eval_top_k=2.5), "eval_top_k must be an integer"),
 ])
 def test_a_settings_run_with_a_bad_eval_protocol_is_refused(changes, message):
     with pytest.raises(ValueError, match=message):

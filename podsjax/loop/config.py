@@ -22,7 +22,8 @@ class RunConfig:
     """How long to train, how to sample, evaluate, checkpoint and log.
 
     Evaluation decodes every eval example once per repeat: ``eval_repeats`` passes at
-    ``eval_temperature`` (0 = greedy, which allows one pass only), scored by
+    ``eval_temperature`` (0 = greedy, which allows one pass only) among the ``eval_top_k``
+    most likely tokens (0: all), scored by
     ``eval_metric`` (a key of ``EVAL_METRICS``) and averaged over the passes. The
     paper's settings a-d sample 5 passes at 0.9 (see ``podsjax.paper_settings``). For each
     k in ``eval_k`` the passes also give ``eval/pass_at_<k>`` and ``eval/maj_at_<k>``
@@ -48,6 +49,7 @@ class RunConfig:
     eval_batch_size: int | None = None  # rows per evaluation chunk (null: a step's rollout rows)
     eval_repeats: int = 1  # evaluation passes averaged (needs eval_temperature > 0 for more than 1)
     eval_temperature: float = 0.0  # evaluation sampling temperature (0: greedy)
+    eval_top_k: int = 0  # evaluation samples among the k most likely tokens (0: off)
     eval_metric: str = "accuracy"  # accuracy, or accuracy_and_format (the answer and the strict format)
     eval_k: tuple[int, ...] = ()  # log pass@k and maj@k for these k (each 1..eval_repeats) from the passes; () off
     checkpoint_every_steps: int | None = None  # also checkpoint every N steps
@@ -78,7 +80,7 @@ class RunConfig:
                                       or not math.isfinite(value)):
                 raise ValueError(f"RunConfig.{name} must be a finite number; got {value!r}")
         for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "max_steps", "eval_limit",
-                     "eval_batch_size", "eval_repeats", "checkpoint_every_steps", "keep_last", "seed",
+                     "eval_batch_size", "eval_repeats", "eval_top_k", "checkpoint_every_steps", "keep_last", "seed",
                      "reward_workers", "log_samples", "max_nonfinite_updates"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -114,6 +116,8 @@ class RunConfig:
             raise ValueError(f"RunConfig.eval_k repeats a k: {list(self.eval_k)}")
         if not 0 <= self.eval_temperature < float("inf"):
             raise ValueError(f"RunConfig.eval_temperature must be >= 0 (0 = greedy); got {self.eval_temperature}")
+        if self.eval_top_k < 0:
+            raise ValueError(f"RunConfig.eval_top_k must be >= 0 (0: off); got {self.eval_top_k}")
         if self.eval_temperature == 0 and self.eval_repeats > 1:
             raise ValueError(f"RunConfig.eval_repeats {self.eval_repeats} needs eval_temperature > 0: greedy "
                              "decoding repeats the same completions")

@@ -26,7 +26,8 @@ ANSWERS = "answer_id"
 
 
 class Evaluator:
-    """The eval split's ``eval_metric``, averaged over ``eval_repeats`` passes at ``eval_temperature``.
+    """The eval split's ``eval_metric``, averaged over ``eval_repeats`` passes at ``eval_temperature``
+    and ``eval_top_k``.
 
     Each pass decodes every example once. Every evaluation draws the same keys (one per pass
     and chunk, from the run's seed): common random numbers, so two evaluations, or two
@@ -39,7 +40,8 @@ class Evaluator:
         examples: the eval split.
         run_config: the run's config (its eval_* fields, seed and max_new_tokens).
         rows: rows per evaluation chunk: by default a step's rollout rows, so evaluation
-            decodes with the rollouts' compiled program (temperature is an input of it).
+            decodes with the rollouts' compiled program (temperature is an input of it; an
+            ``eval_top_k`` other than the rollouts' ``top_k`` compiles one of its own).
         rewards: the run's reward specs; the strict format check is added at weight 0.
         eos_ids: the tokenizer's end-of-sequence ids.
         compile_log: reports generate's compiles.
@@ -100,7 +102,8 @@ class Evaluator:
                 with self.compile_log.label("generate", reporting.generate_shape(ids, 1, run_config.max_new_tokens)):
                     r = self.generator.generate(
                         params, ids, prompt_mask, key, num_samples=1, max_new_tokens=run_config.max_new_tokens,
-                        temperature=run_config.eval_temperature, eos_token_ids=self.eos_ids,
+                        temperature=run_config.eval_temperature, top_k=run_config.eval_top_k,
+                        eos_token_ids=self.eos_ids,
                         pad_token_id=prompts.pad_id, lora=lora)
                 first, tokens = hosts.local_rows(r.tokens)
                 mask = hosts.local_rows(r.mask)[1]
