@@ -137,6 +137,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     if not dry_run and config.model.path is not None:
         tasks = _load_tasks(config)
         tokenizer = prompts.load_tokenizer(config.model.path)
+        _check_vocab(tokenizer, config.model.path)
         if tasks[0]:
             prompts.check_chat_template(tokenizer, tasks[0][0].prompt, system_prompt=config.run.system_prompt)
     hosts.barrier("run checked")  # every process has looked at out_dir before process 0 writes to it
@@ -158,6 +159,15 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_vocab(tokenizer, path: str) -> None:
+    """The tokenizer's ids against the model's vocabulary, from config.json before any weight is read."""
+    try:
+        vocab_size = pm.from_hf_config(path).vocab_size
+    except (OSError, ValueError):
+        return  # the model's own load reports what is wrong with its config.json
+    prompts.check_vocab(tokenizer, vocab_size, f"--model {path}")
 
 
 def _lock(out_dir: str) -> run_state.RunLock | None:
@@ -313,6 +323,7 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
     model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
     if tokenizer is None:  # the tiny preset's, written by its warm-up
         tokenizer = prompts.load_tokenizer(checkpoint)
+        prompts.check_vocab(tokenizer, model.config.vocab_size, checkpoint)
     print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
     start = time.time()
     trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,

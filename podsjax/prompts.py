@@ -22,6 +22,8 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 # For base models, which have no chat template. ``{system}`` and ``{question}`` are filled in.
 PLAIN_TEMPLATE = "{system}\n\nUser: {question}\nAssistant:"
+# A checkpoint's tokenizer: one of these holds its vocabulary (fast, SentencePiece, BPE, WordPiece).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 # One prompt renders in milliseconds; a chat template still rendering after this long loops.
 CHAT_TEMPLATE_TIMEOUT_S = 10.0
 
@@ -50,10 +52,39 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any):
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise PromptError(f"tokenizer directory not found: {path}")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in VOCABULARY_FILES):
+        # Else transformers builds an empty tokenizer from config.json alone, and the run
+        # fails later on prompts that tokenize to nothing.
+        raise PromptError(f"{path}: the checkpoint has no tokenizer (looked for {', '.join(VOCABULARY_FILES)}); "
+                          "copy the tokenizer files of the model it was saved from into it")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError/ValueError/...; report one line
         raise PromptError(f"cannot load a tokenizer from {path} ({_first_line(exc)})") from None
+
+
+def token_id_count(tokenizer) -> int:
+    """How many token ids the tokenizer can produce: its largest id + 1 (added tokens included)."""
+    try:
+        return max(tokenizer.get_vocab().values()) + 1
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        return len(tokenizer)
+
+
+def check_vocab(tokenizer, vocab_size: int, where: str) -> None:
+    """Refuses a tokenizer whose ids reach past the model's embedding rows.
+
+    A smaller tokenizer is fine (Qwen pads its embedding past the vocabulary); a larger one
+    indexes rows that do not exist, which JAX clamps silently instead of failing.
+
+    Raises:
+        PromptError: the tokenizer has more token ids than the model's vocabulary.
+    """
+    ids = token_id_count(tokenizer)
+    if ids > vocab_size:
+        raise PromptError(f"{where}: the tokenizer has {ids} token ids but the model's vocabulary (vocab_size) "
+                          f"has {vocab_size}; ids {vocab_size} and up have no embedding row, so the tokenizer "
+                          "does not belong to these weights")
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -43,7 +43,11 @@ def test_load_tokenizer_from_a_saved_directory(chat_tokenizer, base_tokenizer):
 
 
 def test_load_tokenizer_errors_are_one_line(tmp_path):
-    for path, fragment in [(tmp_path / "missing", "tokenizer directory not found"), (tmp_path, "cannot load a tokenizer")]:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    for path, fragment in [(tmp_path / "missing", "tokenizer directory not found"), (broken, "cannot load a tokenizer"),
+                           (tmp_path, "the checkpoint has no tokenizer (looked for tokenizer.json")]:
         with pytest.raises(PromptError) as info:
             load_tokenizer(path)
         assert fragment in str(info.value) and "\n" not in str(info.value)

@@ -222,7 +222,8 @@ def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = Non
 
     Raises:
         CheckpointError: a file is unreadable, or (in one line) all missing, unexpected,
-            mis-shaped and non-floating-point tensors at once, before anything is loaded.
+            mis-shaped and non-floating-point tensors at once, before anything is loaded;
+            or a tensor holds NaN or inf values (its file and name in the line).
     """
     path = os.fspath(path)
     files = _open_checkpoint(path)
@@ -251,7 +252,29 @@ def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = Non
             node[leaf] = jax.block_until_ready(
                 _set_layer(node[leaf], _place(host, sharding), np.int32(spec.layer)))
         del host
+    _check_finite(path, specs, files, params, dtype)
     return params
+
+
+def _check_finite(path: str, specs: list[TensorSpec], files: dict[str, SafetensorsFile], params: Any,
+                  dtype: np.dtype) -> None:
+    """Refuses NaN or inf weights (damaged bytes, a diverged save) at load, naming file and tensor.
+
+    One on-device reduction over all params; only on a failure are the guilty params' tensors
+    read again on the host, to name which of a stacked param's layers holds the values.
+    """
+    bad_paths = set(_non_finite_leaves(params))
+    if not bad_paths:
+        return
+    bad = [spec for spec in specs if "/".join(spec.path) in bad_paths
+           and not np.isfinite(spec.to_param(files[spec.hf_name].get(spec.hf_name), dtype)).all()]
+    if not bad:  # cannot happen: the device saw what the host placed
+        raise CheckpointError(f"checkpoint {path}: non-finite (NaN or inf) weights in {sorted(bad_paths)}")
+    first = bad[0]
+    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    raise CheckpointError(f"checkpoint {path}: tensor {first.hf_name} in {files[first.hf_name].path} holds NaN or "
+                          f"inf values in {dtype.name}{more}; the file is damaged, or was saved from a run that "
+                          "diverged")
 
 
 def from_pretrained(
