@@ -393,7 +393,7 @@ def main(task: str, argv=None) -> int:
     try:
         args, config = flags.parse(task, argv)
         if args.help:
-            print(flags.help_text(task))
+            print(flags.help_text(task, sys.argv[1:] if argv is None else argv))
             return 0
         args.distributed = distributed_plan(args)
         if args.out is None:

@@ -138,8 +138,8 @@ class DataSection:
 class TinySection:
     """The built-in tiny preset (no model.path): its in-process supervised warm-up."""
 
-    warmup_dir: str | None = None  # where the warmed-up start checkpoint is cached (default: <out>/tiny_warmup)
-    warmup_steps: int | None = None  # cap on the warm-up's steps
+    warmup_dir: str | None = None  # where the warmed-up start checkpoint is kept (default: the shared cache)
+    warmup_steps: int | None = None  # cap on the warm-up's steps (default: 1000)
     max_operations: int | None = None  # gsm8k only: at most this many operations a problem (1: an easier task)
 
     def __post_init__(self):

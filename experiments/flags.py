@@ -133,12 +133,18 @@ def _dest(flag: str) -> str:
     return "short_" + flag[2:].replace("-", "_")
 
 
-def help_text(task: str) -> str:
-    """The launch flags' help, then every field of the config tree with its comment and default."""
-    import draccus.argparsing
+def help_text(task: str, argv: list[str] | None = None) -> str:
+    """The launch flags' help, then every field of the config tree, each with the default that the
+    command ``argv`` would run with (``experiments.helptext``)."""
+    from experiments import helptext
 
-    tree = draccus.argparsing.ArgumentParser(ExperimentConfig, prog=f"python -m experiments.{task}")
-    return build_parser(task).format_help() + "\nThe config tree:\n" + tree.parser.format_help()
+    return helptext.help_text(task, argv)
+
+
+def _unknown(flag: str, task: str, where: str) -> UsageError:
+    from experiments import helptext
+
+    return UsageError(f"unrecognized argument {flag}{helptext.suggestion(flag, task)} ({where})")
 
 
 def _field_flags(args, rest: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -161,8 +167,7 @@ def _field_flags(args, rest: list[str]) -> tuple[list[str], dict[str, str]]:
         names["run.progress"] = "--no-progress"
     for token in rest:
         if token.startswith("-") and not token.startswith("--") or token.startswith("--") and "." not in token:
-            raise UsageError(f"unrecognized argument {token.split('=')[0]} (config fields are --<section>.<field>; "
-                             "see --help)")
+            raise _unknown(token.split("=")[0], args.task, "config fields are --<section>.<field>; see --help")
         if token.startswith("--"):
             names[token[2:].partition("=")[0]] = token.partition("=")[0]
     return flags + rest, names
@@ -450,7 +455,7 @@ def _flag_values(flags: list[str], where: str | None = None) -> dict[str, Any]:
         raise UsageError(_where(where, str(exc))) from None
     unknown += [f"--{name}" for name in given if "." not in name]  # draccus's own --config_path
     if unknown:
-        raise UsageError(f"unrecognized argument {unknown[0].split('=')[0]} (see --help for the config's fields)")
+        raise _unknown(unknown[0].split("=")[0], "gsm8k", "see --help for the config's fields")
     fields_of, tree = _field_types(), {}
     for name, text in given.items():
         section, _, field = name.partition(".")
