@@ -22,6 +22,7 @@ import functools
 import json
 import os
 import re
+import sys
 import types
 import typing
 from typing import Any
@@ -59,6 +60,8 @@ SHORTCUTS: dict[str, str] = {
 LIST_SHORTCUTS = ("run.log", "run.eval_k")
 SECTIONS = tuple(f.name for f in dataclasses.fields(ExperimentConfig))
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+(:[\w.-]+)?")
+# A value that starts with a minus sign: -1e-4, -.5, -inf, -nan.
+_NEGATIVE_VALUE = re.compile(r"-(\d|\.\d|inf\b|nan\b)", re.IGNORECASE)
 # What a resumed run may change: how long it goes on, and memory (the same numbers either way).
 RESUMABLE = ("run.time_budget_s", "run.max_steps", "model.remat", "run.progress")
 
@@ -450,7 +453,7 @@ def _flag_values(flags: list[str], where: str | None = None) -> dict[str, Any]:
     if not flags:
         return {}
     try:
-        given, unknown = _FlagParser().parse_known_args(list(flags))
+        given, unknown = _FlagParser().parse_known_args(_negative_values(flags))
     except argparse.ArgumentError as exc:
         raise UsageError(_where(where, str(exc))) from None
     unknown += [f"--{name}" for name in given if "." not in name]  # draccus's own --config_path
@@ -480,6 +483,19 @@ def _flag_value(text: str, what: str, tp: Any) -> Any:
     return _load(text, what, "not a YAML value")
 
 
+def _negative_values(argv: list[str]) -> list[str]:
+    """``--lr -1e-4`` as ``--lr=-1e-4``: argparse takes a token starting with "-" for an option
+    unless it is a plain negative number (-1, -0.5), so ``-1e-4`` or ``-inf`` would be refused as
+    a missing value instead of being read (and checked) as one."""
+    joined: list[str] = []
+    for token in argv:
+        if joined and _NEGATIVE_VALUE.match(token) and joined[-1].startswith("--") and "=" not in joined[-1]:
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def parse(task: str, argv: list[str] | None,
           method: str | None = None) -> tuple[argparse.Namespace, ExperimentConfig | None]:
     """(launch flags, the run's config); the config is None when the run in ``--out`` goes on
@@ -489,7 +505,7 @@ def parse(task: str, argv: list[str] | None,
 
     ``method`` stands for ``--method`` (a caller that runs several methods on one command
     line, as ``experiments.compare`` does)."""
-    args, rest = build_parser(task).parse_known_args(argv)
+    args, rest = build_parser(task).parse_known_args(_negative_values(sys.argv[1:] if argv is None else argv))
     method_given = method is not None or args.method is not None
     if method is not None:
         if method not in METHODS:

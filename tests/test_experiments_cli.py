@@ -112,6 +112,9 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--eval-repeats", "3"], "eval_repeats 3 needs eval_temperature > 0"),
     (["--eval-metric", "both"], "eval_metric must be one of accuracy, accuracy_and_format"),
     (["--lr", "inf"], "learning_rate must be finite"),  # before the warm-up, not after it
+    (["--lr", "-1e-4"], "learning_rate must be > 0; got -0.0001"),  # a negative number is a value, not a flag
+    (["--algorithm.beta", "-1e-3"], "beta must be >= 0; got -0.001"),
+    (["--lr", "-inf"], "learning_rate must be finite; got -inf"),
     (["--beta", "nan"], "beta must be finite"),
     (["--method", "pods", "--rule", "best"], "unknown selection rule 'best'"),
     (["--log", "tensorboard"], "log backends must include jsonl"),
