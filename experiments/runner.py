@@ -440,7 +440,9 @@ def print_summary(config, history, steps, train_seconds, wall_seconds, export_di
         ("n / m", f"{config.algorithm.n} / {config.algorithm.m}"),
         ("steps", str(steps)),
         ("training clock", f"{train_seconds:.0f} s (wall {wall_seconds:.0f} s)"),
-        ("accuracy first / last", f"{accuracies[0]:.1%} / {accuracies[-1]:.1%}" if accuracies else "-"),
+        ("accuracy first / last", f"{accuracies[0]:.1%} / {accuracies[-1]:.1%}" if len(accuracies) > 1
+         else f"{accuracies[0]:.1%} (one evaluation, at step {history[0].get('step', 0)})" if accuracies
+         else "- (no evaluation)"),
         ("peak accuracy", f"{peak:.1%} at {peak_at:.0f} s" if accuracies else "-"),
         ("exported model", export_dir),
     ]

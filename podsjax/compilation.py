@@ -151,6 +151,7 @@ class CompileLog:
         self.counts: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         self.events: list[tuple[str, str, float, bool]] = []
+        self._thread_seconds: dict[int, float] = {}
 
     @contextlib.contextmanager
     def label(self, name: str, detail: str = "") -> Iterator[None]:
@@ -167,12 +168,19 @@ class CompileLog:
         key = name if program == name else f"{name}[{program}]"
         self.counts[key] = self.counts.get(key, 0) + 1
         self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+        thread = threading.get_ident()  # the listener runs on the compiling thread
+        self._thread_seconds[thread] = self._thread_seconds.get(thread, 0.0) + seconds
         self.events.append((key, detail, seconds, hit))
         if self.log is not None and (seconds >= self.min_report_s or hit):
             what = f"{key} ({detail})" if detail else key
             verb = "loaded" if hit else "compiled"
             where = " from the compile cache" if hit else ""
             self.log(f"{verb} {what}{where} in {seconds:.1f} s")
+
+    def thread_seconds(self) -> float:
+        """Seconds of the compiles recorded on the calling thread so far (``metrics.PhaseTimer``
+        takes them off the phase they ran in)."""
+        return self._thread_seconds.get(threading.get_ident(), 0.0)
 
     def total(self) -> int:
         """Compiles so far, all labels together."""

@@ -351,25 +351,53 @@ def print_line(line: str) -> None:
 
 
 class PhaseTimer:
-    """Accumulates seconds per named phase (generation, scoring, selection, update)."""
+    """Accumulates seconds per named phase (generation, scoring, selection, update), and the
+    compiles inside them apart: a first step's compile is reported as a compile, not as its phase.
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    Args:
+        clock: seconds now.
+        compile_seconds: seconds of compiling done on this thread so far (e.g.
+            ``podsjax.compilation.CompileLog.thread_seconds``); the compiles in a phase are
+            taken off its time and added to ``compile_s``. None: nothing is taken off.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 compile_seconds: Callable[[], float] | None = None):
         self._clock = clock
+        self._compile_seconds = compile_seconds
         self._seconds: dict[str, float] = {}
+        self._waited = 0.0  # in compiling() blocks
+        self.compile_s = 0.0
+
+    def _compiled(self) -> float:
+        return (self._compile_seconds() if self._compile_seconds is not None else 0.0) + self._waited
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Times the ``with`` body (also when it raises) and adds it to ``name``."""
+        """Times the ``with`` body (also when it raises) and adds it to ``name``, less its compiles."""
+        start, compiled = self._clock(), self._compiled()
+        try:
+            yield
+        finally:
+            compiling = self._compiled() - compiled
+            self.compile_s += compiling
+            self.add(name, self._clock() - start - compiling)
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Inside a phase: the ``with`` body is compile time (waiting for a compile that another
+        thread runs), not the phase's."""
         start = self._clock()
         try:
             yield
         finally:
-            self.add(name, self._clock() - start)
+            self._waited += self._clock() - start
 
     def add(self, name: str, seconds: float) -> None:
         self._seconds[name] = self._seconds.get(name, 0.0) + float(seconds)
 
     def totals(self) -> dict[str, float]:
+        """Seconds per phase, its compiles left out (they are in ``compile_s``)."""
         return dict(self._seconds)
 
 

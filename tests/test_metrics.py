@@ -170,3 +170,34 @@ def test_helpers():
     assert to_jsonable({"x": (np.int64(2), np.float32(float("inf")))}) == {"x": [2, None]}
     with pytest.raises(ValueError, match="cannot store a object"):
         to_jsonable({"x": object()})
+
+
+def test_a_phase_s_compiles_are_counted_as_compiles_not_as_the_phase():
+    import time
+
+    import jax
+
+    from podsjax.compilation import CompileLog
+
+    log = CompileLog()
+    timer = PhaseTimer(compile_seconds=log.thread_seconds)
+    with timer.phase("selection"):
+        with log.label("select"):  # a function of its own: it compiles here
+            jax.jit(lambda x: jnp.cumsum(x * 3.0 + 1.0) ** 2)(jnp.ones(13)).block_until_ready()
+    compiled = sum(log.seconds.values())
+    assert compiled > 0 and timer.compile_s == pytest.approx(compiled)
+    with timer.phase("update"):
+        with timer.compiling():  # waiting for a compile on another thread
+            time.sleep(0.05)
+    assert timer.compile_s >= compiled + 0.05
+    assert timer.totals()["update"] < 0.02 and timer.totals()["selection"] >= 0
+
+
+def test_the_step_line_reports_compiles_apart_from_the_phases():
+    from podsjax.loop import reporting
+
+    scalars = {"time/generation": 0.8, "time/scoring": 0.1, "time/selection": 0.01, "time/update": 0.32,
+               "time/compile": 12.25}
+    assert reporting.phases_text(scalars) == ("step 13.48 s (generation 0.80, scoring 0.10, selection 0.01, "
+                                              "update 0.32; compiles 12.25)")
+    assert reporting.phases_text({**scalars, "time/compile": 0.0}).endswith("update 0.32)")

@@ -9,10 +9,13 @@ from podsjax.run_state import HostState
 
 
 def phases_text(scalars: dict[str, float]) -> str:
-    """``step 1.23 s (generation 0.80, scoring 0.10, selection 0.01, update 0.32)``."""
+    """``step 1.23 s (generation 0.80, scoring 0.10, selection 0.01, update 0.32)``, and
+    ``; compiles 12.25`` when the step compiled (a first step): its compiles are no phase's."""
     phases = [(name, scalars.get(f"time/{name}")) for name in ("generation", "scoring", "selection", "update")]
-    total = sum(v for _, v in phases if v is not None)
-    return f"step {total:.2f} s (" + ", ".join(f"{n} {v:.2f}" for n, v in phases if v is not None) + ")"
+    compiles = scalars.get("time/compile") or 0.0
+    total = sum(v for _, v in phases if v is not None) + compiles
+    text = ", ".join(f"{n} {v:.2f}" for n, v in phases if v is not None)
+    return f"step {total:.2f} s ({text}" + (f"; compiles {compiles:.2f})" if compiles >= 0.005 else ")")
 
 
 def progress_line(step: int, scalars: dict[str, float], accuracy: float, host: HostState, run_config: RunConfig) -> str:

@@ -280,7 +280,7 @@ class Trainer:
         ``max_sampling_rounds``) until the step has its groups with reward variance.
         """
         run_config, algo = self.run_config, self.algo
-        timer = metrics_lib.PhaseTimer()
+        timer = metrics_lib.PhaseTimer(compile_seconds=self.compile_log.thread_seconds)
         # Until the update, the state and the host state are as the last step left them: a stop drops this work.
         with self.signals.droppable():
             key = jax.random.fold_in(jax.random.key(run_config.seed + programs.ROLLOUT_SEED_OFFSET), self.step)
@@ -318,16 +318,17 @@ class Trainer:
         with timer.phase("update"):
             if self._pending_compile is not None:
                 pending, self._pending_compile = self._pending_compile, None
-                pending.result()
+                with timer.compiling():
+                    pending.result()
             rows, length = batch.input_ids.shape
             with self.compile_log.label("update", f"{rows} rows x {length} tokens"):
                 self.state, step_metrics = self.update_fn(self.state, batch, self.frozen)
                 # The indices are only logged: fetched with the metrics, so the update is
                 # dispatched right behind the selection with no host sync between them.
                 step_metrics, idx_PM = jax.device_get((step_metrics, idx_PM))
-        phases = timer.totals()
+        phases = timer.totals()  # without the step's compiles, which are timer.compile_s
         if self._compiled_once:
-            self.host.elapsed_train_s += hosts.agree(sum(phases.values()))
+            self.host.elapsed_train_s += hosts.agree(sum(phases.values()) + timer.compile_s)
         # The first step of a process compiles generation and the update; JAX's
         # one-time compile is left off the clock (later steps reuse the programs).
         self._compiled_once = True
@@ -346,6 +347,7 @@ class Trainer:
             "data/prompts_skipped": float(drawn["skipped"]),
             **scoring.length_stats(scored),
             **{f"time/{k}": v for k, v in phases.items()},
+            "time/compile": timer.compile_s,
             "time/tokens_per_s": metrics_lib.tokens_per_second(generated, phases["generation"]),
             "time/elapsed_train_s": self.host.elapsed_train_s,
         }
