@@ -172,6 +172,13 @@ class ExperimentConfig:
             raise ValueError("tiny.warmup_dir, tiny.warmup_steps and tiny.max_operations belong to the tiny preset; "
                              "they mean nothing with a model.path")
         self.tiny.check(self.task)
+        algo = self.algorithm
+        groups = self.run.prompts_per_step * algo.groups_per_prompt
+        micro_batches = algo.grad_accum * algo.steps_per_generation
+        if algo.aggregation == "group-token-mean" and groups % micro_batches:
+            raise ValueError(f"algorithm.aggregation group-token-mean averages whole groups, but an update's {groups} "
+                             f"groups (prompts_per_step x groups_per_prompt) do not split into its {micro_batches} "
+                             "micro-batches (grad_accum x steps_per_generation)")
 
     @property
     def task(self) -> str:

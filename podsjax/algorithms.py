@@ -57,7 +57,9 @@ class AlgorithmConfig:
     # dropped groups fill the rest, so the update's shapes never change)
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4  # dynamic sampling: draws of prompts_per_step prompts per step, at most
-    aggregation: str = "token-mean"  # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm
+    # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, or group-token-mean
+    # (each group's m trained rows a token mean, then the mean over groups)
+    aggregation: str = "token-mean"
     # policy loss: grpo (clipped token ratio), gspo (clipped sequence ratio) or cispo (capped token weight)
     loss_type: str = "grpo"
     # The rollout policy; the update recomputes log-probs unfiltered, at logprob_temperature.
@@ -184,9 +186,10 @@ class AlgorithmConfig:
 
     @property
     def loss_config(self) -> grpo.LossConfig:
+        group_size = self.m if self.aggregation == "group-token-mean" else None  # a group's trained rows
         return grpo.LossConfig(epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta,
-                               aggregation=self.aggregation, loss_type=self.loss_type, tis_cap=self.tis_cap,
-                               tis_level=self.tis_level)
+                               aggregation=self.aggregation, group_size=group_size, loss_type=self.loss_type,
+                               tis_cap=self.tis_cap, tis_level=self.tis_level)
 
 
 def method_config(name: str, **overrides) -> AlgorithmConfig:

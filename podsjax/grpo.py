@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 StdScaling = Literal["group", "batch", "none"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "group-token-mean"]
 STD_SCALINGS = ("group", "batch", "none")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "group-token-mean")
 LossType = Literal["grpo", "gspo", "cispo"]
 LOSS_TYPES = ("grpo", "gspo", "cispo")
 TisLevel = Literal["token", "sequence"]
@@ -87,9 +87,13 @@ class LossConfig:
       aggregation: "token-mean" averages all tokens of the batch,
         "seq-mean-token-mean" averages per sequence then over sequences
         (the original GRPO), "seq-mean-token-sum-norm" sums tokens and divides
-        by a constant B * norm_length (Dr. GRPO).
+        by a constant B * norm_length (Dr. GRPO), "group-token-mean" averages the
+        tokens of each group of ``group_size`` consecutive rows, then over groups (TRL's
+        bnpo on micro-batches of one group each, as the PODS authors' 8-GPU trainer).
       norm_length: the constant length of Dr. GRPO's normalizer; None uses the
         padded completion length L of the batch.
+      group_size: rows per group for "group-token-mean" (its groups are runs of
+        consecutive rows; the batch must hold whole groups).
       loss_type: each token's policy term: "grpo" clips the token's ratio, "gspo" the
         sequence's (:func:`gspo_token_loss`), "cispo" caps a stop-gradient weight on
         REINFORCE (:func:`cispo_token_loss`); each takes every aggregation and the KL.
@@ -107,6 +111,7 @@ class LossConfig:
     beta: float = 0.0
     aggregation: Aggregation = "token-mean"
     norm_length: int | None = None
+    group_size: int | None = None
     loss_type: LossType = "grpo"
     tis_cap: float | None = None
     tis_level: TisLevel = "token"
@@ -122,6 +127,8 @@ class LossConfig:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {self.aggregation!r}")
         if self.norm_length is not None and self.norm_length < 1:
             raise ValueError(f"norm_length must be >= 1; got {self.norm_length}")
+        if self.aggregation == "group-token-mean" and (self.group_size is None or self.group_size < 1):
+            raise ValueError(f"aggregation 'group-token-mean' needs group_size >= 1; got {self.group_size}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {self.loss_type!r}")
         if self.tis_cap is not None and not self.tis_cap > 0:
@@ -160,11 +167,21 @@ class LossMetrics:
     tis_truncated_frac: jax.Array  # tokens whose TIS weight the cap cut
 
 
+def _groups(rows: int, config: LossConfig) -> int:
+    """The number of whole groups of ``config.group_size`` in ``rows`` rows (a ValueError if not whole)."""
+    if rows % config.group_size:
+        raise ValueError(f"aggregation 'group-token-mean' needs whole groups of {config.group_size} rows; "
+                         f"a batch of {rows} rows is not (the rows of each micro-batch must be whole groups)")
+    return rows // config.group_size
+
+
 def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:
     """The normalizer the aggregation mode divides by, for a batch's mask."""
     mask = mask_BL.astype(jnp.float32)
     if config.aggregation == "token-mean":
         return jnp.maximum(jnp.sum(mask), 1.0)
+    if config.aggregation == "group-token-mean":
+        return jnp.asarray(_groups(mask.shape[0], config), jnp.float32)
     num_seqs = jnp.asarray(mask.shape[0] if mask.ndim > 1 else 1, jnp.float32)
     if config.aggregation == "seq-mean-token-mean":
         return num_seqs
@@ -342,6 +359,11 @@ def grpo_loss_terms(
     if config.aggregation == "seq-mean-token-mean":
         lengths = jnp.maximum(jnp.sum(weight, axis=-1), 1.0)
         numerator = jnp.sum(jnp.sum(per_token, axis=-1) / lengths)
+    elif config.aggregation == "group-token-mean":
+        groups = _groups(per_token.shape[0], config)
+        group_sums = jnp.sum(per_token, axis=-1).reshape(groups, config.group_size).sum(axis=-1)
+        group_tokens = jnp.sum(weight, axis=-1).reshape(groups, config.group_size).sum(axis=-1)
+        numerator = jnp.sum(group_sums / jnp.maximum(group_tokens, 1.0))
     else:
         numerator = jnp.sum(per_token)
 

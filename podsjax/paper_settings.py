@@ -112,12 +112,14 @@ _LLAMA_REWARDS = dict(accuracy=1.0, format=0.01, tag_count=0.01, format_style="a
 # n = m = 32 with 16 accumulation steps against PODS n = 128, m = 32 with 4, each
 # micro-batch a new group of the GPU's one prompt: groups_per_prompt = grad_accum, so an
 # update holds 8 x 16 groups of 32 (GRPO-GA) or 8 x 4 groups of 128 down-sampled to 32
-# (PODS), 4096 rollouts either way. TRL's bnpo loss ~ token-mean.
+# (PODS), 4096 rollouts either way. Each micro-batch is one group of m (grpo_trainer.py
+# splits the accumulated batch by group), and TRL's bnpo loss is its token mean, averaged
+# over the micro-batches and GPUs: group-token-mean.
 # [8gpu] grpo_trainer.py divides the logits by the sampling temperature before its log-probs,
 # and samples with TRL's top_k 50 of that commit (use_vllm is false, so generate gets it).
 _MULTI_COMMON = dict(learning_rate=2e-5, schedule="cosine", warmup_ratio=0.1, adam_b1=0.9, adam_b2=0.999,
                      weight_decay=0.0, max_grad_norm=1.0, temperature=0.9, logprob_temperature=None, top_k=50,
-                     beta=0.0, aggregation="token-mean")
+                     beta=0.0, aggregation="group-token-mean")
 
 
 def epoch_updates(rows: int, processes: int, grad_accum: int, num_iterations: int = 1) -> int:
@@ -306,7 +308,8 @@ _MULTI_SOURCES = {
     "algorithm.adam_b2": "[8gpu] TrainingArguments default", "algorithm.weight_decay": "[8gpu] TrainingArguments default",
     "algorithm.max_grad_norm": "[8gpu] TrainingArguments default",
     "algorithm.temperature": "[8gpu] GRPOConfig default", "algorithm.top_k": "[8gpu] TRL generation default",
-    "algorithm.logprob_temperature": "[8gpu] grpo_trainer.py", "algorithm.aggregation": "[8gpu] grpo_trainer.py (bnpo)",
+    "algorithm.logprob_temperature": "[8gpu] grpo_trainer.py",
+    "algorithm.aggregation": "[8gpu] grpo_trainer.py (TRL's bnpo on micro-batches of one group)",
     "run": "[8gpu] grpo_trainer.py", "run.prompts_per_step": "[8gpu] exp.sh (8 processes)",
     "run.eval_top_k": "[8gpu] grpo_trainer.py my_evaluate (the training GenerationConfig: TRL top_k 50)",
     "run.max_prompt_length": "[8gpu] config_pods.yaml", "run.max_new_tokens": "[8gpu] config_pods.yaml",

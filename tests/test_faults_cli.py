@@ -29,6 +29,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
       "--algorithm.steps_per_generation", "3"],
      "4 trained rows per step (prompt rows x --m) do not split into --algorithm.steps_per_generation 3 "
      "mini-batches of --grad-accum 2 micro-batches"),
+    # 3 groups of 4 rows make 12 rows, 2 micro-batches of 6: no micro-batch of whole groups.
+    (["--method", "grpo-ga", "--n", "4", "--prompts-per-step", "3", "--grad-accum", "2",
+      "--algorithm.aggregation", "group-token-mean"],
+     "group-token-mean averages whole groups, but an update's 3 groups (prompts_per_step x groups_per_prompt) "
+     "do not split into its 2 micro-batches"),
     (["--beta", "-1"], "beta must be >= 0; got -1.0"),
     (["--groups-per-prompt", "0"], "groups_per_prompt must be >= 1; got 0"),
 ])

@@ -146,6 +146,31 @@ def test_loss_by_hand(aggregation, expected):
     assert float(metrics.num_tokens) == 3
 
 
+def test_group_token_mean_by_hand_on_two_groups_of_different_lengths():
+    # On policy (ratio 1) each token's loss is -A. Group 0: rows of 1 and 3 tokens, A = 1 and
+    # -1: -1 + 3 = 2 over 4 tokens = 0.5. Group 1: rows of 2 and 1 tokens, A = 0.5 and 2:
+    # -1 - 2 = -3 over 3 tokens = -1. The mean over the two groups: -0.25; one token mean
+    # over the batch would be (2 - 3) / 7.
+    mask = jnp.array([[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0]], jnp.float32)
+    adv = jnp.array([1.0, -1.0, 0.5, 2.0])
+    logp = jnp.full((4, 3), -1.0)
+    config = LossConfig(aggregation="group-token-mean", group_size=2)
+
+    def loss_fn(lp):
+        return grpo.grpo_loss(lp, adv, mask, config)[0]
+
+    loss, grad = jax.value_and_grad(loss_fn)(logp)
+    assert float(loss) == pytest.approx(-0.25, abs=1e-6)
+    assert float(grpo.grpo_loss(logp, adv, mask, LossConfig())[0]) == pytest.approx(-1 / 7, abs=1e-6)
+    # d loss / d logp of a token: -A / (its group's tokens x 2 groups).
+    expected = np.array([[-1 / 8, 0, 0], [1 / 8, 1 / 8, 1 / 8], [-1 / 12, -1 / 12, 0], [-1 / 3, 0, 0]])
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6, atol=1e-7)
+    # One group a micro-batch (as the authors' trainer): numerators 0.5 and -1 over 2 groups.
+    terms = [grpo.grpo_loss_terms(logp[s], adv[s], mask[s], config)[0] for s in (slice(0, 2), slice(2, 4))]
+    assert [float(t.numerator) for t in terms] == pytest.approx([0.5, -1.0])
+    assert float(grpo.loss_denominator(mask, config)) == 2.0 and float(terms[0].denominator) == 1.0
+
+
 def test_kl_by_hand_and_zero_at_reference():
     logp = jnp.log(jnp.array([[1.5]]))
     ref = jnp.zeros((1, 1))
@@ -164,7 +189,12 @@ def test_kl_by_hand_and_zero_at_reference():
     assert float(with_kl) == float(without)
 
 
-def numpy_loss_f64(logp, old, ref, adv, mask, eps, eps_high, beta, aggregation):
+def groups_for(aggregation, rows):
+    """group-token-mean's rows per group in these tests: pairs where the rows pair up, else one group."""
+    return (2 if rows % 2 == 0 else rows) if aggregation == "group-token-mean" else None
+
+
+def numpy_loss_f64(logp, old, ref, adv, mask, eps, eps_high, beta, aggregation, group_size=None):
     logp, old, ref = (np.where(mask > 0, x, 0.0).astype(np.float64) for x in (logp, old, ref))
     adv = adv.astype(np.float64)[:, None]
     ratio = np.exp(logp - old)
@@ -175,6 +205,9 @@ def numpy_loss_f64(logp, old, ref, adv, mask, eps, eps_high, beta, aggregation):
         return per_token.sum() / mask.sum()
     if aggregation == "seq-mean-token-mean":
         return np.mean(per_token.sum(-1) / np.maximum(mask.sum(-1), 1))
+    if aggregation == "group-token-mean":
+        groups = [slice(start, start + group_size) for start in range(0, len(mask), group_size)]
+        return np.mean([per_token[g].sum() / max(mask[g].sum(), 1) for g in groups])
     return per_token.sum() / (mask.shape[0] * mask.shape[1])
 
 
@@ -188,9 +221,10 @@ def test_loss_matches_float64_numpy(aggregation, beta):
     ref = (old + rng.normal(0, 0.3, (b, l))).astype(np.float32)
     adv = rng.normal(size=b).astype(np.float32)
     mask = (np.arange(l)[None] < rng.integers(1, l + 1, b)[:, None]).astype(np.float32)
-    config = LossConfig(epsilon=0.2, epsilon_high=0.28, beta=beta, aggregation=aggregation)
+    config = LossConfig(epsilon=0.2, epsilon_high=0.28, beta=beta, aggregation=aggregation,
+                        group_size=groups_for(aggregation, b))
     loss, _ = LOSS(logp, adv, mask, config, old_logprobs_BL=old, ref_logprobs_BL=ref)
-    expected = numpy_loss_f64(logp, old, ref, adv, mask, 0.2, 0.28, beta, aggregation)
+    expected = numpy_loss_f64(logp, old, ref, adv, mask, 0.2, 0.28, beta, aggregation, config.group_size)
     assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
@@ -203,7 +237,7 @@ def test_masked_tokens_get_exactly_zero_gradient():
     ref = np.where(mask > 0, logp + 0.1, -np.inf).astype(np.float32)
     adv = jnp.array([1.0, -2.0, 0.5])
     for aggregation in grpo.AGGREGATIONS:
-        config = LossConfig(beta=0.1, aggregation=aggregation)
+        config = LossConfig(beta=0.1, aggregation=aggregation, group_size=groups_for(aggregation, 3))
 
         def loss_fn(lp):
             return grpo.grpo_loss(lp, adv, mask, config, old_logprobs_BL=old, ref_logprobs_BL=ref)[0]
@@ -250,11 +284,13 @@ def test_split_batch_terms_sum_to_the_whole_batch_loss():
     adv = rng.normal(size=8).astype(np.float32)
     mask = (np.arange(5)[None] < rng.integers(1, 6, 8)[:, None]).astype(np.float32)
     for aggregation in grpo.AGGREGATIONS:
-        config = LossConfig(aggregation=aggregation)
+        config = LossConfig(aggregation=aggregation, group_size=groups_for(aggregation, 8))
         whole, _ = grpo.grpo_loss(logp, adv, mask, config, old_logprobs_BL=old)
+        # Micro-batches of whole groups for group-token-mean.
+        split = 2 if aggregation == "group-token-mean" else 3
         numerator = sum(
             float(grpo.grpo_loss_terms(logp[s], adv[s], mask[s], config, old_logprobs_BL=old[s])[0].numerator)
-            for s in (slice(0, 3), slice(3, 8))
+            for s in (slice(0, split), slice(split, 8))
         )
         assert numerator / float(grpo.loss_denominator(mask, config)) == pytest.approx(float(whole), rel=1e-6)
 
@@ -273,6 +309,11 @@ def test_bad_inputs_raise_clear_errors():
         LossConfig(aggregation="mean")
     with pytest.raises(ValueError, match="epsilon must be >= 0"):
         LossConfig(epsilon=-0.1)
+    with pytest.raises(ValueError, match="'group-token-mean' needs group_size >= 1; got None"):
+        LossConfig(aggregation="group-token-mean")
+    with pytest.raises(ValueError, match="needs whole groups of 2 rows; a batch of 3 rows is not"):
+        grpo.grpo_loss(jnp.zeros((3, 2)), jnp.zeros(3), jnp.ones((3, 2)),
+                       LossConfig(aggregation="group-token-mean", group_size=2))
     with pytest.raises(ValueError, match="beta=0.1 > 0 needs ref_logprobs_BL"):
         grpo.grpo_loss(jnp.zeros((2, 3)), jnp.zeros(2), jnp.ones((2, 3)), LossConfig(beta=0.1))
     with pytest.raises(ValueError, match=r"advantages must be \[B\]"):

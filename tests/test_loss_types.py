@@ -23,6 +23,15 @@ def loss_and_grad(logp, adv, mask, config, old, ref=None):
     return float(loss), np.asarray(grad), metrics
 
 
+def groups_for(aggregation, rows):
+    """group-token-mean's rows per group in these tests: pairs where the rows pair up, else one group."""
+    return (2 if rows % 2 == 0 else rows) if aggregation == "group-token-mean" else None
+
+
+def make_config(aggregation, rows, **fields):
+    return LossConfig(aggregation=aggregation, group_size=groups_for(aggregation, rows), **fields)
+
+
 def token_weights(mask, aggregation):
     """d loss / d per-token loss: the aggregation's weight of each token."""
     b, length = mask.shape
@@ -30,6 +39,10 @@ def token_weights(mask, aggregation):
         return mask / mask.sum()
     if aggregation == "seq-mean-token-mean":
         return mask / (b * np.maximum(mask.sum(-1, keepdims=True), 1.0))
+    if aggregation == "group-token-mean":
+        g = groups_for(aggregation, b)
+        group_tokens = np.repeat(mask.reshape(b // g, g * length).sum(-1), g)[:, None]
+        return mask / ((b // g) * np.maximum(group_tokens, 1.0))
     return mask / (b * length)
 
 
@@ -84,7 +97,7 @@ REFERENCES = {"gspo": numpy_gspo, "cispo": numpy_cispo}
 @pytest.mark.parametrize("beta", [0.0, BETA])
 def test_values_and_gradients_match_float64_numpy(loss_type, aggregation, beta):
     logp, old, ref, adv, mask = random_batch(0)
-    config = LossConfig(epsilon=EPS, epsilon_high=EPS_HIGH, beta=beta, aggregation=aggregation, loss_type=loss_type)
+    config = make_config(aggregation, len(mask), epsilon=EPS, epsilon_high=EPS_HIGH, beta=beta, loss_type=loss_type)
     loss, grad, _ = loss_and_grad(logp, adv, mask, config, old, ref)
     expected_loss, expected_grad = REFERENCES[loss_type](logp, old, ref, adv, mask, aggregation, beta)
     assert loss == pytest.approx(expected_loss, rel=1e-5, abs=1e-6)
@@ -114,9 +127,9 @@ def test_gspo_equals_grpo_when_each_sequence_has_one_log_ratio(aggregation):
     for mask in (np.eye(5, 4, dtype=np.float32)[:, ::-1].copy(),  # one token each (the last row: none)
                  (np.arange(4)[None] < np.array([[1], [4], [2], [3], [4]])).astype(np.float32)):
         logp = old + step  # the same log-ratio on every token of a row
-        kw = dict(epsilon=EPS, epsilon_high=EPS_HIGH, aggregation=aggregation)
-        gspo = loss_and_grad(logp, adv, mask, LossConfig(loss_type="gspo", **kw), old)
-        plain = loss_and_grad(logp, adv, mask, LossConfig(loss_type="grpo", **kw), old)
+        kw = dict(epsilon=EPS, epsilon_high=EPS_HIGH)
+        gspo = loss_and_grad(logp, adv, mask, make_config(aggregation, 5, loss_type="gspo", **kw), old)
+        plain = loss_and_grad(logp, adv, mask, make_config(aggregation, 5, loss_type="grpo", **kw), old)
         assert gspo[0] == pytest.approx(plain[0], rel=1e-6, abs=1e-7)
         np.testing.assert_allclose(gspo[1], plain[1], rtol=1e-5, atol=1e-8)
         assert float(gspo[2].clip_frac_high) == pytest.approx(float(plain[2].clip_frac_high))
@@ -129,7 +142,7 @@ def test_gspo_equals_the_stop_gradient_token_form(aggregation):
     # verl's GSPO-token ratio sg(s) * pi / sg(pi) has the value s on every token and the
     # gradient of the sequence form under every aggregation (each weights a row's tokens alike).
     logp, old, _, adv, mask = random_batch(2)
-    config = LossConfig(epsilon=EPS, epsilon_high=EPS_HIGH, aggregation=aggregation, loss_type="gspo")
+    config = make_config(aggregation, len(mask), epsilon=EPS, epsilon_high=EPS_HIGH, loss_type="gspo")
     weights = token_weights(mask, aggregation)
 
     def token_form(lp):
@@ -190,8 +203,8 @@ def test_on_policy_cispo_is_reinforce():
 def test_on_policy_all_three_give_the_same_gradient(aggregation):
     # One update per batch (old=None): every ratio is 1, so the three updates coincide.
     logp, _, ref, adv, mask = random_batch(3)
-    grads = {loss_type: loss_and_grad(logp, adv, mask, LossConfig(beta=BETA, aggregation=aggregation,
-                                                                  loss_type=loss_type), None, ref)[1]
+    grads = {loss_type: loss_and_grad(logp, adv, mask, make_config(aggregation, len(mask), beta=BETA,
+                                                                   loss_type=loss_type), None, ref)[1]
              for loss_type in grpo.LOSS_TYPES}
     assert np.any(grads["grpo"] != 0.0)
     for loss_type in ("gspo", "cispo"):
@@ -203,11 +216,12 @@ def test_split_batch_terms_sum_to_the_whole_batch_loss(loss_type):
     # Gradient accumulation: micro-batch numerators over the whole batch's denominator.
     logp, old, _, adv, mask = random_batch(4, b=8, length=5)
     for aggregation in grpo.AGGREGATIONS:
-        config = LossConfig(aggregation=aggregation, loss_type=loss_type)
+        config = make_config(aggregation, 8, loss_type=loss_type)
         whole, _ = LOSS(logp, adv, mask, config, old_logprobs_BL=old)
+        split = 2 if aggregation == "group-token-mean" else 3  # micro-batches of whole groups
         numerator = sum(
             float(grpo.grpo_loss_terms(logp[s], adv[s], mask[s], config, old_logprobs_BL=old[s])[0].numerator)
-            for s in (slice(0, 3), slice(3, 8))
+            for s in (slice(0, split), slice(split, 8))
         )
         assert numerator / float(grpo.loss_denominator(mask, config)) == pytest.approx(float(whole), rel=1e-6)
 
@@ -267,3 +281,38 @@ def test_train_step_micro_batches_equal_one_big_batch(loss_type):
                                                            jax.tree.leaves(big_state.params))]
     assert max(diffs) <= 1e-5
     assert float(big.loss) != pytest.approx(float(plain.loss), abs=1e-6)  # the loss type reached the step
+
+
+@pytest.mark.slow
+def test_group_token_mean_through_the_train_step_one_group_a_micro_batch():
+    # The authors' 8-GPU update: each micro-batch one group (2 prompts, grad_accum 2), its
+    # token mean, averaged over the groups. The same as one batch of both groups, and not
+    # the batch's token mean when the groups' lengths differ.
+    config = pm.ModelConfig(arch="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                            num_heads=2, num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+    model = pm.Decoder(config)
+    params = pm.init_params(model, jax.random.key(0))
+    rng = np.random.default_rng(7)
+    n, t = 4, 5
+    lengths = np.array([[[1], [2], [1], [2]], [[5], [4], [5], [3]]])  # 6 tokens, then 17
+    rollouts = (rng.integers(1, 64, (2, 3)).astype(np.int32), np.ones((2, 3), np.int32),
+                rng.integers(1, 64, (2, n, t)).astype(np.int32), np.arange(t) < lengths,
+                rng.normal(size=(2, n)).astype(np.float32))
+    policy, _ = train.full_apply_fn(model)
+
+    def run(**fields):
+        algo = algorithms.AlgorithmConfig(n=n, m=n, learning_rate=1e-2, max_grad_norm=1e6, **fields)
+        assert algo.loss_config.group_size == (n if algo.aggregation == "group-token-mean" else None)
+        optimizer = algorithms.make_optimizer(algo)
+        batch, _ = train.build_batch(*rollouts, algo)
+        assert float(train.mini_batch_denominators(batch.completion_mask, algo)) == (
+            2.0 if algo.aggregation == "group-token-mean" else 23.0)
+        return jax.jit(train.make_train_step(policy, optimizer, algo))(train.init_state(params, optimizer), batch,
+                                                                       params)[1]
+
+    ga = run(algorithm="grpo-ga", grad_accum=2, aggregation="group-token-mean")
+    big = run(algorithm="grpo", aggregation="group-token-mean")
+    tokens = run(algorithm="grpo", aggregation="token-mean")
+    assert float(ga.loss) == pytest.approx(float(big.loss), abs=1e-6)
+    assert float(ga.grad_norm) == pytest.approx(float(big.grad_norm), rel=1e-5)
+    assert float(big.grad_norm) != pytest.approx(float(tokens.grad_norm), rel=1e-3)

@@ -90,7 +90,8 @@ def test_eight_gpu_settings_follow_the_run_script(name):
     # config_pods.yaml, the recipe exp.sh names: a cosine over the epoch with 10 % warm-up.
     assert (c.learning_rate, c.schedule, c.warmup_ratio) == (2e-5, "cosine", 0.1)
     assert (c.adam_b1, c.adam_b2, c.weight_decay, c.max_grad_norm) == (0.9, 0.999, 0.0, 1.0)
-    assert (c.beta, c.aggregation) == (0.0, "token-mean")
+    # Each micro-batch one group, TRL's bnpo its token mean: the mean of the groups' token means.
+    assert (c.beta, c.aggregation, c.loss_config.group_size) == (0.0, "group-token-mean", 32)
     # grpo_trainer.py: log-probs at the sampling temperature, TRL's top_k 50 in generate.
     assert (c.temperature, c.update_temperature, c.top_k) == (0.9, 0.9, 50)
     assert s.rewards == dict(accuracy=1.0, format=1.0, tag_count=1.0, format_style="open-r1")
