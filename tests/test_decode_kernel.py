@@ -48,8 +48,10 @@ def kernel_form(case, interpret=True):
 
 
 # (prompts, samples, kv heads, queries per kv head, prompt slots, completion slots, head_dim):
-# lengths that are not a multiple of the kernel's block, more than one block, a group of 1.
-SHAPES = [(2, 3, 2, 3, 37, 21, 16), (1, 4, 1, 6, 64, 130, 32), (3, 1, 2, 2, 80, 16, 16)]
+# lengths that are not a multiple of the kernel's block, more than one block, a group of 1,
+# a group whose query matrix (n x G = 70) takes two tiles and a prompt in two chunks.
+SHAPES = [(2, 3, 2, 3, 37, 21, 16), (1, 4, 1, 6, 64, 130, 32), (3, 1, 2, 2, 80, 16, 16),
+          (1, 10, 1, 7, 300, 40, 16)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -64,6 +66,44 @@ def test_the_kernel_reads_a_bf16_cache_as_the_xla_form_does():
     # Both sum in fp32 and round once to bf16: at most one bf16 step apart.
     np.testing.assert_allclose(out, ref, atol=1e-2, rtol=1e-2)
     assert float(jnp.mean(out == ref)) > 0.9
+
+
+def test_a_prompt_chunk_that_holds_only_left_padding_adds_nothing():
+    # 600 prompt slots are three prefix chunks of 256; the first 400 slots are padding, so
+    # the first chunk has no real slot and its part must weigh 0 in the merge.
+    case = grouped_case(2, 3, 2, 3, 600, 24, 16, jnp.float32, seed=6)
+    case = dict(case, prompt_mask_PS=jnp.broadcast_to(jnp.arange(600) >= 400, (2, 600)))
+    assert decode_kernel.plan(6, 2, 2, 3, 600, 24).prefix_splits == 3
+    np.testing.assert_allclose(kernel_form(case), xla_form(case), atol=2e-6, rtol=2e-6)
+
+
+def test_at_setting_as_shape_the_attention_fills_an_h100_with_short_walks():
+    # 64 rows of one prompt, 2 kv heads, 6 query heads each, 512 + 512 slots: at least two
+    # programs for each of 132 SMs, none walking more than 256 slots. Read from the
+    # launched grids, not only the plan.
+    args = (jax.ShapeDtypeStruct((64, 2, 6, 128), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((1, 512), bool),
+            jax.ShapeDtypeStruct((64, 2, 512, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 2, 128, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 512), bool), jax.ShapeDtypeStruct((64,), jnp.int32))
+    jaxpr = jax.make_jaxpr(decode_kernel.grouped_decode_attention)(*args)
+    grids = [e.params["grid_mapping"].grid for e in _pallas_calls(jaxpr.jaxpr)]
+    assert len(grids) == 2
+    programs = sum(int(np.prod(g)) for g in grids)
+    split = decode_kernel.plan(64, 1, 2, 6, 512, 512)
+    assert programs == split.programs >= decode_kernel.MIN_PROGRAMS == 264
+    assert split.max_slots_per_program <= 256
+    assert split.own_chunk * split.own_splits >= 512 and split.prefix_chunk * split.prefix_splits >= 512
+    # the prefix pass reads the group's prompt once: one prompt, per kv head, per query tile and chunk
+    assert split.prefix_programs == 2 * split.query_tiles * split.prefix_splits
+
+
+def _pallas_calls(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for value in eqn.params.values():
+            if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+                yield from _pallas_calls(value.jaxpr)
 
 
 def test_blocks_past_a_rows_length_are_never_read():

@@ -1,22 +1,32 @@
-"""Grouped decode attention as one GPU kernel (Pallas, lowered through Triton).
+"""Grouped decode attention as two GPU kernels (Pallas, lowered through Triton) and a merge.
 
-:func:`~podsjax.models.rollout.attend_grouped` in XLA writes each layer's fp32 scores to
-memory and reads them back three times (the softmax's maximum, its sum, the weighted sum
-of values): at 256 rows of Qwen2.5-1.5B that is a third of a decode step's bytes beyond
-its floor. This kernel keeps the scores in registers (flash decoding): one program per
-row and kv head streams that row's prompt keys and values (shared by the group's n rows,
-so re-read from L2, not HBM) and its own completion, with an online softmax over both.
-HBM traffic is the KV cache once, plus the queries and the output.
+A decode step's attention reads each row's completion and its group's prompt. One
+program per row and kv head that walks both serially left an H200 mostly idle: at setting
+a's shape (64 rows, 2 kv heads, 512 + 512 slots) 128 programs for 132 SMs, each reading
+1024 slots one block after another, ran at 188 us a layer against 3.6 us of bytes. So the
+work is split the way flash decoding and cascade (shared-prefix) attention split it:
 
-Each row stops reading its completion at its write slot, so a step reads the completion
-written so far, not the whole buffer.
+- **prefix pass**: per prompt and kv head, the group's n rows x G query heads form one
+  query matrix against the prompt's keys and values, read once for the whole group, as
+  tensor-core matmuls; the prompt's slots are split over programs;
+- **completion pass**: per row and kv head, the row's own completion, split over
+  programs of at most :data:`MAX_SLOTS_PER_PROGRAM` slots, each stopping at the row's
+  write slot (a split past it reads nothing);
+- **merge**: every part keeps its running maximum and sum (an online softmax), and one
+  XLA fusion combines the parts by their log-sum-exp.
 
-Numerics: scores and the weighted sum of values are fp32 (the values are upcast in
-registers, the dots run in full fp32), as on the XLA path; the two agree to fp32 rounding.
+:func:`plan` says how a shape splits; tests check that setting a's shape fills an H100
+(at least :data:`MIN_PROGRAMS` programs) without running on one.
+
+Numerics: scores and sums are fp32. A 16-bit cache's scores are bf16/fp16 products summed
+in fp32 (exact products, as the XLA form's upcast ones); the probabilities enter the
+values' matmul as two 16-bit parts (high and low), so they keep about 16 bits. An fp32
+cache (tests) runs fp32 dots. The kernels agree with the XLA form to fp32 rounding in fp32.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,8 +34,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+MIN_PROGRAMS = 264  # two programs for each of an H100's (and H200's) 132 SMs
+MAX_SLOTS_PER_PROGRAM = 256  # the longest serial walk a program makes
 _MIN_DOT = 16  # Triton's dots take tiles of at least 16 along each dimension
 _BLOCK = 64  # cache slots per loop iteration
+_QUERY_TILE = 64  # rows of the prefix pass's query matrix per program
 _NEG = 0.7 * float(jnp.finfo(jnp.float32).min)  # masked scores: exp underflows to 0, no inf - inf
 
 
@@ -33,47 +46,200 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _kernel(q_ref, pk_ref, pv_ref, pmask_ref, k_ref, v_ref, allowed_ref, length_ref, o_ref, *,
-            groups: int, prompt_len: int, slots: int, block: int, scale: float):
-    """One row, one kv head. Refs: q ``[GP, E]``; the row's prompt ``pk``/``pv`` ``[S, E]`` and
-    ``pmask`` ``[S]``; its completion ``k`` ``[T, E]``, ``v`` ``[E, T]``, ``allowed`` ``[T]``;
-    ``length`` ``[1]`` (slots to read); out ``[GP, E]``."""
-    gp, e = q_ref.shape
-    q_rows = jnp.arange(gp) < groups
-    q = plgpu.load(q_ref, mask=q_rows[:, None], other=0).astype(jnp.float32) * scale
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one layer's attention splits into programs.
+
+    Attributes:
+        block: cache slots per loop iteration.
+        prefix_chunk, prefix_splits: prompt slots per prefix program, and programs per prompt
+            and kv head along the prompt.
+        query_tile, query_tiles: rows of the group's query matrix (n x G) per prefix program,
+            and how many such tiles.
+        own_chunk, own_splits: completion slots per completion program, and programs per row
+            and kv head along the completion.
+        prefix_programs, own_programs: the two grids' sizes.
+    """
+
+    block: int
+    prefix_chunk: int
+    prefix_splits: int
+    query_tile: int
+    query_tiles: int
+    own_chunk: int
+    own_splits: int
+    prefix_programs: int
+    own_programs: int
+
+    @property
+    def programs(self) -> int:
+        return self.prefix_programs + self.own_programs
+
+    @property
+    def max_slots_per_program(self) -> int:
+        return max(self.prefix_chunk, self.own_chunk)
+
+
+def plan(rows: int, prompts: int, kv_heads: int, groups: int, prompt_len: int, slots: int) -> Plan:
+    """The split of :func:`grouped_decode_attention` for ``rows`` rows sampling ``prompts`` prompts.
+
+    The completion pass halves its chunk (from :data:`MAX_SLOTS_PER_PROGRAM`) until it has
+    :data:`MIN_PROGRAMS` programs or a chunk is one block. The prefix pass reads at most
+    :data:`MAX_SLOTS_PER_PROGRAM` slots a program too.
+    """
+    block = min(_BLOCK, max(_MIN_DOT, _next_pow2(max(prompt_len, slots))))
+    own_chunk = max(block, min(MAX_SLOTS_PER_PROGRAM, _next_pow2(slots)))
+    while own_chunk > block and rows * kv_heads * pl.cdiv(slots, own_chunk) < MIN_PROGRAMS:
+        own_chunk //= 2
+    own_splits = pl.cdiv(slots, own_chunk)
+    queries = rows // prompts * groups
+    query_tile = min(_QUERY_TILE, max(_MIN_DOT, _next_pow2(queries)))
+    query_tiles = pl.cdiv(queries, query_tile)
+    prefix_chunk = max(block, min(MAX_SLOTS_PER_PROGRAM, _next_pow2(prompt_len)))
+    prefix_splits = pl.cdiv(prompt_len, prefix_chunk)
+    return Plan(block=block, prefix_chunk=prefix_chunk, prefix_splits=prefix_splits, query_tile=query_tile,
+                query_tiles=query_tiles, own_chunk=own_chunk, own_splits=own_splits,
+                prefix_programs=prompts * kv_heads * query_tiles * prefix_splits,
+                own_programs=rows * kv_heads * own_splits)
+
+
+def _scores(q, keys):
+    """``q [Q, E] @ keys [S, E]^T`` summed in fp32: 16-bit operands on tensor cores, fp32 ones exact."""
+    return plgpu.dot(q, keys, trans_b=True, allow_tf32=False)
+
+
+def _weighted(p, values, slots_last: bool):
+    """``p [Q, S] @ values`` in fp32; a 16-bit ``values`` takes ``p`` as a high and a low 16-bit part."""
+    if values.dtype == jnp.float32:
+        return plgpu.dot(p, values, trans_b=slots_last, allow_tf32=False)
+    high = p.astype(values.dtype)
+    low = (p - high.astype(jnp.float32)).astype(values.dtype)
+    return (plgpu.dot(high, values, trans_b=slots_last, allow_tf32=False)
+            + plgpu.dot(low, values, trans_b=slots_last, allow_tf32=False))
+
+
+def _attend_blocks(q, keys_ref, values_ref, real_ref, start, stop, count, *, block: int, scale: float,
+                   slots_last: bool):
+    """Online softmax of ``q`` (unscaled) over slots ``[start, stop)`` of one cache part, ``count`` blocks.
+
+    Returns the unnormalised output ``[Q, E]``, the running maximum and sum ``[Q]`` (fp32)."""
     offsets = jnp.arange(block)
 
-    def blocks(keys_ref, values_ref, real_ref, length: int, slots_last: bool):
-        """The loop body over one part of the cache: ``length`` slots of ``keys_ref`` ``[.., E]``
-        and ``values_ref`` (``[E, ..]`` when ``slots_last``), ``real_ref`` marking those attended."""
-        def step(i, carry):
-            o, top, total = carry
-            start = i * block
-            inside = start + offsets < length
-            window = pl.ds(start, block)
-            keys = plgpu.load(keys_ref.at[window, :], mask=inside[:, None], other=0)
-            real = plgpu.load(real_ref.at[window], mask=inside, other=0) != 0
-            scores = plgpu.dot(q, keys.astype(jnp.float32), trans_b=True, allow_tf32=False)
-            scores = jnp.where(real[None, :], scores, _NEG)
-            if slots_last:
-                values = plgpu.load(values_ref.at[:, window], mask=inside[None, :], other=0)
-            else:
-                values = plgpu.load(values_ref.at[window, :], mask=inside[:, None], other=0)
-            new_top = jnp.maximum(top, scores.max(axis=-1))
-            correction = jnp.exp(top - new_top)
-            p = jnp.exp(scores - new_top[:, None])
-            pv = plgpu.dot(p, values.astype(jnp.float32), trans_b=slots_last, allow_tf32=False)
-            return o * correction[:, None] + pv, new_top, total * correction + p.sum(axis=-1)
+    def step(i, carry):
+        o, top, total = carry
+        first = start + i * block
+        inside = first + offsets < stop
+        window = pl.ds(first, block)
+        keys = plgpu.load(keys_ref.at[window, :], mask=inside[:, None], other=0)
+        real = plgpu.load(real_ref.at[window], mask=inside, other=0) != 0
+        scores = jnp.where(real[None, :], _scores(q, keys) * scale, _NEG)
+        if slots_last:
+            values = plgpu.load(values_ref.at[:, window], mask=inside[None, :], other=0)
+        else:
+            values = plgpu.load(values_ref.at[window, :], mask=inside[:, None], other=0)
+        new_top = jnp.maximum(top, scores.max(axis=-1))
+        correction = jnp.exp(top - new_top)
+        p = jnp.exp(scores - new_top[:, None])
+        return o * correction[:, None] + _weighted(p, values, slots_last), new_top, total * correction + p.sum(-1)
 
-        return step
+    rows, e = q.shape
+    carry = (jnp.zeros((rows, e), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    return jax.lax.fori_loop(0, count, step, carry)
 
-    carry = (jnp.zeros((gp, e), jnp.float32), jnp.full((gp,), _NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
-    carry = jax.lax.fori_loop(0, pl.cdiv(prompt_len, block), blocks(pk_ref, pv_ref, pmask_ref, prompt_len, False),
-                              carry)
-    own_blocks = pl.cdiv(jnp.minimum(length_ref[0], slots), block)
-    o, _, total = jax.lax.fori_loop(0, own_blocks, blocks(k_ref, v_ref, allowed_ref, slots, True), carry)
-    out = o / total[:, None]
-    plgpu.store(o_ref, out.astype(o_ref.dtype), mask=q_rows[:, None])
+
+def _prefix_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, top_ref, total_ref, *, prompt_len: int, chunk: int,
+                   block: int, scale: float):
+    """One prompt, kv head, query tile and prompt chunk. Refs: q ``[Tq, E]`` (a tile of the
+    group's rows x query heads), k/v ``[S, E]``, mask ``[S]``; out o ``[Tq, E]``, top/total ``[Tq]``."""
+    start = pl.program_id(3) * chunk
+    o, top, total = _attend_blocks(q_ref[...], k_ref, v_ref, mask_ref, start, jnp.minimum(start + chunk, prompt_len),
+                                   pl.cdiv(chunk, block), block=block, scale=scale, slots_last=False)
+    o_ref[...] = o
+    top_ref[...] = top
+    total_ref[...] = total
+
+
+def _own_kernel(q_ref, k_ref, v_ref, allowed_ref, length_ref, o_ref, top_ref, total_ref, *, groups: int,
+                slots: int, chunk: int, block: int, scale: float):
+    """One row, kv head and completion chunk. Refs: q ``[GP, E]`` (G real rows), k ``[T, E]``,
+    v ``[E, T]``, allowed ``[T]``, length ``[1]``; out o ``[GP, E]``, top/total ``[GP]``."""
+    gp, _ = q_ref.shape
+    real_rows = jnp.arange(gp) < groups
+    q = plgpu.load(q_ref, mask=real_rows[:, None], other=0)
+    start = pl.program_id(2) * chunk
+    stop = jnp.minimum(jnp.minimum(start + chunk, slots), length_ref[0])
+    o, top, total = _attend_blocks(q, k_ref, v_ref, allowed_ref, start, stop,
+                                   pl.cdiv(jnp.maximum(stop - start, 0), block), block=block, scale=scale,
+                                   slots_last=True)
+    plgpu.store(o_ref, o, mask=real_rows[:, None])
+    plgpu.store(top_ref, top, mask=real_rows)
+    plgpu.store(total_ref, total, mask=real_rows)
+
+
+def _prefix_pass(q_BKGE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, split: Plan, scale: float, interpret: bool):
+    """The prefix pass: ``(o [P, K, splits, Q, E], top, total [P, K, splits, Q])`` with Q = n x G."""
+    b, k, g, e = q_BKGE.shape
+    p, _, prompt_len, _ = prompt_k_PKSE.shape
+    queries = b // p * g
+    padded = split.query_tile * split.query_tiles
+    q_PKQE = q_BKGE.reshape(p, b // p, k, g, e).transpose(0, 2, 1, 3, 4).reshape(p, k, queries, e)
+    q_PKQE = jnp.pad(q_PKQE, ((0, 0), (0, 0), (0, padded - queries), (0, 0)))
+    tile, splits = split.query_tile, split.prefix_splits
+    kernel = functools.partial(_prefix_kernel, prompt_len=prompt_len, chunk=split.prefix_chunk, block=split.block,
+                               scale=scale)
+    o, top, total = pl.pallas_call(
+        kernel,
+        grid=(p, k, split.query_tiles, splits),
+        in_specs=[
+            pl.BlockSpec((None, None, tile, e), lambda i, h, t, s: (i, h, t, 0)),
+            pl.BlockSpec((None, None, prompt_len, e), lambda i, h, t, s: (i, h, 0, 0)),
+            pl.BlockSpec((None, None, prompt_len, e), lambda i, h, t, s: (i, h, 0, 0)),
+            pl.BlockSpec((None, prompt_len), lambda i, h, t, s: (i, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, tile, e), lambda i, h, t, s: (i, h, s, t, 0)),
+            pl.BlockSpec((None, None, None, tile), lambda i, h, t, s: (i, h, s, t)),
+            pl.BlockSpec((None, None, None, tile), lambda i, h, t, s: (i, h, s, t)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((p, k, splits, padded, e), jnp.float32),
+                   jax.ShapeDtypeStruct((p, k, splits, padded), jnp.float32),
+                   jax.ShapeDtypeStruct((p, k, splits, padded), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="grouped_decode_prefix",
+    )(q_PKQE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS.astype(jnp.int32))
+    return o[..., :queries, :], top[..., :queries], total[..., :queries]
+
+
+def _own_pass(q_BKGE, k_BKTE, v_BKET, allowed_BT, length_B, split: Plan, scale: float, interpret: bool):
+    """The completion pass: ``(o [B, K, splits, G, E], top, total [B, K, splits, G])``."""
+    b, k, g, e = q_BKGE.shape
+    slots = k_BKTE.shape[2]
+    gp, splits = max(_MIN_DOT, _next_pow2(g)), split.own_splits
+    kernel = functools.partial(_own_kernel, groups=g, slots=slots, chunk=split.own_chunk, block=split.block,
+                               scale=scale)
+    return pl.pallas_call(
+        kernel,
+        grid=(b, k, splits),
+        in_specs=[
+            pl.BlockSpec((None, None, gp, e), lambda r, h, s: (r, h, 0, 0)),
+            pl.BlockSpec((None, None, slots, e), lambda r, h, s: (r, h, 0, 0)),
+            pl.BlockSpec((None, None, e, slots), lambda r, h, s: (r, h, 0, 0)),
+            pl.BlockSpec((None, slots), lambda r, h, s: (r, 0)),
+            pl.BlockSpec((None, 1), lambda r, h, s: (r, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, gp, e), lambda r, h, s: (r, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda r, h, s: (r, h, s, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda r, h, s: (r, h, s, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, k, splits, g, e), jnp.float32),
+                   jax.ShapeDtypeStruct((b, k, splits, g), jnp.float32),
+                   jax.ShapeDtypeStruct((b, k, splits, g), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="grouped_decode_completion",
+    )(q_BKGE, k_BKTE, v_BKET, allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -94,31 +260,21 @@ def grouped_decode_attention(q_BKGE: jax.Array, prompt_k_PKSE: jax.Array, prompt
     Returns:
         ``[B, K, G, E]`` in ``q_BKGE``'s dtype.
     """
-    b, kv_heads, groups, e = q_BKGE.shape
+    b, k, g, e = q_BKGE.shape
     p, _, prompt_len, _ = prompt_k_PKSE.shape
-    slots = k_BKTE.shape[2]
-    n = b // p
-    gp = max(_MIN_DOT, _next_pow2(groups))
-    block = min(_BLOCK, max(_MIN_DOT, _next_pow2(max(prompt_len, slots))))
-    kernel = functools.partial(_kernel, groups=groups, prompt_len=prompt_len, slots=slots, block=block,
-                               scale=e ** -0.5)
-    return pl.pallas_call(
-        kernel,
-        grid=(b, kv_heads),
-        in_specs=[
-            pl.BlockSpec((None, None, gp, e), lambda r, k: (r, k, 0, 0)),
-            pl.BlockSpec((None, None, prompt_len, e), lambda r, k: (r // n, k, 0, 0)),
-            pl.BlockSpec((None, None, prompt_len, e), lambda r, k: (r // n, k, 0, 0)),
-            pl.BlockSpec((None, prompt_len), lambda r, k: (r // n, 0)),
-            pl.BlockSpec((None, None, slots, e), lambda r, k: (r, k, 0, 0)),
-            pl.BlockSpec((None, None, e, slots), lambda r, k: (r, k, 0, 0)),
-            pl.BlockSpec((None, slots), lambda r, k: (r, 0)),
-            pl.BlockSpec((None, 1), lambda r, k: (r, 0)),
-        ],
-        out_specs=pl.BlockSpec((None, None, gp, e), lambda r, k: (r, k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct(q_BKGE.shape, q_BKGE.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="grouped_decode_attention",
-    )(q_BKGE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS.astype(jnp.int32), k_BKTE, v_BKET,
-      allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None])
+    split = plan(b, p, k, g, prompt_len, k_BKTE.shape[2])
+    scale = e ** -0.5
+    o_pre, top_pre, total_pre = _prefix_pass(q_BKGE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, split, scale,
+                                             interpret)
+    o_own, top_own, total_own = _own_pass(q_BKGE, k_BKTE, v_BKET, allowed_BT, length_B, split, scale, interpret)
+
+    def per_row(x):  # [P, K, splits, n * G, ...] -> [B, K, splits, G, ...]
+        x = x.reshape(p, k, x.shape[2], b // p, g, *x.shape[4:])
+        return jnp.moveaxis(x, 3, 1).reshape(b, k, x.shape[2], g, *x.shape[5:])
+
+    top = jnp.concatenate([per_row(top_pre), top_own], axis=2)
+    total = jnp.concatenate([per_row(total_pre), total_own], axis=2)
+    o = jnp.concatenate([per_row(o_pre), o_own], axis=2)
+    weight = jnp.exp(top - top.max(axis=2, keepdims=True))
+    out = jnp.sum(o * weight[..., None], axis=2) / jnp.sum(total * weight, axis=2)[..., None]
+    return out.astype(q_BKGE.dtype)
