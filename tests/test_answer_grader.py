@@ -66,3 +66,27 @@ def test_the_authors_gsm8k_gold_is_the_text_after_the_marker_without_commas():
     assert authors.authors_gsm8k_gold(72) == "72"
     assert authors.authors_gsm8k_accuracy(["<answer>1,072</answer>", "1072", "1071"],
                                           answer=["#### 1,072"] * 3) == [1.0, 1.0, 0.0]
+
+
+# The authors' reader truncates a MATH training gold such as \frac{1}{2} to "\frac{1": pylatexenc
+# renders its \frac without arguments and warns "macro '\frac' failed its substitution!".
+TRUNCATED = "\\frac{1"
+
+
+def test_a_macro_short_of_its_arguments_logs_no_warning(caplog):
+    with caplog.at_level("DEBUG"):
+        assert prm_normalize(TRUNCATED) == "%s/%s1"  # pylatexenc keeps the macro's text
+        assert not grade_answer("\\frac{1}{2}", TRUNCATED)
+    assert not [r for r in caplog.records if "failed its substitution" in r.getMessage()], caplog.text
+
+
+def test_reward_workers_print_no_pylatexenc_warning(capfd):
+    from podsjax.rewards import RewardPool, WeightedReward
+
+    # spawn: the workers write to this test's captured stderr.
+    with RewardPool(max_workers=1, start_method="spawn") as pool:
+        scores = pool.score(["\\boxed{\\frac{1}{2}}", "<answer>\\frac{1</answer>"],
+                            [WeightedReward(authors.authors_math_accuracy, 1.0)], answer=[TRUNCATED] * 2)
+    assert list(scores.per_function["authors_math_accuracy"]) == [0.0, 1.0]
+    err = capfd.readouterr().err
+    assert "failed its substitution" not in err, err

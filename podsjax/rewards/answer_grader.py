@@ -15,6 +15,7 @@ says both are).
 
 from __future__ import annotations
 
+import logging
 import re
 
 _TEXT_WRAPPED = re.compile(r"^\\text\{(?P<text>.+?)\}$")
@@ -28,6 +29,24 @@ _UNITS = ("degree", "cm", "centimeter", "meter", "mile", "second", "minute", "ho
 _UNIT_PATTERNS = tuple(re.compile(unit + r"(es)?(s)? *(\^[0-9]+)?") for unit in _UNITS)
 _SCALE_WORDS = (("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12"))
 _SYMBOL_NAMES = (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*"))
+
+
+class _QuietSubstitution(logging.Filter):
+    """Drops pylatexenc's "macro '\\frac' failed its substitution!" warning.
+
+    A macro short of its arguments (the gold ``\\frac{1`` that the authors' MATH reader
+    leaves) keeps its text, which is all grading needs; pylatexenc would print the warning
+    to stderr once for every such answer, in every reward worker.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed its substitution" not in record.getMessage()
+
+
+# pylatexenc's own logger (it takes the same name at import), quieted once for this process.
+_PYLATEXENC_LOGGER = logging.getLogger("pylatexenc.latex2text")
+if not any(isinstance(f, _QuietSubstitution) for f in _PYLATEXENC_LOGGER.filters):
+    _PYLATEXENC_LOGGER.addFilter(_QuietSubstitution())
 
 
 class _Unnormalizable(Exception):
