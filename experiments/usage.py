@@ -28,11 +28,9 @@ def mesh_device_count(spec: str | None) -> int:
         raise UsageError(f"--mesh {spec!r}: {exc}") from None
 
 
-# Device nodes of an accelerator JAX could use: NVIDIA GPUs, TPU chips (v4/v5p, v5e/v6e).
-_ACCELERATOR_NODES = ("nvidiactl", "accel0", "vfio")
-
-
 def has_accelerator(dev: str = "/dev") -> bool:
     """Whether this host has a GPU or TPU device node (so JAX's plugins may find one)."""
-    return any(os.path.exists(os.path.join(dev, node)) for node in _ACCELERATOR_NODES)
+    from podsjax.accelerators import has_accelerator as found  # no JAX
+
+    return found(dev)
 

@@ -16,7 +16,12 @@ tools) do not pay for importing JAX.
 
 import importlib
 
+from podsjax import accelerators as _accelerators
+
 __version__ = "0.1.0"
+
+# No accelerator-probe noise on a CPU-only host (see podsjax.accelerators).
+_accelerators.cpu_alone_without_accelerator()
 
 _SUBMODULES = ("algorithms", "data", "grpo", "logprobs", "loop", "mesh", "models", "prompts", "rewards", "sampling",
                "selection", "train")

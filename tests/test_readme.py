@@ -51,7 +51,10 @@ def test_the_readme_opens_with_the_two_set_up_commands():
     venv = "python3 -m venv .venv && "
     # The command lines need the run extra; the bare install is the library alone.
     assert run.startswith(venv + ".venv/bin/pip install -e '.[run]' && .venv/bin/python -m experiments.gsm8k "), run
-    assert test == venv + ".venv/bin/pip install -e '.[test]' && .venv/bin/python -m pytest", test
+    # The test extra, and the deviceless compilers that the GPU and TPU plan tests need.
+    assert test == venv + ".venv/bin/pip install -e '.[test,topology]' && .venv/bin/python -m pytest", test
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ".venv/bin/pip install -q -e '.[test,topology]'\n" in ci, ci
 
 
 def fences(text):

@@ -1,0 +1,48 @@
+"""Whether this host has an accelerator; on one with none, JAX starts on the CPU alone. Imports no JAX.
+
+JAX probes every installed plugin when it starts its backends. On a host without the
+device, the CUDA plugin (``jax[cuda12]``) prints a traceback ending in ``cuInit(0) failed``
+and libtpu prints pages of warnings about TPU_ACCELERATOR_TYPE and worker hostnames, before
+the program's own output. Both are installed for compiling to GPUs and TPUs from any host
+(``--dry-run --topology``), which works with JAX on the CPU alone. So ``import podsjax``
+on a Linux host with no GPU or TPU device node, and no ``JAX_PLATFORMS`` set, sets it to
+``cpu``; set ``JAX_PLATFORMS`` yourself to choose otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Device nodes of an accelerator JAX could use: NVIDIA GPUs (dxg: under WSL), AMD GPUs (kfd),
+# TPU chips (accel0: v4/v5p; vfio: v5e/v6e).
+ACCELERATOR_NODES = ("nvidiactl", "dxg", "kfd", "accel0", "vfio")
+
+
+def has_accelerator(dev: str = "/dev") -> bool:
+    """Whether this host has a GPU or TPU device node (so JAX's plugins may find one)."""
+    return any(os.path.exists(os.path.join(dev, node)) for node in ACCELERATOR_NODES)
+
+
+def cpu_alone_without_accelerator() -> bool:
+    """Sets ``JAX_PLATFORMS=cpu`` on a Linux host with no accelerator, unless it is set already.
+
+    Takes effect when JAX has not started its backends yet (also after ``import jax``).
+    Returns whether it did.
+    """
+    if "JAX_PLATFORMS" in os.environ or not sys.platform.startswith("linux") or has_accelerator():
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX when imported, and by child processes
+    jax = sys.modules.get("jax")
+    if jax is not None and not _backends_started():  # imported already: its config has read the variable
+        jax.config.update("jax_platforms", "cpu")
+    return True
+
+
+def _backends_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a JAX without it: assume it has started
+        return True
