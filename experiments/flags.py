@@ -31,10 +31,10 @@ import draccus
 import draccus.argparsing
 import yaml
 
+from experiments import run_dir
 from experiments.config import METHODS, ExperimentConfig, Layer, merge, preset_layers, stack
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
 from podsjax import paper_settings
-from podsjax.run_state import LOCK_FILE
 
 # Short names of config fields: flag -> dotted field.
 SHORTCUTS: dict[str, str] = {
@@ -738,7 +738,7 @@ def _planned_only(out: str) -> bool:
     lock file alone does not count: the run takes it over, or names its live holder."""
     if not os.path.isdir(out):
         return False
-    files = set(os.listdir(out)) - {LOCK_FILE}
+    files = {name for name in os.listdir(out) if not run_dir.is_bookkeeping(name)}  # a lock, a failed start's logs
     return not files or (DRY_RUN_FILE in files and files <= {DRY_RUN_FILE, CONFIG_FILE})
 
 

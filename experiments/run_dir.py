@@ -1,5 +1,5 @@
-"""What ``--overwrite`` may delete: only a run directory that podsjax made, and never one that
-holds the run's own inputs.
+"""What ``--overwrite`` may delete (only a run directory that podsjax made, and never one that
+holds the run's own inputs), and what a run that fails before its first step leaves behind.
 
 A run directory's marker is the ``config.json`` podsjax writes there first (a JSON object of
 the config's sections, ``run`` among them). A Hugging Face checkpoint's ``config.json`` is no
@@ -8,11 +8,17 @@ such marker, so a model directory, a dataset or a project folder given as ``--ou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shutil
 
-from experiments.usage import CONFIG_FILE, UsageError
+from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
 from podsjax.run_state import LOCK_FILE
+
+CHECKPOINTS_DIRNAME = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
 
 _NAMES_SHOWN = 3
 
@@ -59,7 +65,7 @@ def check_overwrite(out: str, config, config_file: str | None = None) -> None:
             raise UsageError(f"{head}: it is {what}; choose another --out")
         if inside.startswith(where.rstrip(os.sep) + os.sep):
             raise UsageError(f"{head}: {path} inside it is {what}; choose another --out")
-    if not is_podsjax_run(out):
+    if not is_podsjax_run(out) and not all(is_bookkeeping(name) for name in entries):
         raise UsageError(f"{head}: it is no podsjax run directory (no {CONFIG_FILE} of a run); delete it yourself "
                          "or choose another --out")
 
@@ -69,3 +75,58 @@ def describe(entries: list[str]) -> str:
     shown = ", ".join(entries[:_NAMES_SHOWN])
     rest = len(entries) - _NAMES_SHOWN
     return f"{shown} and {rest} more" if rest > 0 else shown
+
+
+# What a run writes beside its config that a rerun in the same directory may find: the lock
+# (taken over), and the reports kept off the console (appended to), which explain a failure.
+_RUN_LOG = re.compile(r"run(\.\d+)?\.log")
+
+
+def is_bookkeeping(name: str) -> bool:
+    """Whether a run directory's entry is its lock or a run log, which never make it a run."""
+    return name == LOCK_FILE or _RUN_LOG.fullmatch(name) is not None
+
+
+def made_progress(directory: str) -> bool:
+    """Whether a run got anywhere worth keeping: a checkpoint, a dry run's figures, or a step logged."""
+    checkpoints = os.path.join(directory, CHECKPOINTS_DIRNAME)
+    if os.path.isfile(os.path.join(directory, DRY_RUN_FILE)) or (os.path.isdir(checkpoints)
+                                                                 and os.listdir(checkpoints)):
+        return True
+    try:
+        with open(os.path.join(directory, METRICS_FILE), "rb") as f:
+            return any(_step(line) >= 1 for line in f)
+    except OSError:
+        return False
+
+
+def _step(line: bytes) -> float:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return 0
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, (int, float)) and not isinstance(step, bool) else 0
+
+
+def remove_failed_start(directory: str, before: set[str], existed: bool) -> None:
+    """Removes what a run that failed before its first step wrote, so that the corrected rerun
+    is not refused as "not empty" (nor its --resume as a changed config).
+
+    Only entries that were not there before the run are removed, and not its run logs, which
+    say why it failed; the directory itself goes when the run made it and nothing is left.
+    """
+    if not os.path.isdir(directory) or made_progress(directory):
+        return
+    for name in set(os.listdir(directory)) - before:
+        if is_bookkeeping(name):
+            continue
+        path = os.path.join(directory, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)  # only when empty

@@ -141,13 +141,17 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
         if tasks[0]:
             prompts.check_chat_template(tokenizer, tasks[0][0].prompt, system_prompt=config.run.system_prompt)
     hosts.barrier("run checked")  # every process has looked at out_dir before process 0 writes to it
+    existed = os.path.isdir(out_dir)
     lock = _lock(out_dir)
+    before = None  # what out_dir held before this run wrote to it (process 0; a new run)
+    failed = False
     try:
         try:
             if hosts.is_primary():
                 if overwrite:
                     _clear(out_dir)
                 if not resume:  # a dry run records what it planned too
+                    before = set(os.listdir(out_dir))
                     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
                         json.dump(flags.as_json(config), f, indent=2, sort_keys=True)
         except OSError as exc:
@@ -156,9 +160,14 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
         if dry_run:
             return _dry_run(config, out_dir, mesh, topology)
         return _train_and_export(config, out_dir, mesh, started_at, tasks, tokenizer)
+    except Exception:  # an error; an interrupt's line says to --resume, which starts it again
+        failed = True
+        raise
     finally:
         if lock is not None:
             lock.release()
+        if failed and before is not None:  # a new run that failed before its first step leaves nothing
+            run_dir.remove_failed_start(out_dir, before, existed)
 
 
 def _check_vocab(tokenizer, path: str) -> None:

@@ -7,6 +7,7 @@ import sys
 
 import jax
 import pytest
+from tiny_tokenizer import save_tiny_tokenizer
 
 import podsjax.models as pm
 from experiments import cli, flags, runner
@@ -110,7 +111,7 @@ def test_remat_reaches_the_model_and_config_json(tmp_path, data_dir, monkeypatch
     import podsjax.tiny  # noqa: F401 - it binds from_pretrained on import: not to the fake below
 
     monkeypatch.setattr(runner.pm, "from_pretrained", from_pretrained)
-    checkpoint = config_only_checkpoint(tmp_path / "ckpt")
+    checkpoint = save_tiny_tokenizer(config_only_checkpoint(tmp_path / "ckpt"), vocab_size=SMALL.vocab_size - 20)
     gsm8k = os.path.join(data_dir, "gsm8k")
     out = tmp_path / "run"
     with pytest.raises(Loaded):

@@ -108,3 +108,4 @@ def test_ff_bytes_in_tensor_data_are_refused_through_the_cli(source, tmp_path, d
     assert run_cli(model, data_dir, tmp_path / "out") == 2
     err = one_error_line(capsys)
     assert O_PROJ in err and weights in err
+    assert not (tmp_path / "out").exists()  # a failed start leaves nothing: the rerun is not refused
