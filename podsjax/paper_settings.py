@@ -33,14 +33,18 @@ Where each number comes from, as tagged in the comments below:
   ``TrainingArguments`` defaults where that is silent (Adam beta2 0.999, max grad norm
   1.0, weight decay 0), and its trainer ``grpo_trainer.py`` (evaluation every 120 s of
   training, a stop at 40 min). The result files (W&B exports) record no learning rate;
-  the script's latest version names ``config_pods.yaml``, while ``config.yaml`` (lr 5e-6
-  constant) is named by no script. ``config_pods.yaml`` logs to TensorBoard only and the
-  results are W&B exports, so the plotted runs may have used a variant of it.
+  the script's latest version names ``config_pods.yaml`` (its first named
+  ``recipes/PODS/config.yaml``, in no commit), while ``config.yaml`` (lr 5e-6 constant) is
+  named by no script. ``config_pods.yaml`` logs to TensorBoard only and the results are W&B
+  exports, so the plotted runs may have used a variant of it. Setting f has no recipe or
+  script of its own: n / m / accumulation are the 7B run names of ``scripts/plot-a100s.py``,
+  the rest e's.
 - [podsjax]: this library's reading where neither source gives a number.
 
 What podsjax runs differently from the authors, on purpose or for now:
 
-- a-d: the base weights are bf16, not 4-bit, and AdamW keeps fp32 moments, not 8-bit.
+- a-d: the base weights are bf16, not 4-bit (the authors also evaluate a 4-bit reload of
+  each merged checkpoint), and AdamW keeps fp32 moments, not 8-bit.
 - d: the paper's chemistry set is not named in what is reachable; SciBench's chemistry
   problems stand in (``podsjax.data``), with GSM8K's n / m.
 - e-f: the authors' trainer gives each GPU one prompt and ``grad_accum`` groups of n for
@@ -317,6 +321,19 @@ _MULTI_SOURCES = {
     "run.checkpoint_every_s": "[podsjax]",
     "rewards": "[8gpu] open-r1 rewards.py, config_pods.yaml weights",
 }
+# [8gpu] f: the repository holds no 7B recipe or script. n, m, grad_accum and the 8 processes
+# are the names of the runs scripts/plot-a100s.py plots (GR7B-s*-p8-n128-m32-ga4 for PODS,
+# GR7B-s*-p8-n32-m32-ga16 for GRPO-GA); the rest is e's 3B recipe and trainer.
+_F_SOURCES = {
+    **{key: f"{source} (e's 3B recipe; no 7B one)" for key, source in _MULTI_SOURCES.items()
+       if "config_pods.yaml" in source or "exp.sh" in source},
+    "algorithm.algorithm": "[8gpu] scripts/plot-a100s.py run names",
+    "algorithm.n": "[8gpu] scripts/plot-a100s.py run names (n128, n32)",
+    "algorithm.m": "[8gpu] scripts/plot-a100s.py run names (m32)",
+    "algorithm.grad_accum": "[8gpu] scripts/plot-a100s.py run names (ga4, ga16)",
+    "run.prompts_per_step": "[8gpu] scripts/plot-a100s.py run names (p8)",
+}
+_F_SOURCES = {**_MULTI_SOURCES, **_F_SOURCES}
 
 
 def _single(name: str, model: str, task: str, methods: dict, **changes: Any) -> Setting:
@@ -344,7 +361,7 @@ SETTINGS: dict[str, Setting] = {
                  mesh=str(_GPUS), hardware="8 H100", rewards=_MULTI_REWARDS, sources=_MULTI_SOURCES,
                  method_run=_MULTI_METHOD_RUN),
     "f": Setting("f", "Qwen/Qwen2.5-7B-Instruct", "gsm8k", None, "bfloat16", _MULTI_METHODS, _MULTI_COMMON,
-                 _MULTI_RUN, mesh=str(_GPUS), hardware="8 A100", rewards=_MULTI_REWARDS, sources=_MULTI_SOURCES,
+                 _MULTI_RUN, mesh=str(_GPUS), hardware="8 A100", rewards=_MULTI_REWARDS, sources=_F_SOURCES,
                  method_run=_MULTI_METHOD_RUN),
 }
 

@@ -86,6 +86,9 @@ def test_single_gpu_rollout_counts(name, grpo, pods):
 def test_eight_gpu_settings_follow_the_run_script(name):
     s = paper_settings.get_setting(name)
     assert set(s.methods) == {"grpo-ga", "pods"}  # the paper's two methods at this scale
+    # No 7B recipe or script: f's sizes are its run names in scripts/plot-a100s.py, the rest e's recipe.
+    own = {"e": "exp.sh (pods_full_size)", "f": "scripts/plot-a100s.py run names"}[name]
+    assert own in s.source("algorithm.n") and ("no 7B one" in s.source("algorithm.learning_rate")) == (name == "f")
     c = config(name, "pods")
     # config_pods.yaml, the recipe exp.sh names: a cosine over the epoch with 10 % warm-up.
     assert (c.learning_rate, c.schedule, c.warmup_ratio) == (2e-5, "cosine", 0.1)

@@ -142,8 +142,8 @@ def _latex_extraction():
 def r1_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None, *,
                 timeout_s: int = DEFAULT_MATH_VERIFY_TIMEOUT_S, **_: Any) -> list[float]:
     """[B] open-r1's accuracy: the gold parsed as it comes, the completion's first LaTeX
-    answer (a box first), equal under math-verify. A gold that does not parse scores 0
-    (open-r1 leaves the example out of the step)."""
+    answer (a box first), equal under math-verify. A gold that does not parse scores 0, as
+    in the authors' trainer (open-r1 returns None, which it sums as NaN with nansum)."""
     if answer is None:
         raise ValueError("r1_accuracy needs an 'answer' column")
     check_lengths("r1_accuracy", len(completions), answer=answer)
