@@ -336,7 +336,7 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
     print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
     start = time.time()
     trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
-                           rewards=make_rewards(config), started_at=started_at)
+                           rewards=make_rewards(config), started_at=started_at, scorer=_reward_pool(config, out_dir))
     if lora is None:
         params = None  # the trainer holds the policy; a second copy of the weights would stay alive
     try:
@@ -371,6 +371,13 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
         print_summary(config, history, trainer.step, trainer.host.elapsed_train_s,
                       time.time() - start, export_dir)
     return 0
+
+
+def _reward_pool(config: ExperimentConfig, out_dir: str) -> rewards_lib.RewardPool:
+    """The run's reward workers; what rewards print past a few KiB goes to the run log, not the console."""
+    index = jax.process_index()
+    log = os.path.join(out_dir, "run.log" if index == 0 else f"run.{index}.log")
+    return rewards_lib.RewardPool(config.run.reward_workers, timeout_s=config.run.reward_timeout_s, output_log=log)
 
 
 def _check_fits(trainer, limit: int | None = None) -> dry_run_lib.MemoryPlan | None:

@@ -9,7 +9,7 @@ even in the middle of a reward that never returns.
 
 Messages from the parent: ``None`` (stop), ``("load", blob)`` (unpickle reward
 functions ahead of time, so that their imports do not eat an item's budget), and
-``("score", task_id, blob, completion, row, timeout_s)``. Replies: ``("ready",
+``("score", task_id, blob, completion, row, timeout_s, skip)``. Replies: ``("ready",
 pid)``, ``("loaded",)``, ``("fatal", message)`` and ``("scored", task_id,
 results)``.
 """
@@ -27,6 +27,8 @@ from typing import Any, Callable, Sequence
 
 # Statuses of one (item, function) call, reported to the parent.
 OK, TIMEOUT, MEMORY, ERROR = "ok", "timeout", "memory", "error"
+# Messages of a TIMEOUT: the function was not called (given up on), or hit its own budget.
+SKIPPED, OWN_BUDGET = "skipped", "own budget"
 _MAX_CACHED_BLOBS = 16
 
 
@@ -51,13 +53,23 @@ def first_line(exc: BaseException) -> str:
 
 
 def run_item(
-    fns: Sequence[Callable[..., Sequence[float]]], completion: str, row: dict[str, Any], timeout_s: float
+    fns: Sequence[Callable[..., Sequence[float]]], completion: str, row: dict[str, Any], timeout_s: float,
+    skip: Sequence[int] = (), current=None,
 ) -> list[tuple[float, str, str]]:
-    """Calls each reward function on one completion; returns (value, status, message) per function."""
+    """Calls each reward function on one completion; returns (value, status, message) per function.
+
+    Functions in ``skip`` (given up on for timing out) are not called: (0, TIMEOUT, SKIPPED).
+    A timeout of the reward's own budget (math-verify's TimeoutError) says OWN_BUDGET.
+    """
     global _armed
     columns = {name: [value] for name, value in row.items()}
     results = []
-    for fn in fns:
+    for f, fn in enumerate(fns):
+        if f in skip:
+            results.append((0.0, TIMEOUT, SKIPPED))
+            continue
+        if current is not None:
+            current.value = f
         try:
             # ITIMER_PROF counts CPU time, and it is a different timer from the
             # ITIMER_REAL that math-verify's signal.alarm() arms and cancels, so
@@ -73,8 +85,10 @@ def run_item(
             if len(values) != 1:
                 raise ValueError(f"returned {len(values)} values for 1 completion")
             results.append((float(values[0]), OK, ""))
-        except (_SoftTimeout, TimeoutError):  # TimeoutError: the reward's own budget (math-verify's)
+        except _SoftTimeout:
             results.append((0.0, TIMEOUT, ""))
+        except TimeoutError:  # the reward's own budget (math-verify's)
+            results.append((0.0, TIMEOUT, OWN_BUDGET))
         except MemoryError:
             results.append((0.0, MEMORY, ""))
         except BaseException as exc:  # noqa: BLE001 - a reward's bug must cost one item, not the worker
@@ -106,6 +120,64 @@ def _limit_memory(max_memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
+class _Output:
+    """Where a worker's stdout and stderr go: the console up to a budget, then the run log.
+
+    A reward that prints megabytes per call would bury the run's progress lines; the first
+    ``budget`` bytes (of both streams together) still reach the console, for a reward's own
+    debugging prints, and the rest is appended to ``log_path`` (dropped when None), with one
+    line on the console saying so.
+    """
+
+    def __init__(self, budget: int, log_path: str | None):
+        self.left, self.log_path, self.noted = budget, log_path, False
+        self.lock = threading.Lock()
+        self.budget = budget
+
+    def capture(self, fd: int) -> None:
+        """Sends what this process writes to ``fd`` through the budget, from now on."""
+        console = os.dup(fd)
+        read, write = os.pipe()
+        os.dup2(write, fd)
+        os.close(write)
+        threading.Thread(target=self._forward, args=(read, console), name=f"output-{fd}", daemon=True).start()
+
+    def _forward(self, read: int, console: int) -> None:
+        log = None
+        while True:
+            try:
+                chunk = os.read(read, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            with self.lock:
+                shown = min(len(chunk), self.left)
+                self.left -= shown
+                note = not self.noted and shown < len(chunk)
+                self.noted = self.noted or note
+            _write_all(console, chunk[:shown])
+            if note:
+                where = f"goes to {self.log_path}" if self.log_path else "is dropped"
+                _write_all(console, f"\nreward worker {os.getpid()}: its output past {self.budget} bytes {where}\n"
+                           .encode())
+            if shown < len(chunk) and self.log_path:
+                try:
+                    log = log or open(self.log_path, "ab")  # noqa: SIM115 - kept open for the worker's life
+                    log.write(chunk[shown:])
+                    log.flush()
+                except OSError:
+                    pass  # a full disk: the rest is lost, the reward goes on
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except OSError:
+            return
+
+
 def _exit_with_parent(conn) -> None:
     """Exits the process once the parent's end of ``conn`` is closed (the parent died or closed the pool).
 
@@ -120,13 +192,23 @@ def _exit_with_parent(conn) -> None:
                 os._exit(0)
 
 
-def main(conn, max_memory_mb: int | None, preload: Sequence[str]) -> None:
-    """Worker entry point: handshake, then serve messages until told to stop."""
+def main(conn, max_memory_mb: int | None, preload: Sequence[str], output: tuple[int, str | None] | None = None,
+         current=None) -> None:
+    """Worker entry point: handshake, then serve messages until told to stop.
+
+    ``output`` is (console budget in bytes, run log path) for what rewards print (None: as is);
+    ``current`` a shared integer that tells the parent which reward function is running.
+    """
     # Ctrl-C and a job's SIGTERM reach the whole process group; the parent decides what happens.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if hasattr(select, "POLLRDHUP"):  # Linux; started before the memory limit, which its stack counts against
+    # Threads start before the memory limit, which their stacks count against.
+    if hasattr(select, "POLLRDHUP"):  # Linux
         threading.Thread(target=_exit_with_parent, args=(conn,), name="exit-with-parent", daemon=True).start()
+    if output is not None:
+        sink = _Output(*output)
+        for fd in (1, 2):
+            sink.capture(fd)
     try:
         for module in preload:
             importlib.import_module(module)
@@ -163,5 +245,5 @@ def main(conn, max_memory_mb: int | None, preload: Sequence[str]) -> None:
         if message[0] == "load":
             conn.send(("loaded",))
         else:
-            _, task_id, _, completion, row, timeout_s = message
-            conn.send(("scored", task_id, run_item(fns, completion, row, timeout_s)))
+            _, task_id, _, completion, row, timeout_s, skip = message
+            conn.send(("scored", task_id, run_item(fns, completion, row, timeout_s, skip, current)))

@@ -12,7 +12,16 @@ item (one completion and its row of columns) at a time to each worker process:
   item scores 0 (``reward/crashes``);
 * an allocation past ``max_memory_mb`` raises MemoryError in the worker; the item
   scores 0 (``reward/memory_errors``);
-* a reward that raises scores 0 for that function (``reward/errors``, logged).
+* a reward that raises scores 0 for that function (``reward/errors``, logged);
+* a function that times out on ``give_up_after`` items in a row is not called again in that
+  batch (it scores 0, ``reward/timeouts``); a batch that gives up on every function stops
+  with ``RewardPoolError``, and a batch past ``batch_timeout_s`` scores what is left 0;
+* a reward that kills the forkserver: the server and the workers are restarted (the items
+  in flight count as ``reward/crashes``); a batch where that happens 3 times stops with
+  ``RewardPoolError`` naming the reward;
+* what rewards print reaches the console up to a budget, then ``output_log``.
+
+The first NaN, error, crash, give-up and restart of a pool is one ``warning:`` line each.
 
 Workers start with the 'forkserver' (default) or 'spawn' method, never 'fork':
 the parent runs JAX, which is multithreaded, and forking it is unsafe. Start the
@@ -28,26 +37,28 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
-import logging
 import multiprocessing
 import multiprocessing.util
-import os
 import pickle
 import time
 import weakref
 from multiprocessing.connection import wait
-from typing import Any, Sequence
-
-import numpy as np
+from typing import Any, Callable, Sequence
 
 from podsjax.rewards import _worker
 from podsjax.rewards.combine import RewardScores, RewardsLike, as_weighted, check_columns, summarize
+from podsjax.rewards.pool_batch import Batch, Note
+from podsjax.rewards.pool_workers import (  # noqa: F401 - DEFAULT_PRELOAD and PoolConfig are this module's API too
+    DEFAULT_PRELOAD,
+    PoolConfig,
+    WorkerHandle,
+    default_workers,
+    forkserver_pid,
+)
 
-logger = logging.getLogger(__name__)
-
-# Imported once in the forkserver, so replacing a dead worker costs a fork, not imports.
-DEFAULT_PRELOAD = ("podsjax.rewards", "math_verify", "sympy")
+# Restarts of a killed forkserver one batch survives before it stops; tries to reach a new one.
+MAX_SERVER_DEATHS = 3
+_SERVER_TRIES = 5
 
 
 # Open pools, closed at interpreter exit. multiprocessing's own exit hook sends its daemon
@@ -64,79 +75,6 @@ def _close_open_pools() -> None:
 
 class RewardPoolError(RuntimeError):
     """The pool cannot do its job (a worker cannot start or cannot load a reward)."""
-
-
-def _default_workers() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus))
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolConfig:
-    """Settings of a RewardPool.
-
-    Attributes:
-        max_workers: worker processes.
-        timeout_s: CPU-time budget of one reward function on one item. The wall
-            deadline of an item is ``timeout_s * num_functions + kill_grace_s``.
-        kill_grace_s: extra wall time before a stuck worker is killed.
-        max_memory_mb: address-space limit of each worker (RLIMIT_AS); None for none.
-        start_method: 'forkserver' or 'spawn'.
-        preload: modules each worker (and the forkserver) imports at start.
-        startup_timeout_s: how long a worker may take to start or load the rewards.
-    """
-
-    max_workers: int
-    timeout_s: float = 10.0
-    kill_grace_s: float = 1.0
-    max_memory_mb: int | None = 4096
-    start_method: str = "forkserver"
-    preload: tuple[str, ...] = DEFAULT_PRELOAD
-    startup_timeout_s: float = 120.0
-
-    def __post_init__(self):
-        if not isinstance(self.max_workers, int) or self.max_workers < 1:
-            raise ValueError(f"max_workers must be a positive int, got {self.max_workers!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if not self.kill_grace_s >= 0:
-            raise ValueError(f"kill_grace_s must be >= 0, got {self.kill_grace_s!r}")
-        if self.max_memory_mb is not None and self.max_memory_mb < 64:
-            raise ValueError(f"max_memory_mb must be None or >= 64, got {self.max_memory_mb!r}")
-        if self.start_method not in ("forkserver", "spawn"):
-            raise ValueError(
-                f"start_method must be 'forkserver' or 'spawn' (fork is unsafe under JAX), got {self.start_method!r}"
-            )
-        if not self.startup_timeout_s > 0:
-            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s!r}")
-        object.__setattr__(self, "preload", tuple(self.preload))
-
-
-class _Worker:
-    """Parent-side handle: the process, its pipe, and what it is doing."""
-
-    def __init__(self, ctx, config: PoolConfig):
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=_worker.main, args=(child_conn, config.max_memory_mb, config.preload), daemon=True
-        )
-        self.process.start()
-        child_conn.close()
-        self.conn = parent_conn
-        self.state = "starting"  # starting -> idle <-> (loading | busy)
-        self.deadline = time.monotonic() + config.startup_timeout_s
-        self.item = -1
-        self.task_id = -1
-        self.loaded: set[bytes] = set()
-
-    def kill(self) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
 
 
 def _pickle_rewards(weighted) -> bytes:
@@ -162,15 +100,21 @@ class RewardPool:
 
     Args:
         max_workers: worker processes (default: usable CPUs, at most 8).
+        warn: takes each warning line (default: print).
         **settings: the other fields of PoolConfig.
     """
 
-    def __init__(self, max_workers: int | None = None, **settings: Any):
-        self.config = PoolConfig(max_workers=_default_workers() if max_workers is None else max_workers, **settings)
+    def __init__(self, max_workers: int | None = None, *, warn: Callable[[str], None] | None = None,
+                 **settings: Any):
+        self.config = PoolConfig(max_workers=default_workers() if max_workers is None else max_workers, **settings)
         self._ctx = multiprocessing.get_context(self.config.start_method)
-        self._workers: list[_Worker] = []
+        self._workers: list[WorkerHandle] = []
         self._task_ids = 0
         self.restarts = 0
+        self.server_restarts = 0
+        self._warn = warn or (lambda line: print(line, flush=True))
+        self._warned: set[str] = set()
+        self._dead_servers: set[int | None] = set()  # forkserver pids seen dead
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -182,7 +126,7 @@ class RewardPool:
             # Only takes effect if this process has not started its forkserver yet.
             self._ctx.set_forkserver_preload(list(self.config.preload))
         _OPEN_POOLS.add(self)
-        self._workers = [_Worker(self._ctx, self.config) for _ in range(self.config.max_workers)]
+        self._workers = [self._new_worker() for _ in range(self.config.max_workers)]
         try:
             while any(w.state == "starting" for w in self._workers):
                 self._pump(None)
@@ -256,12 +200,20 @@ class RewardPool:
         self.start()
         restarts_before = self.restarts
         num_items, num_fns = len(completions), len(weighted)
-        state = _Batch(num_fns, num_items, [w.name for w in weighted])
+        state = Batch([w.name for w in weighted], num_items, self.config.give_up_after)
         pending = collections.deque(range(num_items))
         wall_s = self.config.timeout_s * num_fns + self.config.kill_grace_s
+        limit = self.config.batch_timeout_s
+        batch_deadline = float("inf") if limit is None else time.monotonic() + limit
         try:
             self._replace_dead()
             while state.done < num_items:
+                if pending and time.monotonic() >= batch_deadline:
+                    self._warn_once(("batch", f"warning: scoring a batch of {num_items} items took longer than "
+                                              f"batch_timeout_s {limit:g} s; its {len(pending)} items left score 0 "
+                                              "(counted in reward/timeouts)"))
+                    while pending:
+                        state.fail(pending.popleft(), "timeouts")
                 for w in self._workers:
                     if w.state != "idle":
                         continue
@@ -271,11 +223,20 @@ class RewardPool:
                         i = pending.popleft()
                         row = {name: column[i] for name, column in columns.items()}
                         self._task_ids += 1
-                        w.item, w.task_id = i, self._task_ids
-                        message = ("score", w.task_id, blob, completions[i], row, self.config.timeout_s)
-                        if not self._send(w, message, "busy", wall_s):
+                        w.item, w.task_id, w.current.value = i, self._task_ids, -1
+                        skip = tuple(state.given_up)
+                        message = ("score", w.task_id, blob, completions[i], row, self.config.timeout_s, skip)
+                        budget = min(wall_s, max(0.0, batch_deadline - time.monotonic()))
+                        if not self._send(w, message, "busy", budget):
                             pending.appendleft(i)  # the worker was already dead; retry elsewhere
                 self._pump(state, blob)
+                self._warn_notes(state.notes)
+                if state.all_given_up and state.done < num_items:
+                    names = ", ".join(repr(name) for name in state.names)
+                    raise RewardPoolError(
+                        f"every reward function ({names}) timed out on {self.config.give_up_after} items in a row, "
+                        f"so no item can be scored: a reward hangs, or needs more than its {self.config.timeout_s:g} "
+                        "s per item (--run.reward_timeout_s)")
         except Exception:
             # Busy workers hold stale work; restart them so the next call starts clean.
             for slot, w in enumerate(self._workers):
@@ -290,9 +251,20 @@ class RewardPool:
         state.counts["restarts"] = self.restarts - restarts_before
         return summarize(weighted, state.values_FB, state.failed_B, state.counts, time.perf_counter() - start)
 
+    def _warn_once(self, note: Note) -> None:
+        key, line = note
+        if key not in self._warned:
+            self._warned.add(key)
+            self._warn(line)
+
+    def _warn_notes(self, notes: list[Note]) -> None:
+        for note in notes:
+            self._warn_once(note)
+        notes.clear()
+
     # ---------------------------------------------------------------- internals
 
-    def _send(self, w: _Worker, message, new_state: str, budget_s: float) -> bool:
+    def _send(self, w: WorkerHandle, message, new_state: str, budget_s: float) -> bool:
         try:
             w.conn.send(message)
         except (OSError, ValueError):
@@ -303,15 +275,67 @@ class RewardPool:
 
     def _replace(self, slot: int) -> None:
         self._workers[slot].kill()
-        self._workers[slot] = _Worker(self._ctx, self.config)
+        self._workers[slot] = self._new_worker()
         self.restarts += 1
+
+    def _new_worker(self) -> WorkerHandle:
+        """A new worker; a forkserver that a reward killed is restarted on the way (multiprocessing
+        relaunches a dead one, once it has seen it exit: meanwhile connecting fails)."""
+        for attempt in range(_SERVER_TRIES):
+            try:
+                return WorkerHandle(self._ctx, self.config)
+            except (OSError, EOFError) as exc:
+                error = exc
+                time.sleep(0.05 * 2**attempt)
+        self.close()
+        raise RewardPoolError(f"cannot start a reward worker: its process server is gone and does not come back "
+                              f"({_worker.first_line(error)})")
+
+    def _server_died(self, w: WorkerHandle) -> bool:
+        """Whether ``w``'s exit report is its forkserver's death (it reads as exit code 255) while
+        ``w`` itself lives on."""
+        if self.config.start_method != "forkserver" or w.process.exitcode != 255:
+            return False
+        try:
+            with open(f"/proc/{w.process.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    def _on_server_death(self, w: WorkerHandle, state: "Batch | None") -> None:
+        """Counts a forkserver death once (every worker reports it), and stops a batch where
+        rewards keep killing it."""
+        if w.server in self._dead_servers:
+            return
+        self._dead_servers.add(w.server)
+        self.server_restarts += 1
+        for slot, other in enumerate(self._workers):  # its idle workers are cut off too
+            if other is not w and other.server == w.server and other.state == "idle":
+                self._replace(slot)
+        # The function some worker ran last: the killer has usually replied by now, and its
+        # neighbour is the one whose report of the death arrives.
+        started = [x.current.value for x in (w, *self._workers) if x.current.value >= 0]
+        culprit = started[0] if started else None
+        if state is None:
+            return
+        state.server_deaths[culprit] += 1
+        name = state.name(culprit)
+        self._warn_once(("server", f"warning: the reward pool's process server died (reward {name} may have killed "
+                                   "it: a reward must not signal its parent); restarted it and its workers, and the "
+                                   "items in flight count in reward/crashes"))
+        deaths = sum(state.server_deaths.values())
+        if deaths >= MAX_SERVER_DEATHS:
+            worst = max(state.server_deaths, key=state.server_deaths.get)
+            self.close()
+            raise RewardPoolError(f"reward {state.name(worst)} killed the reward pool's process server {deaths} "
+                                  "times in one batch; a reward must not signal its parent process")
 
     def _replace_dead(self) -> None:
         for slot, w in enumerate(self._workers):
             if not w.process.is_alive():
                 self._replace(slot)
 
-    def _pump(self, state: "_Batch | None", blob: bytes | None = None) -> None:
+    def _pump(self, state: "Batch | None", blob: bytes | None = None) -> None:
         """Waits for one round of replies, deaths or deadlines and handles them."""
         active = [w for w in self._workers if w.state != "idle"]
         if not active:
@@ -348,54 +372,24 @@ class RewardPool:
             if w.state == "idle" or now < w.deadline:
                 continue
             if w.state == "busy":
-                state.fail(w.item, "timeouts")
+                state.fail(w.item, "timeouts", function=w.current.value)
                 self._replace(slot)
             else:
                 self.close()
                 action = "start" if w.state == "starting" else "load the reward functions"
                 raise RewardPoolError(f"a reward worker did not {action} within {self.config.startup_timeout_s} s")
 
-    def _on_death(self, w: _Worker, state: "_Batch | None") -> None:
+    def _on_death(self, w: WorkerHandle, state: "Batch | None") -> None:
         slot = self._workers.index(w)
-        if w.state in ("starting", "loading"):
-            w.process.join(timeout=5)
-            code = w.process.exitcode
+        w.process.join(timeout=5)
+        code = w.process.exitcode
+        server_died = self._server_died(w)
+        if server_died:
+            self._on_server_death(w, state)
+        elif w.state in ("starting", "loading"):
             self.close()
             raise RewardPoolError(f"a reward worker exited with code {code} while {w.state}")
         if w.state == "busy" and state is not None:
-            state.fail(w.item, "crashes")
+            state.fail(w.item, "crashes", function=w.current.value, exit_code=None if server_died else code)
         self._replace(slot)
 
-
-class _Batch:
-    """Results of one score() call as they arrive."""
-
-    _COUNTER = {_worker.TIMEOUT: "timeouts", _worker.MEMORY: "memory_errors", _worker.ERROR: "errors"}
-
-    def __init__(self, num_fns: int, num_items: int, names: list[str]):
-        self.values_FB = np.zeros((num_fns, num_items), np.float64)
-        self.failed_B = np.zeros(num_items, bool)
-        self.counts: collections.Counter = collections.Counter()
-        self.names = names
-        self.done = 0
-        self._logged_error = False
-
-    def record(self, item: int, results: list[tuple[float, str, str]]) -> None:
-        kinds = set()
-        for f, (value, status, message) in enumerate(results):
-            self.values_FB[f, item] = value
-            if status != _worker.OK:
-                kinds.add(self._COUNTER[status])
-                if status == _worker.ERROR and not self._logged_error:
-                    self._logged_error = True
-                    logger.warning("reward %r raised on item %d (scored 0): %s", self.names[f], item, message)
-        for kind in kinds:
-            self.counts[kind] += 1
-        self.failed_B[item] = bool(kinds)
-        self.done += 1
-
-    def fail(self, item: int, kind: str) -> None:
-        self.values_FB[:, item] = 0.0
-        self.failed_B[item] = True
-        self.counts[kind] += 1
-        self.done += 1

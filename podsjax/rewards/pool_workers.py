@@ -1,0 +1,112 @@
+"""A RewardPool's settings, and its handle on one worker process."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from podsjax.rewards import _worker
+
+# Imported once in the forkserver, so replacing a dead worker costs a fork, not imports.
+DEFAULT_PRELOAD = ("podsjax.rewards", "math_verify", "sympy")
+
+
+def default_workers() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolConfig:
+    """Settings of a RewardPool.
+
+    Attributes:
+        max_workers: worker processes.
+        timeout_s: CPU-time budget of one reward function on one item. The wall
+            deadline of an item is ``timeout_s * num_functions + kill_grace_s``.
+        kill_grace_s: extra wall time before a stuck worker is killed.
+        max_memory_mb: address-space limit of each worker (RLIMIT_AS); None for none.
+        start_method: 'forkserver' or 'spawn'.
+        preload: modules each worker (and the forkserver) imports at start.
+        startup_timeout_s: how long a worker may take to start or load the rewards.
+        give_up_after: timeouts in a row of one function after which a batch stops calling
+            it (it scores 0 for the batch's other items).
+        batch_timeout_s: wall-clock limit of one ``score`` call, whatever its size; the items
+            left then score 0 (``reward/timeouts``). None: no limit.
+        output_budget_bytes: what a worker's rewards may print to the console (stdout and
+            stderr together); the rest goes to ``output_log``. None: no limit.
+        output_log: the file that receives a worker's output past its budget (None: dropped).
+    """
+
+    max_workers: int
+    timeout_s: float = 10.0
+    kill_grace_s: float = 1.0
+    max_memory_mb: int | None = 4096
+    start_method: str = "forkserver"
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    startup_timeout_s: float = 120.0
+    give_up_after: int = 4
+    batch_timeout_s: float | None = 600.0
+    output_budget_bytes: int | None = 16384
+    output_log: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_workers, int) or self.max_workers < 1:
+            raise ValueError(f"max_workers must be a positive int, got {self.max_workers!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if not self.kill_grace_s >= 0:
+            raise ValueError(f"kill_grace_s must be >= 0, got {self.kill_grace_s!r}")
+        if self.max_memory_mb is not None and self.max_memory_mb < 64:
+            raise ValueError(f"max_memory_mb must be None or >= 64, got {self.max_memory_mb!r}")
+        if self.start_method not in ("forkserver", "spawn"):
+            raise ValueError(
+                f"start_method must be 'forkserver' or 'spawn' (fork is unsafe under JAX), got {self.start_method!r}"
+            )
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s!r}")
+        if not isinstance(self.give_up_after, int) or self.give_up_after < 1:
+            raise ValueError(f"give_up_after must be a positive int, got {self.give_up_after!r}")
+        if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
+            raise ValueError(f"batch_timeout_s must be None or > 0, got {self.batch_timeout_s!r}")
+        object.__setattr__(self, "preload", tuple(self.preload))
+
+
+class WorkerHandle:
+    """Parent-side handle: the process, its pipe, and what it is doing."""
+
+    def __init__(self, ctx, config: PoolConfig):
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        self.current = ctx.Value("i", -1, lock=False)  # the reward function it is in (set by the worker)
+        output = None if config.output_budget_bytes is None else (config.output_budget_bytes, config.output_log)
+        self.process = ctx.Process(
+            target=_worker.main, args=(child_conn, config.max_memory_mb, config.preload, output, self.current),
+            daemon=True,
+        )
+        try:
+            self.process.start()
+        finally:
+            child_conn.close()
+        self.server = forkserver_pid()  # the process server it was forked from (None: spawn)
+        self.conn = parent_conn
+        self.state = "starting"  # starting -> idle <-> (loading | busy)
+        self.deadline = time.monotonic() + config.startup_timeout_s
+        self.item = -1
+        self.task_id = -1
+        self.loaded: set[bytes] = set()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+def forkserver_pid() -> int | None:
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
