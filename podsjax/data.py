@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from podsjax.data_files import MAX_ROW_CHARS, DataError, read_rows, split_file
 from podsjax.rewards.chemistry import parse_reference
 from podsjax.rewards.gsm8k import GSM8K_MARKER
-from podsjax.rewards.mathverify import math_gold
+from podsjax.rewards.mathverify import math_gold, unreadable_gold
 from podsjax.rewards.text import find_numbers, normalize_number_text, parse_number
 
 MATH_TRAIN_SUBJECTS = (
@@ -175,6 +175,10 @@ def _math_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
             answer = math_gold(None, solution)  # the reward's own rule: the solution's last \boxed{}
         except ValueError:
             raise DataError("no 'answer' field and no \\boxed{...} in 'solution'") from None
+    problem_with_gold = unreadable_gold(answer)
+    if problem_with_gold is not None:
+        raise DataError(f"gold answer {answer.strip()[:60]!r} cannot be read as an answer ({problem_with_gold}), so "
+                        "no completion could ever match it")
     extra = {k: v for k, v in row.items() if k not in ("problem", "answer")}
     return problem, answer.strip(), extra
 

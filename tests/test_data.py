@@ -160,6 +160,19 @@ def test_math_bad_rows(tmp_path):
         load_task("math", "test", path)
 
 
+def test_math_gold_answers_the_grader_cannot_read_are_refused_with_file_and_line(tmp_path):
+    rows = [{"problem": "P", "answer": "\\frac{1}{2}"}, {"problem": "P", "answer": "\\frac{1}{"},
+            {"problem": "P", "answer": "}{"}, {"problem": "P", "answer": "\\{1, 2\\}"}]
+    path = _write_jsonl(tmp_path / "m.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        load_task("math", "train", path)
+    message = str(err.value)
+    assert message.startswith(f"bad math row at {path}:2: gold answer '\\\\frac{{1}}{{' cannot be read as an answer")
+    assert "\n" not in message
+    task = load_task("math", "train", path, on_bad_row="skip")
+    assert [example.answer for example in task] == ["\\frac{1}{2}", "\\{1, 2\\}"] and task.num_skipped == 2
+
+
 # ------------------------------------------------------------ paths and names
 
 

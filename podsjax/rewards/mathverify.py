@@ -69,6 +69,29 @@ def math_gold(answer: Any = None, solution: Any = None) -> str:
     raise ValueError("MATH gold: no answer field and no \\boxed{...} in the solution")
 
 
+def unreadable_gold(gold: str) -> str | None:
+    r"""Why the grader cannot read ``gold`` as an answer (None: it can).
+
+    The grader reads the gold as ``\boxed{gold}``; with unbalanced braces (``\frac{1}{``)
+    that box never closes, math-verify falls back to comparing text, and no completion can
+    match it. A cheap check for every row at load, where parsing each gold would take seconds.
+    """
+    depth = 0
+    escaped = False
+    for char in gold:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth < 0:
+                return "a '}' closes nothing"
+    return f"{depth} '{{' never closed" if depth else None
+
+
 @functools.lru_cache(maxsize=4096)
 def _parse_gold(gold: str, timeout_s: int | None) -> tuple:
     from math_verify import parse
