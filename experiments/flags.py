@@ -99,7 +99,9 @@ def build_parser(task: str) -> argparse.ArgumentParser:
                         "values; only --time-budget, --max-steps, --remat and the progress bar may change); "
                         "--resume auto: start the run if --out holds none yet, else continue it, so that one "
                         "job-script line serves the first start and every requeue")
-    p.add_argument("--overwrite", action="store_true", help="delete --out first")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the podsjax run in --out (a directory of other files, or one holding the model, "
+                        "data or config file, is refused)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile generate and the update, report memory per device and compile times "
                         "(also in <out>/dry_run.json), then exit without training")
