@@ -272,9 +272,10 @@ def grouped_decode_attention(q_BKGE: jax.Array, prompt_k_PKSE: jax.Array, prompt
         x = x.reshape(p, k, x.shape[2], b // p, g, *x.shape[4:])
         return jnp.moveaxis(x, 3, 1).reshape(b, k, x.shape[2], g, *x.shape[5:])
 
-    top = jnp.concatenate([per_row(top_pre), top_own], axis=2)
-    total = jnp.concatenate([per_row(total_pre), total_own], axis=2)
-    o = jnp.concatenate([per_row(o_pre), o_own], axis=2)
-    weight = jnp.exp(top - top.max(axis=2, keepdims=True))
-    out = jnp.sum(o * weight[..., None], axis=2) / jnp.sum(total * weight, axis=2)[..., None]
-    return out.astype(q_BKGE.dtype)
+    # The merge: each part weighs exp(its maximum - the row's); one reduction, no concatenation.
+    top_pre, total_pre, o_pre = per_row(top_pre), per_row(total_pre), per_row(o_pre)
+    top = jnp.maximum(top_pre.max(axis=2), top_own.max(axis=2))[:, :, None]
+    w_pre, w_own = jnp.exp(top_pre - top), jnp.exp(top_own - top)
+    total = jnp.sum(total_pre * w_pre, axis=2) + jnp.sum(total_own * w_own, axis=2)
+    out = jnp.sum(o_pre * w_pre[..., None], axis=2) + jnp.sum(o_own * w_own[..., None], axis=2)
+    return (out / total[..., None]).astype(q_BKGE.dtype)
