@@ -149,3 +149,45 @@ def test_a_worker_prints_to_the_console_up_to_a_budget_and_the_rest_to_the_log(t
     assert len(shown) < 2 * 1000 + 500, len(shown)  # two workers' budgets and their notes
     assert f"output past 1000 bytes goes to {log}" in shown
     assert log.stat().st_size >= 3 * 2_000_000 - 2 * 1000
+
+
+def test_a_cli_run_sends_reward_output_past_the_budget_to_its_run_log(tmp_path):
+    from experiments import flags, runner
+
+    _, config = flags.parse("gsm8k", ["--out", str(tmp_path), "--reward-workers", "1", "--run.reward_timeout_s", "3"])
+    scorer = runner._reward_pool(config, str(tmp_path))
+    assert scorer.config.output_log == str(tmp_path / "run.log") and scorer.config.output_budget_bytes
+    assert (scorer.config.max_workers, scorer.config.timeout_s) == (1, 3.0)
+
+
+@pytest.mark.slow
+def test_the_cli_run_with_a_hanging_and_a_loud_reward_finishes_and_says_so_once(tmp_path, data_dir):
+    import subprocess
+    import sys
+
+    from tiny_checkpoint import save_tiny_checkpoint
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    (tmp_path / "plugin.py").write_text(
+        "import time\n"
+        "def hang(completions, **_):\n    while True:\n        time.sleep(1)\n"
+        "def loud(completions, **_):\n    print('x' * 4_000_000, flush=True)\n    return [0.0 for _ in completions]\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    gsm8k = os.path.join(data_dir, "gsm8k")
+    out = tmp_path / "run"
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.gsm8k", "--model", save_tiny_checkpoint(tmp_path / "ckpt"),
+         "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data", os.path.join(gsm8k, "test.jsonl"),
+         "--reward", "plugin:hang", "--reward", "plugin:loud", "--run.reward_timeout_s", "0.5", "--n", "4", "--m", "2",
+         "--prompts-per-step", "4", "--max-completion-length", "6", "--lora-rank", "2", "--max-steps", "1",
+         "--eval-limit", "8", "--eval-every", "1000", "--no-progress", "--reward-workers", "2", "--no-compile-cache",
+         "--out", str(out)],
+        cwd=os.path.dirname(here), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout + done.stderr
+    assert printed.count("reward 'plugin:hang' timed out on 4 items in a row") == 1, printed[-3000:]
+    assert len(printed) < 200_000  # not the 4 MB a call of loud prints
+    assert (out / "run.log").stat().st_size > 4_000_000
+    assert time.monotonic() - start < 300
