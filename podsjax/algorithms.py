@@ -57,6 +57,10 @@ class AlgorithmConfig:
     # dropped groups fill the rest, so the update's shapes never change)
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4  # dynamic sampling: draws of prompts_per_step prompts per step, at most
+    # the update computes each prompt once for its m trained rows (forward, backward, old and
+    # reference log-probs); off: every row runs as prompt + completion. Same numbers either way
+    # on build_batch's batches, whose rows come in groups of m sharing one prompt.
+    shared_prefix: bool = False
     # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, or group-token-mean
     # (each group's m trained rows a token mean, then the mean over groups)
     aggregation: str = "token-mean"
@@ -113,7 +117,7 @@ class AlgorithmConfig:
         if self.tis_cap is not None and self.old_logprobs == "sampler":
             bad("tis_cap corrects the sampler against the update's own old log-probs; with old_logprobs='sampler' "
                 "the ratio is already against the sampler: set one of them")
-        for name in ("log_mismatch", "dynamic_sampling"):
+        for name in ("log_mismatch", "dynamic_sampling", "shared_prefix"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false; got {getattr(self, name)!r}")
         if self.max_sampling_rounds < 1:

@@ -19,8 +19,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from podsjax import grpo, logprobs, selection
+from podsjax import grpo, selection
 from podsjax.algorithms import AlgorithmConfig, learning_rate_schedule
+from podsjax.update_forward import (  # noqa: F401  (the update's forward, re-exported)
+    HiddenFn,
+    completion_logprobs,
+    full_apply_fn,
+    lora_apply_fn,
+    shared_prefix_logprobs,
+)
 
 # optax >= 0.2.6 moved the global norm; keep older optax working too.
 _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
@@ -224,18 +231,6 @@ class StepMetrics:
     mismatch_ratio_max: jax.Array | None = None  # the largest token ratio pi_update / pi_sampler, same tokens
 
 
-def completion_logprobs(hidden_fn: Callable, batch: TrainBatch, temperature: float) -> tuple[jax.Array, jax.Array]:
-    """Log-probs and entropies [B, T] of the completion tokens under ``hidden_fn``'s policy.
-
-    ``hidden_fn(ids_BL, mask_BL, positions)`` returns ``(hidden_BTD, head_VD)`` for the
-    positions in the static slice ``positions``: the LM head then runs only on the
-    positions that predict completion tokens, in chunks (``logprobs.head_logprobs``).
-    """
-    t = batch.completion_length
-    hidden_BTD, head_VD = hidden_fn(batch.input_ids, batch.attention_mask, slice(-t - 1, -1))
-    return logprobs.head_logprobs(hidden_BTD, head_VD, batch.input_ids[:, -t:], temperature=temperature)
-
-
 def _split(batch: Any, *counts: int) -> Any:
     """[B, ...] -> [*counts, B / prod(counts), ...]: micro-batch i is a contiguous run of rows."""
     def split(x):
@@ -291,11 +286,16 @@ def make_train_step(
         ``positions`` of the length axis, and its LM head matrix (see
         ``Decoder(..., return_hidden=True)``). For LoRA, ``trainable`` is the LoRA tree
         and ``frozen`` the base params; for full fine-tuning ``trainable`` is the params.
+        With ``config.shared_prefix`` it is a :class:`HiddenFn` (``lora_apply_fn`` and
+        ``full_apply_fn`` return them), and the batch's rows come in groups of ``config.m``
+        that share a prompt, as ``build_batch`` lays them out: each micro-batch then
+        computes each of its prompts once.
       optimizer: the optax transformation whose state is in ``TrainState``.
       config: the algorithm.
       reference_fn: ``reference_fn(frozen, ids_BL, mask_BL, positions) -> (hidden_BTD, head_VD)``
         of the reference policy, needed iff ``config.beta > 0`` (for LoRA: the base with
-        LoRA off, so no second copy of the weights).
+        LoRA off, so no second copy of the weights); a :class:`HiddenFn` too with
+        ``config.shared_prefix``.
 
     Returns:
       The step; jit it at the call site with shardings and ``donate_argnums=0``. It takes
@@ -317,8 +317,21 @@ def make_train_step(
     recompute_old = not sampler_old and config.updates_per_step > 1
     tis = config.tis_cap is not None
 
+    if config.shared_prefix:
+        for name, fn in (("apply_fn", apply_fn), ("reference_fn", reference_fn if config.beta > 0 else None)):
+            if fn is not None and not callable(getattr(fn, "shared_prefix", None)):
+                raise ValueError(f"shared_prefix needs the {name} in its shared-prefix form too (a HiddenFn, as "
+                                 "train.lora_apply_fn and train.full_apply_fn return)")
+
+    def forward_logprobs(hidden_fn, weights: tuple, mb: TrainBatch):
+        """``hidden_fn``'s log-probs and entropies of ``mb``'s completions, ``weights`` its first arguments."""
+        if config.shared_prefix:
+            return shared_prefix_logprobs(functools.partial(hidden_fn.shared_prefix, *weights), mb, temperature,
+                                          config.m)
+        return completion_logprobs(functools.partial(hidden_fn, *weights), mb, temperature)
+
     def logprobs_of(trainable, frozen, mb: TrainBatch):
-        return completion_logprobs(functools.partial(apply_fn, trainable, frozen), mb, temperature)
+        return forward_logprobs(apply_fn, (trainable, frozen), mb)
 
     def micro_loss(trainable, frozen, mb: TrainBatch, old_BT, ref_BT, denominator):
         logp_BT, entropy_BT = logprobs_of(trainable, frozen, mb)
@@ -412,7 +425,7 @@ def make_train_step(
         ref = None
         if config.beta > 0:
             def ref_logprobs(mb):
-                return completion_logprobs(functools.partial(reference_fn, frozen), mb, temperature)[0]
+                return forward_logprobs(reference_fn, (frozen,), mb)[0]
 
             ref = per_micro(ref_logprobs)
         # [steps, k, ...]: optimizer step s takes micro-batches s*k .. s*k + k - 1.
@@ -442,35 +455,3 @@ def make_train_step(
         return state, metrics
 
     return step
-
-
-def _hidden_and_head(model, params, ids, mask, positions, lora=None) -> tuple[jax.Array, jax.Array]:
-    """``(hidden_BTD, head_VD)`` of ``model`` at the static slice ``positions``."""
-    out = model.apply({"params": params}, ids, attention_mask=mask, lora=lora, logits_slice=positions,
-                      return_hidden=True)
-    return out.hidden_BLD, out.head_VD
-
-
-def lora_apply_fn(model) -> tuple[Callable, Callable]:
-    """(policy, reference) hidden-state functions for LoRA training on a frozen base."""
-
-    def policy(lora, base, ids, mask, positions=None):
-        return _hidden_and_head(model, base, ids, mask, positions, lora)
-
-    def reference(base, ids, mask, positions=None):
-        return _hidden_and_head(model, base, ids, mask, positions)
-
-    return policy, reference
-
-
-def full_apply_fn(model) -> tuple[Callable, Callable]:
-    """(policy, reference) hidden-state functions for full fine-tuning; ``frozen`` holds the reference params."""
-
-    def policy(params, reference_params, ids, mask, positions=None):
-        del reference_params
-        return _hidden_and_head(model, params, ids, mask, positions)
-
-    def reference(reference_params, ids, mask, positions=None):
-        return _hidden_and_head(model, reference_params, ids, mask, positions)
-
-    return policy, reference

@@ -237,18 +237,21 @@ class Block(_LayerModule):
         return (x_BLD, cache), None
 
 
-def scanned_blocks(remat: str):
+def scanned_blocks(remat: str, block_class: type[nn.Module] | None = None, in_axes: tuple | None = None):
     """The Block class scanned over a leading "layers" axis of its params (and LoRA), rematerialised per layer.
 
     One traced layer serves every depth, so compile time and program size do not
-    grow with the number of layers.
+    grow with the number of layers. ``block_class`` and its scan ``in_axes`` replace
+    :class:`Block`'s (the shared-prefix update's block has the same params).
     """
-    block = Block if remat == "none" else nn.remat(Block, policy=_remat_policy(remat), prevent_cse=False)
+    block_class = Block if block_class is None else block_class
+    in_axes = (0, 0, nn.broadcast, nn.broadcast) if in_axes is None else in_axes
+    block = block_class if remat == "none" else nn.remat(block_class, policy=_remat_policy(remat), prevent_cse=False)
     return nn.scan(
         block,
         variable_axes={"params": 0},
         split_rngs={"params": True},
-        in_axes=(0, 0, nn.broadcast, nn.broadcast),
+        in_axes=in_axes,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
 

@@ -1,0 +1,185 @@
+"""The shared-prefix update (each prompt computed once for its rows) against the per-row update:
+hidden states, log-probs, the loss, every gradient leaf and the params after a step, in fp32."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import podsjax.models as pm
+from podsjax import algorithms, grpo, train, update_forward
+from podsjax.models.shared_prefix import PrefixDecoder
+
+pytestmark = pytest.mark.cpu_mesh
+
+CONFIG = pm.ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, tie_word_embeddings=False)
+P, N, M, LP, T = 3, 6, 4, 7, 6
+EOS = 2
+COMMON = dict(n=N, m=M, algorithm="pods", learning_rate=1e-3, max_grad_norm=1e6, epsilon=0.1)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return pm.init_params(pm.Decoder(CONFIG), jax.random.key(0))
+
+
+def rollouts(seed=0):
+    """Left-padded prompts of 5, 7 and 2 real tokens; completions of 1 to T tokens, ended by
+    an EOS that counts, or masked out, or cut off at T."""
+    rng = np.random.default_rng(seed)
+    prompt_ids = rng.integers(3, 64, (P, LP)).astype(np.int32)
+    prompt_mask = np.ones((P, LP), np.int32)
+    prompt_mask[0, :2] = 0
+    prompt_mask[2, :5] = 0
+    prompt_ids[prompt_mask == 0] = 0
+    tokens = rng.integers(3, 64, (P, N, T)).astype(np.int32)
+    lengths = rng.integers(1, T + 1, (P, N))
+    lengths[0, :3] = [1, T, 3]
+    mask = np.arange(T) < lengths[..., None]
+    for p in range(P):
+        for n in range(N):
+            if lengths[p, n] < T:
+                tokens[p, n, lengths[p, n] - 1:] = EOS
+    mask[1, 0, lengths[1, 0] - 1] = lengths[1, 0] == 1  # an EOS the loss leaves out (kept when it is alone)
+    rewards = rng.integers(0, 2, (P, N)).astype(np.float32) + rng.normal(0, 0.1, (P, N)).astype(np.float32)
+    return prompt_ids, prompt_mask, tokens, mask, rewards
+
+
+def make_batch(seed=0, **fields):
+    return train.build_batch(*rollouts(seed), algorithms.AlgorithmConfig(**COMMON, **fields))[0]
+
+
+def close(a, b, rel=1e-5):
+    """fp32 rounding of a computation in another order: within ``rel`` of the larger side's scale."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(float(np.max(np.abs(b))), 1e-6)
+    np.testing.assert_allclose(a, b, rtol=0, atol=rel * scale)
+
+
+def test_prefix_decoder_hidden_states_equal_the_rows_forward(params):
+    model = pm.Decoder(CONFIG)
+    batch = make_batch()
+    t = batch.completion_length
+    rows = model.apply({"params": params}, batch.input_ids, attention_mask=batch.attention_mask,
+                       logits_slice=slice(-t - 1, -1), return_hidden=True)
+    prompts = batch.input_ids[::M, :-t], batch.attention_mask[::M, :-t]
+    shared = PrefixDecoder.of(model).apply({"params": params}, *prompts, batch.input_ids[:, -t:],
+                                           batch.attention_mask[:, -t:])
+    close(shared.hidden_BLD, rows.hidden_BLD)
+    close(shared.head_VD, rows.head_VD, rel=0)
+    assert shared.hidden_BLD.shape == (P * M, T, CONFIG.hidden_size)
+    with pytest.raises(ValueError, match="do not split evenly over 2 prompts"):
+        PrefixDecoder.of(model).apply({"params": params}, *(x[:2] for x in prompts), batch.input_ids[:5, -t:],
+                                      batch.attention_mask[:5, -t:])
+
+
+def _loss_and_grads(model, trainable, frozen, batch, lora, shared, group_size=M):
+    policy, _ = train.lora_apply_fn(model) if lora else train.full_apply_fn(model)
+    config = algorithms.AlgorithmConfig(**COMMON).loss_config
+
+    def loss(weights):
+        if shared:
+            fn = functools.partial(policy.shared_prefix, weights, frozen)
+            logp, _ = train.shared_prefix_logprobs(fn, batch, 0.9, group_size)
+        else:
+            logp, _ = train.completion_logprobs(functools.partial(policy, weights, frozen), batch, 0.9)
+        old = jax.lax.stop_gradient(logp) - 0.05 * batch.completion_mask  # a ratio off 1, so clipping has a say
+        value, _ = grpo.grpo_loss(logp, batch.advantages, batch.completion_mask, config, old_logprobs_BL=old)
+        return value, logp
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable)
+
+
+@pytest.mark.parametrize("lora,remat", [(False, "full"), (False, "none"), (True, "dots")])
+def test_log_probs_loss_and_every_gradient_leaf_match_the_rows_update(params, lora, remat):
+    model = pm.Decoder(CONFIG, remat=remat)
+    batch = make_batch()
+    if lora:
+        trainable = pm.init_lora(jax.random.key(3), model, pm.LoraConfig(rank=4, alpha=8.0))
+        # LoRA B starts at zero, where A's gradient is zero too: move B so every leaf has one.
+        trainable = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape), trainable)
+        frozen = params
+    else:
+        trainable, frozen = params, None
+    (loss_rows, logp_rows), grads_rows = _loss_and_grads(model, trainable, frozen, batch, lora, shared=False)
+    (loss_shared, logp_shared), grads_shared = _loss_and_grads(model, trainable, frozen, batch, lora, shared=True)
+    mask = np.asarray(batch.completion_mask) > 0
+    close(np.asarray(logp_shared)[mask], np.asarray(logp_rows)[mask])
+    assert float(loss_shared) == pytest.approx(float(loss_rows), rel=1e-5, abs=1e-7)
+    paths_rows, paths_shared = (jax.tree_util.tree_flatten_with_path(g)[0] for g in (grads_rows, grads_shared))
+    assert [p for p, _ in paths_rows] == [p for p, _ in paths_shared]
+    for (path, g_rows), (_, g_shared) in zip(paths_rows, paths_shared):
+        assert float(jnp.max(jnp.abs(g_rows))) > 0, jax.tree_util.keystr(path)
+        close(g_shared, g_rows, rel=2e-5)
+
+
+def test_groups_cut_by_micro_batch_edges_share_a_prompt_within_each(params):
+    # Six rows: a group of four and half of the next. Runs of gcd(6, 4) = 2 rows share a prompt.
+    model = pm.Decoder(CONFIG)
+    batch = make_batch()
+    (_, logp_rows), _ = _loss_and_grads(model, params, None, batch, False, shared=False)
+    six = jax.tree.map(lambda x: x[:6] if x.ndim else x, batch)
+    (_, logp_six), _ = _loss_and_grads(model, params, None, six, False, shared=True)
+    mask = np.asarray(six.completion_mask) > 0
+    close(np.asarray(logp_six)[mask], np.asarray(logp_rows)[:6][mask])
+    assert update_forward.prompt_rows(rows=6, group_size=4) == 2
+
+
+def _step(params, batch, lora, shared, **fields):
+    model = pm.Decoder(CONFIG)
+    config = algorithms.AlgorithmConfig(**COMMON, shared_prefix=shared, **fields)
+    optimizer = algorithms.make_optimizer(config)
+    policy, reference = train.lora_apply_fn(model) if lora else train.full_apply_fn(model)
+    if lora:
+        trainable = pm.init_lora(jax.random.key(3), model, pm.LoraConfig(rank=4, alpha=8.0))
+        trainable = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(4), x.shape), trainable)
+        frozen = params
+    else:
+        trainable, frozen = params, (params if config.beta > 0 else None)
+    step = train.make_train_step(policy, optimizer, config, reference)
+    return jax.jit(step)(train.init_state(trainable, optimizer), batch, frozen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora,fields", [
+    (False, dict(beta=0.04, steps_per_generation=2, grad_accum=2)),  # old log-probs recomputed, a KL
+    (True, dict(beta=0.04, num_iterations=2)),  # the reference is the base with LoRA off
+])
+def test_a_train_step_matches_the_rows_update(params, lora, fields):
+    batch = make_batch(1, **fields)
+    rows_state, rows_metrics = _step(params, batch, lora, False, **fields)
+    shared_state, shared_metrics = _step(params, batch, lora, True, **fields)
+    for name in ("loss", "grad_norm", "kl_mean", "entropy", "clip_frac_low", "clip_frac_high", "num_tokens"):
+        a, b = float(getattr(shared_metrics, name)), float(getattr(rows_metrics, name))
+        assert a == pytest.approx(b, rel=2e-5, abs=1e-7), name
+    assert float(rows_metrics.kl_mean) > 0
+    # Adam's moments hold the gradients leaf by leaf; the params follow where the step is
+    # well conditioned (a gradient near 0 turns float noise into a step of up to lr).
+    for moment in ("mu", "nu"):
+        for a, b in zip(*(jax.tree.leaves(optax.tree_utils.tree_get(s.opt_state, moment))
+                          for s in (shared_state, rows_state))):
+            close(a, b, rel=5e-5)
+    mu = jax.tree.leaves(optax.tree_utils.tree_get(rows_state.opt_state, "mu"))
+    for a, b, g in zip(jax.tree.leaves(shared_state.params), jax.tree.leaves(rows_state.params), mu):
+        steady = np.abs(np.asarray(g)) > 1e-5 * float(jnp.max(jnp.abs(g)))
+        np.testing.assert_allclose(np.asarray(a)[steady], np.asarray(b)[steady], rtol=0, atol=2e-6)
+    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(shared_state.params),
+                                                                jax.tree.leaves(rows_state.params))) < 2e-3
+
+
+def test_the_switch_is_validated_and_needs_the_shared_prefix_form(params):
+    with pytest.raises(ValueError, match="shared_prefix must be true or false"):
+        algorithms.AlgorithmConfig(shared_prefix="yes")
+    config = algorithms.AlgorithmConfig(**COMMON, shared_prefix=True)
+    policy, reference = train.full_apply_fn(pm.Decoder(CONFIG))
+    optimizer = algorithms.make_optimizer(config)
+    with pytest.raises(ValueError, match="shared_prefix needs the apply_fn in its shared-prefix form"):
+        train.make_train_step(policy.rows, optimizer, config, reference)
+    with pytest.raises(ValueError, match="shared_prefix needs the reference_fn"):
+        train.make_train_step(policy, optimizer, dataclasses.replace(config, beta=0.04), reference.rows)
+    assert not algorithms.AlgorithmConfig().shared_prefix
