@@ -81,6 +81,14 @@ def test_train_step_benchmark_checks_lora_and_full_gradients():
     assert "MFU a / b" in printed and "podsjax compile" in printed
 
 
+def test_shared_prefix_benchmark_checks_both_forms_and_prints_ratios():
+    for preset, lora in (("tiny", "0"), ("qwen0.5b", "4")):
+        printed = run("benchmarks.shared_prefix", "--preset", preset, "--prompts", "2", "--m", "2", "--prompt-len", "8",
+                      "--completion-len", "4", "--layers", "1", "--lora-rank", lora, "--repeats", "1")
+        assert "| per row | 48 |" in printed and "| shared prefix | 32 |" in printed, printed
+        assert "x update tokens/s" in printed and "1.50x fewer positions" in printed, printed
+
+
 def test_cli_step_benchmark_times_a_cold_and_a_warm_run(data_dir):
     printed = run("benchmarks.cli_step", *TINY_SHAPE, "--max-steps", "2", "--eval-limit", "1", "--train-examples",
                   "8", "--tokenizer-vocab", "512", "--data", data_dir,

@@ -183,3 +183,25 @@ def test_the_switch_is_validated_and_needs_the_shared_prefix_form(params):
     with pytest.raises(ValueError, match="shared_prefix needs the reference_fn"):
         train.make_train_step(policy, optimizer, dataclasses.replace(config, beta=0.04), reference.rows)
     assert not algorithms.AlgorithmConfig().shared_prefix
+
+
+@pytest.mark.slow
+def test_a_sharded_shared_prefix_step_equals_the_single_device_rows_step(params):
+    # 3 prompts over a batch axis of 4 devices: the prompt rows do not divide the mesh.
+    from podsjax import mesh as mesh_lib
+
+    batch = make_batch(2)
+    rows_state, rows_metrics = _step(params, batch, False, False)
+    mesh = mesh_lib.make_mesh("data=2,fsdp=2,tensor=2")
+    model = pm.Decoder(CONFIG, mesh=mesh)
+    sharded = jax.device_put(params, pm.param_shardings(model, mesh))
+    config = algorithms.AlgorithmConfig(**COMMON, shared_prefix=True)
+    optimizer = algorithms.make_optimizer(config)
+    policy, reference = train.full_apply_fn(model)
+    step = jax.jit(train.make_train_step(policy, optimizer, config, reference), donate_argnums=0)
+    on_mesh = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), batch)
+    state, metrics = step(train.init_state(sharded, optimizer), on_mesh, None)
+    assert float(metrics.loss) == pytest.approx(float(rows_metrics.loss), rel=2e-5, abs=1e-7)
+    assert float(metrics.grad_norm) == pytest.approx(float(rows_metrics.grad_norm), rel=2e-5)
+    for a, b in zip(*(jax.tree.leaves(optax.tree_utils.tree_get(s.opt_state, "mu")) for s in (state, rows_state))):
+        close(a, b, rel=5e-5)
