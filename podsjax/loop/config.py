@@ -42,6 +42,7 @@ class RunConfig:
     prompts_per_step: int = 1  # prompts drawn per step
     max_prompt_length: int = 512  # longer prompts are skipped (never cut), tokens
     max_new_tokens: int = 512  # completion length limit, tokens
+    bucket_compile_after: int = 8  # a prompt bucket compiles at its Nth draw; before, its prompts pad to a compiled one
     time_budget_s: float | None = None  # seconds of training clock (evaluation excluded)
     max_steps: int | None = None  # steps (with or instead of a time budget)
     eval_every_s: float | None = 120.0  # seconds of training clock between evaluations (null: never)
@@ -79,8 +80,8 @@ class RunConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
                 raise ValueError(f"RunConfig.{name} must be a finite number; got {value!r}")
-        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "max_steps", "eval_limit",
-                     "eval_batch_size", "eval_repeats", "eval_top_k", "checkpoint_every_steps", "keep_last", "seed",
+        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "bucket_compile_after", "max_steps",
+                     "eval_limit", "eval_batch_size", "eval_repeats", "eval_top_k", "checkpoint_every_steps", "keep_last", "seed",
                      "reward_workers", "log_samples", "max_nonfinite_updates"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -99,8 +100,8 @@ class RunConfig:
             raise ValueError(f"RunConfig.time_budget_s must be > 0 seconds; got {self.time_budget_s}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"RunConfig.max_steps must be >= 1; got {self.max_steps}")
-        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "eval_batch_size", "reward_workers",
-                     "eval_limit", "checkpoint_every_steps", "keep_last"):
+        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "bucket_compile_after",
+                     "eval_batch_size", "reward_workers", "eval_limit", "checkpoint_every_steps", "keep_last"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
         if self.eval_repeats < 1:

@@ -15,6 +15,7 @@ from podsjax import pass_at_k as pass_at_k_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
 from podsjax.loop import reporting
+from podsjax.loop.buckets import BucketReuse
 from podsjax.loop.config import EVAL_METRICS, RunConfig
 from podsjax.loop.programs import EVAL_STREAM
 from podsjax.loop.prompt_source import PromptSource
@@ -52,8 +53,9 @@ class Evaluator:
     def __init__(self, generator, prompts: PromptSource, scorer, examples: Sequence[data_lib.Example],
                  run_config: RunConfig, *, rows: int, rewards, eos_ids,
                  compile_log: compilation.CompileLog | None = None,
-                 answer_key: Callable[[str], str | None] | None = None):
+                 answer_key: Callable[[str], str | None] | None = None, buckets: BucketReuse | None = None):
         self.generator, self.prompts, self.scorer = generator, prompts, scorer
+        self.buckets = buckets  # the run's compiled prompt lengths, which evaluation pads to
         self.examples = list(examples[: run_config.eval_limit] if run_config.eval_limit else examples)
         self.run_config, self.eos_ids = run_config, eos_ids
         self.rewards = with_strict_format(rewards_lib.as_weighted(rewards))
@@ -89,6 +91,8 @@ class Evaluator:
         for index, start in enumerate(range(0, len(self.examples), self.size)):
             chunk = self.examples[start : start + self.size]
             prompts = self.prompts.prepare(chunk)
+            if self.buckets is not None:
+                prompts = self.buckets.fit(prompts, count=False)
             chunk = [chunk[i] for i in prompts.kept_P]
             evaluated += len(chunk)
             if not chunk:

@@ -22,7 +22,7 @@ from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
 from podsjax import algorithms, run_state, sampling
 from podsjax import topology
-from podsjax.loop import dynamic_sampling, perf, programs, reporting, run_files, scoring
+from podsjax.loop import buckets, dynamic_sampling, perf, programs, reporting, run_files, scoring
 from podsjax.loop.config import RunConfig
 from podsjax.loop.evaluator import Evaluator
 from podsjax.loop.prompt_source import DataStream, PromptSource
@@ -89,10 +89,11 @@ class Trainer:
                                     system_prompt=run_config.system_prompt, log=self.log)
         self.scorer = scorer or rewards_lib.RewardPool(run_config.reward_workers,
                                                        timeout_s=run_config.reward_timeout_s)
+        self._buckets = buckets.BucketReuse(run_config.bucket_compile_after)
         self.evaluator = evaluator or Evaluator(
             self.generator, self.prompts, self.scorer, eval_examples, run_config,
             rows=prompt_rows * algo.n, rewards=self.rewards, eos_ids=self.eos_ids,
-            compile_log=self.compile_log)
+            compile_log=self.compile_log, buckets=self._buckets)
         self.best = (best_lib.BestPolicy(run_config.out_dir, (self.host.best_step, self.host.best_accuracy), restored)
                      if run_config.keep_best else None)
         self.writer = metrics_lib.MetricsWriter(
@@ -178,6 +179,7 @@ class Trainer:
         run_config = self.run_config
         prompt_len = programs.padded_prompt_length(run_config)
         self._update_shapes.add((self._update_rows, prompt_len))
+        self._buckets.compiled(prompt_len)
         return dry_run.plan(
             self.model, self.algo, self.lora_config, base_params=self.policy_params()[0],
             prompts=programs.prompt_rows(run_config, self.algo), prompt_len=prompt_len,
@@ -210,6 +212,7 @@ class Trainer:
         """One draw of prompts, generated: ``{"examples", "prompts", "skipped", "ids", "prompt_mask", "rollouts"}``."""
         run_config, algo = self.run_config, self.algo
         examples, prompts, skipped = self.prompts.draw(run_config.prompts_per_step, algo.groups_per_prompt)
+        prompts = self._buckets.fit(prompts)
         if first_round:
             self._compile_update_behind(prompts.ids_PL.shape[1])
         ids, prompt_mask = (self.generator.place_rows(x) for x in (prompts.ids_PL, prompts.mask_PL))
