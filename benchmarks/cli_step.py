@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -149,10 +150,17 @@ def phases_of(step: dict) -> dict[str, float]:
     return {p: float(step[f"time/{p}"]) for p in PHASES}
 
 
+ROOFLINE = re.compile(r"roofline: ([0-9.]+) s")  # the fit check's "one PODS step at the <GPU>'s roofline: X s"
+
+
 def summarize(run: dict) -> dict:
     first = phases_of(run["steps"][0])
     steady = [phases_of(s) for s in run["steps"][1:]]
-    out = dict(first_step_s=run["first_step_s"], wall_s=run["wall_s"], first=first, steps=len(run["steps"]))
+    roofline = ROOFLINE.search(run["console"])
+    out = dict(first_step_s=run["first_step_s"], wall_s=run["wall_s"], first=first, steps=len(run["steps"]),
+               roofline_s=float(roofline.group(1)) if roofline else None,
+               compiles=sum(1 for line in run["console"].split("first step done")[0].splitlines()
+                            if line.startswith("compiled ")))
     if steady:
         out["steady"] = {p: statistics.median(s[p] for s in steady) for p in PHASES}
         out["steady_total"] = statistics.median(sum(s.values()) for s in steady)
@@ -162,8 +170,9 @@ def summarize(run: dict) -> dict:
 def format_table(summaries: list[dict]) -> str:
     lines = [
         "| run | start to first finished step | first step: generation / scoring / selection / update "
-        "| steady step (median) | generation | scoring | selection | update | wall |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| steady step (median) | generation | scoring | selection | update | plan's roofline | steady / roofline "
+        "| compiled before the first step | wall |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, s in enumerate(summaries):
         label = "cold compile cache" if i == 0 else "warm compile cache"
@@ -174,7 +183,11 @@ def format_table(summaries: list[dict]) -> str:
                 f"{s['steady'][p]:.2f} s ({s['steady'][p] / max(total, 1e-9):.0%})" for p in PHASES)
         else:
             steady = "n/a (one step) | | | |"
-        lines.append(f"| {i + 1}: {label} | {s['first_step_s']:.1f} s | {first} s | {steady} | {s['wall_s']:.0f} s |")
+        roof = s["roofline_s"]
+        ratio = f"{s['steady_total'] / roof:.1f}x" if roof and "steady" in s else "n/a"
+        roof = f"{roof:.2f} s" if roof else "not printed (no fit check)"
+        lines.append(f"| {i + 1}: {label} | {s['first_step_s']:.1f} s | {first} s | {steady} | {roof} | {ratio} "
+                     f"| {s['compiles']} | {s['wall_s']:.0f} s |")
     return "\n".join(lines)
 
 

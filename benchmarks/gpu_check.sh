@@ -1,0 +1,39 @@
+#!/bin/bash
+# The GPU check of the main job, in about 8 minutes on one GPU, from the root of a clone:
+#   1. decode at setting a's shape (Qwen2.5-1.5B, 1 prompt x 64 samples, 512 + 512 tokens,
+#      bf16): the step's time against its memory floor, then the kernels of one traced call;
+#   2. the CLI on setting a (a random 1.5B checkpoint, PODS n 64 m 16, LoRA r64): start to
+#      the first finished step with a cold and then a warm compile cache, the programs
+#      compiled before it, the steady step and its phases, and the plan's roofline beside them.
+#
+#   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
+#   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
+#
+# Logs go to $OUT (default /tmp/podsjax-gpu-check), one file a stage. T_DECODE and T_CLI are
+# the stages' time limits in seconds; XLA_FLAGS passes through (to compare autotuning settings).
+# A dry run on a CPU, cut down: MODEL="--layers 1 --hidden 64 --intermediate 128 --heads 4
+# --kv-heads 2 --vocab 1024" DTYPE=float32 ROWS=8 PL=32 NT=16 CLI="--n 8 --m 4
+# --max-completion-length 16" bash benchmarks/gpu_check.sh
+set -o pipefail
+OUT=${OUT:-/tmp/podsjax-gpu-check}; mkdir -p "$OUT"
+PY=${PY:-python3}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/podsjax-site \
+    .whl/*.whl && export PYTHONPATH="/tmp/podsjax-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stages.log"; }
+stage() {  # name, time limit, command...
+  local name=$1 limit=$2; shift 2
+  stamp "start $name"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  stamp "end $name rc=$?"
+}
+stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null); XLA_FLAGS=${XLA_FLAGS:-}"
+model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
+stage decode "${T_DECODE:-150}" "$PY" -m benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
+  --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace"
+stage cli "${T_CLI:-300}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs 2 \
+  ${CLI:+--cli-flags $CLI}
+stamp done

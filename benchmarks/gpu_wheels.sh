@@ -1,0 +1,23 @@
+#!/bin/bash
+# Downloads into .whl/ (ignored by git) the wheels of the `run` extra that a stock GPU image
+# may lack: pure-Python packages, so a host without the GPU (any OS, with pip and a network)
+# can fetch them for the GPU host's Python. benchmarks/gpu_check.sh installs them from there.
+#
+#   bash benchmarks/gpu_wheels.sh [python version, default 3.12]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYV=${1:-3.12}
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}  # the versions installed here
+rm -rf .whl && mkdir -p .whl
+# draccus (flags and config files) with its needs, the graders (math-verify, its LaTeX
+# parser and ANTLR runtime, pylatexenc), TensorBoard's writer. Versions: what `pip install
+# -e '.[run]'` resolves here, so both machines run the same graders.
+for pkg in draccus mergedeep pyyaml-include toml typing-inspect mypy-extensions math-verify latex2sympy2_extended \
+           antlr4-python3-runtime pylatexenc tensorboardX; do
+  version=$("$PY" -m pip show "$pkg" 2>/dev/null | sed -n 's/^Version: //p' || true)
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
+    --platform manylinux2014_x86_64 --platform any -d .whl "$pkg${version:+==$version}" \
+    || "$PY" -m pip download -q --no-deps -d .whl "$pkg${version:+==$version}"
+done
+ls .whl
+du -sh .whl
