@@ -15,21 +15,8 @@
 # --kv-heads 2 --vocab 1024" DTYPE=float32 ROWS=8 PL=32 NT=16 CLI="--n 8 --m 4
 # --max-completion-length 16" bash benchmarks/gpu_check.sh
 set -o pipefail
-OUT=${OUT:-/tmp/podsjax-gpu-check}; mkdir -p "$OUT"
-PY=${PY:-python3}
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/podsjax-site \
-    .whl/*.whl && export PYTHONPATH="/tmp/podsjax-site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stages.log"; }
-stage() {  # name, time limit, command...
-  local name=$1 limit=$2; shift 2
-  stamp "start $name"
-  timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  stamp "end $name rc=$?"
-}
+OUT=${OUT:-/tmp/podsjax-gpu-check}
+source "$(dirname "$0")/gpu_stages.sh"
 stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null); XLA_FLAGS=${XLA_FLAGS:-}"
 model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
 stage decode "${T_DECODE:-150}" "$PY" -m benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \

@@ -8,19 +8,9 @@
 # them. Every stage has a time limit (T_<STAGE> seconds) so a slow one cannot stop the rest.
 # SHAPE (default qwen2.5-1.5b) and SHAPE_ARGS choose the model; ROWS, PL, NT the decode shape.
 set -o pipefail
-OUT=${OUT:-/tmp/podsjax-gpu-suite}; mkdir -p "$OUT"
-PY=${PY:-python3}
+OUT=${OUT:-/tmp/podsjax-gpu-suite}
 SHAPE=${SHAPE:-qwen2.5-1.5b}
-# JAX and CUDA torch share the GPU in one benchmark process: JAX takes memory as it needs it.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stages.log"; }
-stage() {  # name, time limit, command...
-  local name=$1 limit=$2; shift 2
-  stamp "start $name"
-  timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  stamp "end $name rc=$?"
-}
+source "$(dirname "$0")/gpu_stages.sh"
 model=(--shape "$SHAPE" $SHAPE_ARGS --dtype bfloat16)
 for s in ${*:-env generate train forward cli tests}; do case $s in
 env) stage env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc;

@@ -176,6 +176,13 @@ def _own_kernel(q_ref, k_ref, v_ref, allowed_ref, length_ref, o_ref, top_ref, to
     plgpu.store(total_ref, total, mask=real_rows)
 
 
+def _part_shapes(rows: tuple[int, ...], e: int) -> list[jax.ShapeDtypeStruct]:
+    """What a pass writes for each of its ``rows``: the unnormalised output ``[.., E]``, the
+    running maximum and the running sum, in fp32."""
+    return [jax.ShapeDtypeStruct((*rows, e), jnp.float32), jax.ShapeDtypeStruct(rows, jnp.float32),
+            jax.ShapeDtypeStruct(rows, jnp.float32)]
+
+
 def _prefix_pass(q_BKGE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, split: Plan, scale: float, interpret: bool):
     """The prefix pass: ``(o [P, K, splits, Q, E], top, total [P, K, splits, Q])`` with Q = n x G."""
     b, k, g, e = q_BKGE.shape
@@ -201,9 +208,7 @@ def _prefix_pass(q_BKGE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, split: Pl
             pl.BlockSpec((None, None, None, tile), lambda i, h, t, s: (i, h, s, t)),
             pl.BlockSpec((None, None, None, tile), lambda i, h, t, s: (i, h, s, t)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((p, k, splits, padded, e), jnp.float32),
-                   jax.ShapeDtypeStruct((p, k, splits, padded), jnp.float32),
-                   jax.ShapeDtypeStruct((p, k, splits, padded), jnp.float32)],
+        out_shape=_part_shapes((p, k, splits, padded), e),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="grouped_decode_prefix",
@@ -233,9 +238,7 @@ def _own_pass(q_BKGE, k_BKTE, v_BKET, allowed_BT, length_B, split: Plan, scale: 
             pl.BlockSpec((None, None, None, gp), lambda r, h, s: (r, h, s, 0)),
             pl.BlockSpec((None, None, None, gp), lambda r, h, s: (r, h, s, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, k, splits, g, e), jnp.float32),
-                   jax.ShapeDtypeStruct((b, k, splits, g), jnp.float32),
-                   jax.ShapeDtypeStruct((b, k, splits, g), jnp.float32)],
+        out_shape=_part_shapes((b, k, splits, g), e),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="grouped_decode_completion",

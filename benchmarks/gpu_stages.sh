@@ -1,0 +1,20 @@
+# Sourced by gpu_suite.sh and gpu_check.sh: $OUT made, the GPU's environment, the run extra's
+# wheels from .whl/ when they are there (benchmarks/gpu_wheels.sh), and `stage NAME LIMIT
+# COMMAND...`, which runs a command with a time limit, logs it to $OUT/NAME.log and times it
+# in $OUT/stages.log.
+mkdir -p "$OUT"
+PY=${PY:-python3}
+# JAX and CUDA torch share the GPU in one benchmark process: JAX takes memory as it needs it.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/podsjax-site \
+    .whl/*.whl && export PYTHONPATH="/tmp/podsjax-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stages.log"; }
+stage() {  # name, time limit, command...
+  local name=$1 limit=$2; shift 2
+  stamp "start $name"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  stamp "end $name rc=$?"
+}
