@@ -87,11 +87,12 @@ def is_bookkeeping(name: str) -> bool:
     return name == LOCK_FILE or _RUN_LOG.fullmatch(name) is not None
 
 
-def made_progress(directory: str) -> bool:
-    """Whether a run got anywhere worth keeping: a checkpoint, a dry run's figures, or a step logged."""
+def made_progress(directory: str, before: set[str] = frozenset()) -> bool:
+    """Whether a run got anywhere worth keeping: a checkpoint, a step logged, or the figures of
+    a dry run (this one's: a ``dry_run.json`` named in ``before`` was there before the run)."""
     checkpoints = os.path.join(directory, CHECKPOINTS_DIRNAME)
-    if os.path.isfile(os.path.join(directory, DRY_RUN_FILE)) or (os.path.isdir(checkpoints)
-                                                                 and os.listdir(checkpoints)):
+    dry_run = DRY_RUN_FILE not in before and os.path.isfile(os.path.join(directory, DRY_RUN_FILE))
+    if dry_run or (os.path.isdir(checkpoints) and os.listdir(checkpoints)):
         return True
     try:
         with open(os.path.join(directory, METRICS_FILE), "rb") as f:
@@ -116,7 +117,7 @@ def remove_failed_start(directory: str, before: set[str], existed: bool) -> None
     Only entries that were not there before the run are removed, and not its run logs, which
     say why it failed; the directory itself goes when the run made it and nothing is left.
     """
-    if not os.path.isdir(directory) or made_progress(directory):
+    if not os.path.isdir(directory) or made_progress(directory, before):
         return
     for name in set(os.listdir(directory)) - before:
         if is_bookkeeping(name):

@@ -66,3 +66,15 @@ def test_a_failed_resume_removes_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(runner, "_train_and_export", failing({}))
     assert cli.main("gsm8k", ["--no-compile-cache", "--out", str(out), "--resume"]) == 1
     assert sorted(os.listdir(out)) == ["config.json", "metrics.jsonl"]
+
+
+def test_a_failed_start_after_a_dry_run_leaves_the_dry_run_and_the_rerun_is_accepted(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "dry_run.json").write_text("{}")
+    monkeypatch.setattr(runner, "_train_and_export", failing({"metrics.jsonl": json.dumps({"step": 0}) + "\n"}))
+    assert cli.main("gsm8k", [*ARGS, "--out", str(out)]) == 1
+    assert sorted(os.listdir(out)) == ["dry_run.json"]  # the dry run's figures were there before: not progress
+    capsys.readouterr()
+    monkeypatch.setattr(runner, "_train_and_export", lambda *args: 0)
+    assert cli.main("gsm8k", [*ARGS, "--out", str(out)]) == 0
