@@ -6,7 +6,10 @@ and libtpu prints pages of warnings about TPU_ACCELERATOR_TYPE and worker hostna
 the program's own output. Both are installed for compiling to GPUs and TPUs from any host
 (``--dry-run --topology``), which works with JAX on the CPU alone. So ``import podsjax``
 on a Linux host with no GPU or TPU device node, and no ``JAX_PLATFORMS`` set, sets it to
-``cpu``; set ``JAX_PLATFORMS`` yourself to choose otherwise.
+``cpu``; set ``JAX_PLATFORMS`` yourself (or ``jax.config.update("jax_platforms", ...)``
+before importing podsjax) to choose otherwise. Child processes inherit the variable: a
+launcher on a CPU login node that imports podsjax and starts jobs on GPU nodes with its
+environment should set ``JAX_PLATFORMS`` for them.
 """
 
 from __future__ import annotations
@@ -14,14 +17,18 @@ from __future__ import annotations
 import os
 import sys
 
-# Device nodes of an accelerator JAX could use: NVIDIA GPUs (dxg: under WSL), AMD GPUs (kfd),
-# TPU chips (accel0: v4/v5p; vfio: v5e/v6e).
-ACCELERATOR_NODES = ("nvidiactl", "dxg", "kfd", "accel0", "vfio")
+# Device nodes of an accelerator JAX could use: NVIDIA GPUs (nvidia0 before nvidiactl is made;
+# dxg: under WSL), AMD GPUs (kfd), TPU chips (accel0: v4/v5p; accel/: newer; vfio: v5e/v6e),
+# AWS Neuron chips.
+ACCELERATOR_NODES = ("nvidiactl", "nvidia0", "dxg", "kfd", "accel0", "accel", "vfio", "neuron0")
+# A loaded NVIDIA driver, whose device nodes a headless host may make only at the first CUDA call.
+DRIVER_FILES = ("/proc/driver/nvidia",)
 
 
-def has_accelerator(dev: str = "/dev") -> bool:
-    """Whether this host has a GPU or TPU device node (so JAX's plugins may find one)."""
-    return any(os.path.exists(os.path.join(dev, node)) for node in ACCELERATOR_NODES)
+def has_accelerator(dev: str = "/dev", drivers: tuple[str, ...] = DRIVER_FILES) -> bool:
+    """Whether this host has a GPU or TPU device node or driver (so JAX's plugins may find one)."""
+    return (any(os.path.exists(os.path.join(dev, node)) for node in ACCELERATOR_NODES)
+            or any(os.path.exists(path) for path in drivers))
 
 
 def cpu_alone_without_accelerator() -> bool:
@@ -32,9 +39,11 @@ def cpu_alone_without_accelerator() -> bool:
     """
     if "JAX_PLATFORMS" in os.environ or not sys.platform.startswith("linux") or has_accelerator():
         return False
-    os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX when imported, and by child processes
     jax = sys.modules.get("jax")
-    if jax is not None and not _backends_started():  # imported already: its config has read the variable
+    if jax is not None and (jax.config.jax_platforms or _backends_started()):
+        return False  # the user chose platforms in the config, or JAX runs already
+    os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX when imported, and by child processes
+    if jax is not None:  # imported already: its config has read the variable
         jax.config.update("jax_platforms", "cpu")
     return True
 

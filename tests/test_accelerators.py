@@ -35,7 +35,7 @@ def test_jax_platforms_is_set_only_on_a_linux_host_without_an_accelerator(monkey
     monkeypatch.setattr(accelerators, "has_accelerator", lambda: True)
     assert not accelerators.cpu_alone_without_accelerator() and "JAX_PLATFORMS" not in os.environ
     monkeypatch.setattr(accelerators, "has_accelerator", lambda: False)
-    monkeypatch.setattr(accelerators, "_backends_started", lambda: True)  # this process's JAX is running
+    monkeypatch.delitem(sys.modules, "jax")  # as before the program imports JAX
     assert accelerators.cpu_alone_without_accelerator() and os.environ["JAX_PLATFORMS"] == "cpu"
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # the user's choice stands
     assert not accelerators.cpu_alone_without_accelerator() and os.environ["JAX_PLATFORMS"] == "cuda"
@@ -44,9 +44,38 @@ def test_jax_platforms_is_set_only_on_a_linux_host_without_an_accelerator(monkey
     assert not accelerators.cpu_alone_without_accelerator()
 
 
+def test_once_jax_runs_nothing_is_set(monkeypatch):
+    # Too late for this process; setting the variable then would only reach child processes.
+    monkeypatch.setattr(accelerators.sys, "platform", "linux")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(accelerators, "has_accelerator", lambda: False)
+    monkeypatch.setattr(accelerators, "_backends_started", lambda: True)
+    assert not accelerators.cpu_alone_without_accelerator() and "JAX_PLATFORMS" not in os.environ
+
+
 def test_the_device_nodes_tell_an_accelerator(tmp_path):
-    assert not accelerators.has_accelerator(str(tmp_path))
-    for node in ("nvidiactl", "dxg", "accel0", "vfio"):
+    assert not accelerators.has_accelerator(str(tmp_path), drivers=())
+    for node in ("nvidiactl", "nvidia0", "dxg", "kfd", "accel0", "vfio", "neuron0"):
         (tmp_path / node).touch()
-        assert accelerators.has_accelerator(str(tmp_path))
+        assert accelerators.has_accelerator(str(tmp_path), drivers=())
         (tmp_path / node).unlink()
+    (tmp_path / "accel").mkdir()  # /dev/accel/accel0 on newer TPU hosts
+    assert accelerators.has_accelerator(str(tmp_path), drivers=())
+    # A loaded NVIDIA driver whose device nodes are not made yet
+    assert accelerators.has_accelerator(str(tmp_path / "none"), drivers=(str(tmp_path / "accel"),))
+
+
+def test_a_platform_chosen_in_jax_config_stands(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(accelerators.sys, "platform", "linux")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(accelerators, "has_accelerator", lambda: False)
+    monkeypatch.setattr(accelerators, "_backends_started", lambda: False)
+    before = jax.config.jax_platforms
+    try:
+        jax.config.update("jax_platforms", "cuda,cpu")
+        assert not accelerators.cpu_alone_without_accelerator()
+        assert jax.config.jax_platforms == "cuda,cpu" and "JAX_PLATFORMS" not in os.environ
+    finally:
+        jax.config.update("jax_platforms", before)
