@@ -734,29 +734,32 @@ def check(args, config: ExperimentConfig) -> None:
             raise UsageError("--log wandb needs the wandb package: pip install 'podsjax[wandb]'")
 
 
-def _planned_only(out: str) -> bool:
-    """Whether ``out`` is empty or holds only what a dry run writes (dry_run.json and config.json):
-    a dry run may look at any directory, and the real run may follow it into the same one. A
-    lock file alone does not count: the run takes it over, or names its live holder."""
+def planned_only(out: str) -> bool:
+    """Whether ``out`` is empty or holds only what a dry run writes (dry_run.json and podsjax's
+    config.json): the real run may follow its dry run into the same one. A lock file alone does
+    not count: the run takes it over, or names its live holder."""
     if not os.path.isdir(out):
         return False
     files = {name for name in os.listdir(out) if not run_dir.is_bookkeeping(name)}  # a lock, a failed start's logs
+    if CONFIG_FILE in files and not run_dir.is_podsjax_run(out):
+        return False  # a model's config.json, say, beside a dry run's figures
     return not files or (DRY_RUN_FILE in files and files <= {DRY_RUN_FILE, CONFIG_FILE})
 
 
 def has_run(out: str) -> bool:
     """Whether ``out`` holds a run to continue (its config.json, and more than a dry run's files)."""
-    return os.path.isfile(os.path.join(out, CONFIG_FILE)) and not _planned_only(out)
+    return os.path.isfile(os.path.join(out, CONFIG_FILE)) and not planned_only(out)
 
 
 def check_out(args) -> None:
-    """The run directory: a file is refused, and an existing run needs --resume or --overwrite."""
+    """The run directory: a file is refused, and an existing run needs --resume or --overwrite
+    (a dry run may look at any directory: it writes only its dry_run.json there)."""
     out = args.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} exists and is not a directory")
     if args.resume and not has_run(out):
         raise UsageError(f"--resume: {out} holds no run to resume (no config.json of a run)")
-    occupied = os.path.isdir(out) and not _planned_only(out)
+    occupied = os.path.isdir(out) and not planned_only(out)
     if occupied and not (args.resume or args.overwrite or args.dry_run):
         if getattr(args, "resume_auto", False):
             raise UsageError(f"--resume auto: {out} is not empty and holds no run (no config.json); start the run "

@@ -142,6 +142,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
             prompts.check_chat_template(tokenizer, tasks[0][0].prompt, system_prompt=config.run.system_prompt)
     hosts.barrier("run checked")  # every process has looked at out_dir before process 0 writes to it
     existed = os.path.isdir(out_dir)
+    # A dry run records the config it planned only where the run may follow it: never over the
+    # config.json of a model or of another run.
+    write_config = not resume and (not dry_run or overwrite or not existed or flags.planned_only(out_dir))
     lock = _lock(out_dir)
     before = None  # what out_dir held before this run wrote to it (process 0; a new run)
     failed = False
@@ -150,8 +153,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
             if hosts.is_primary():
                 if overwrite:
                     _clear(out_dir)
-                if not resume:  # a dry run records what it planned too
+                if not resume:
                     before = set(os.listdir(out_dir))
+                if write_config:
                     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
                         json.dump(flags.as_json(config), f, indent=2, sort_keys=True)
         except OSError as exc:

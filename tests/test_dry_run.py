@@ -247,8 +247,8 @@ def test_a_run_may_follow_its_dry_run_into_the_same_directory(tmp_path):
 
     out = tmp_path / "run"
     os.makedirs(out)
-    for name in ("dry_run.json", "config.json"):  # what --dry-run leaves
-        (out / name).write_text("{}")
+    (out / "dry_run.json").write_text("{}")  # what --dry-run leaves
+    (out / "config.json").write_text(json.dumps({"run": {}}))
 
     def args(resume=False):
         return argparse.Namespace(out=str(out), resume=resume, overwrite=False, dry_run=False)
@@ -259,3 +259,38 @@ def test_a_run_may_follow_its_dry_run_into_the_same_directory(tmp_path):
     (out / "metrics.jsonl").write_text("")  # a run's own files: now it is a run
     with pytest.raises(UsageError, match="is not empty"):
         flags.check_out(args())
+    (out / "metrics.jsonl").unlink()
+    (out / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    with pytest.raises(UsageError, match="is not empty"):  # a model's config.json beside a dry run's figures
+        flags.check_out(args())
+
+
+def _plan(config, out_dir, *args):
+    """A stand-in for the dry run's compiles: it writes its figures only."""
+    (open(os.path.join(out_dir, "dry_run.json"), "w")).write("{}")
+    return 0
+
+
+@pytest.mark.parametrize("held", [{"config.json": json.dumps(SMALL.to_hf_dict("float32")), "model.safetensors": "w"},
+                                  {"config.json": json.dumps({"run": {"seed": 7}}), "metrics.jsonl": "{}\n"}],
+                         ids=["model", "run"])
+def test_a_dry_run_into_an_occupied_directory_writes_only_its_figures(tmp_path, capsys, monkeypatch, held):
+    out = tmp_path / "occupied"
+    out.mkdir()
+    for name, text in held.items():
+        (out / name).write_text(text)
+    monkeypatch.setattr(runner, "_dry_run", _plan)
+    assert cli.main("gsm8k", ["--dry-run", "--no-compile-cache", "--out", str(out), *SHAPES]) == 0
+    assert sorted(os.listdir(out)) == sorted([*held, "dry_run.json"])
+    for name, text in held.items():
+        assert (out / name).read_text() == text
+
+
+def test_a_dry_run_in_a_new_directory_records_its_config_and_the_run_follows(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr(runner, "_dry_run", _plan)
+    assert cli.main("gsm8k", ["--dry-run", "--no-compile-cache", "--out", str(out), *SHAPES]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "dry_run.json"]
+    assert json.load(open(out / "config.json"))["algorithm"]["n"] == 8
+    monkeypatch.setattr(runner, "_train_and_export", lambda *args: 0)
+    assert cli.main("gsm8k", ["--no-compile-cache", "--out", str(out), *SHAPES]) == 0
