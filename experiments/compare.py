@@ -173,7 +173,7 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
     out = config.run.out_dir
     if not dry_run and completed.is_complete(config, out):
         return _history(out)
-    resume = not dry_run and os.path.isfile(os.path.join(out, "config.json"))
+    resume = not dry_run and flags_lib.has_run(out)  # a dry run's config.json alone starts the run
     flags_lib.check_out(argparse.Namespace(out=out, resume=resume, overwrite=False, dry_run=dry_run))
     if resume:
         check_resumable(config, out)

@@ -225,3 +225,22 @@ def test_report_names_the_runs_without_evaluations_in_one_line(tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: no evaluations in pods-seed1 ") and "\n" not in err
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_comparison_starts_its_runs_where_its_dry_run_left_only_figures(tmp_path, monkeypatch):
+    from experiments import runner
+
+    calls = []
+
+    def fake_run(config, out_dir, *, overwrite, resume, dry_run=False, topology=None, started_at=None):
+        calls.append(resume)
+        return 0
+
+    monkeypatch.setattr(runner, "run_experiment", fake_run)
+    out = tmp_path / "pods-seed0"
+    config = compare.seed_config(prepare(tmp_path).variants["pods"], 0, str(out), str(tmp_path))
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(flags_lib.as_json(config)))  # what its --dry-run left
+    (out / "dry_run.json").write_text("{}")
+    compare.run_one(config)
+    assert calls == [False]
