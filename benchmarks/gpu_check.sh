@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU check of the main job, in about 8 minutes on one GPU, from the root of a clone:
+# A GPU check at setting a's shape, in about 8 minutes on one GPU, from the root of a clone:
 #   1. decode at setting a's shape (Qwen2.5-1.5B, 1 prompt x 64 samples, 512 + 512 tokens,
 #      bf16): the step's time against its memory floor, then the kernels of one traced call;
 #   2. the CLI on setting a (a random 1.5B checkpoint, PODS n 64 m 16, LoRA r64): start to

@@ -71,7 +71,6 @@ def test_prefix_decoder_hidden_states_equal_the_rows_forward(params):
     shared = PrefixDecoder.of(model).apply({"params": params}, *prompts, batch.input_ids[:, -t:],
                                            batch.attention_mask[:, -t:])
     close(shared.hidden_BLD, rows.hidden_BLD)
-    close(shared.head_VD, rows.head_VD, rel=0)
     assert shared.hidden_BLD.shape == (P * M, T, CONFIG.hidden_size)
     with pytest.raises(ValueError, match="do not split evenly over 2 prompts"):
         PrefixDecoder.of(model).apply({"params": params}, *(x[:2] for x in prompts), batch.input_ids[:5, -t:],
