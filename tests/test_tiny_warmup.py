@@ -107,3 +107,40 @@ def test_the_quick_start_its_baseline_and_a_rerun_share_one_warm_up(monkeypatch,
         _, config = flags.parse("gsm8k", [*argv, "--out", str(tmp_path / "x")])
         runner._tiny(config, str(tmp_path / "x"))
     assert len({directory for directory, _ in asked}) == 3
+
+
+def test_a_warm_up_another_run_renamed_in_after_the_check_is_kept(tmp_path, monkeypatch):
+    directory, staging = tmp_path / "w", tmp_path / "w.partial-mine"
+    staging.mkdir()
+    (staging / "ours").write_text("")
+    directory.mkdir()
+    (directory / "theirs").write_text("")  # renamed there after this call found no finished warm-up
+    found = iter([None])
+    monkeypatch.setattr(warmup_lib, "load_cached", lambda d, c: next(found, "their stats"))
+    assert warmup_lib._publish(str(staging), str(directory), tiny.WarmupConfig(), overwrite=False) == "their stats"
+    assert os.listdir(directory) == ["theirs"]
+
+
+def test_a_killed_warm_ups_staging_is_removed_and_a_live_ones_kept(tmp_path, monkeypatch):
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    names = {"w.partial-k1ll3d": False, f"w.partial-{host}.{gone.pid}.ab12": False,  # old; a process that is gone
+             f"w.partial-{host}.{os.getpid()}.cd34": True, "w.partial-elsewhere.1.ef56": True, "x.partial-old": True}
+    for name in names:
+        (tmp_path / name).mkdir()
+    day_ago = os.path.getmtime(tmp_path) - 2 * 86400
+    for name in ("w.partial-k1ll3d", "x.partial-old"):
+        os.utime(tmp_path / name, (day_ago, day_ago))
+
+    def stop(*args):
+        raise RuntimeError("stopped before training")
+
+    monkeypatch.setattr(warmup_lib, "_build", stop)
+    with pytest.raises(RuntimeError, match="stopped"):
+        tiny.warm_up(tmp_path / "w", **SHORT)
+    assert sorted(os.listdir(tmp_path)) == sorted(name for name, kept in names.items() if kept)

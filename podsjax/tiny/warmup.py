@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any, Callable
@@ -43,6 +44,8 @@ MARKER_FILE = "warmup.json"
 WARMUP_DIRNAME = "tiny_warmup"
 _FORMAT_VERSION = 3  # 2: the model is recorded as ModelConfig fields; 3: no wall-clock limit
 _READABLE_VERSIONS = (2, 3)  # a version-2 warm-up is read, its wall-clock limit dropped
+_STAGING = ".partial-"  # a warm-up in progress: <directory>.partial-XXXX, renamed to <directory> when done
+_STALE_STAGING_S = 86400.0  # another host's staging directory untouched this long was left by a killed warm-up
 
 
 class WarmupError(ValueError):
@@ -256,7 +259,9 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
     # warm-up never leaves a directory that looks finished, and two runs that warm up at once
     # (sharing the cache) do not write into each other's.
     os.makedirs(os.path.dirname(directory), exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".partial-", dir=os.path.dirname(directory))
+    _remove_stale_staging(directory)
+    owner = f"{socket.gethostname()}.{os.getpid()}."  # who stages, so that a later call knows when it died
+    staging = tempfile.mkdtemp(prefix=os.path.basename(directory) + _STAGING + owner, dir=os.path.dirname(directory))
     try:
         result = _build(directory, staging, config, say, started, overwrite)
     finally:
@@ -284,9 +289,21 @@ def _build(directory: str, staging: str, config: WarmupConfig, say: Callable[[st
     result = WarmupStats(path=directory, config=config, total_seconds=time.perf_counter() - started, **stats)
     with open(os.path.join(staging, MARKER_FILE), "w") as handle:
         json.dump(result.to_json(), handle, indent=2)
+    return _publish(staging, directory, config, overwrite) or result
+
+
+def _publish(staging: str, directory: str, config: WarmupConfig, overwrite: bool) -> WarmupStats | None:
+    """Renames the finished ``staging`` to ``directory``; the stats of the warm-up another call
+    put there first (None when this one's is there now)."""
     if not overwrite and (theirs := load_cached(directory, config)) is not None:
         return theirs
-    shutil.rmtree(directory, ignore_errors=True)  # overwrite=True, or an empty directory
+    if overwrite:
+        shutil.rmtree(directory, ignore_errors=True)
+    else:  # only an empty one: another call may have renamed its warm-up there since the check
+        try:
+            os.rmdir(directory)
+        except OSError:  # absent, or no longer empty
+            pass
     try:
         os.replace(staging, directory)
     except OSError:  # another call renamed its own there in between
@@ -294,7 +311,35 @@ def _build(directory: str, staging: str, config: WarmupConfig, say: Callable[[st
         if theirs is None:
             raise
         return theirs
-    return result
+    return None
+
+
+def _remove_stale_staging(directory: str) -> None:
+    """Deletes the staging directories of ``directory`` that killed warm-ups left behind: those
+    of a process of this host that is gone, and any untouched for longer than a warm-up takes."""
+    parent, prefix = os.path.dirname(directory), os.path.basename(directory) + _STAGING
+    host, cutoff = socket.gethostname(), time.time() - _STALE_STAGING_S
+    for name in os.listdir(parent):
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(parent, name)
+        try:
+            old = os.path.getmtime(path) < cutoff
+        except OSError:  # gone meanwhile
+            continue
+        owner, _, pid = name[len(prefix):].rpartition(".")[0].rpartition(".")  # <host>.<pid>.<random>
+        if old or (owner == host and pid.isdigit() and not _alive(int(pid))):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        pass
+    return True
 
 
 _STOPPED = {"target": "validation reached the target", "steps": "the step cap", "time": "the wall-clock limit"}
