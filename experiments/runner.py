@@ -92,8 +92,7 @@ def _tiny(config, out_dir):
     steps = {"steps": config.tiny.warmup_steps} if config.tiny.warmup_steps else {}
     max_operations = config.tiny.max_operations
     settings = tiny.WarmupConfig(seed=seed, data_seed=seed, task=config.task, max_operations=max_operations, **steps)
-    # Every run that would train the same warm-up (a rerun, another method, a comparison) shares one.
-    directory = config.tiny.warmup_dir or warmup_cache.cache_dir(settings)
+    directory = config.tiny.warmup_dir or _warmup_dir(settings, out_dir)
 
     def warm_up():
         try:
@@ -106,7 +105,7 @@ def _tiny(config, out_dir):
             raise UsageError(f"cannot write the tiny warm-up cache {directory}: {exc.strerror}; set "
                              f"${warmup_cache.CACHE_ENV} or pass --warmup-dir DIR") from None
 
-    # Process 0 warms up; the others then find the cached result (its directory is shared).
+    # Process 0 warms up; the others then find its result (in a directory they share, when there are several).
     stats = warm_up() if hosts.is_primary() else None
     hosts.barrier("tiny warm-up")
     stats = stats or warm_up()
@@ -120,6 +119,22 @@ def _tiny(config, out_dir):
         print(f"tiny preset: the {config.task} test split holds {len(test_set)} problems (at most "
               f"{tiny.MAX_TEST_PROBLEMS}); --eval-limit {num_test} evaluates all of them", flush=True)
     return stats.path, train_set, test_set
+
+
+def _warmup_dir(settings, out_dir: str) -> str:
+    """Where the tiny preset's warm-up is when --warmup-dir names none.
+
+    Every run on a host that would train the same warm-up (a rerun, another method, a
+    comparison) shares the cache's. A run started before that cache keeps ``<out>/tiny_warmup``
+    when it resumes. A run over several hosts uses ``<out>/tiny_warmup`` too, on the filesystem
+    they share, unless ``$PODSJAX_WARMUP_CACHE_DIR`` names a cache (which must then be shared).
+    """
+    from podsjax.tiny import WARMUP_DIRNAME, warmup_cache
+
+    in_run = os.path.join(out_dir, WARMUP_DIRNAME)
+    if os.path.isdir(in_run) or (hosts.count() > 1 and not os.environ.get(warmup_cache.CACHE_ENV)):
+        return in_run
+    return warmup_cache.cache_dir(settings)
 
 
 def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,

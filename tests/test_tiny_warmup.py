@@ -144,3 +144,29 @@ def test_a_killed_warm_ups_staging_is_removed_and_a_live_ones_kept(tmp_path, mon
     with pytest.raises(RuntimeError, match="stopped"):
         tiny.warm_up(tmp_path / "w", **SHORT)
     assert sorted(os.listdir(tmp_path)) == sorted(name for name, kept in names.items() if kept)
+
+
+def test_a_resumed_run_keeps_its_own_warm_up_and_a_multi_host_run_shares_one_in_its_directory(monkeypatch, tmp_path):
+    from podsjax import hosts
+
+    asked = []
+
+    def fake_warm_up(directory, config, log=None):
+        asked.append(directory)
+        return types.SimpleNamespace(path=directory, cached=True, total_seconds=1.0, test_accuracy=0.3)
+
+    monkeypatch.setattr(tiny, "warm_up", fake_warm_up)
+    monkeypatch.delenv(warmup_cache.CACHE_ENV, raising=False)
+    out = tmp_path / "run"
+    _, config = flags.parse("gsm8k", ["--out", str(out)])
+    (out / "tiny_warmup").mkdir(parents=True)  # made by a run started before the shared cache
+    runner._tiny(config, str(out))
+    assert asked[-1] == str(out / "tiny_warmup")
+    other = tmp_path / "other"
+    monkeypatch.setattr(hosts, "count", lambda: 2)
+    monkeypatch.setattr(hosts, "barrier", lambda name: None)
+    runner._tiny(config, str(other))
+    assert asked[-1] == str(other / "tiny_warmup")  # on the filesystem the hosts share, not each host's cache
+    monkeypatch.setenv(warmup_cache.CACHE_ENV, str(tmp_path / "shared-cache"))
+    runner._tiny(config, str(other))
+    assert asked[-1].startswith(str(tmp_path / "shared-cache"))
