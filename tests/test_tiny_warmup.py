@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import time
 import types
 
 import pytest
@@ -36,7 +37,8 @@ def test_a_busy_machine_trains_the_same_warm_up_as_a_quiet_one(tmp_path, monkeyp
         now[0] += 600.0
         return now[0]
 
-    monkeypatch.setattr(warmup_lib, "time", types.SimpleNamespace(perf_counter=slow_clock))
+    # The training clock runs 10 minutes a step; the wall clock that ages staging folders is real.
+    monkeypatch.setattr(warmup_lib, "time", types.SimpleNamespace(perf_counter=slow_clock, time=time.time))
     messages = []
     busy = tiny.warm_up(tmp_path / "busy", log=messages.append, **SHORT)
     assert (busy.steps, busy.stop_reason) == (quiet.steps, quiet.stop_reason) == (6, "steps")
