@@ -22,7 +22,9 @@ import pickle
 import resource
 import select
 import signal
+import sys
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 # Statuses of one (item, function) call, reported to the parent.
@@ -133,6 +135,7 @@ class _Output:
         self.left, self.log_path, self.noted = budget, log_path, False
         self.lock = threading.Lock()
         self.budget = budget
+        self.captured: list[tuple[int, int, threading.Thread]] = []  # (fd, its console, its forwarder)
 
     def capture(self, fd: int) -> None:
         """Sends what this process writes to ``fd`` through the budget, from now on."""
@@ -140,7 +143,23 @@ class _Output:
         read, write = os.pipe()
         os.dup2(write, fd)
         os.close(write)
-        threading.Thread(target=self._forward, args=(read, console), name=f"output-{fd}", daemon=True).start()
+        forwarder = threading.Thread(target=self._forward, args=(read, console), name=f"output-{fd}", daemon=True)
+        forwarder.start()
+        self.captured.append((fd, console, forwarder))
+
+    def drain(self, timeout_s: float = 1.5) -> None:  # within the 2 s the pool waits for a stopping worker
+        """Forwards what is still in the pipes before the worker exits: each fd gets its console
+        back, which closes its pipe, and its forwarder runs to the end of what was written."""
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, console, _ in self.captured:
+            os.dup2(console, fd)
+        deadline = time.monotonic() + timeout_s
+        for _, _, forwarder in self.captured:
+            forwarder.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _forward(self, read: int, console: int) -> None:
         log = None
@@ -230,20 +249,24 @@ def main(conn, max_memory_mb: int | None, preload: Sequence[str], output: tuple[
             cache[blob] = fns
         return fns
 
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        try:
-            fns = load(message[2] if message[0] == "score" else message[1])
-        except BaseException as exc:  # noqa: BLE001
-            conn.send(("fatal", f"cannot load the reward functions in a worker process: {first_line(exc)}"))
-            continue
-        if message[0] == "load":
-            conn.send(("loaded",))
-        else:
-            _, task_id, _, completion, row, timeout_s, skip = message
-            conn.send(("scored", task_id, run_item(fns, completion, row, timeout_s, skip, current)))
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+            if message is None:
+                return
+            try:
+                fns = load(message[2] if message[0] == "score" else message[1])
+            except BaseException as exc:  # noqa: BLE001
+                conn.send(("fatal", f"cannot load the reward functions in a worker process: {first_line(exc)}"))
+                continue
+            if message[0] == "load":
+                conn.send(("loaded",))
+            else:
+                _, task_id, _, completion, row, timeout_s, skip = message
+                conn.send(("scored", task_id, run_item(fns, completion, row, timeout_s, skip, current)))
+    finally:  # what the rewards printed last reaches the console or the run log
+        if output is not None:
+            sink.drain()
