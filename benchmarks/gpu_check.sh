@@ -1,5 +1,5 @@
 #!/bin/bash
-# A GPU check at setting a's shape, in about 8 minutes on one GPU, from the root of a clone:
+# A GPU check at setting a's shape, in 8-9 minutes on one GPU, from the root of a clone:
 #   1. decode at setting a's shape (Qwen2.5-1.5B, 1 prompt x 64 samples, 512 + 512 tokens,
 #      bf16): the step's time against its memory floor, then the kernels of one traced call;
 #   2. the CLI on setting a (a random 1.5B checkpoint, PODS n 64 m 16, LoRA r64): start to
@@ -19,10 +19,10 @@ set -o pipefail
 OUT=${OUT:-/tmp/podsjax-gpu-check}
 source "$(dirname "$0")/gpu_stages.sh"
 stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null); XLA_FLAGS=${XLA_FLAGS:-}"
-stage kernel "${T_KERNEL:-90}" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/test_decode_kernel.py -k on_a_gpu
+stage kernel "${T_KERNEL:-60}" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/test_decode_kernel.py -k on_a_gpu
 model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
-stage decode "${T_DECODE:-150}" "$PY" -m benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
+stage decode "${T_DECODE:-190}" "$PY" -m benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
   --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace"
-stage cli "${T_CLI:-330}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs 2 \
+stage cli "${T_CLI:-340}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs 2 \
   ${CLI:+--cli-flags $CLI}
 stamp done

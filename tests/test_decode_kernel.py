@@ -69,18 +69,19 @@ def test_the_kernel_reads_a_bf16_cache_as_the_xla_form_does():
 
 
 def test_a_prompt_chunk_that_holds_only_left_padding_adds_nothing():
-    # 600 prompt slots are three prefix chunks of 256; the first 400 slots are padding, so
-    # the first chunk has no real slot and its part must weigh 0 in the merge.
+    # 600 prompt slots are ten prefix chunks of 64; the first 400 slots are padding, so
+    # the first six chunks have no real slot and their parts must weigh 0 in the merge.
     case = grouped_case(2, 3, 2, 3, 600, 24, 16, jnp.float32, seed=6)
     case = dict(case, prompt_mask_PS=jnp.broadcast_to(jnp.arange(600) >= 400, (2, 600)))
-    assert decode_kernel.plan(6, 2, 2, 3, 600, 24).prefix_splits == 3
+    assert decode_kernel.plan(6, 2, 2, 3, 600, 24).prefix_splits == 10
     np.testing.assert_allclose(kernel_form(case), xla_form(case), atol=2e-6, rtol=2e-6)
 
 
 def test_at_setting_as_shape_the_attention_fills_an_h100_with_short_walks():
     # 64 rows of one prompt, 2 kv heads, 6 query heads each, 512 + 512 slots: at least two
-    # programs for each of 132 SMs, none walking more than 256 slots. Read from the
-    # launched grids, not only the plan.
+    # programs for each of 132 SMs, none walking more than 256 slots, and each pass (they
+    # run one after the other) fills the GPU alone or walks one block a program. Read from
+    # the launched grids, not only the plan.
     args = (jax.ShapeDtypeStruct((64, 2, 6, 128), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((1, 512), bool),
             jax.ShapeDtypeStruct((64, 2, 512, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 2, 128, 512), jnp.bfloat16),
@@ -91,6 +92,8 @@ def test_at_setting_as_shape_the_attention_fills_an_h100_with_short_walks():
     programs = sum(int(np.prod(g)) for g in grids)
     split = decode_kernel.plan(64, 1, 2, 6, 512, 512)
     assert programs == split.programs >= decode_kernel.MIN_PROGRAMS == 264
+    for pass_programs, chunk in ((split.prefix_programs, split.prefix_chunk), (split.own_programs, split.own_chunk)):
+        assert pass_programs >= decode_kernel.MIN_PROGRAMS or chunk == split.block
     assert split.max_slots_per_program <= 256
     assert split.own_chunk * split.own_splits >= 512 and split.prefix_chunk * split.prefix_splits >= 512
     # the prefix pass reads the group's prompt once: one prompt, per kv head, per query tile and chunk
