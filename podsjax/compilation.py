@@ -17,9 +17,11 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import jax
@@ -143,6 +145,7 @@ class CompileLog:
             function has another name (``generate[prefill]``).
         seconds: ``{key: total compile seconds}``.
         events: every compile as ``(key, detail, seconds, from_cache)``, in order.
+        intervals: every compile as ``(key, start, end)``, ``time.perf_counter()`` seconds.
     """
 
     def __init__(self, log: Callable[[str], None] | None = None, min_report_s: float = 0.25):
@@ -151,6 +154,7 @@ class CompileLog:
         self.counts: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
         self.events: list[tuple[str, str, float, bool]] = []
+        self.intervals: list[tuple[str, float, float]] = []
         self._thread_seconds: dict[int, float] = {}
 
     @contextlib.contextmanager
@@ -171,6 +175,8 @@ class CompileLog:
         thread = threading.get_ident()  # the listener runs on the compiling thread
         self._thread_seconds[thread] = self._thread_seconds.get(thread, 0.0) + seconds
         self.events.append((key, detail, seconds, hit))
+        end = time.perf_counter()  # the listener runs as the compile ends
+        self.intervals.append((key, end - seconds, end))
         if self.log is not None and (seconds >= self.min_report_s or hit):
             what = f"{key} ({detail})" if detail else key
             verb = "loaded" if hit else "compiled"
@@ -217,3 +223,51 @@ class InBackground:
     def wait(self) -> None:
         """Until ``fn`` has returned or raised; its error is dropped (the caller is failing already)."""
         self._thread.join()
+
+
+class CompilePool:
+    """Runs compiles side by side on at most ``threads`` threads: the caller's and ``threads - 1`` workers.
+
+    XLA compiles without holding Python's lock, so programs that do not depend on each other
+    compile at once, and a start waits for about the longest compile rather than their sum.
+    With ``threads`` 1 each job runs at once on the caller's thread. Leaving the ``with``
+    block waits for every job, so no compile runs into an error's exit.
+
+    Example:
+        >>> with CompilePool(4) as pool:
+        ...     update = pool.submit(lambda: update_fn.lower(state, batch, frozen).compile())
+        ...     prefill = prefill_fn.lower(params, ids, mask).compile()  # meanwhile, on this thread
+        ...     pool.wait()  # the first job error, if any, raises here
+    """
+
+    def __init__(self, threads: int):
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"compile threads must be an integer >= 1; got {threads!r}")
+        self._executor = (concurrent.futures.ThreadPoolExecutor(threads - 1, thread_name_prefix="podsjax-compile")
+                          if threads > 1 else None)
+        self._futures: list[concurrent.futures.Future] = []
+
+    def submit(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """``fn()`` on a worker (or now, without workers); its future holds the value or the error."""
+        if self._executor is not None:
+            future = self._executor.submit(fn)
+        else:
+            future = concurrent.futures.Future()
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller of result(), as a worker's
+                future.set_exception(exc)
+        self._futures.append(future)
+        return future
+
+    def wait(self) -> None:
+        """Until every job submitted has ended; raises the first error among them."""
+        for future in list(self._futures):
+            future.result()
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

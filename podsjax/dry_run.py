@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -183,7 +184,7 @@ def abstract_base(model) -> Any:
 
 
 @contextlib.contextmanager
-def _refused_by_compiler(program: str, device_kind: str):
+def refused_by_compiler(program: str, device_kind: str):
     """A compiler that sizes memory itself (TPU) refuses a program larger than the chip's
     HBM; that becomes :class:`DoesNotFit` in one line, as the plan's own check does."""
     try:
@@ -214,7 +215,7 @@ def _param_bytes(base: Any, trained: Any, frozen: Any) -> int:
 def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | None, *, base_params: Any,
          prompts: int, prompt_len: int, max_new_tokens: int, eos_token_ids, pad_token_id: int = 0,
          update_fn=None, optimizer=None, state=None, frozen=None, compile_log=None,
-         generator: sampling.Generator | None = None, concurrent: bool = False) -> MemoryPlan:
+         generator: sampling.Generator | None = None, submit=None) -> MemoryPlan:
     """Compiles generate and the update for these shapes and measures their memory.
 
     Args:
@@ -233,8 +234,9 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
         compile_log: a :class:`podsjax.compilation.CompileLog` to report the compiles to.
         generator: the :class:`podsjax.sampling.Generator` to compile in (default: a new one);
             the Trainer's own, so its first step reuses these programs.
-        concurrent: compile the update on another thread while generation compiles (the
-            compile times reported then overlap).
+        submit: runs the update's compile and returns its future (e.g.
+            :meth:`podsjax.compilation.CompilePool.submit`), so it compiles while generation
+            does (the compile times reported then overlap); default: after generation.
 
     Returns:
         The :class:`MemoryPlan`.
@@ -254,14 +256,14 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
     def compile_update():
         start = time.perf_counter()
         with (log.label("update", f"{rows} rows x {prompt_len + max_new_tokens} tokens"),
-              _refused_by_compiler("the update", device.device_kind)):
+              refused_by_compiler("the update", device.device_kind)):
             return update_fn.lower(state, batch, frozen).compile(), time.perf_counter() - start
 
     # Overlapped, the two compiles take the longer one's time, but each is timed slower.
-    pending = compilation.InBackground(compile_update) if concurrent else None
+    pending = submit(compile_update) if submit is not None else None
     try:
         with (log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"),
-              _refused_by_compiler("generation", device.device_kind)):
+              refused_by_compiler("generation", device.device_kind)):
             gen = (generator or sampling.Generator(model)).compile(
                 base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
                 max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k,
@@ -269,7 +271,7 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
                 return_logprobs=algo.sampler_logprobs)
     except BaseException:
         if pending is not None:
-            pending.wait()  # no compile left running while the error ends the process
+            concurrent.futures.wait([pending])  # no compile left running while the error ends the process
         raise
     update, update_s = pending.result() if pending is not None else compile_update()
     stage_temp = {stage: _temp(gen[stage]) for stage in ("weights", "prefill", "decode") if gen[stage] is not None}

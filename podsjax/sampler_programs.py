@@ -11,6 +11,7 @@ row count share one decode program (temperature is a traced input).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import threading
 import time
@@ -29,13 +30,14 @@ STAGES = ("weights", "prefill", "decode")
 
 
 class Programs:
-    """Compiled programs by key, the oldest dropped past ``limit``, and the lock that makes
-    each compile happen once, whichever thread asks first.
+    """Compiled programs by key, the oldest dropped past ``limit``; each compiles once,
+    whichever thread asks first, while other programs compile on other threads.
 
     Attributes:
         by_key: ``(stage, model, ...) -> program``; a ``"stages"`` entry holds one call's
             ``(weights, prefill, decode, cache)``, so the steady state traces nothing.
         compiles: programs compiled so far, per stage (evictions do not lower it).
+        seconds: compile seconds per key, for a caller that waited on another thread's compile.
     """
 
     def __init__(self, limit: int):
@@ -43,23 +45,50 @@ class Programs:
             raise ValueError(f"max_programs must be >= 1; got {limit}")
         self.by_key: dict = {}
         self.limit = limit
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # guards the dicts; never held while compiling
         self.compiles: collections.Counter = collections.Counter()
+        self.seconds: dict = {}
+        self._compiling: dict[tuple, concurrent.futures.Future] = {}
 
     def remember(self, key: tuple, value):
-        self.by_key[key] = value
-        while len(self.by_key) > self.limit:
-            del self.by_key[next(iter(self.by_key))]
+        with self.lock:
+            self.by_key[key] = value
+            while len(self.by_key) > self.limit:
+                del self.by_key[next(iter(self.by_key))]
         return value
 
     def compiled(self, key: tuple, build: Callable[[], Any], timings: dict | None):
-        if key not in self.by_key:
-            start = time.perf_counter()
-            self.remember(key, build())
-            self.compiles[key[0]] += 1
+        """The program under ``key``: built by this thread, or by the thread already building it."""
+        with self.lock:
+            if key in self.by_key:
+                return self.by_key[key]
+            pending = self._compiling.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._compiling[key] = concurrent.futures.Future()
+        if not owner:
+            value = pending.result()  # another thread's compile (its error, if it failed)
             if timings is not None:
-                timings[key[0]] = time.perf_counter() - start
-        return self.by_key[key]
+                timings[key[0]] = self.seconds.get(key, 0.0)
+            return value
+        start = time.perf_counter()
+        try:
+            value = build()
+        except BaseException as exc:
+            with self.lock:
+                del self._compiling[key]
+            pending.set_exception(exc)
+            raise
+        seconds = time.perf_counter() - start
+        with self.lock:
+            self.seconds[key] = seconds
+            self.remember(key, value)
+            self.compiles[key[0]] += 1
+            del self._compiling[key]
+        pending.set_result(value)
+        if timings is not None:
+            timings[key[0]] = seconds
+        return value
 
 
 def signature(tree: Any, mesh: Mesh | None) -> tuple:
@@ -104,11 +133,10 @@ def stages(programs: Programs, model, cfg: decoding.SamplingConfig, params: Any,
     """``(weights, prefill, decode, cache)`` for these inputs (arrays or ``ShapeDtypeStruct``s),
     compiled into ``programs`` the first time they are asked for; ``cache`` is the KV cache's
     ``ShapeDtypeStruct`` tree."""
-    with programs.lock:  # one compile per program, whichever thread asks first
-        return _stages_locked(programs, model, cfg, params, lora, prompt_ids_BL, timings)
+    return _stages(programs, model, cfg, params, lora, prompt_ids_BL, timings)
 
 
-def _stages_locked(programs: Programs, model, cfg: decoding.SamplingConfig, params, lora, prompt_ids_BL, timings):
+def _stages(programs: Programs, model, cfg: decoding.SamplingConfig, params, lora, prompt_ids_BL, timings):
     mesh: Mesh | None = model.mesh
     params, lora = jax.tree.map(lambda x: _on_mesh(mesh_lib.abstract(x), mesh), (params, lora))
     ids = jax.ShapeDtypeStruct(tuple(prompt_ids_BL.shape), jnp.int32)

@@ -189,8 +189,8 @@ def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_
         trainer.rl_step()
     finally:
         trainer.close()
-    big = ("generate[prefill]", "generate[decode]", "update")
-    assert [before[k] for k in big] == [1, 1, 1] and [trainer.compile_counts[k] for k in big] == [1, 1, 1]
+    big = ("generate[prefill]", "generate[decode]", "update", "select[build_batch]")
+    assert [before[k] for k in big] == [1] * 4 and [trainer.compile_counts[k] for k in big] == [1] * 4, before
     with pytest.raises(dry_run.DoesNotFit, match="needs .* per device"):
         memory.limit = 1
         memory.check_fits()

@@ -43,6 +43,7 @@ class RunConfig:
     max_prompt_length: int = 512  # longer prompts are skipped (never cut), tokens
     max_new_tokens: int = 512  # completion length limit, tokens
     bucket_compile_after: int = 8  # a prompt bucket compiles at its Nth draw; before, its prompts pad to a compiled one
+    compile_threads: int = 4  # programs the fit check compiles side by side before the first step (1: one at a time)
     time_budget_s: float | None = None  # seconds of training clock (evaluation excluded)
     max_steps: int | None = None  # steps (with or instead of a time budget)
     eval_every_s: float | None = 120.0  # seconds of training clock between evaluations (null: never)
@@ -80,7 +81,8 @@ class RunConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
                 raise ValueError(f"RunConfig.{name} must be a finite number; got {value!r}")
-        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "bucket_compile_after", "max_steps",
+        for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "bucket_compile_after",
+                     "compile_threads", "max_steps",
                      "eval_limit", "eval_batch_size", "eval_repeats", "eval_top_k", "checkpoint_every_steps", "keep_last", "seed",
                      "reward_workers", "log_samples", "max_nonfinite_updates"):
             value = getattr(self, name)
@@ -101,7 +103,7 @@ class RunConfig:
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"RunConfig.max_steps must be >= 1; got {self.max_steps}")
         for name in ("prompts_per_step", "max_prompt_length", "max_new_tokens", "bucket_compile_after",
-                     "eval_batch_size", "reward_workers", "eval_limit", "checkpoint_every_steps", "keep_last"):
+                     "compile_threads", "eval_batch_size", "reward_workers", "eval_limit", "checkpoint_every_steps", "keep_last"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
         if self.eval_repeats < 1:

@@ -69,6 +69,21 @@ class Evaluator:
         if run_config.eval_k:
             self.answer_key = answer_key or pass_at_k_lib.task_answer_key(run_config.task)
 
+    def compile(self, params: Any, lora: Any, prompt_len: int) -> None:
+        """Compiles ahead of time the generation programs of an evaluation whose prompts run
+        at ``prompt_len`` tokens (``params`` and ``lora`` may be abstract), so that it runs
+        what is compiled; nothing without eval examples."""
+        if not self.examples:
+            return
+        run_config = self.run_config
+        ids = jax.ShapeDtypeStruct((self.rows, prompt_len), np.int32)
+        with self.compile_log.label("generate", reporting.generate_shape(ids, 1, run_config.max_new_tokens)):
+            # The options __call__ passes to generate, which key its programs.
+            self.generator.compile(params, lora, prompts=self.rows, prompt_len=prompt_len, num_samples=1,
+                                   max_new_tokens=run_config.max_new_tokens, top_k=run_config.eval_top_k,
+                                   eos_token_ids=self.eos_ids,
+                                   pad_token_id=prompts_lib.pad_token_id(self.prompts.tokenizer))
+
     def __call__(self, params: Any, lora: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """``(scalars, samples)`` of the policy ``(params, lora)``.
 

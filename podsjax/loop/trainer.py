@@ -22,7 +22,7 @@ from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
 from podsjax import algorithms, run_state, sampling
 from podsjax import topology
-from podsjax.loop import buckets, dynamic_sampling, perf, programs, reporting, run_files, scoring
+from podsjax.loop import buckets, dynamic_sampling, perf, programs, reporting, run_files, scoring, start_programs
 from podsjax.loop.config import RunConfig
 from podsjax.loop.evaluator import Evaluator
 from podsjax.loop.prompt_source import DataStream, PromptSource
@@ -174,19 +174,13 @@ class Trainer:
         """Generation and the update compiled for the run's largest shapes, and their memory.
 
         Through the Trainer's own generator, update and state, so the first step reuses
-        these compiles instead of compiling again.
+        these compiles instead of compiling again. The step-0 evaluation's programs and the
+        batch builder compile beside them, ``run_config.compile_threads`` at a time
+        (``podsjax.loop.start_programs``).
         """
-        run_config = self.run_config
-        prompt_len = programs.padded_prompt_length(run_config)
-        self._update_shapes.add((self._update_rows, prompt_len))
-        self._buckets.compiled(prompt_len)
-        return dry_run.plan(
-            self.model, self.algo, self.lora_config, base_params=self.policy_params()[0],
-            prompts=programs.prompt_rows(run_config, self.algo), prompt_len=prompt_len,
-            max_new_tokens=run_config.max_new_tokens, eos_token_ids=self.eos_ids,
-            pad_token_id=prompts_lib.pad_token_id(self.tokenizer), update_fn=self.update_fn, optimizer=self.optimizer,
-            state=self.state, frozen=self.frozen, compile_log=self.compile_log, generator=self.generator,
-            concurrent=self._overlap_compiles)
+        self._update_shapes.add((self._update_rows, programs.padded_prompt_length(self.run_config)))
+        self._buckets.compiled(programs.padded_prompt_length(self.run_config))
+        return start_programs.plan_and_compile(self, start_programs.compile_threads(self.run_config, hosts.count()))
 
     def policy_params(self):
         """(params, lora) to sample from: the current policy, in the model's dtype.
