@@ -19,7 +19,16 @@ fp32, 32 prompts x m 4, Lp 128, T 48); ``qwen0.5b`` is a Qwen2.5-0.5B shape
 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8), as the tiny preset's CLI
 run does with --mesh 8.
 
+The whole step (--whole-step): the tiny preset's quick start (``python -m experiments.gsm8k
+--mesh 8``, its warm-up from the shared cache or --warmup-dir) runs --cli-steps steps with
+``--algorithm.shared_prefix false`` and ``true``, in alternation for --rounds rounds, each a
+fresh process; the table gives the median over the steps after each run's first (which
+compiles) of the CLI's own ``time/*`` phases, and the ratios per row / shared. Both forms
+update to the same numbers up to fp32 rounding, so their runs generate and train alike
+(CPU: the runs use 8 fake devices, as ``benchmarks.train_step --phases`` does).
+
 Run: python -m benchmarks.shared_prefix --preset tiny
+     python -m benchmarks.shared_prefix --whole-step --cli-steps 6 --rounds 2
      XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.shared_prefix --preset tiny --mesh 8
      python -m benchmarks.shared_prefix --preset qwen0.5b --repeats 3
 """
@@ -28,7 +37,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -36,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import podsjax.models as pm
+from benchmarks.machine import busy_note, cpu_snapshot, others_busy
 from benchmarks.qwen_model import SHAPES
 from podsjax import algorithms, train
 from podsjax import mesh as mesh_lib
@@ -90,6 +105,51 @@ def compiled_step(model, params, lora, config, batch):
     return run_once, compile_s
 
 
+PHASES = ("generation", "scoring", "selection", "update")
+CLI_FORMS = {"per row": "false", "shared prefix": "true"}
+
+
+def cli_run(form: str, steps: int, out: str, warmup_dir: str | None, flags: list[str]) -> list[dict[str, float]]:
+    """The ``time/*`` phases of each step after the first of one quick-start run with ``form``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets its own device count
+    command = [sys.executable, "-m", "experiments.gsm8k", "--mesh", "8", "--max-steps", str(steps),
+               "--eval-every", "1e9", "--eval-limit", "8", "--no-progress", "--out", out,
+               "--algorithm.shared_prefix", CLI_FORMS[form], *(["--warmup-dir", warmup_dir] if warmup_dir else []),
+               *flags]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: the {form} run failed:\n{done.stderr[-3000:]}")
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+        steps_run = [r for r in map(json.loads, f) if "time/update" in r]
+    return [{p: r[f"time/{p}"] for p in PHASES} for r in steps_run[1:]]  # the first step compiles
+
+
+def whole_step(args) -> None:
+    """Prints the quick start's phases per row and shared-prefix, from alternating CLI runs."""
+    since = cpu_snapshot()
+    steps = {form: [] for form in CLI_FORMS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_index in range(args.rounds):
+            for form in CLI_FORMS:
+                out = os.path.join(tmp, f"{form.replace(' ', '-')}-{round_index}")
+                steps[form] += cli_run(form, args.cli_steps, out, args.warmup_dir, args.cli_flags)
+    busy = others_busy(since)
+    medians = {form: {p: statistics.median(s[p] for s in rows) for p in PHASES} | {
+        "step": statistics.median(sum(s.values()) for s in rows)} for form, rows in steps.items()}
+    print(f"whole step: the tiny preset's quick start (--mesh 8), {args.rounds} rounds of "
+          f"{args.cli_steps} steps a form in alternation, each run's first step (compiles) left out; median seconds "
+          f"of {len(steps['per row'])} steps a form; during the runs {busy_note(busy)}")
+    columns = (*PHASES, "step")
+    print("| form | " + " | ".join(columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for form, median in medians.items():
+        print(f"| {form} | " + " | ".join(f"{median[c]:.3f}" for c in columns) + " |")
+    ratios = {c: medians["per row"][c] / max(medians["shared prefix"][c], 1e-9) for c in columns}
+    print("| per row / shared | " + " | ".join(f"{ratios[c]:.2f}x" for c in columns) + " |")
+    print(f"shared prefix / per row: update phase {ratios['update']:.2f}x faster, whole step {ratios['step']:.2f}x")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -99,7 +159,18 @@ def main(argv=None):
     parser.add_argument("--mesh", help="a mesh spec, as the CLI's --mesh (default: one device)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--whole-step", action="store_true",
+                        help="time the quick start's whole step (the CLI's time/* phases) instead of the update alone")
+    parser.add_argument("--cli-steps", type=int, default=6, help="--whole-step: steps a run (the first not counted)")
+    parser.add_argument("--rounds", type=int, default=2, help="--whole-step: runs of each form, in alternation")
+    parser.add_argument("--warmup-dir", help="--whole-step: the tiny warm-up to use (default: the shared cache)")
+    parser.add_argument("--cli-flags", nargs=argparse.REMAINDER, default=[],
+                        help="--whole-step: extra flags for the CLI runs (must come last)")
     args = parser.parse_args(argv)
+    if args.whole_step:
+        if args.cli_steps < 2 or args.rounds < 1:
+            raise SystemExit("error: --cli-steps must be >= 2 (the first step compiles) and --rounds >= 1")
+        return whole_step(args)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -215,7 +215,9 @@ def run_update(args):
     hf_model = build_hf_model(args, args.prompt_len + args.completion_len)
     num_params = sum(p.numel() for p in hf_model.parameters())
     model, params = to_podsjax(hf_model, args.dtype, remat=args.remat)
-    config = algorithms.method_config("grpo", n=args.batch, m=args.batch, learning_rate=1e-6, temperature=0.9)
+    # Its rows hold distinct prompts, as the PyTorch side trains them: no prompt is shared.
+    config = algorithms.method_config("grpo", n=args.batch, m=args.batch, learning_rate=1e-6, temperature=0.9,
+                                      shared_prefix=False)
     batch = make_batch(args)
     hf_model.train()  # dropout is 0 in Qwen2; train() turns on gradient checkpointing and the autograd path
     if args.remat != "none":

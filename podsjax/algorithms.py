@@ -59,8 +59,9 @@ class AlgorithmConfig:
     max_sampling_rounds: int = 4  # dynamic sampling: draws of prompts_per_step prompts per step, at most
     # the update computes each prompt once for its m trained rows (forward, backward, old and
     # reference log-probs); off: every row runs as prompt + completion. Same numbers either way
-    # on build_batch's batches, whose rows come in groups of m sharing one prompt.
-    shared_prefix: bool = False
+    # on build_batch's batches, whose rows come in groups of m sharing one prompt; turn it off
+    # for batches laid out otherwise
+    shared_prefix: bool = True
     # loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, or group-token-mean
     # (each group's m trained rows a token mean, then the mean over groups)
     aggregation: str = "token-mean"

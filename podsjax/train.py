@@ -321,7 +321,7 @@ def make_train_step(
         for name, fn in (("apply_fn", apply_fn), ("reference_fn", reference_fn if config.beta > 0 else None)):
             if fn is not None and not callable(getattr(fn, "shared_prefix", None)):
                 raise ValueError(f"shared_prefix needs the {name} in its shared-prefix form too (a HiddenFn, as "
-                                 "train.lora_apply_fn and train.full_apply_fn return)")
+                                 "train.lora_apply_fn and train.full_apply_fn return), or shared_prefix=False")
 
     def forward_logprobs(hidden_fn, weights: tuple, mb: TrainBatch):
         """``hidden_fn``'s log-probs and entropies of ``mb``'s completions, ``weights`` its first arguments."""

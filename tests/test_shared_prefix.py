@@ -181,7 +181,19 @@ def test_the_switch_is_validated_and_needs_the_shared_prefix_form(params):
         train.make_train_step(policy.rows, optimizer, config, reference)
     with pytest.raises(ValueError, match="shared_prefix needs the reference_fn"):
         train.make_train_step(policy, optimizer, dataclasses.replace(config, beta=0.04), reference.rows)
-    assert not algorithms.AlgorithmConfig().shared_prefix
+    # The per-row form stays the switch for batches laid out otherwise, and takes a plain function.
+    train.make_train_step(policy.rows, optimizer, dataclasses.replace(config, shared_prefix=False), reference.rows)
+
+
+@pytest.mark.parametrize("setting", [None, "a", "b", "e"])
+def test_the_quick_start_and_the_paper_settings_update_each_prompt_once(tmp_path, setting):
+    from experiments import flags
+
+    argv = ["--out", str(tmp_path / "run")] + (["--setting", setting, "--model", str(tmp_path)] if setting else [])
+    _, config = flags.parse("gsm8k", argv)
+    assert config.algorithm.shared_prefix
+    _, config = flags.parse("gsm8k", [*argv, "--algorithm.shared_prefix", "false"])
+    assert not config.algorithm.shared_prefix
 
 
 @pytest.mark.slow
