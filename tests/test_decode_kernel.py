@@ -49,7 +49,7 @@ def kernel_form(case, interpret=True):
 
 # (prompts, samples, kv heads, queries per kv head, prompt slots, completion slots, head_dim):
 # lengths that are not a multiple of the kernel's block, more than one block, a group of 1,
-# a group whose query matrix (n x G = 70) takes two tiles and a prompt in two chunks.
+# a group whose query matrix (n x G = 70) takes several tiles and a prompt in several chunks.
 SHAPES = [(2, 3, 2, 3, 37, 21, 16), (1, 4, 1, 6, 64, 130, 32), (3, 1, 2, 2, 80, 16, 16),
           (1, 10, 1, 7, 300, 40, 16)]
 
@@ -98,6 +98,27 @@ def test_at_setting_as_shape_the_attention_fills_an_h100_with_short_walks():
     assert split.own_chunk * split.own_splits >= 512 and split.prefix_chunk * split.prefix_splits >= 512
     # the prefix pass reads the group's prompt once: one prompt, per kv head, per query tile and chunk
     assert split.prefix_programs == 2 * split.query_tiles * split.prefix_splits
+
+
+def test_the_prompt_pass_fills_the_gpu_with_query_tiles_before_it_splits_the_prompt():
+    # Four prompts of 64 rows: 16-row query tiles alone give 384 programs, so the prompt stays
+    # in chunks of 256 slots, and the merge reads no more fp32 parts than it must.
+    split = decode_kernel.plan(256, 4, 2, 6, 512, 512)
+    assert split.query_tile == 16 and split.prefix_programs >= decode_kernel.MIN_PROGRAMS
+    assert split.prefix_splits == 2
+
+
+def test_both_passes_read_one_layout_of_the_queries():
+    # One transpose of q a layer feeds the prompt pass's query matrix and every row's
+    # queries in the completion pass; a second layout would be one more kernel a layer.
+    args = (jax.ShapeDtypeStruct((12, 2, 6, 32), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((2, 2, 64, 32), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((2, 64), bool),
+            jax.ShapeDtypeStruct((12, 2, 64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((12, 2, 32, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((12, 64), bool), jax.ShapeDtypeStruct((12,), jnp.int32))
+    jaxpr = jax.make_jaxpr(decode_kernel.grouped_decode_attention)(*args)
+    calls = list(_pallas_calls(jaxpr.jaxpr))
+    assert len(calls) == 2
+    assert calls[0].invars[0] is calls[1].invars[0]
 
 
 def _pallas_calls(jaxpr):

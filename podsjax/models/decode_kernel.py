@@ -83,10 +83,13 @@ class Plan:
 def plan(rows: int, prompts: int, kv_heads: int, groups: int, prompt_len: int, slots: int) -> Plan:
     """The split of :func:`grouped_decode_attention` for ``rows`` rows sampling ``prompts`` prompts.
 
-    Each pass halves its chunk (from :data:`MAX_SLOTS_PER_PROGRAM`) until it alone has
-    :data:`MIN_PROGRAMS` programs or a chunk is one block: the passes run one after the
-    other, so each must fill the GPU by itself. (On an H200 a prefix pass of 24 programs
-    walking 4 blocks each took 14.6 us for a 0.5 MB prompt.)
+    The passes run one after the other, so each must fill the GPU by itself: until it has
+    :data:`MIN_PROGRAMS` programs, the completion pass halves its chunk (from
+    :data:`MAX_SLOTS_PER_PROGRAM`) down to one block, and the prefix pass first halves its
+    query tile down to 16 rows (free: the tiles re-read the prompt from L2) and then its
+    chunk, which costs bytes (every chunk writes an fp32 part as large as its query
+    matrix). On an H200 a prefix pass of 24 programs walking 4 blocks each took 14.6 us for
+    a 0.5 MB prompt.
     """
     block = min(_BLOCK, max(_MIN_DOT, _next_pow2(max(prompt_len, slots))))
     own_chunk = max(block, min(MAX_SLOTS_PER_PROGRAM, _next_pow2(slots)))
@@ -95,10 +98,16 @@ def plan(rows: int, prompts: int, kv_heads: int, groups: int, prompt_len: int, s
     own_splits = pl.cdiv(slots, own_chunk)
     queries = rows // prompts * groups
     query_tile = min(_QUERY_TILE, max(_MIN_DOT, _next_pow2(queries)))
-    query_tiles = pl.cdiv(queries, query_tile)
     prefix_chunk = max(block, min(MAX_SLOTS_PER_PROGRAM, _next_pow2(prompt_len)))
-    while prefix_chunk > block and prompts * kv_heads * query_tiles * pl.cdiv(prompt_len, prefix_chunk) < MIN_PROGRAMS:
+
+    def prefix_programs(tile: int, chunk: int) -> int:
+        return prompts * kv_heads * pl.cdiv(queries, tile) * pl.cdiv(prompt_len, chunk)
+
+    while query_tile > _MIN_DOT and prefix_programs(query_tile, prefix_chunk) < MIN_PROGRAMS:
+        query_tile //= 2
+    while prefix_chunk > block and prefix_programs(query_tile, prefix_chunk) < MIN_PROGRAMS:
         prefix_chunk //= 2
+    query_tiles = pl.cdiv(queries, query_tile)
     prefix_splits = pl.cdiv(prompt_len, prefix_chunk)
     return Plan(block=block, prefix_chunk=prefix_chunk, prefix_splits=prefix_splits, query_tile=query_tile,
                 query_tiles=query_tiles, own_chunk=own_chunk, own_splits=own_splits,
@@ -162,13 +171,15 @@ def _prefix_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, top_ref, total_ref, *, 
     total_ref[...] = total
 
 
-def _own_kernel(q_ref, k_ref, v_ref, allowed_ref, length_ref, o_ref, top_ref, total_ref, *, groups: int,
-                slots: int, chunk: int, block: int, scale: float):
-    """One row, kv head and completion chunk. Refs: q ``[GP, E]`` (G real rows), k ``[T, E]``,
-    v ``[E, T]``, allowed ``[T]``, length ``[1]``; out o ``[GP, E]``, top/total ``[GP]``."""
-    gp, _ = q_ref.shape
+def _own_kernel(q_ref, k_ref, v_ref, allowed_ref, length_ref, o_ref, top_ref, total_ref, *, samples: int,
+                groups: int, slots: int, chunk: int, block: int, scale: float):
+    """One row, kv head and completion chunk. Refs: q ``[Qp, E]`` (the group's query matrix;
+    this row's G queries start at row ``sample * G``), k ``[T, E]``, v ``[E, T]``, allowed
+    ``[T]``, length ``[1]``; out o ``[GP, E]``, top/total ``[GP]`` (G real rows)."""
+    gp = o_ref.shape[0]
     real_rows = jnp.arange(gp) < groups
-    q = plgpu.load(q_ref, mask=real_rows[:, None], other=0)
+    first = (pl.program_id(0) % samples) * groups
+    q = plgpu.load(q_ref.at[pl.ds(first, gp), :], mask=real_rows[:, None], other=0)
     start = pl.program_id(2) * chunk
     stop = jnp.minimum(jnp.minimum(start + chunk, slots), length_ref[0])
     o, top, total = _attend_blocks(q, k_ref, v_ref, allowed_ref, start, stop,
@@ -186,14 +197,27 @@ def _part_shapes(rows: tuple[int, ...], e: int) -> list[jax.ShapeDtypeStruct]:
             jax.ShapeDtypeStruct(rows, jnp.float32)]
 
 
-def _prefix_pass(q_BKGE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, split: Plan, scale: float, interpret: bool):
-    """The prefix pass: ``(o [P, K, splits, Q, E], top, total [P, K, splits, Q])`` with Q = n x G."""
+def _query_matrix(q_BKGE, prompts: int, split: Plan):
+    """``[P, K, Qp, E]``: per prompt and kv head, its n rows x G queries (row-major), padded to a
+    power of two (Triton's blocks) that holds the prefix pass's tiles and every row's window
+    of ``max(16, next pow2 of G)`` rows."""
     b, k, g, e = q_BKGE.shape
-    p, _, prompt_len, _ = prompt_k_PKSE.shape
-    queries = b // p * g
+    n = b // prompts
+    padded = _next_pow2(max(split.query_tile * split.query_tiles, (n - 1) * g + _own_rows(g)))
+    q_PKQE = q_BKGE.reshape(prompts, n, k, g, e).transpose(0, 2, 1, 3, 4).reshape(prompts, k, n * g, e)
+    return jnp.pad(q_PKQE, ((0, 0), (0, 0), (0, padded - n * g), (0, 0)))
+
+
+def _own_rows(groups: int) -> int:
+    return max(_MIN_DOT, _next_pow2(groups))
+
+
+def _prefix_pass(q_PKQE, queries: int, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, split: Plan, scale: float,
+                 interpret: bool):
+    """The prefix pass: ``(o [P, K, splits, Q, E], top, total [P, K, splits, Q])`` with Q = n x G."""
+    p, k, _, e = q_PKQE.shape
+    prompt_len = prompt_k_PKSE.shape[2]
     padded = split.query_tile * split.query_tiles
-    q_PKQE = q_BKGE.reshape(p, b // p, k, g, e).transpose(0, 2, 1, 3, 4).reshape(p, k, queries, e)
-    q_PKQE = jnp.pad(q_PKQE, ((0, 0), (0, 0), (0, padded - queries), (0, 0)))
     tile, splits = split.query_tile, split.prefix_splits
     kernel = functools.partial(_prefix_kernel, prompt_len=prompt_len, chunk=split.prefix_chunk, block=split.block,
                                scale=scale)
@@ -219,18 +243,21 @@ def _prefix_pass(q_BKGE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, split: Pl
     return o[..., :queries, :], top[..., :queries], total[..., :queries]
 
 
-def _own_pass(q_BKGE, k_BKTE, v_BKET, allowed_BT, length_B, split: Plan, scale: float, interpret: bool):
-    """The completion pass: ``(o [B, K, splits, G, E], top, total [B, K, splits, G])``."""
-    b, k, g, e = q_BKGE.shape
-    slots = k_BKTE.shape[2]
-    gp, splits = max(_MIN_DOT, _next_pow2(g)), split.own_splits
-    kernel = functools.partial(_own_kernel, groups=g, slots=slots, chunk=split.own_chunk, block=split.block,
-                               scale=scale)
+def _own_pass(q_PKQE, groups: int, k_BKTE, v_BKET, allowed_BT, length_B, split: Plan, scale: float,
+              interpret: bool):
+    """The completion pass: ``(o [B, K, splits, G, E], top, total [B, K, splits, G])``. It reads
+    each row's queries from the prefix pass's query matrix, so one layout of q serves both."""
+    p, k, rows, e = q_PKQE.shape
+    b, _, slots, _ = k_BKTE.shape
+    g, n = groups, b // p
+    gp, splits = _own_rows(g), split.own_splits
+    kernel = functools.partial(_own_kernel, samples=n, groups=g, slots=slots, chunk=split.own_chunk,
+                               block=split.block, scale=scale)
     return pl.pallas_call(
         kernel,
         grid=(b, k, splits),
         in_specs=[
-            pl.BlockSpec((None, None, gp, e), lambda r, h, s: (r, h, 0, 0)),
+            pl.BlockSpec((None, None, rows, e), lambda r, h, s: (r // n, h, 0, 0)),
             pl.BlockSpec((None, None, slots, e), lambda r, h, s: (r, h, 0, 0)),
             pl.BlockSpec((None, None, e, slots), lambda r, h, s: (r, h, 0, 0)),
             pl.BlockSpec((None, slots), lambda r, h, s: (r, 0)),
@@ -245,7 +272,7 @@ def _own_pass(q_BKGE, k_BKTE, v_BKET, allowed_BT, length_B, split: Plan, scale: 
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="grouped_decode_completion",
-    )(q_BKGE, k_BKTE, v_BKET, allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None])
+    )(q_PKQE, k_BKTE, v_BKET, allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -270,9 +297,10 @@ def grouped_decode_attention(q_BKGE: jax.Array, prompt_k_PKSE: jax.Array, prompt
     p, _, prompt_len, _ = prompt_k_PKSE.shape
     split = plan(b, p, k, g, prompt_len, k_BKTE.shape[2])
     scale = e ** -0.5
-    o_pre, top_pre, total_pre = _prefix_pass(q_BKGE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, split, scale,
-                                             interpret)
-    o_own, top_own, total_own = _own_pass(q_BKGE, k_BKTE, v_BKET, allowed_BT, length_B, split, scale, interpret)
+    q_PKQE = _query_matrix(q_BKGE, p, split)
+    o_pre, top_pre, total_pre = _prefix_pass(q_PKQE, b // p * g, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, split,
+                                             scale, interpret)
+    o_own, top_own, total_own = _own_pass(q_PKQE, g, k_BKTE, v_BKET, allowed_BT, length_B, split, scale, interpret)
 
     def per_row(x):  # [P, K, splits, n * G, ...] -> [B, K, splits, G, ...]
         x = x.reshape(p, k, x.shape[2], b // p, g, *x.shape[4:])
