@@ -142,6 +142,12 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     config = flags.replace_run(config, out_dir=out_dir)
     if overwrite:
         run_dir.check_overwrite(out_dir, config)
+    tokenizer_load = None
+    if not dry_run and config.model.path is not None:
+        # Importing transformers takes seconds (torch's import too, where installed): it runs
+        # while the devices start and the data loads. A daemon: an error below need not wait.
+        tokenizer_load = compilation.InBackground(lambda: prompts.load_tokenizer(config.model.path),
+                                                  name="podsjax-tokenizer")
     mesh = _mesh(config.model.mesh, topology)
     # Every check that needs no model comes before anything is written to out_dir, so a
     # corrected rerun is not refused as "not empty".
@@ -149,9 +155,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     check_reward_imports(config)
     make_rewards(config)
     tasks = tokenizer = None
-    if not dry_run and config.model.path is not None:
+    if tokenizer_load is not None:
         tasks = _load_tasks(config)
-        tokenizer = prompts.load_tokenizer(config.model.path)
+        tokenizer = tokenizer_load.result()
         _check_vocab(tokenizer, config.model.path)
         if tasks[0]:
             prompts.check_chat_template(tokenizer, tasks[0][0].prompt, system_prompt=config.run.system_prompt)
@@ -346,16 +352,23 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
         train_set, test_set = tasks
     algo, run_config, lora = config.algorithm, config.run, config.lora
     dtype, remat = _dtype(config), config.model.remat
-    print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
-    load_start = time.time()
-    model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
-    if tokenizer is None:  # the tiny preset's, written by its warm-up
-        tokenizer = prompts.load_tokenizer(checkpoint)
-        prompts.check_vocab(tokenizer, model.config.vocab_size, checkpoint)
-    print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
-    start = time.time()
-    trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
-                           rewards=make_rewards(config), started_at=started_at, scorer=_reward_pool(config, out_dir))
+    # The reward workers start up (processes importing the rewards) while the model loads
+    # and the first programs load or compile; the first scoring waits for them.
+    scorer = _reward_pool(config, out_dir).start(wait=False)
+    try:
+        print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
+        load_start = time.time()
+        model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
+        if tokenizer is None:  # the tiny preset's, written by its warm-up
+            tokenizer = prompts.load_tokenizer(checkpoint)
+            prompts.check_vocab(tokenizer, model.config.vocab_size, checkpoint)
+        print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
+        start = time.time()
+        trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
+                               rewards=make_rewards(config), started_at=started_at, scorer=scorer)
+    except BaseException:
+        scorer.close()
+        raise
     if lora is None:
         params = None  # the trainer holds the policy; a second copy of the weights would stay alive
     try:

@@ -201,7 +201,7 @@ class InBackground:
     stops does not wait for a compile nobody will use.
     """
 
-    def __init__(self, fn: Callable[[], object]):
+    def __init__(self, fn: Callable[[], object], name: str = "podsjax-compile"):
         self._value: object = None
         self._error: BaseException | None = None
 
@@ -211,7 +211,7 @@ class InBackground:
             except BaseException as exc:  # handed to the caller of result()
                 self._error = exc
 
-        self._thread = threading.Thread(target=run, name="podsjax-compile", daemon=True)
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
     def result(self):

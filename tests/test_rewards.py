@@ -500,3 +500,15 @@ def test_math_verify_parse_failures_are_silent(caplog):
     junk = "<answer>$" + "\\frac{" * 2000 + "$</answer>"
     assert mathverify.math_accuracy([junk, "<answer>2</answer>"], ["2", "2"]) == [0.0, 1.0]
     assert sum(len(r.getMessage()) for r in caplog.records) < 1000
+
+
+def test_a_pool_launched_without_waiting_starts_while_the_caller_works_and_scores_after():
+    launched = RewardPool(max_workers=1, timeout_s=5.0)  # not `with`: entering it waits for the workers
+    try:
+        assert launched.start(wait=False) is launched
+        assert [w.state for w in launched._workers] == ["starting"]  # returned before the worker was ready
+        scores = launched.score(["<answer>18</answer>"], "gsm8k_accuracy", answer=["18"])
+        assert [w.state for w in launched._workers] == ["idle"]
+    finally:
+        launched.close()
+    np.testing.assert_array_equal(scores.total_B, [1.0])

@@ -109,6 +109,7 @@ class RewardPool:
         self.config = PoolConfig(max_workers=default_workers() if max_workers is None else max_workers, **settings)
         self._ctx = multiprocessing.get_context(self.config.start_method)
         self._workers: list[WorkerHandle] = []
+        self._ready = False  # the workers started were waited for
         self._task_ids = 0
         self.restarts = 0
         self.server_restarts = 0
@@ -118,21 +119,27 @@ class RewardPool:
 
     # ----------------------------------------------------------------- lifecycle
 
-    def start(self) -> "RewardPool":
-        """Starts the workers and waits until they are ready; a no-op when running."""
-        if self._workers:
-            return self
-        if self.config.start_method == "forkserver":
-            # Only takes effect if this process has not started its forkserver yet.
-            self._ctx.set_forkserver_preload(list(self.config.preload))
-        _OPEN_POOLS.add(self)
-        self._workers = [self._new_worker() for _ in range(self.config.max_workers)]
-        try:
-            while any(w.state == "starting" for w in self._workers):
-                self._pump(None)
-        except BaseException:
-            self.close()
-            raise
+    def start(self, wait: bool = True) -> "RewardPool":
+        """Starts the workers and waits until they are ready; a no-op when running.
+
+        With ``wait=False`` it returns once they are launched, so they start up while the
+        caller does other work; the next ``start()`` (the first :meth:`score`) waits for them.
+        """
+        if not self._workers:
+            if self.config.start_method == "forkserver":
+                # Only takes effect if this process has not started its forkserver yet.
+                self._ctx.set_forkserver_preload(list(self.config.preload))
+            _OPEN_POOLS.add(self)
+            self._workers = [self._new_worker() for _ in range(self.config.max_workers)]
+            self._ready = False
+        if wait and not self._ready:
+            try:
+                while any(w.state == "starting" for w in self._workers):
+                    self._pump(None)
+            except BaseException:
+                self.close()
+                raise
+            self._ready = True
         return self
 
     def close(self) -> None:
