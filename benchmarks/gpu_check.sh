@@ -5,14 +5,16 @@
 #   2. the CLI on setting a (a random 1.5B checkpoint, PODS n 64 m 16, LoRA r64): start to
 #      the first finished step with a cold and then a warm compile cache, the programs
 #      compiled before it, the steady step and its phases, and the plan's roofline beside them.
-# First, the decode kernel compiled through Triton against the XLA form (tests/test_decode_kernel.py).
+# First, the decode kernel compiled through Triton against the XLA form (tests/test_decode_kernel.py), and
+# one layer's decode attention under several splits against the XLA form and its floor.
 #
 #   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
 #   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
 #
-# Logs go to $OUT (default /tmp/podsjax-gpu-check), one file a stage. T_KERNEL, T_DECODE and T_CLI are
+# Logs go to $OUT (default /tmp/podsjax-gpu-check), one file a stage. T_KERNEL, T_ATTENTION, T_DECODE and T_CLI are
 # the stages' time limits in seconds; XLA_FLAGS passes through (to compare autotuning settings).
-# A dry run on a CPU, cut down: MODEL="--layers 1 --hidden 64 --intermediate 128 --heads 4
+# A dry run on a CPU, cut down: ATTENTION="--rows 8 --prompt-len 32 --slots 32 --filled 16 --head-dim 16
+# --sets 1 --iters 1 --dtype float32" MODEL="--layers 1 --hidden 64 --intermediate 128 --heads 4
 # --kv-heads 2 --vocab 1024" DTYPE=float32 ROWS=8 PL=32 NT=16 CLI="--n 8 --m 4
 # --max-completion-length 16" bash benchmarks/gpu_check.sh
 set -o pipefail
@@ -20,6 +22,7 @@ OUT=${OUT:-/tmp/podsjax-gpu-check}
 source "$(dirname "$0")/gpu_stages.sh"
 stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null); XLA_FLAGS=${XLA_FLAGS:-}"
 stage kernel "${T_KERNEL:-60}" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/test_decode_kernel.py -k on_a_gpu
+stage attention "${T_ATTENTION:-90}" "$PY" -m benchmarks.decode_attention ${ATTENTION:-}
 model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
 stage decode "${T_DECODE:-190}" "$PY" -m benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
   --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace"

@@ -89,6 +89,15 @@ def test_shared_prefix_benchmark_checks_both_forms_and_prints_ratios():
         assert "x update tokens/s" in printed and "1.50x fewer positions" in printed, printed
 
 
+def test_decode_attention_benchmark_checks_every_split_against_the_xla_form():
+    printed = run("benchmarks.decode_attention", "--rows", "8", "--prompt-len", "32", "--slots", "32", "--filled",
+                  "16", "--head-dim", "16", "--sets", "1", "--iters", "1", "--dtype", "float32")
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split("|")[1].strip() for r in rows][:2] == ["the plan", "fill 132 programs a pass"], printed
+    assert rows[-1].startswith("| XLA form"), printed
+    assert all(last_column(r) < 1e-5 for r in rows[:-1]), printed
+
+
 def test_cli_step_benchmark_times_a_cold_and_a_warm_run(data_dir):
     printed = run("benchmarks.cli_step", *TINY_SHAPE, "--max-steps", "2", "--eval-limit", "1", "--train-examples",
                   "8", "--tokenizer-vocab", "512", "--data", data_dir,

@@ -1,0 +1,133 @@
+"""One layer's grouped decode attention on a GPU: the kernels' split against the XLA form and the byte floor.
+
+Times :func:`podsjax.models.decode_kernel.grouped_decode_attention` alone at setting a's
+shape (1 prompt x 64 samples, 2 kv heads, 6 query heads each, head 128, 512 prompt slots,
+512 completion slots of which ``--filled`` are written, bf16) under several splits of the
+work (the plan's constants varied: the programs each pass must reach, the longest walk, the
+block), beside the XLA form (``rollout.attend_grouped``), in one run. Each call reads a
+different one of ``--sets`` input sets, so that together they outgrow the GPU's L2 cache
+as a real step's 28 layers do. The floor is the call's bytes (the prompt's KV, the written
+completion slots' KV, the queries and the output) at the device's memory bandwidth.
+
+    python -m benchmarks.decode_attention                     # on a GPU
+    python -m benchmarks.decode_attention --rows 8 --prompt-len 32 --slots 32 --filled 16 \\
+        --head-dim 16 --sets 2 --iters 2 --dtype float32         # a dry run on a CPU (interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.machine import device_peaks
+from podsjax.models import decode_kernel, rollout
+
+# (name, the plan's constants it changes)
+VARIANTS = (
+    ("the plan", {}),
+    ("fill 132 programs a pass", {"MIN_PROGRAMS": 132}),
+    ("fill 528 programs a pass", {"MIN_PROGRAMS": 528}),
+    ("blocks of 32 slots", {"_BLOCK": 32}),
+    ("blocks of 128 slots", {"_BLOCK": 128}),
+)
+
+
+def make_inputs(args, seed: int) -> dict:
+    """One set of kernel inputs: every row has written ``filled`` completion slots, all attended."""
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(args.dtype)
+    b, p, k, g, e = args.rows, args.prompts, args.kv_heads, args.groups, args.head_dim
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dt)  # noqa: E731
+    allowed = jnp.broadcast_to(jnp.arange(args.slots) < args.filled, (b, args.slots))
+    return dict(q_BKGE=normal(b, k, g, e), prompt_k_PKSE=normal(p, k, args.prompt_len, e),
+                prompt_v_PKSE=normal(p, k, args.prompt_len, e), prompt_mask_PS=jnp.ones((p, args.prompt_len), bool),
+                k_BKTE=normal(b, k, args.slots, e), v_BKET=normal(b, k, e, args.slots), allowed_BT=allowed,
+                length_B=jnp.full((b,), args.filled, jnp.int32))
+
+
+def xla_form(x: dict) -> jax.Array:
+    b, k, g, e = x["q_BKGE"].shape
+    out = rollout.attend_grouped(x["q_BKGE"].reshape(b, 1, k * g, e), x["prompt_k_PKSE"], x["prompt_v_PKSE"],
+                                 x["prompt_mask_PS"], x["k_BKTE"], x["v_BKET"], x["allowed_BT"][:, None])
+    return out.reshape(b, k, g, e)
+
+
+def floor_bytes(args) -> int:
+    item = jnp.dtype(args.dtype).itemsize
+    kv = 2 * args.kv_heads * args.head_dim * item  # K and V of one slot
+    queries = args.rows * args.kv_heads * args.groups * args.head_dim * item
+    return kv * (args.prompts * args.prompt_len + args.rows * args.filled) + 2 * queries  # + the output
+
+
+def time_calls(fn, sets: list[dict], iters: int, repeats: int = 5) -> float:
+    """Median seconds a call, each call on the next input set."""
+    for x in sets:
+        fn(**x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(iters):
+            out = fn(**sets[i % len(sets)])
+        out.block_until_ready()
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=1)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=6, help="query heads per kv head")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--slots", type=int, default=512, help="completion slots in the cache")
+    parser.add_argument("--filled", type=int, default=256, help="completion slots written (mid-generation)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--sets", type=int, default=8, help="input sets the calls rotate through (outgrow L2)")
+    parser.add_argument("--iters", type=int, default=200)
+    args = parser.parse_args(argv)
+    if not 1 <= args.filled <= args.slots:
+        parser.error(f"--filled must be between 1 and --slots ({args.slots}); got {args.filled}")
+
+    interpret = jax.default_backend() != "gpu"
+    peaks = device_peaks()
+    sets = [make_inputs(args, seed) for seed in range(args.sets)]
+    reference = jax.jit(xla_form)
+    t_xla = time_calls(lambda **x: reference(x), sets, args.iters)
+    expected = np.asarray(reference(sets[0]), np.float32)
+    floor_s = floor_bytes(args) / peaks.bandwidth if peaks.bandwidth else None
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}{', Pallas interpreter' if interpret else ''}),"
+          f" jax {jax.__version__}; {args.prompts} prompt(s) x {args.rows // args.prompts} samples, {args.kv_heads} kv"
+          f" heads x {args.groups}, head {args.head_dim}, {args.prompt_len} prompt + {args.filled}/{args.slots}"
+          f" completion slots, {args.dtype}; {args.sets} input sets, median of 5 x {args.iters} calls")
+    print(f"floor: {floor_bytes(args) / 1e6:.2f} MB a call"
+          + (f" at {peaks.bandwidth / 1e12:.2f} TB/s = {floor_s * 1e6:.2f} us ({peaks.source})" if floor_s else ""))
+    print("| split | programs (prompt + completion) | longest walk (blocks) | us a call | x floor | XLA form / split | max abs diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    saved = {name: getattr(decode_kernel, name) for _, changes in VARIANTS for name in changes}
+    for name, changes in VARIANTS:
+        for constant, value in changes.items():
+            setattr(decode_kernel, constant, value)
+        jax.clear_caches()
+        split = decode_kernel.plan(args.rows, args.prompts, args.kv_heads, args.groups, args.prompt_len, args.slots)
+        kernel = lambda **x: decode_kernel.grouped_decode_attention(**x, interpret=interpret)  # noqa: E731
+        t = time_calls(kernel, sets, args.iters)
+        diff = float(np.max(np.abs(np.asarray(kernel(**sets[0]), np.float32) - expected)))
+        walk = split.max_slots_per_program // split.block
+        ratio = f"{t / floor_s:.1f}x" if floor_s else "n/a"
+        print(f"| {name} | {split.prefix_programs} + {split.own_programs} | {walk} | {t * 1e6:.1f} | {ratio} |"
+              f" {t_xla / t:.2f}x | {diff:.1e} |")
+        for constant in changes:
+            setattr(decode_kernel, constant, saved[constant])
+    xla_ratio = f"{t_xla / floor_s:.1f}x" if floor_s else "n/a"
+    print(f"| XLA form (rollout.attend_grouped) | - | - | {t_xla * 1e6:.1f} | {xla_ratio} | 1.00x | 0 |")
+
+
+if __name__ == "__main__":
+    main()
