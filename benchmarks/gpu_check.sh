@@ -12,7 +12,9 @@
 #   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
 #
 # Logs go to $OUT (default /tmp/podsjax-gpu-check), one file a stage. T_KERNEL, T_ATTENTION, T_DECODE and T_CLI are
-# the stages' time limits in seconds; XLA_FLAGS passes through (to compare autotuning settings).
+# the stages' time limits in seconds; STAGES picks stages (e.g. STAGES="decode cli"); XLA_FLAGS
+# passes through, to compare autotuning settings in a second call, e.g.
+#   STAGES="decode cli" XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bash benchmarks/gpu_check.sh
 # A dry run on a CPU, cut down: ATTENTION="--rows 8 --prompt-len 32 --slots 32 --filled 16 --head-dim 16
 # --sets 1 --iters 1 --dtype float32" MODEL="--layers 1 --hidden 64 --intermediate 128 --heads 4
 # --kv-heads 2 --vocab 1024" DTYPE=float32 ROWS=8 PL=32 NT=16 CLI="--n 8 --m 4

@@ -1,7 +1,7 @@
 # Sourced by gpu_suite.sh and gpu_check.sh: $OUT made, the GPU's environment, the run extra's
 # wheels from .whl/ when they are there (benchmarks/gpu_wheels.sh), and `stage NAME LIMIT
-# COMMAND...`, which runs a command with a time limit, logs it to $OUT/NAME.log and times it
-# in $OUT/stages.log.
+# COMMAND...`, which runs a command with a time limit (unless $STAGES names others), logs
+# it to $OUT/NAME.log and times it in $OUT/stages.log.
 mkdir -p "$OUT"
 PY=${PY:-python3}
 # JAX and CUDA torch share the GPU in one benchmark process: JAX takes memory as it needs it.
@@ -12,8 +12,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stages.log"; }
-stage() {  # name, time limit, command...
+stage() {  # name, time limit, command...; $STAGES (names, space-separated), when set, picks the stages run
   local name=$1 limit=$2; shift 2
+  if [ -n "${STAGES:-}" ] && [[ " $STAGES " != *" $name "* ]]; then stamp "skip $name"; return; fi
   stamp "start $name"
   timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   stamp "end $name rc=$?"
