@@ -62,7 +62,9 @@ def _first_evaluation(trainer, params, lora, prompt_len: int) -> None:
     """Generation's programs for the evaluation at the start, when one is due and it is the
     Trainer's own :class:`Evaluator` (its prompts pad to the fit check's length)."""
     if isinstance(trainer.evaluator, Evaluator) and trainer.eval_due():
-        trainer.evaluator.compile(params, lora, prompt_len)
+        kind = dry_run.run_device(trainer.model.mesh).device_kind
+        with dry_run.refused_by_compiler("evaluation's generation", kind):  # a TPU's refusal: one line
+            trainer.evaluator.compile(params, lora, prompt_len)
 
 
 def _batch_builder(trainer, params, lora, prompt_len: int) -> None:
