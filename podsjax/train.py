@@ -26,6 +26,8 @@ from podsjax.update_forward import (  # noqa: F401  (the update's forward, re-ex
     completion_logprobs,
     full_apply_fn,
     lora_apply_fn,
+    mismatched_prompt_groups,
+    mismatched_prompts_error,
     shared_prefix_logprobs,
 )
 
@@ -229,6 +231,20 @@ class StepMetrics:
     # or with old_logprobs='sampler' and several mini-batches over the first mini-batch's
     mismatch_logp_abs: jax.Array | None = None
     mismatch_ratio_max: jax.Array | None = None  # the largest token ratio pi_update / pi_sampler, same tokens
+    # with shared_prefix: groups whose rows hold different prompts; when > 0 the state is unchanged
+    mismatched_prompt_groups: jax.Array | None = None
+
+
+def check_prompt_groups(metrics: StepMetrics) -> None:
+    """Raises ValueError when the step's batch had groups of rows with different prompts.
+
+    The shared-prefix step cannot raise under jit: it leaves the state as it was and
+    counts such groups in ``metrics.mismatched_prompt_groups``. Call this where the
+    metrics are read (the loop's ``Trainer`` does, every step).
+    """
+    count = metrics.mismatched_prompt_groups
+    if count is not None and int(count) > 0:
+        raise mismatched_prompts_error(int(count))
 
 
 def _split(batch: Any, *counts: int) -> Any:
@@ -289,7 +305,10 @@ def make_train_step(
         With ``config.shared_prefix`` it is a :class:`HiddenFn` (``lora_apply_fn`` and
         ``full_apply_fn`` return them), and the batch's rows come in groups of ``config.m``
         that share a prompt, as ``build_batch`` lays them out: each micro-batch then
-        computes each of its prompts once.
+        computes each of its prompts once. A batch laid out otherwise is not trained on:
+        the step leaves the state as it was and counts the groups in
+        ``StepMetrics.mismatched_prompt_groups`` (``check_prompt_groups`` raises on them;
+        called without jit, the step raises at once).
       optimizer: the optax transformation whose state is in ``TrainState``.
       config: the algorithm.
       reference_fn: ``reference_fn(frozen, ids_BL, mask_BL, positions) -> (hidden_BTD, head_VD)``
@@ -306,7 +325,7 @@ def make_train_step(
       mini-batch gradient. The ratio's old policy is the sampler's (``old_logprobs=
       "sampler"``) or, with more than one step, the update program's, computed before the
       first. A non-finite loss or gradient skips that optimizer step and leaves params and
-      optimizer state untouched.
+      optimizer state untouched (and counts in ``skipped``).
     """
     if config.beta > 0 and reference_fn is None:
         raise ValueError(f"beta={config.beta} > 0 needs a reference_fn")
@@ -345,7 +364,7 @@ def make_train_step(
         entropy = jnp.sum(entropy_BT * mb.completion_mask)
         return terms.numerator / denominator, (metrics, entropy, mismatch)
 
-    def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator):
+    def update_once(state: TrainState, batches: TrainBatch, frozen, old_kBT, ref_kBT, denominator, prompts_match):
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
         def accumulate(carry, xs):
@@ -379,6 +398,7 @@ def make_train_step(
             (grads, loss, sums), _ = jax.lax.scan(accumulate, init, (batches, old_kBT, ref_kBT))
         grad_norm = _tree_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        apply = finite & prompts_match
 
         def apply_update(_):
             updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
@@ -386,11 +406,13 @@ def make_train_step(
 
         # A cond, not a where over every leaf: the skip branch costs nothing and the
         # update branch writes params and moments once.
-        new_params, new_opt = jax.lax.cond(finite, apply_update, lambda _: (state.params, state.opt_state), None)
+        new_params, new_opt = jax.lax.cond(apply, apply_update, lambda _: (state.params, state.opt_state), None)
         lr = jnp.asarray(schedule(state.step), jnp.float32)  # the rate of this optimizer step
-        skipped = (~finite).astype(jnp.int32)
-        state = state.replace(params=new_params, opt_state=new_opt, step=state.step + 1,
-                              skipped_updates=state.skipped_updates + skipped)
+        skipped = (~apply).astype(jnp.int32)
+        # A batch of mismatched prompt groups leaves the whole state as it was, counters too.
+        counted = jnp.asarray(prompts_match, jnp.int32)
+        state = state.replace(params=new_params, opt_state=new_opt, step=state.step + counted,
+                              skipped_updates=state.skipped_updates + skipped * counted)
         return state, _UpdateMetrics(loss=loss, grad_norm=grad_norm, learning_rate=lr, skipped=skipped, sums=sums)
 
     schedule = learning_rate_schedule(config)
@@ -412,6 +434,15 @@ def make_train_step(
         denominators = jnp.reshape(denominators, (steps,))
         if advantage_mean is None:
             advantage_mean = jnp.mean(batch.advantages)
+        mismatched = None
+        if config.shared_prefix:
+            mismatched = mismatched_prompt_groups(batch, config.m, steps * k)
+            if not isinstance(mismatched, jax.core.Tracer) and int(mismatched):  # called without jit
+                raise mismatched_prompts_error(int(mismatched))
+            # The update waits for the count: its batch-wide sum must not run beside the layer
+            # scan's collectives, a pair that can deadlock fake CPU devices (docs/reliability.md).
+            mismatched, state, batch, frozen = jax.lax.optimization_barrier((mismatched, state, batch, frozen))
+        prompts_match = True if mismatched is None else mismatched == 0
         batches = _split(batch.replace(loss_denominator=None, advantage_mean=None), steps * k)
 
         def per_micro(fn):
@@ -434,7 +465,7 @@ def make_train_step(
 
         def mini_step(st, x):
             mb, old_k, ref_k, denominator = x
-            return update_once(st, mb, frozen, old_k, ref_k, denominator)
+            return update_once(st, mb, frozen, old_k, ref_k, denominator, prompts_match)
 
         passes = []
         for _ in range(config.num_iterations):
@@ -452,6 +483,6 @@ def make_train_step(
             metrics = metrics.replace(tis_weight_mean=None, tis_truncated_frac=None)
         if not config.log_mismatch:
             metrics = metrics.replace(mismatch_logp_abs=None, mismatch_ratio_max=None)
-        return state, metrics
+        return state, metrics.replace(mismatched_prompt_groups=mismatched)
 
     return step

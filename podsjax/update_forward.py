@@ -15,6 +15,7 @@ import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from podsjax import logprobs
 from podsjax.models.shared_prefix import PrefixDecoder
@@ -58,6 +59,47 @@ def prompt_rows(rows: int, group_size: int) -> int:
     return math.gcd(rows, group_size)
 
 
+def _check_prompt_length(length: int, completion_length: int) -> None:
+    if length <= completion_length:
+        raise ValueError(f"rows of {length} tokens hold no prompt before their {completion_length} completion tokens")
+
+
+def mismatched_prompt_groups(batch: Any, group_size: int, micro_batches: int = 1) -> jax.Array:
+    """How many runs of rows that :func:`shared_prefix_logprobs` reads one prompt for hold
+    rows with different prompts: an int32 scalar, 0 for ``train.build_batch``'s layout.
+
+    A row's prompt is its tokens before the completion under the attention mask, so both
+    the real tokens and where the padding lies must match; ids under padding are never
+    read and may differ.
+
+    Args:
+      batch: a ``train.TrainBatch``.
+      group_size: rows per prompt.
+      micro_batches: how many micro-batches of consecutive rows the update splits the batch into.
+    """
+    t = batch.completion_length
+    b, length = batch.input_ids.shape
+    _check_prompt_length(length, t)
+    shared = prompt_rows(b // micro_batches, group_size)
+    real_BP = batch.attention_mask[:, :length - t] > 0
+    ids_BP = jnp.where(real_BP, batch.input_ids[:, :length - t], 0)
+
+    def differs_R(x_BP):
+        x_RSP = x_BP.reshape(b // shared, shared, length - t)
+        return jnp.any(x_RSP != x_RSP[:, :1], axis=(1, 2))
+
+    return jnp.sum(differs_R(ids_BP) | differs_R(real_BP), dtype=jnp.int32)
+
+
+def mismatched_prompts_error(count: int) -> ValueError:
+    """The error for a batch with ``count`` > 0 :func:`mismatched_prompt_groups`."""
+    return ValueError(
+        f"{count} prompt group(s) of the update batch hold rows with different prompts, so the shared-prefix "
+        "update (which reads each group's prompt from its first row) would train on the wrong prompts and was not "
+        "applied: lay out groups of m consecutive rows with one prompt (as train.build_batch does), or set "
+        "shared_prefix=False (--algorithm.shared_prefix false)")
+
+
 def shared_prefix_logprobs(prefix_fn: Callable, batch: Any, temperature: float,
                            group_size: int) -> tuple[jax.Array, jax.Array]:
     """:func:`completion_logprobs` with each prompt computed once for its rows.
@@ -73,8 +115,7 @@ def shared_prefix_logprobs(prefix_fn: Callable, batch: Any, temperature: float,
     """
     t = batch.completion_length
     b, length = batch.input_ids.shape
-    if length <= t:
-        raise ValueError(f"rows of {length} tokens hold no prompt before their {t} completion tokens")
+    _check_prompt_length(length, t)
     shared = prompt_rows(b, group_size)
 
     def first_of_each_group(x_BL):

@@ -345,6 +345,31 @@ def test_updates_that_stay_non_finite_stop_the_run_with_one_line(setup, tmp_path
 
 
 @pytest.mark.slow
+def test_an_update_batch_whose_groups_mix_prompts_stops_the_run_untrained(setup, tmp_path):
+    optimizer, real_step = loop.update_program(setup[0], algorithms.method_config("pods", n=4, m=2, learning_rate=1e-3),
+                                               None)
+
+    def mixed(state, batch, frozen):  # rows 1 and 2 swap prompts: each group of 2 holds two prompts
+        prompt = slice(0, batch.input_ids.shape[1] - batch.completion_length)
+        order = jnp.array([0, 2, 1, 3])
+        ids, mask = batch.input_ids, batch.attention_mask
+        batch = batch.replace(input_ids=ids.at[:, prompt].set(ids[order, prompt]),
+                              attention_mask=mask.at[:, prompt].set(mask[order, prompt]))
+        return real_step(state, batch, frozen)
+
+    trainer = make_trainer(setup, tmp_path / "run", max_steps=2, update=(optimizer, mixed))
+    before = jax.device_get(trainer.state.params)
+    try:
+        with pytest.raises(ValueError, match="2 prompt group.*--algorithm.shared_prefix false") as error:
+            trainer.rl_step()
+    finally:
+        trainer.close()
+    assert "\n" not in str(error.value) and int(trainer.state.step) == 0
+    for a, b in zip(jax.tree.leaves(jax.device_get(trainer.state.params)), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
 def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path):
     out = tmp_path / "run"
     accuracies = iter([0.1, 0.5, 0.3, 0.2, 0.6])

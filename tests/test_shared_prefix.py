@@ -216,3 +216,65 @@ def test_a_sharded_shared_prefix_step_equals_the_single_device_rows_step(params)
     assert float(metrics.grad_norm) == pytest.approx(float(rows_metrics.grad_norm), rel=2e-5)
     for a, b in zip(*(jax.tree.leaves(optax.tree_utils.tree_get(s.opt_state, "mu")) for s in (state, rows_state))):
         close(a, b, rel=5e-5)
+
+
+def _mixed_prompts(batch, row=1, other=M + 1):
+    """``batch`` with one row's prompt swapped for another group's: its group's rows no longer share one."""
+    prompt = slice(0, batch.input_ids.shape[1] - batch.completion_length)
+    return batch.replace(input_ids=batch.input_ids.at[row, prompt].set(batch.input_ids[other, prompt]),
+                         attention_mask=batch.attention_mask.at[row, prompt].set(batch.attention_mask[other, prompt]))
+
+
+def test_mismatched_prompt_groups_counts_groups_whose_rows_hold_other_prompts():
+    batch = make_batch()
+    assert int(update_forward.mismatched_prompt_groups(batch, M)) == 0  # build_batch's layout
+    assert int(update_forward.mismatched_prompt_groups(batch, M, micro_batches=6)) == 0  # runs of gcd(2, 4) rows
+    assert int(update_forward.mismatched_prompt_groups(_mixed_prompts(batch), M)) == 1
+    # Rows 1 and 3 swapped: one group of four, two of the runs of two that micro-batches of two rows read.
+    two_rows = _mixed_prompts(_mixed_prompts(batch), 3, 2 * M)
+    assert int(update_forward.mismatched_prompt_groups(two_rows, M)) == 1
+    assert int(update_forward.mismatched_prompt_groups(two_rows, M, micro_batches=6)) == 2
+    # A group size that does not match the layout: runs of 6 rows span two prompts.
+    assert int(update_forward.mismatched_prompt_groups(batch, 6)) == 2
+    # Ids under the prompt's padding are never read, so they may differ.
+    padded = batch.replace(input_ids=batch.input_ids.at[1, 0].set(9))
+    assert int(batch.attention_mask[1, 0]) == 0 and int(update_forward.mismatched_prompt_groups(padded, M)) == 0
+    # The same tokens shifted under another padding are another prompt.
+    shifted = batch.replace(attention_mask=batch.attention_mask.at[1, 2].set(0))
+    assert int(update_forward.mismatched_prompt_groups(shifted, M)) == 1
+
+
+def _full_step(params, shared):
+    """A jitted full fine-tuning step and its initial state."""
+    config = algorithms.AlgorithmConfig(**COMMON, shared_prefix=shared)
+    optimizer = algorithms.make_optimizer(config)
+    policy, reference = train.full_apply_fn(pm.Decoder(CONFIG))
+    step = train.make_train_step(policy, optimizer, config, reference)
+    return step, train.init_state(params, optimizer)
+
+
+def test_a_batch_whose_groups_mix_prompts_is_refused_and_leaves_the_state_as_it_was(params):
+    step, initial = _full_step(params, True)
+    batch = _mixed_prompts(make_batch())
+    state, metrics = jax.jit(step)(initial, batch, None)
+    assert int(metrics.mismatched_prompt_groups) == 1
+    assert int(state.step) == 0 and int(state.skipped_updates) == 0
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"^1 prompt group\(s\) .* different prompts.* shared_prefix=False"):
+        train.check_prompt_groups(jax.device_get(metrics))
+    # build_batch's layout passes, in the same program.
+    state, metrics = jax.jit(step)(initial, make_batch(), None)
+    assert int(metrics.mismatched_prompt_groups) == 0 and int(state.step) == 1 and int(metrics.skipped) == 0
+    train.check_prompt_groups(metrics)
+    # Called without jit, the step raises before any work.
+    with pytest.raises(ValueError, match="--algorithm.shared_prefix false"):
+        step(initial, batch, None)
+
+
+def test_the_per_row_update_trains_on_groups_of_distinct_prompts(params):
+    step, initial = _full_step(params, False)
+    state, metrics = jax.jit(step)(initial, _mixed_prompts(make_batch()), None)
+    assert metrics.mismatched_prompt_groups is None and int(state.step) == 1 and int(metrics.skipped) == 0
+    train.check_prompt_groups(metrics)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)))

@@ -20,7 +20,7 @@ from podsjax import mesh as mesh_lib
 from podsjax import metrics as metrics_lib
 from podsjax import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
-from podsjax import algorithms, run_state, sampling
+from podsjax import algorithms, run_state, sampling, train
 from podsjax import topology
 from podsjax.loop import buckets, dynamic_sampling, perf, programs, reporting, run_files, scoring, start_programs
 from podsjax.loop.config import RunConfig
@@ -323,6 +323,7 @@ class Trainer:
                 # The indices are only logged: fetched with the metrics, so the update is
                 # dispatched right behind the selection with no host sync between them.
                 step_metrics, idx_PM = jax.device_get((step_metrics, idx_PM))
+                train.check_prompt_groups(step_metrics)  # the state is as it was then: stop before logging
         phases = timer.totals()  # without the step's compiles, which are timer.compile_s
         if self._compiled_once:
             self.host.elapsed_train_s += hosts.agree(sum(phases.values()) + timer.compile_s)
