@@ -1,4 +1,4 @@
-"""The README's commands and examples stay true."""
+"""The commands and examples of the README and of docs/ stay true."""
 
 import importlib.util
 import os
@@ -71,12 +71,14 @@ def fences(text):
     return found
 
 
-def test_the_readme_has_the_examples_it_promises():
+def test_the_readme_and_the_library_guide_have_the_examples_they_promise():
     # test_every_python_example_runs_as_a_script runs each.
     assert [heading for heading, language in fences(README) if language == "python"] == [
-        "Using the selector and the loss in your own JAX code", "Rules by name, and your own",
-        "Bring your own trainer", "Models: loading, LoRA, generation, export", "Rewards",
-        "One training step in your own code"]
+        "Using the selector and the loss in your own JAX code"]
+    library = (ROOT / "docs" / "library.md").read_text()
+    assert [heading for heading, language in fences(library) if language == "python"] == [
+        "Rules by name, and your own", "Bring your own trainer", "Models: loading, LoRA, generation, export",
+        "Rewards", "One training step in your own code"]
 
 
 @pytest.mark.parametrize("page", ["README.md", *(f"docs/{page.name}" for page in DOCS)])
@@ -99,3 +101,4 @@ def test_every_python_example_runs_as_a_script(name, code, tmp_path):
     result = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=os.environ.copy(),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
