@@ -102,3 +102,27 @@ def test_every_python_example_runs_as_a_script(name, code, tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
+
+def heading_anchors(text):
+    """GitHub's anchors for the headings of a markdown page (code blocks left out)."""
+    anchors, inside = set(), False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            inside = not inside
+        elif not inside and re.match(r"#{1,6} ", line):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            anchor, count = slug, 1
+            while anchor in anchors:
+                anchor, count = f"{slug}-{count}", count + 1
+            anchors.add(anchor)
+    return anchors
+
+
+@pytest.mark.parametrize("page", ["README.md", *(f"docs/{page.name}" for page in DOCS)])
+def test_every_link_between_pages_finds_its_page_and_heading(page):
+    path = ROOT / page
+    for target, anchor in re.findall(r"\]\((?!https?:|mailto:)([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text()):
+        linked = (path.parent / target).resolve() if target else path
+        assert linked.exists(), f"{page} links to {target}, which is not there"
+        if anchor and linked.suffix == ".md":
+            assert anchor in heading_anchors(linked.read_text()), f"{page} links to {target}#{anchor}: no such heading"
