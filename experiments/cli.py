@@ -23,7 +23,7 @@ import time
 import traceback
 import warnings
 
-from experiments import completed, flags, run_dir
+from experiments import completed, flags, launch_checks, run_dir
 from experiments.config import describe_setting
 from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_device_count
 
@@ -403,13 +403,13 @@ def main(task: str, argv=None) -> int:
         library.out = args.out
         if isinstance(args.distributed, tuple):
             library.process = args.distributed[2]
-        flags.check_out(args)
+        launch_checks.check_out(args)
         if config is None:  # --resume
             config = flags.read_run_config(args.out, args.field_flags)
             if not args.dry_run and completed.is_complete(config, args.out):
                 print(completed.complete_line(config, args.out), flush=True)
                 return 0  # nothing to train, so nothing is written
-        flags.check(args, config)
+        launch_checks.check(args, config)
         if args.overwrite:
             run_dir.check_overwrite(args.out, config, args.config)
         start(args, config)

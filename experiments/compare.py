@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from experiments import cli, completed
+from experiments import cli, completed, config_decoding, launch_checks
 from experiments import flags as flags_lib
 from experiments.config import METHODS, ExperimentConfig, describe_setting
 from experiments.usage import UsageError
@@ -99,7 +99,7 @@ def prepare(argv) -> Comparison:
     args, passthrough = parse(argv)
     # PODS's config: --method is compare's to set, so the parser's default method applies.
     run_args, shared = flags_lib.parse(args.task, passthrough)
-    flags_lib.check(run_args, shared)
+    launch_checks.check(run_args, shared)
     chosen = variants(args, passthrough, shared)
     baseline = args.baseline or ("grpo" if "grpo" in chosen else next(iter(chosen)))
     if baseline not in chosen:
@@ -153,10 +153,10 @@ def seed_config(config: ExperimentConfig, seed: int, out: str, root: str) -> Exp
 def check_resumable(config: ExperimentConfig, out: str) -> None:
     """A stopped run continues with the config it started with: only ``flags.RESUMABLE`` fields may differ."""
     def fields(c):
-        return {f"{section}.{key}": value for section, values in flags_lib.as_json(c).items()
+        return {f"{section}.{key}": value for section, values in config_decoding.as_json(c).items()
                 for key, value in values.items()}
 
-    saved, wanted = fields(flags_lib.read_run_config(out)), fields(config)
+    saved, wanted = fields(config_decoding.read_run_config(out)), fields(config)
     for name, value in wanted.items():
         if name not in flags_lib.RESUMABLE and saved.get(name) != value:
             raise UsageError(f"{out} was started with --{name} {saved.get(name)!r}, not {value!r}: rerun with "
@@ -173,8 +173,8 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
     out = config.run.out_dir
     if not dry_run and completed.is_complete(config, out):
         return _history(out)
-    resume = not dry_run and flags_lib.has_run(out)  # a dry run's config.json alone starts the run
-    flags_lib.check_out(argparse.Namespace(out=out, resume=resume, overwrite=False, dry_run=dry_run))
+    resume = not dry_run and launch_checks.has_run(out)  # a dry run's config.json alone starts the run
+    launch_checks.check_out(argparse.Namespace(out=out, resume=resume, overwrite=False, dry_run=dry_run))
     if resume:
         check_resumable(config, out)
     from experiments import runner  # imports JAX: only after main has set up the devices

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import shlex
 
-from experiments import flags
+from experiments import config_decoding
 from experiments.config import ExperimentConfig
 
 FINAL_MODEL = "final_model"
@@ -33,7 +33,7 @@ def extends(config: ExperimentConfig, out: str) -> bool:
     """Whether ``config`` continues the complete run in ``out``: a longer --time-budget or
     --max-steps than the run was started with, which its last training step has not reached."""
     last = _last_step(out)
-    started = flags.read_run_config(out).run
+    started = config_decoding.read_run_config(out).run
     for field, key in (("time_budget_s", "time/elapsed_train_s"), ("max_steps", "step")):
         wanted, before = getattr(config.run, field), getattr(started, field)
         if wanted is not None and before is not None and wanted > before and last.get(key, 0) < wanted:

@@ -15,7 +15,7 @@ import re
 import typing
 from typing import Any
 
-from experiments import flags
+from experiments import config_decoding, flags
 from experiments.usage import UsageError
 
 _DEFAULT_IN_COMMENT = re.compile(r"\s*\(default: ([^()]*(?:\([^()]*\)[^()]*)*)\)")
@@ -49,7 +49,7 @@ def show(value: Any, limit: int = 60) -> str:
 
 def _tree_values(config) -> dict[str, Any]:
     """dotted field -> the config's value (``run.out_dir``: what --out defaults to)."""
-    values = {f"{section}.{key}": value for section, fields in flags.as_json(config).items()
+    values = {f"{section}.{key}": value for section, fields in config_decoding.as_json(config).items()
               for key, value in fields.items()}
     values["run.out_dir"] = "runs/<task>-<method>-<date>-<time> (--out)"
     return values
@@ -109,8 +109,8 @@ def _tree_help(task: str, values: dict[str, Any], comments: dict[str, str]) -> s
     tree = argparse.ArgumentParser(prog=f"python -m experiments.{task}", usage=argparse.SUPPRESS, add_help=False,
                                    description="The config tree: every field is a flag --<section>.<field> VALUE "
                                                "(YAML: null, true, [a, b]); the defaults are this command's.")
-    types_of = flags._field_types()
-    for section in flags.SECTIONS:
+    types_of = config_decoding._field_types()
+    for section in config_decoding.SECTIONS:
         group = tree.add_argument_group(section)
         for name, tp in types_of[section].items():
             dotted = f"{section}.{name}"
@@ -122,6 +122,6 @@ def _tree_help(task: str, values: dict[str, Any], comments: dict[str, str]) -> s
 def suggestion(flag: str, task: str) -> str:
     """``"; did you mean --method?"`` for a close misspelling of a known flag, else ``""``."""
     known = [option for option in flags.build_parser(task)._option_string_actions if option.startswith("--")]
-    known += [f"--{section}.{name}" for section, fields in flags._field_types().items() for name in fields]
+    known += [f"--{section}.{name}" for section, fields in config_decoding._field_types().items() for name in fields]
     close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
     return f"; did you mean {close[0]}?" if close else ""

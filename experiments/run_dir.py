@@ -25,7 +25,7 @@ _NAMES_SHOWN = 3
 
 def is_podsjax_run(directory: str) -> bool:
     """Whether ``directory`` holds the config.json of a podsjax run (or dry run)."""
-    from experiments.flags import SECTIONS
+    from experiments.config_decoding import SECTIONS
 
     try:
         with open(os.path.join(directory, CONFIG_FILE), encoding="utf-8") as f:

@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments import flags, run_dir
+from experiments import config_decoding, flags, launch_checks, run_dir
 from experiments.config import ExperimentConfig
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError, mesh_device_count
 from podsjax import compilation, data, hosts, loop, prompts, run_state
@@ -165,7 +165,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     existed = os.path.isdir(out_dir)
     # A dry run records the config it planned only where the run may follow it: never over the
     # config.json of a model or of another run.
-    write_config = not resume and (not dry_run or overwrite or not existed or flags.planned_only(out_dir))
+    write_config = not resume and (not dry_run or overwrite or not existed or launch_checks.planned_only(out_dir))
     lock = _lock(out_dir)
     before = None  # what out_dir held before this run wrote to it (process 0; a new run)
     failed = False
@@ -178,7 +178,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
                     before = set(os.listdir(out_dir))
                 if write_config:
                     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
-                        json.dump(flags.as_json(config), f, indent=2, sort_keys=True)
+                        json.dump(config_decoding.as_json(config), f, indent=2, sort_keys=True)
         except OSError as exc:
             raise UsageError(f"cannot write the run directory {out_dir}: {exc.strerror or exc}") from None
         hosts.barrier("run directory ready")

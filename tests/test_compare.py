@@ -9,6 +9,7 @@ import os
 import pytest
 
 from experiments import compare
+from experiments import config_decoding
 from experiments import flags as flags_lib
 from experiments.usage import UsageError
 from podsjax.algorithms import AlgorithmConfig
@@ -105,7 +106,7 @@ def test_a_stopped_run_continues_a_complete_one_is_read_or_extended_and_a_change
         os.makedirs(out_dir, exist_ok=True)
         if not resume:
             with open(os.path.join(out_dir, "config.json"), "w") as f:
-                json.dump(flags_lib.as_json(config), f)
+                json.dump(config_decoding.as_json(config), f)
         return 0
 
     monkeypatch.setattr(runner, "run_experiment", fake_run)
@@ -240,7 +241,7 @@ def test_a_comparison_starts_its_runs_where_its_dry_run_left_only_figures(tmp_pa
     out = tmp_path / "pods-seed0"
     config = compare.seed_config(prepare(tmp_path).variants["pods"], 0, str(out), str(tmp_path))
     out.mkdir()
-    (out / "config.json").write_text(json.dumps(flags_lib.as_json(config)))  # what its --dry-run left
+    (out / "config.json").write_text(json.dumps(config_decoding.as_json(config)))  # what its --dry-run left
     (out / "dry_run.json").write_text("{}")
     compare.run_one(config)
     assert calls == [False]

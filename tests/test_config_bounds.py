@@ -14,7 +14,7 @@ import tracemalloc
 
 import pytest
 
-from experiments import cli, flags, runner
+from experiments import cli, config_decoding, flags, launch_checks, runner
 from experiments.usage import UsageError
 
 
@@ -60,7 +60,7 @@ def _run_dir(tmp_path, argv):
     out = tmp_path / "run"
     _, config = flags.parse("gsm8k", [*argv, "--out", str(out)])
     out.mkdir()
-    (out / "config.json").write_text(json.dumps(flags.as_json(config), indent=2, sort_keys=True))
+    (out / "config.json").write_text(json.dumps(config_decoding.as_json(config), indent=2, sort_keys=True))
     return out, config
 
 
@@ -81,14 +81,15 @@ def test_resume_accepts_the_run_s_own_command_again(tmp_path, command):
     out, config = _run_dir(tmp_path, command)
     args, none = flags.parse("gsm8k", [*command, "--out", str(out), "--resume"])
     assert none is None and args.resume is True
-    resumed = flags.read_run_config(str(out), args.field_flags)
-    assert flags.as_json(resumed) == flags.as_json(config) and resumed.run.out_dir == str(out)
+    resumed = config_decoding.read_run_config(str(out), args.field_flags)
+    assert config_decoding.as_json(resumed) == config_decoding.as_json(config) and resumed.run.out_dir == str(out)
     # What a resume may change, it changes, on the same command line.
     args, _ = flags.parse("gsm8k", [*command, "--max-steps", "5", "--out", str(out), "--resume"])
-    assert flags.read_run_config(str(out), args.field_flags).run.max_steps == 5
+    assert config_decoding.read_run_config(str(out), args.field_flags).run.max_steps == 5
     # Part of the command is the run's own values too.
     args, _ = flags.parse("gsm8k", ["--out", str(out), "--resume", "--n", "32", "--model", str(tmp_path)])
-    assert flags.as_json(flags.read_run_config(str(out), args.field_flags)) == flags.as_json(config)
+    resumed = config_decoding.read_run_config(str(out), args.field_flags)
+    assert config_decoding.as_json(resumed) == config_decoding.as_json(config)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -111,13 +112,14 @@ def test_resume_auto_starts_the_run_then_continues_it(tmp_path, one_line):
     command = ["--method", "pods", "--n", "8", "--m", "4", "--max-steps", "2", "--out", str(out), "--resume", "auto"]
     args, config = flags.parse("gsm8k", command)  # no run there yet: a new one
     assert args.resume is False and config.algorithm.n == 8 and config.run.out_dir == str(out)
-    flags.check_out(args)
+    launch_checks.check_out(args)
     out.mkdir()
-    (out / "config.json").write_text(json.dumps(flags.as_json(config)))  # what the runner writes first
+    (out / "config.json").write_text(json.dumps(config_decoding.as_json(config)))  # what the runner writes first
     args, none = flags.parse("gsm8k", command)  # the requeued job: the same line continues it
     assert none is None and args.resume is True
-    flags.check_out(args)
-    assert flags.as_json(flags.read_run_config(str(out), args.field_flags)) == flags.as_json(config)
+    launch_checks.check_out(args)
+    resumed = config_decoding.read_run_config(str(out), args.field_flags)
+    assert config_decoding.as_json(resumed) == config_decoding.as_json(config)
     # Plain --resume still wants a run to continue.
     err = one_line(["--resume"], tmp_path / "empty")
     assert "holds no run to resume" in err and "--resume auto" in err
@@ -131,7 +133,7 @@ def test_a_directory_holding_only_a_lock_counts_as_empty(tmp_path):
     for extra in ([], ["--resume", "auto"]):
         args, config = flags.parse("gsm8k", ["--out", str(out)] + extra)
         assert config is not None and not args.resume
-        flags.check_out(args)
+        launch_checks.check_out(args)
 
 
 # ---------------------------------------------------------------- bounded config files

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from experiments import cli, flags
+from experiments import cli, config_decoding, flags
 from experiments.config import ExperimentConfig
 from experiments.usage import UsageError
 from podsjax import paper_settings
@@ -46,9 +46,9 @@ def test_values_come_from_defaults_then_method_then_setting_then_file_then_flags
 def test_a_runs_config_json_starts_a_new_run_like_it(tmp_path):
     config = parse("--model", str(tmp_path), "--setting", "a", "--n", "32", "--out", str(tmp_path / "old"))
     saved = tmp_path / "config.json"
-    saved.write_text(json.dumps(flags.as_json(config)))
+    saved.write_text(json.dumps(config_decoding.as_json(config)))
     again = parse("--model", str(tmp_path), "--config", str(saved), "--out", str(tmp_path / "new"))
-    assert flags.as_json(again) == flags.as_json(config)
+    assert config_decoding.as_json(again) == config_decoding.as_json(config)
 
 
 def test_each_named_setting_gives_a_valid_config(tmp_path):
@@ -64,14 +64,14 @@ def test_resume_reads_config_json_back_and_may_change_only_the_budget(tmp_path, 
     out = tmp_path / "run"
     out.mkdir()
     config = parse("--model", str(tmp_path), "--max-steps", "2", "--out", str(out))
-    (out / "config.json").write_text(json.dumps(flags.as_json(config)))
+    (out / "config.json").write_text(json.dumps(config_decoding.as_json(config)))
     args, none = flags.parse("gsm8k", ["--resume", "--out", str(out), "--max-steps", "5", "--remat", "dots"])
     assert none is None
-    resumed = flags.read_run_config(str(out), args.field_flags)
+    resumed = config_decoding.read_run_config(str(out), args.field_flags)
     assert resumed.run.max_steps == 5 and resumed.model.remat == "dots" and resumed.run.out_dir == str(out)
-    expected = flags.as_json(config)
+    expected = config_decoding.as_json(config)
     expected["run"]["max_steps"], expected["model"]["remat"] = 5, "dots"
-    assert flags.as_json(resumed) == expected  # everything else as the run was
+    assert config_decoding.as_json(resumed) == expected  # everything else as the run was
     with pytest.raises(UsageError, match="--resume keeps the run's config; --algorithm.n cannot change"):
         flags.parse("gsm8k", ["--resume", "--out", str(out), "--n", "8"])
     assert cli.main("gsm8k", ["--resume", "--out", str(out), "--lr", "1"]) == 2

@@ -242,7 +242,7 @@ def test_the_plan_compiles_the_samplers_program_the_run_uses():
 def test_a_run_may_follow_its_dry_run_into_the_same_directory(tmp_path):
     import argparse
 
-    from experiments import flags
+    from experiments import launch_checks
     from experiments.usage import UsageError
 
     out = tmp_path / "run"
@@ -253,16 +253,16 @@ def test_a_run_may_follow_its_dry_run_into_the_same_directory(tmp_path):
     def args(resume=False):
         return argparse.Namespace(out=str(out), resume=resume, overwrite=False, dry_run=False)
 
-    flags.check_out(args())  # the planned run starts there
+    launch_checks.check_out(args())  # the planned run starts there
     with pytest.raises(UsageError, match="holds no run to resume"):
-        flags.check_out(args(resume=True))
+        launch_checks.check_out(args(resume=True))
     (out / "metrics.jsonl").write_text("")  # a run's own files: now it is a run
     with pytest.raises(UsageError, match="is not empty"):
-        flags.check_out(args())
+        launch_checks.check_out(args())
     (out / "metrics.jsonl").unlink()
     (out / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     with pytest.raises(UsageError, match="is not empty"):  # a model's config.json beside a dry run's figures
-        flags.check_out(args())
+        launch_checks.check_out(args())
 
 
 def _plan(config, out_dir, *args):

@@ -3,7 +3,7 @@
 import pytest
 
 from experiments import config as config_lib
-from experiments import flags
+from experiments import config_decoding, flags
 from experiments.usage import UsageError
 
 
@@ -52,7 +52,7 @@ def test_the_listing_shows_every_value_once_with_its_origin(tmp_path):
     assert "epsilon = 0.2" in algorithm_defaults and "epsilon_high = null" in algorithm_defaults
     # Every field of the config appears once (the run directory is --out's, left out).
     for section in ("run", "model", "algorithm", "rewards", "data", "tiny"):
-        for key in flags.as_json(config)[section]:
+        for key in config_decoding.as_json(config)[section]:
             named = [line for line in lines if f"{section}.{key} = " in line
                      or line.startswith(f"  {section} defaults: ") and f" {key} = " in line]
             assert len(named) == 1, (section, key, named)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from experiments import cli, flags, runner
+from experiments import cli, config_decoding, flags, runner
 from podsjax.run_state import LOCK_FILE
 
 pytestmark = pytest.mark.cpu_mesh
@@ -45,7 +45,7 @@ def never_trains(monkeypatch):
 def podsjax_run(out):
     """A directory as a run leaves it: the config.json it writes first."""
     _, config = flags.parse("gsm8k", ["--out", str(out), "--max-steps", "1"])
-    write(out, {"config.json": json.dumps(flags.as_json(config))})
+    write(out, {"config.json": json.dumps(config_decoding.as_json(config))})
 
 
 def refused(args, capsys):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from experiments import cli, flags, runner
+from experiments import cli, config_decoding, flags, runner
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -14,7 +14,7 @@ def _complete_run(out, *argv):
     """A run directory as a finished run leaves it (its files' contents do not matter here)."""
     _, config = flags.parse("gsm8k", ["--out", str(out), *argv])
     out.mkdir()
-    (out / "config.json").write_text(json.dumps(flags.as_json(config)))
+    (out / "config.json").write_text(json.dumps(config_decoding.as_json(config)))
     for name in ("final_model", "best_model"):
         (out / name).mkdir()
         (out / name / "config.json").write_text("{}")

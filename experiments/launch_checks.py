@@ -1,0 +1,74 @@
+"""What the config cannot check alone: paths, the task, the run directory (before JAX starts)."""
+
+from __future__ import annotations
+
+import os
+
+from experiments import run_dir
+from experiments.config import ExperimentConfig
+from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
+
+
+def check(args, config: ExperimentConfig) -> None:
+    """What the config cannot check alone: paths, the task, the run directory."""
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite exclude each other")
+    if args.no_compile_cache and args.compile_cache_dir is not None:
+        raise UsageError("--no-compile-cache and --compile-cache-dir exclude each other")
+    if args.topology and not args.dry_run:
+        raise UsageError("--topology compiles for devices that this host does not have, so it only goes "
+                         "with --dry-run")
+    if config.run.task != args.task:
+        raise UsageError(f"the config is a {config.run.task} run; run experiments.{config.run.task}")
+    for flag, path in (("--model", config.model.path), ("--data", config.data.train), ("--eval-data", config.data.test)):
+        if path is not None and not os.path.exists(path):
+            raise UsageError(f"{flag} {path}: no such file or directory")
+    from podsjax import data  # no JAX
+
+    hint = data.LOCAL_ONLY_TASKS.get(config.task)
+    missing = [flag for flag, path in (("--data", config.data.train), ("--eval-data", config.data.test))
+               if path is None]
+    if hint and missing and config.data.hub is None and config.model.path is not None and not args.resume:
+        raise UsageError(f"{config.task} has no Hub dataset: pass --dataset DIR (its train and test files), or "
+                         f"{' and '.join(missing)}; e.g. --dataset {hint}")
+    if config.model.path is not None and not os.path.isfile(os.path.join(config.model.path, "config.json")):
+        raise UsageError(f"--model {config.model.path}: not a Hugging Face checkpoint directory (no config.json)")
+    if "wandb" in config.run.log:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise UsageError("--log wandb needs the wandb package: pip install 'podsjax[wandb]'")
+
+
+def planned_only(out: str) -> bool:
+    """Whether ``out`` is empty or holds only what a dry run writes (dry_run.json and podsjax's
+    config.json): the real run may follow its dry run into the same one. A lock file alone does
+    not count: the run takes it over, or names its live holder."""
+    if not os.path.isdir(out):
+        return False
+    files = {name for name in os.listdir(out) if not run_dir.is_bookkeeping(name)}  # a lock, a failed start's logs
+    if CONFIG_FILE in files and not run_dir.is_podsjax_run(out):
+        return False  # a model's config.json, say, beside a dry run's figures
+    return not files or (DRY_RUN_FILE in files and files <= {DRY_RUN_FILE, CONFIG_FILE})
+
+
+def has_run(out: str) -> bool:
+    """Whether ``out`` holds a run to continue (its config.json, and more than a dry run's files)."""
+    return os.path.isfile(os.path.join(out, CONFIG_FILE)) and not planned_only(out)
+
+
+def check_out(args) -> None:
+    """The run directory: a file is refused, and an existing run needs --resume or --overwrite
+    (a dry run may look at any directory: it writes only its dry_run.json there)."""
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} exists and is not a directory")
+    if args.resume and not has_run(out):
+        raise UsageError(f"--resume: {out} holds no run to resume (no config.json of a run)")
+    occupied = os.path.isdir(out) and not planned_only(out)
+    if occupied and not (args.resume or args.overwrite or args.dry_run):
+        if getattr(args, "resume_auto", False):
+            raise UsageError(f"--resume auto: {out} is not empty and holds no run (no config.json); start the run "
+                             "in an empty or new directory")
+        raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")
+
