@@ -299,10 +299,10 @@ def test_setting_a_prints_what_it_sets_and_its_reward_weights_reach_the_trainer_
 
 
 def test_without_a_setting_the_rewards_are_the_defaults(tmp_path):
-    from experiments import flags, runner
+    from experiments import flags, run_setup
     from experiments.config import RewardSection
 
     _, config = flags.parse("gsm8k", ["--model", ROOT, "--max-steps", "1", "--out", str(tmp_path)])
     assert config.rewards == RewardSection()
-    assert [(w.name, w.weight) for w in runner.make_rewards(config)] == [("accuracy", 1.0), ("format", 1.0),
+    assert [(w.name, w.weight) for w in run_setup.make_rewards(config)] == [("accuracy", 1.0), ("format", 1.0),
                                                                          ("tag_count", 1.0)]

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from experiments import flags, runner
+from experiments import flags, run_setup
 from podsjax import tiny
 from podsjax.tiny import warmup as warmup_lib
 from podsjax.tiny import warmup_cache
@@ -100,14 +100,14 @@ def test_the_quick_start_its_baseline_and_a_rerun_share_one_warm_up(monkeypatch,
     monkeypatch.setattr(tiny, "warm_up", fake_warm_up)
     for argv in (["--mesh", "8"], ["--mesh", "8", "--method", "grpo"], ["--method", "grpo-ga", "--time-budget", "9"]):
         _, config = flags.parse("gsm8k", [*argv, "--out", str(tmp_path / str(len(asked)))])
-        runner._tiny(config, str(tmp_path / str(len(asked))))
+        run_setup._tiny(config, str(tmp_path / str(len(asked))))
     assert len({directory for directory, _ in asked}) == 1
     directory, settings = asked[0]
     assert directory == warmup_cache.cache_dir(settings) and settings.seed == 0
     # Another seed, or another step cap, is another warm-up.
     for argv in (["--seed", "1"], ["--warmup-steps", "50"]):
         _, config = flags.parse("gsm8k", [*argv, "--out", str(tmp_path / "x")])
-        runner._tiny(config, str(tmp_path / "x"))
+        run_setup._tiny(config, str(tmp_path / "x"))
     assert len({directory for directory, _ in asked}) == 3
 
 
@@ -162,13 +162,13 @@ def test_a_resumed_run_keeps_its_own_warm_up_and_a_multi_host_run_shares_one_in_
     out = tmp_path / "run"
     _, config = flags.parse("gsm8k", ["--out", str(out)])
     (out / "tiny_warmup").mkdir(parents=True)  # made by a run started before the shared cache
-    runner._tiny(config, str(out))
+    run_setup._tiny(config, str(out))
     assert asked[-1] == str(out / "tiny_warmup")
     other = tmp_path / "other"
     monkeypatch.setattr(hosts, "count", lambda: 2)
     monkeypatch.setattr(hosts, "barrier", lambda name: None)
-    runner._tiny(config, str(other))
+    run_setup._tiny(config, str(other))
     assert asked[-1] == str(other / "tiny_warmup")  # on the filesystem the hosts share, not each host's cache
     monkeypatch.setenv(warmup_cache.CACHE_ENV, str(tmp_path / "shared-cache"))
-    runner._tiny(config, str(other))
+    run_setup._tiny(config, str(other))
     assert asked[-1].startswith(str(tmp_path / "shared-cache"))

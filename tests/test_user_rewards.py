@@ -2,7 +2,7 @@
 
 import pytest
 
-from experiments import cli, flags, runner
+from experiments import cli, flags, run_setup
 from podsjax import rewards
 
 
@@ -15,7 +15,7 @@ def test_task_weights_by_name_and_user_functions_by_module(tmp_path):
                      "--reward", "strict_format")
     assert config.rewards.format == 0.0
     assert config.rewards.extras() == [("user_rewards:brevity", 0.5), ("strict_format", 1.0)]
-    weighted = runner.make_rewards(config)
+    weighted = run_setup.make_rewards(config)
     assert [(w.name, w.weight) for w in weighted] == [
         ("accuracy", 1.0), ("format", 0.0), ("tag_count", 1.0), ("user_rewards:brevity", 0.5),
         ("strict_format", 1.0)]
@@ -52,11 +52,11 @@ def test_your_own_dataset_columns_reach_the_loader(tmp_path):
     config = _config(tmp_path, "--data", str(tmp_path), "--eval-data", str(tmp_path), "--prompt-column", "prompt",
                      "--answer-column", "final")
     assert config.data.columns("gsm8k") == {"question": "prompt", "answer": "final"}
-    train, test = runner._load_tasks(config)
+    train, test = run_setup._load_tasks(config)
     assert [(e.prompt, e.answer) for e in test] == [(r["prompt"], r["final"]) for r in rows]
     without = _config(tmp_path, "--data", str(tmp_path), "--eval-data", str(tmp_path))
     with pytest.raises(cli.UsageError, match="missing field 'question'"):
-        runner._load_tasks(without)
+        run_setup._load_tasks(without)
 
 
 @pytest.mark.slow
@@ -117,7 +117,7 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line(tmp_path, capsys, monke
 
 # User code that ends or stalls the process. Each case runs the CLI in a child process (with
 # a short bound, set before main), so a regression fails the test instead of ending pytest.
-BOUNDED = "from experiments import runner\nrunner.REWARD_IMPORT_TIMEOUT_S = 2.0\n"
+BOUNDED = "from experiments import run_setup\nrun_setup.REWARD_IMPORT_TIMEOUT_S = 2.0\n"
 
 
 def _bounded_cli(args, setup, tmp_path, timeout=120):
