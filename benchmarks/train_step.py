@@ -69,7 +69,7 @@ from benchmarks.machine import (
     others_busy, print_machine, print_runs, reset_torch_peak, torch_device, torch_peak_bytes, torch_sync,
 )
 from benchmarks.qwen_model import add_model_args, build_hf_model, describe, resolve, to_podsjax
-from podsjax import algorithms, train
+from podsjax import algorithms, paper_settings, train
 from podsjax.models import LoraConfig, init_lora
 
 # transformers 5 renamed gradient checkpointing; peft still calls the old names.
@@ -216,7 +216,7 @@ def run_update(args):
     num_params = sum(p.numel() for p in hf_model.parameters())
     model, params = to_podsjax(hf_model, args.dtype, remat=args.remat)
     # Its rows hold distinct prompts, as the PyTorch side trains them: no prompt is shared.
-    config = algorithms.method_config("grpo", n=args.batch, m=args.batch, learning_rate=1e-6, temperature=0.9,
+    config = paper_settings.method_config("grpo", n=args.batch, m=args.batch, learning_rate=1e-6, temperature=0.9,
                                       shared_prefix=False)
     batch = make_batch(args)
     hf_model.train()  # dropout is 0 in Qwen2; train() turns on gradient checkpointing and the autograd path

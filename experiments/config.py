@@ -8,7 +8,7 @@ YAML config file (``--config run.yaml``); draccus builds both from these datacla
 and their field comments.
 
 A run's config is the dataclass defaults, then the method's n / m
-(:func:`podsjax.algorithms.method_config`), then the named setting's
+(:func:`podsjax.paper_settings.method_config`), then the named setting's
 (``podsjax.paper_settings.PRESETS``: tiny and the paper's a-f), then the config file, then
 the flags. Each is a :class:`Layer`, and :func:`stack` says which one each value came from;
 :func:`settings_table` is docs/paper_settings.md's table of every preset value.
@@ -217,7 +217,8 @@ class Layer:
 
 
 def preset_layers(task: str, method: str, setting: str | None) -> list[Layer]:
-    """What a run starts from: the method's n / m (``algorithms.method_config``), then the named setting's values."""
+    """What a run starts from: the method's n / m (``paper_settings.method_config``), then the
+    named setting's values."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     layers = [Layer(f"method {method}", {"algorithm": dict(paper_settings.GSM8K_METHODS[method])})]

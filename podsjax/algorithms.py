@@ -1,5 +1,6 @@
 """The algorithms an update trains: GRPO, GRPO-GA and GRPO-PODS as one validated
-``AlgorithmConfig``, each method's preset (``method_config``) and the optimizer.
+``AlgorithmConfig``, and the optimizer. Each method's preset sizes are experiment
+knowledge: ``podsjax.paper_settings.method_config``.
 
 m is always the number of rollouts per prompt that the update trains, as in the paper.
 GRPO is n = m (no selection); GRPO-GA is n = m as well, with more rollouts per prompt
@@ -14,7 +15,7 @@ import math
 
 import optax
 
-from podsjax import grpo, paper_settings, selection
+from podsjax import grpo, selection
 
 ALGORITHMS = ("grpo", "grpo-ga", "pods")
 SCHEDULES = ("constant", "cosine")
@@ -195,19 +196,6 @@ class AlgorithmConfig:
         return grpo.LossConfig(epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta,
                                aggregation=self.aggregation, group_size=group_size, loss_type=self.loss_type,
                                tis_cap=self.tis_cap, tis_level=self.tis_level)
-
-
-def method_config(name: str, **overrides) -> AlgorithmConfig:
-    """One of the paper's three algorithms with the n / m of its single-GPU GSM8K settings; override any field.
-
-    The sizes are ``paper_settings.GSM8K_METHODS`` (docs/paper_settings.md lists them):
-    "grpo" trains every rollout, "grpo-ga" too in ``grad_accum`` micro-batches, "pods"
-    the max-variance m of n.
-    """
-    presets = paper_settings.GSM8K_METHODS
-    if name not in presets:
-        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(presets)}")
-    return AlgorithmConfig(**{**presets[name], **overrides})
 
 
 def make_optimizer(config: AlgorithmConfig) -> optax.GradientTransformation:

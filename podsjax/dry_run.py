@@ -22,10 +22,9 @@ from typing import Any
 
 import jax
 
-from podsjax import algorithms, compilation, hlo_cost, sampling, topology
+from podsjax import algorithms, compilation, hlo_cost, sampling, topology, update_programs
 from podsjax import mesh as mesh_lib
 from podsjax import models as pm
-from podsjax.loop import programs
 
 FIELDS = ("params", "optimizer", "kv_cache", "generate_temp", "update_temp")
 # What shrinks a run's memory per device, for the one-line refusals.
@@ -242,16 +241,16 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
         The :class:`MemoryPlan`.
     """
     if update_fn is None:
-        optimizer, update_fn = programs.update_program(model, algo, lora_config)
+        optimizer, update_fn = update_programs.update_program(model, algo, lora_config)
     if state is None:
-        state, frozen = programs.abstract_state(model, algo, optimizer, lora_config, abstract(base_params))
+        state, frozen = update_programs.abstract_state(model, algo, optimizer, lora_config, abstract(base_params))
     base = abstract(base_params)
     lora = abstract(state.params) if lora_config is not None else None
     log = compile_log or compilation.CompileLog()
     device = run_device(model.mesh)
     rows = prompts * algo.m
-    batch = programs.abstract_batch(model.mesh, rows, prompt_len, max_new_tokens, algo,
-                                    like=jax.tree.leaves(state.params)[0])
+    batch = update_programs.abstract_batch(model.mesh, rows, prompt_len, max_new_tokens, algo,
+                                           like=jax.tree.leaves(state.params)[0])
 
     def compile_update():
         start = time.perf_counter()

@@ -61,6 +61,8 @@ import math
 import types
 from typing import Any, Mapping
 
+from podsjax import algorithms
+
 # openai/gsm8k "main" train rows, the epoch of settings e-f (epoch_updates). [8gpu]
 _GSM8K_TRAIN_ROWS = 7473
 _GPUS = 8
@@ -73,7 +75,7 @@ _SINGLE_COMMON = dict(learning_rate=5e-6, schedule="constant", warmup_ratio=0.0,
                       weight_decay=0.1, max_grad_norm=0.1, temperature=0.9, logprob_temperature=1.0, beta=0.0,
                       aggregation="seq-mean-token-mean")
 # [1gpu] results/: GSM8K GRPO 16/16 vs PODS 64/16. GRPO-GA trains all 64 in 4 micro-batches of 16. [podsjax]
-# Also the methods of a run with no setting (``podsjax.algorithms.method_config``).
+# Also the methods of a run with no setting (:func:`method_config`).
 GSM8K_METHODS = {
     "grpo": dict(algorithm="grpo", n=16, m=16),
     "grpo-ga": dict(algorithm="grpo-ga", n=64, m=64, grad_accum=4),
@@ -395,3 +397,14 @@ def get_setting(name: str) -> Setting:
         return PRESETS[name.lower()]
     except KeyError:
         raise ValueError(f"unknown setting {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def method_config(name: str, **overrides) -> algorithms.AlgorithmConfig:
+    """One of the paper's three algorithms with the n / m of its single-GPU GSM8K settings; override any field.
+
+    The sizes are :data:`GSM8K_METHODS` (docs/paper_settings.md lists them): "grpo" trains
+    every rollout, "grpo-ga" too in ``grad_accum`` micro-batches, "pods" the max-variance m of n.
+    """
+    if name not in GSM8K_METHODS:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(GSM8K_METHODS)}")
+    return algorithms.AlgorithmConfig(**{**GSM8K_METHODS[name], **overrides})

@@ -10,7 +10,7 @@ import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
-from podsjax import algorithms, data, decoding, loop, prompts, sampling
+from podsjax import data, decoding, loop, paper_settings, prompts, sampling
 from podsjax import rewards as rewards_lib
 from podsjax.pass_at_k import gsm8k_answer_key
 from podsjax.rewards import format_correct
@@ -34,7 +34,8 @@ def make_trainer(setup, out_dir, rewards=None, generator=None, scorer=None, **ru
     model, params, tokenizer, examples = setup
     run = loop.RunConfig(out_dir=str(out_dir), max_steps=1, prompts_per_step=2, max_new_tokens=7,
                          reward_workers=1, progress=False, console=False, **run_fields)
-    return loop.Trainer(model, params, tokenizer, examples, examples, algorithms.method_config("pods", n=4, m=2), run,
+    algo = paper_settings.method_config("pods", n=4, m=2)
+    return loop.Trainer(model, params, tokenizer, examples, examples, algo, run,
                         lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards,
                         generator=generator or shared_generator(model), scorer=scorer)
 

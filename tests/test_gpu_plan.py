@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import podsjax.models as pm
-from podsjax import algorithms, dry_run, gpu_topology, hlo_cost, loop, sampling, topology
+from podsjax import dry_run, gpu_topology, hlo_cost, loop, paper_settings, sampling, topology
 from podsjax import mesh as mesh_lib
 from podsjax.models import rollout
 from test_dry_run import FLAGS, config_only_checkpoint, run_cli
@@ -60,7 +60,7 @@ def h100_model():
 @needs_cuda_plugin
 @pytest.mark.parametrize("completion", [64, 65])  # cuDNN's masked backward refuses odd lengths: padded
 def test_the_h100_update_runs_cudnn_attention_forward_and_backward(h100_model, completion):
-    algo = algorithms.method_config("pods", n=8, m=4)
+    algo = paper_settings.method_config("pods", n=8, m=4)
     lora = pm.LoraConfig(rank=4, alpha=8.0)
     optimizer, update = loop.update_program(h100_model, algo, lora)
     state, frozen = loop.abstract_state(h100_model, algo, optimizer, lora, dry_run.abstract_base(h100_model))
@@ -122,7 +122,7 @@ def test_an_h100_decode_step_of_qwen_1_5b_moves_at_most_1_3x_its_floor():
     # Setting a's rollouts: 64 rows of 512 + 512 tokens, bf16, LoRA r64 merged for sampling.
     mesh = mesh_lib.make_mesh("1", devices=topology.compile_only_devices("h100"))
     model = pm.Decoder(pm.checkpoint_shape("Qwen2.5-1.5B"), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, mesh=mesh)
-    algo = algorithms.method_config("pods")
+    algo = paper_settings.method_config("pods")
     lora = pm.LoraConfig(rank=64, alpha=64.0)
     plan = dry_run.plan(model, algo, lora, base_params=dry_run.abstract_base(model), prompts=1, prompt_len=512,
                         max_new_tokens=512, eos_token_ids=(151645,))

@@ -14,7 +14,7 @@ from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
 from podsjax import checkpoint as ckpt_lib
-from podsjax import algorithms, data, dry_run, loop, metrics, prompts, sampling
+from podsjax import data, dry_run, loop, metrics, paper_settings, prompts, sampling
 from podsjax import mesh as mesh_lib
 from podsjax.loop import dynamic_sampling, run_files
 from podsjax.rewards import combine as rewards_combine
@@ -39,7 +39,7 @@ shared_generator = functools.cache(sampling.Generator)
 
 def make_trainer(setup, out_dir, max_steps, lora=None, **parts):
     model, params, tokenizer, train_set, test_set = setup
-    algo = algorithms.method_config("pods", n=4, m=2, learning_rate=1e-3)
+    algo = paper_settings.method_config("pods", n=4, m=2, learning_rate=1e-3)
     run = loop.RunConfig(out_dir=str(out_dir), max_steps=max_steps, prompts_per_step=2, max_new_tokens=8,
                          eval_every_s=0.0, eval_batch_size=2, checkpoint_every_steps=1, reward_workers=1,
                          progress=False)
@@ -111,8 +111,9 @@ def test_the_first_step_compiles_the_update_behind_generation(setup, tmp_path):
     model, params, tokenizer, train_set, _ = setup
     run = loop.RunConfig(out_dir=str(tmp_path / "run"), max_steps=2, prompts_per_step=2, max_new_tokens=8,
                          eval_every_s=None, reward_workers=1, progress=False, console=False)
-    trainer = loop.Trainer(model, params, tokenizer, [train_set[0]] * 8, [], algorithms.method_config("pods", n=4, m=2),
-                           run, lora=pm.LoraConfig(rank=2, alpha=4.0), generator=shared_generator(model))
+    algo = paper_settings.method_config("pods", n=4, m=2)
+    trainer = loop.Trainer(model, params, tokenizer, [train_set[0]] * 8, [], algo, run,
+                           lora=pm.LoraConfig(rank=2, alpha=4.0), generator=shared_generator(model))
     real, lowered_on = trainer.update_fn, []
 
     class Recorded:
@@ -148,7 +149,8 @@ def test_each_program_compiles_once_and_the_console_says_so(setup, tmp_path):
     run = loop.RunConfig(out_dir=str(tmp_path / "run"), max_steps=3, prompts_per_step=2, max_new_tokens=8,
                          eval_every_s=0.0, eval_batch_size=8, reward_workers=1, progress=False, progress_every_s=0.0)
     lines = []
-    trainer = loop.Trainer(model, params, tokenizer, same, same, algorithms.method_config("pods", n=4, m=2), run,
+    algo = paper_settings.method_config("pods", n=4, m=2)
+    trainer = loop.Trainer(model, params, tokenizer, same, same, algo, run,
                            lora=pm.LoraConfig(rank=2, alpha=4.0), log=lines.append)
     trainer.compile_log.min_report_s = 0.0  # report every compile, however fast this machine
     trainer.run()
@@ -179,7 +181,7 @@ def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_
     example = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=1).examples
     run = loop.RunConfig(out_dir=str(tmp_path / "run"), max_steps=1, prompts_per_step=2, max_new_tokens=8,
                          max_prompt_length=256, eval_every_s=None, reward_workers=1, progress=False, console=False)
-    algo = algorithms.method_config("pods", n=4, m=2)
+    algo = paper_settings.method_config("pods", n=4, m=2)
     trainer = loop.Trainer(model, params, tokenizer, example * 4, example, algo, run,
                            lora=pm.LoraConfig(rank=2, alpha=4.0))
     try:
@@ -210,7 +212,7 @@ def test_a_bf16_full_fine_tune_trains_fp32_master_weights_and_samples_their_bf16
     run = loop.RunConfig(out_dir=str(tmp_path / "run"), max_steps=2, prompts_per_step=2, max_new_tokens=8,
                          max_prompt_length=256, eval_every_s=None, reward_workers=1, checkpoint_every_steps=1,
                          progress=False, console=False)
-    algo = algorithms.method_config("pods", n=4, m=2, learning_rate=1e-3)
+    algo = paper_settings.method_config("pods", n=4, m=2, learning_rate=1e-3)
     param_bytes = mesh_lib.bytes_per_device(params)
     floating = lambda tree: {str(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
     trainer = loop.Trainer(model, params, tokenizer, examples, examples, algo, run)
@@ -261,7 +263,7 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
     def trainer(examples, name, lines):
         run = loop.RunConfig(out_dir=str(tmp_path / name), max_steps=3, prompts_per_step=2, max_new_tokens=4,
                              max_prompt_length=fits, eval_every_s=None, reward_workers=1, progress=False)
-        algo = algorithms.method_config("pods", n=4, m=2)
+        algo = paper_settings.method_config("pods", n=4, m=2)
         return loop.Trainer(model, params, tokenizer, examples, test_set, algo, run,
                             log=lines.append, generator=shared_generator(model))
 
@@ -293,7 +295,7 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
 def test_groups_per_prompt_draws_each_prompt_as_several_groups(setup, tmp_path):
     """Settings e-f: g groups of n for one prompt, each selected apart; the data stream moves by prompts."""
     model, params, tokenizer, train_set, test_set = setup
-    algo = algorithms.method_config("pods", n=4, m=2, groups_per_prompt=2)
+    algo = paper_settings.method_config("pods", n=4, m=2, groups_per_prompt=2)
     run = loop.RunConfig(out_dir=str(tmp_path / "groups"), max_steps=1, prompts_per_step=2, max_new_tokens=4,
                          eval_every_s=None, reward_workers=1, progress=False)
     lines = []
@@ -311,7 +313,7 @@ def test_groups_per_prompt_draws_each_prompt_as_several_groups(setup, tmp_path):
     # 4 groups x 2 selected rows enter the update: the selection ran per group.
     assert any(line.startswith("compiled update (8 rows x") for line in lines), lines
     with pytest.raises(ValueError, match="groups_per_prompt must be >= 1; got 0"):
-        algorithms.method_config("pods", groups_per_prompt=0)
+        paper_settings.method_config("pods", groups_per_prompt=0)
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_its_logs_over(setup, tmp_path):
@@ -329,8 +331,8 @@ def test_a_run_killed_before_its_first_checkpoint_starts_its_logs_over(setup, tm
 
 @pytest.mark.slow
 def test_updates_that_stay_non_finite_stop_the_run_with_one_line(setup, tmp_path):
-    optimizer, real_step = loop.update_program(setup[0], algorithms.method_config("pods", n=4, m=2, learning_rate=1e-3),
-                                               None)
+    algo = paper_settings.method_config("pods", n=4, m=2, learning_rate=1e-3)
+    optimizer, real_step = loop.update_program(setup[0], algo, None)
 
     def non_finite(state, batch, frozen):  # as if every update had a NaN loss (and was skipped)
         state, metrics = real_step(state, batch, frozen)
@@ -346,8 +348,8 @@ def test_updates_that_stay_non_finite_stop_the_run_with_one_line(setup, tmp_path
 
 @pytest.mark.slow
 def test_an_update_batch_whose_groups_mix_prompts_stops_the_run_untrained(setup, tmp_path):
-    optimizer, real_step = loop.update_program(setup[0], algorithms.method_config("pods", n=4, m=2, learning_rate=1e-3),
-                                               None)
+    algo = paper_settings.method_config("pods", n=4, m=2, learning_rate=1e-3)
+    optimizer, real_step = loop.update_program(setup[0], algo, None)
 
     def mixed(state, batch, frozen):  # rows 1 and 2 swap prompts: each group of 2 holds two prompts
         prompt = slice(0, batch.input_ids.shape[1] - batch.completion_length)
@@ -468,7 +470,7 @@ def test_dynamic_sampling_draws_again_until_the_groups_have_variance(setup, tmp_
     model, params, tokenizer, train_set, test_set = setup
     run = loop.RunConfig(out_dir=str(tmp_path / "dyn"), max_steps=2, prompts_per_step=2, max_new_tokens=4,
                          eval_every_s=None, reward_workers=1, progress=False)
-    algo = algorithms.method_config("pods", n=4, m=2, dynamic_sampling=True, max_sampling_rounds=2)
+    algo = paper_settings.method_config("pods", n=4, m=2, dynamic_sampling=True, max_sampling_rounds=2)
     # Step 1: one informative group per draw, so a second draw fills the step. Step 2: both
     # draws flat, so the first draw's groups fill in and the step keeps its shape.
     scorer = ScriptedScorer([("flat", "mixed"), ("mixed", "flat"), ("flat", "flat"), ("flat", "flat")])

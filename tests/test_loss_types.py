@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import podsjax.models as pm
-from podsjax import algorithms, grpo, train
+from podsjax import algorithms, grpo, paper_settings, train
 from podsjax.grpo import LossConfig
 
 LOSS = jax.jit(grpo.grpo_loss, static_argnums=3)
@@ -243,7 +243,7 @@ def test_loss_type_is_validated_and_off_by_default():
         algorithms.AlgorithmConfig(loss_type="GSPO")
     assert LossConfig().loss_type == "grpo"
     for method in ("grpo", "grpo-ga", "pods"):
-        assert algorithms.method_config(method).loss_config.loss_type == "grpo"
+        assert paper_settings.method_config(method).loss_config.loss_type == "grpo"
     config = algorithms.AlgorithmConfig(loss_type="cispo", epsilon_high=4.0, aggregation="seq-mean-token-mean")
     assert config.loss_config == LossConfig(epsilon_high=4.0, aggregation="seq-mean-token-mean", loss_type="cispo")
 

@@ -199,5 +199,5 @@ def test_settings_are_read_only_and_method_config_reads_their_sizes():
     with pytest.raises(TypeError):
         paper_settings.get_setting("a").run["max_new_tokens"] = 1
     for method, sizes in paper_settings.GSM8K_METHODS.items():
-        assert {key: getattr(algorithms.method_config(method), key) for key in sizes} == dict(sizes)
+        assert {key: getattr(paper_settings.method_config(method), key) for key in sizes} == dict(sizes)
         assert paper_settings.get_setting("a").methods[method] == sizes

@@ -89,12 +89,12 @@ def test_sigterm_finishes_an_update_or_drops_scoring_then_checkpoints_the_last_w
     import podsjax.models as pm
     from test_loop import make_trainer
 
-    from podsjax import algorithms, loop
+    from podsjax import loop, paper_settings
 
     lora = pm.LoraConfig(rank=2, alpha=4.0)
     pool = RewardPool(1, timeout_s=10.0)
     workers = []
-    algo = algorithms.method_config("pods", n=4, m=2, learning_rate=1e-3)
+    algo = paper_settings.method_config("pods", n=4, m=2, learning_rate=1e-3)
     optimizer, update = loop.update_program(setup[0], algo, lora)
 
     def signalled_update(state, batch, frozen):  # the signal lands while step 2's update runs: the step finishes

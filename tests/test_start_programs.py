@@ -9,7 +9,7 @@ import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 import podsjax.models as pm
-from podsjax import algorithms, compilation, data, loop, prompts, sampler_programs
+from podsjax import compilation, data, loop, paper_settings, prompts, sampler_programs
 
 PROGRAMS = ("generate[weights]", "generate[prefill]", "generate[decode]", "update", "select[build_batch]")
 
@@ -105,7 +105,7 @@ def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny, tm
                          max_prompt_length=256, eval_every_s=0.0, reward_workers=1, progress=False, console=False,
                          compile_threads=threads)
     trainer = loop.Trainer(model, params, prompts.load_tokenizer(checkpoint), train, test,
-                           algorithms.method_config("pods", n=4, m=2), run, lora=pm.LoraConfig(rank=2, alpha=4.0))
+                           paper_settings.method_config("pods", n=4, m=2), run, lora=pm.LoraConfig(rank=2, alpha=4.0))
     trainer._overlap_compiles = False  # as on a GPU, where the first step compiles nothing behind generation
     try:
         runner._check_fits(trainer, limit=2**40)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import podsjax.models as pm
-from podsjax import algorithms, loop, paper_settings, prompts, rewards
+from podsjax import loop, paper_settings, prompts, rewards
 from podsjax import tiny
 from podsjax.tiny import sft
 from podsjax.tiny import warmup as warmup_lib
@@ -275,7 +275,7 @@ def test_model_spec_is_validated():
 def test_rl_defaults_make_valid_configs(tmp_path):
     setting = paper_settings.TINY
     pods = {k: v for k, v in setting.methods["pods"].items() if k != "algorithm"}
-    algo = algorithms.method_config("pods", **pods, **setting.common)
+    algo = paper_settings.method_config("pods", **pods, **setting.common)
     assert algo.m < algo.n
     run = loop.RunConfig(out_dir=str(tmp_path), **setting.run)
     # Every tiny prompt fits, and the rollouts of a step split evenly over 8 devices.

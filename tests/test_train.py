@@ -10,7 +10,7 @@ import pytest
 
 import podsjax.models as pm
 from podsjax import mesh as mesh_lib
-from podsjax import algorithms, train
+from podsjax import algorithms, paper_settings, train
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -85,7 +85,8 @@ def test_ga_micro_batches_equal_one_big_batch(model_and_params):
 @pytest.mark.slow
 def test_lora_step_leaves_base_params_bit_identical(model_and_params):
     model, params = model_and_params
-    config = algorithms.method_config("pods", n=N, m=M, learning_rate=1e-2, beta=0.04, schedule="cosine", total_steps=4)
+    config = paper_settings.method_config("pods", n=N, m=M, learning_rate=1e-2, beta=0.04, schedule="cosine",
+                                          total_steps=4)
     lora = pm.init_lora(jax.random.key(3), model, pm.LoraConfig(rank=4, alpha=8.0))
     optimizer = algorithms.make_optimizer(config)
     policy, reference = train.lora_apply_fn(model)
@@ -111,7 +112,7 @@ def test_sharded_step_equals_single_device(model_and_params):
     # Adam's first step is ~lr * g / |g|, which turns 1e-9 float noise in near-zero
     # gradients into ~lr / 10 differences; lr 1e-3 keeps that under the 1e-5 bound
     # while the loss and gradient norm are compared directly below.
-    config = algorithms.method_config("pods", n=N, m=M, learning_rate=1e-3, max_grad_norm=1e6)
+    config = paper_settings.method_config("pods", n=N, m=M, learning_rate=1e-3, max_grad_norm=1e6)
     batch, _ = train.build_batch(*random_rollouts(2), config)
     step, state = full_ft(model, config, params)
     ref_state, ref_metrics = jax.jit(step)(state, batch, None)
@@ -170,7 +171,7 @@ def test_bf16_full_fine_tune_keeps_fp32_master_weights_and_follows_the_fp32_run(
 @pytest.mark.slow
 def test_non_finite_loss_skips_the_update(model_and_params):
     model, params = model_and_params
-    config = algorithms.method_config("grpo", n=N, m=N, learning_rate=1e-2)
+    config = paper_settings.method_config("grpo", n=N, m=N, learning_rate=1e-2)
     batch, _ = train.build_batch(*random_rollouts(3), config)
     step, state = full_ft(model, config, params)
     bad = batch.replace(advantages=batch.advantages.at[0].set(jnp.nan))
@@ -186,7 +187,7 @@ def test_non_finite_loss_skips_the_update(model_and_params):
 @pytest.mark.slow
 def test_build_batch_selects_and_normalizes_over_the_subset():
     prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(4)
-    config = algorithms.method_config("pods", n=N, m=M)
+    config = paper_settings.method_config("pods", n=N, m=M)
     batch, idx = train.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, config)
     idx = np.asarray(idx)
     for p in range(P):
@@ -225,7 +226,7 @@ def test_config_validation_errors():
             algorithms.AlgorithmConfig(**kwargs)
         assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="unknown method"):
-        algorithms.method_config("dapo")
+        paper_settings.method_config("dapo")
 
 
 def test_the_update_takes_log_probs_at_logprob_temperature(model_and_params):

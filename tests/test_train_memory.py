@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import podsjax.models as pm
-from podsjax import algorithms, train
+from podsjax import algorithms, paper_settings, train
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -23,10 +23,10 @@ P, LP, T = 1, 32, 64  # prompts per step, prompt and completion lengths
 MB = 2**20
 
 CASES = {
-    "pods n=64 m=16": algorithms.method_config("pods"),  # selection runs before the update: 16 rows enter it
-    "grpo n=m=16": algorithms.method_config("grpo"),
-    "grpo-ga n=m=64, 4 x 16": algorithms.method_config("grpo-ga"),
-    "grpo n=m=64": algorithms.method_config("grpo", n=64, m=64),
+    "pods n=64 m=16": paper_settings.method_config("pods"),  # selection runs before the update: 16 rows enter it
+    "grpo n=m=16": paper_settings.method_config("grpo"),
+    "grpo-ga n=m=64, 4 x 16": paper_settings.method_config("grpo-ga"),
+    "grpo n=m=64": paper_settings.method_config("grpo", n=64, m=64),
 }
 
 

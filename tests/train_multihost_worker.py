@@ -18,13 +18,13 @@ import numpy as np  # noqa: E402
 import podsjax.models as pm  # noqa: E402
 from host_batches import host_batch_to_global  # noqa: E402
 from podsjax import mesh as mesh_lib  # noqa: E402
-from podsjax import algorithms, train  # noqa: E402
+from podsjax import algorithms, paper_settings, train  # noqa: E402
 
 MODEL = pm.ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                        num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, tie_word_embeddings=True)
 # PODS with 2 micro-batches: selection, the scan and cross-device reductions all take part.
 # lr 1e-3: Adam's first step is ~lr * sign(g), so float noise in near-zero grads stays < 1e-6.
-ALGO = algorithms.method_config("pods", n=8, m=4, grad_accum=2, learning_rate=1e-3, max_grad_norm=1e6)
+ALGO = paper_settings.method_config("pods", n=8, m=4, grad_accum=2, learning_rate=1e-3, max_grad_norm=1e6)
 MESH = "data=2,fsdp=2,tensor=2"  # params split over fsdp/tensor, so every step talks across hosts
 P, LP, T = 4, 6, 5  # 4 prompts in all: 2 per host
 
