@@ -1,6 +1,8 @@
 """The GRPO / GRPO-GA / GRPO-PODS update: state, batch assembly and the jit step.
 
 What to train (``AlgorithmConfig``, ``method_config``, the optimizer) is ``podsjax.algorithms``.
+The batch is built in ``podsjax.train_batch`` and the metrics summed in ``podsjax.step_metrics``;
+both are re-exported here with the update's forward (``podsjax.update_forward``).
 
 One PODS step after generation and scoring, as data:
 
@@ -11,16 +13,28 @@ One PODS step after generation and scoring, as data:
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
-from podsjax import grpo, selection
+from podsjax import grpo
 from podsjax.algorithms import AlgorithmConfig, learning_rate_schedule
+from podsjax.step_metrics import (  # noqa: F401  (the update's metrics, re-exported)
+    StepMetrics,
+    _TokenSums,
+    _UpdateMetrics,
+    _summarize,
+    check_prompt_groups,
+)
+from podsjax.train_batch import (  # noqa: F401  (the update's batch, re-exported)
+    TrainBatch,
+    _split,
+    build_batch,
+    mini_batch_denominators,
+)
 from podsjax.update_forward import (  # noqa: F401  (the update's forward, re-exported)
     HiddenFn,
     completion_logprobs,
@@ -72,219 +86,6 @@ def init_state(params: Any, optimizer: optax.GradientTransformation, master_dtyp
         opt_state=optimizer.init(params),
         step=jnp.zeros((), jnp.int32),
         skipped_updates=jnp.zeros((), jnp.int32),
-    )
-
-
-@flax.struct.dataclass
-class TrainBatch:
-    """Rows that enter the update (B = P * rows per prompt).
-
-    Attributes:
-      input_ids: int32 [B, Lp + T], left-padded prompt followed by the completion.
-      attention_mask: int32 [B, Lp + T], 1 on prompt and valid completion tokens.
-      completion_mask: float32 [B, T], 1 on completion tokens that count in the loss.
-      advantages: float32 [B].
-      loss_denominator: the loss normalizer of each optimizer step's rows: a float32 scalar
-        over the whole batch, or [S] for ``steps_per_generation`` S > 1 (one per
-        mini-batch); None to have the step compute it.
-      advantage_mean: float32 scalar over the whole batch, or None to have the step compute
-        it. ``build_batch`` fills both, so the update program holds no batch-only collective
-        beside the layer scan's (such pairs deadlock fake CPU devices: docs/reliability.md,
-        "Not promised").
-      sampler_logprobs: float32 [B, T], the sampler's log-probs of the completion tokens
-        (``Rollouts.logprobs``), or None; needed for TIS, the mismatch metrics and
-        ``old_logprobs="sampler"``.
-    """
-
-    input_ids: jax.Array
-    attention_mask: jax.Array
-    completion_mask: jax.Array
-    advantages: jax.Array
-    loss_denominator: jax.Array | None = None
-    advantage_mean: jax.Array | None = None
-    sampler_logprobs: jax.Array | None = None
-
-    @property
-    def completion_length(self) -> int:
-        return self.completion_mask.shape[1]
-
-
-def build_batch(
-    prompt_ids_PL: jax.Array,
-    prompt_mask_PL: jax.Array,
-    tokens_PNT: jax.Array,
-    mask_PNT: jax.Array,
-    rewards_PN: jax.Array,
-    config: AlgorithmConfig,
-    key: jax.Array | None = None,
-    logprobs_PNT: jax.Array | None = None,
-) -> tuple[TrainBatch, jax.Array]:
-    """Selects (PODS), computes group advantages and assembles the update batch.
-
-    Args:
-      prompt_ids_PL, prompt_mask_PL: the left-padded prompts [P, Lp].
-      tokens_PNT, mask_PNT: completions and their validity [P, N, T].
-      rewards_PN: total rewards.
-      config: the algorithm.
-      key: PRNG key for rules that need one.
-      logprobs_PNT: the sampler's log-probs of the completion tokens, or None; kept for the
-        selected rows when ``config.sampler_logprobs`` says the update needs them.
-
-    Returns:
-      (TrainBatch with P * M rows, prompt-major, and the selected indices [P, M]
-      into the N rollouts; GRPO and GRPO-GA keep all of them, as M = N).
-    """
-    p, n = rewards_PN.shape
-    if n != config.n:
-        raise ValueError(f"rewards have {n} rollouts per prompt but the config says n={config.n}")
-    if config.sampler_logprobs and logprobs_PNT is None:
-        raise ValueError(f"{config.sampler_logprobs_reason} needs the sampler's log-probs: generate with "
-                         "return_logprobs=True and pass them as logprobs_PNT")
-    if config.algorithm == "pods":
-        idx_PM = selection.select(config.rule, rewards_PN, config.m, key=key)
-    else:
-        idx_PM = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (p, n))
-    rows = idx_PM.shape[1]
-    chosen_PM = jnp.take_along_axis(rewards_PN, idx_PM, axis=1)
-    adv_PM = grpo.group_advantages(chosen_PM, eps=config.advantage_eps, std_scaling=config.std_scaling)
-    tokens_PMT = jnp.take_along_axis(tokens_PNT, idx_PM[..., None], axis=1)
-    mask_PMT = jnp.take_along_axis(mask_PNT, idx_PM[..., None], axis=1).astype(jnp.int32)
-    prompt_ids = jnp.repeat(prompt_ids_PL, rows, axis=0)
-    prompt_mask = jnp.repeat(prompt_mask_PL, rows, axis=0).astype(jnp.int32)
-    t = tokens_PNT.shape[-1]
-    completion_mask = mask_PMT.reshape(p * rows, t).astype(jnp.float32)
-    advantages = adv_PM.reshape(p * rows)
-    sampler_logprobs = None
-    if config.sampler_logprobs:
-        picked = jnp.take_along_axis(logprobs_PNT.astype(jnp.float32), idx_PM[..., None], axis=1)
-        sampler_logprobs = jnp.where(completion_mask > 0, picked.reshape(p * rows, t), 0.0)
-    steps = config.steps_per_generation
-    if (p * rows) % (steps * config.grad_accum):
-        raise ValueError(f"{p * rows} trained rows do not split into steps_per_generation {steps} mini-batches "
-                         f"of grad_accum {config.grad_accum} micro-batches")
-    batch = TrainBatch(
-        input_ids=jnp.concatenate([prompt_ids, tokens_PMT.reshape(p * rows, t)], axis=1).astype(jnp.int32),
-        attention_mask=jnp.concatenate([prompt_mask, mask_PMT.reshape(p * rows, t)], axis=1),
-        completion_mask=completion_mask,
-        advantages=advantages,
-        loss_denominator=mini_batch_denominators(completion_mask, config),
-        advantage_mean=jnp.mean(advantages),
-        sampler_logprobs=sampler_logprobs,
-    )
-    return batch, idx_PM
-
-
-def mini_batch_denominators(completion_mask_BT: jax.Array, config: AlgorithmConfig) -> jax.Array:
-    """The loss normalizer of each optimizer step's rows: a scalar over the whole batch with
-    one step per generation, else one per mini-batch of ``steps_per_generation`` ([S])."""
-    steps = config.steps_per_generation
-    if steps == 1:
-        return grpo.loss_denominator(completion_mask_BT, config.loss_config)
-    return jax.vmap(lambda m: grpo.loss_denominator(m, config.loss_config))(_split(completion_mask_BT, steps))
-
-
-class _TokenSums(NamedTuple):
-    """Per-token statistics of one optimizer step, summed over its micro-batches (each weighted by its tokens)."""
-
-    clip_low: jax.Array
-    clip_high: jax.Array
-    kl: jax.Array
-    entropy: jax.Array
-    tis_weight: jax.Array
-    tis_truncated: jax.Array
-    tokens: jax.Array
-    mismatch_abs: jax.Array  # sum of |logp_update - logp_sampler|
-    mismatch_max: jax.Array  # the largest token ratio pi_update / pi_sampler
-
-
-class _UpdateMetrics(NamedTuple):
-    loss: jax.Array
-    grad_norm: jax.Array
-    learning_rate: jax.Array
-    skipped: jax.Array
-    sums: _TokenSums
-
-
-@flax.struct.dataclass
-class StepMetrics:
-    """One generated batch's update, over its ``num_iterations x steps_per_generation`` optimizer
-    steps: loss and grad norm are means over the applied ones, the token statistics
-    token-weighted means,
-    ``skipped`` counts the skipped ones and ``learning_rate`` is the last one's.
-    ``num_tokens`` counts the batch's trained tokens once. The optional fields are None
-    unless their option is on (``tis_cap``, ``log_mismatch``).
-    """
-
-    loss: jax.Array
-    grad_norm: jax.Array
-    learning_rate: jax.Array
-    skipped: jax.Array
-    entropy: jax.Array
-    clip_frac_low: jax.Array
-    clip_frac_high: jax.Array
-    kl_mean: jax.Array
-    advantage_mean: jax.Array
-    num_tokens: jax.Array
-    tis_weight_mean: jax.Array | None = None
-    tis_truncated_frac: jax.Array | None = None
-    # mean |logp_update - logp_sampler| before any update of the batch: over every trained token,
-    # or with old_logprobs='sampler' and several mini-batches over the first mini-batch's
-    mismatch_logp_abs: jax.Array | None = None
-    mismatch_ratio_max: jax.Array | None = None  # the largest token ratio pi_update / pi_sampler, same tokens
-    # with shared_prefix: groups whose rows hold different prompts; when > 0 the state is unchanged
-    mismatched_prompt_groups: jax.Array | None = None
-
-
-def check_prompt_groups(metrics: StepMetrics) -> None:
-    """Raises ValueError when the step's batch had groups of rows with different prompts.
-
-    The shared-prefix step cannot raise under jit: it leaves the state as it was and
-    counts such groups in ``metrics.mismatched_prompt_groups``. Call this where the
-    metrics are read (the loop's ``Trainer`` does, every step).
-    """
-    count = metrics.mismatched_prompt_groups
-    if count is not None and int(count) > 0:
-        raise mismatched_prompts_error(int(count))
-
-
-def _split(batch: Any, *counts: int) -> Any:
-    """[B, ...] -> [*counts, B / prod(counts), ...]: micro-batch i is a contiguous run of rows."""
-    def split(x):
-        return x.reshape(*counts, x.shape[0] // math.prod(counts), *x.shape[1:])
-
-    return jax.tree.map(split, batch)
-
-
-def _summarize(per_update: _UpdateMetrics, before_updates: int, iterations: int, advantage_mean) -> StepMetrics:
-    """StepMetrics from every optimizer step's metrics ([U] each). The first ``before_updates``
-    measured the mismatch against log-probs taken before any update of the batch: the first
-    pass's mini-batches when those were computed up front, else only the first step's.
-    Loss and grad norm are means over the steps that were applied (non-finite when none was)."""
-    sums = per_update.sums
-    tokens = jnp.sum(sums.tokens)
-    per_token = jnp.maximum(tokens, 1.0)
-    first_tokens = jnp.maximum(jnp.sum(sums.tokens[:before_updates]), 1.0)
-    applied = per_update.skipped == 0
-
-    def applied_mean(x):
-        return jnp.where(jnp.any(applied), jnp.sum(jnp.where(applied, x, 0.0)) / jnp.maximum(jnp.sum(applied), 1),
-                         jnp.mean(x))
-
-    return StepMetrics(
-        loss=applied_mean(per_update.loss),
-        grad_norm=applied_mean(per_update.grad_norm),
-        learning_rate=per_update.learning_rate[-1],
-        skipped=jnp.sum(per_update.skipped),
-        entropy=jnp.sum(sums.entropy) / per_token,
-        clip_frac_low=jnp.sum(sums.clip_low) / per_token,
-        clip_frac_high=jnp.sum(sums.clip_high) / per_token,
-        kl_mean=jnp.sum(sums.kl) / per_token,
-        advantage_mean=advantage_mean,
-        num_tokens=tokens / iterations,
-        tis_weight_mean=jnp.sum(sums.tis_weight) / per_token,
-        tis_truncated_frac=jnp.sum(sums.tis_truncated) / per_token,
-        mismatch_logp_abs=jnp.sum(sums.mismatch_abs[:before_updates]) / first_tokens,
-        mismatch_ratio_max=jnp.max(sums.mismatch_max[:before_updates]),
     )
 
 
