@@ -239,4 +239,3 @@ def as_json(config: ExperimentConfig) -> dict[str, Any]:
     values = draccus.encode(config)
     values["run"] = {k: v for k, v in values["run"].items() if k != "out_dir"}  # the directory it lies in
     return values
-

@@ -71,4 +71,3 @@ def check_out(args) -> None:
             raise UsageError(f"--resume auto: {out} is not empty and holds no run (no config.json); start the run "
                              "in an empty or new directory")
         raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")
-
