@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import podsjax.models as pm
-from podsjax import algorithms, grpo, train
+from podsjax import algorithms, grpo, train, update_forward
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -37,8 +37,10 @@ def rollouts(seed=0):
 
 
 def policy_logprobs(model, params, batch, temperature=0.9):
+    """The update's own log-probs at ``params``, in its default form: each prompt once for its N rows."""
     policy, _ = train.full_apply_fn(model)
-    return train.completion_logprobs(functools.partial(policy, params, None), batch, temperature)[0]
+    prefix = functools.partial(policy.shared_prefix, params, None)
+    return update_forward.shared_prefix_logprobs(prefix, batch, temperature, N)[0]
 
 
 def run_step(model, params, batch, **fields):
