@@ -182,6 +182,15 @@ def abstract_base(model) -> Any:
     return mesh_lib.with_shardings(shapes, pm.param_shardings(model, model.mesh))
 
 
+def rollout_options(algo: algorithms.AlgorithmConfig, max_new_tokens: int, eos_token_ids,
+                    pad_token_id: int) -> dict[str, Any]:
+    """The options of a step's rollouts that key generation's programs, shared by
+    :meth:`podsjax.sampling.Generator.compile` and ``generate``: compiling with them ahead
+    of time gives the programs the steps run."""
+    return dict(num_samples=algo.n, max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k,
+                eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id, return_logprobs=algo.sampler_logprobs)
+
+
 @contextlib.contextmanager
 def refused_by_compiler(program: str, device_kind: str):
     """A compiler that sizes memory itself (TPU) refuses a program larger than the chip's
@@ -264,10 +273,8 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
         with (log.label("generate", f"{prompts} prompts x {algo.n} samples, {prompt_len} + {max_new_tokens} tokens"),
               refused_by_compiler("generation", device.device_kind)):
             gen = (generator or sampling.Generator(model)).compile(
-                base, lora, prompts=prompts, prompt_len=prompt_len, num_samples=algo.n,
-                max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k,
-                eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id,
-                return_logprobs=algo.sampler_logprobs)
+                base, lora, prompts=prompts, prompt_len=prompt_len,
+                **rollout_options(algo, max_new_tokens, eos_token_ids, pad_token_id))
     except BaseException:
         if pending is not None:
             concurrent.futures.wait([pending])  # no compile left running while the error ends the process

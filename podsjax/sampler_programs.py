@@ -54,7 +54,9 @@ class Programs:
         with self.lock:
             self.by_key[key] = value
             while len(self.by_key) > self.limit:
-                del self.by_key[next(iter(self.by_key))]
+                oldest = next(iter(self.by_key))
+                del self.by_key[oldest]
+                self.seconds.pop(oldest, None)
         return value
 
     def compiled(self, key: tuple, build: Callable[[], Any], timings: dict | None):

@@ -78,11 +78,13 @@ class Evaluator:
         run_config = self.run_config
         ids = jax.ShapeDtypeStruct((self.rows, prompt_len), np.int32)
         with self.compile_log.label("generate", reporting.generate_shape(ids, 1, run_config.max_new_tokens)):
-            # The options __call__ passes to generate, which key its programs.
-            self.generator.compile(params, lora, prompts=self.rows, prompt_len=prompt_len, num_samples=1,
-                                   max_new_tokens=run_config.max_new_tokens, top_k=run_config.eval_top_k,
-                                   eos_token_ids=self.eos_ids,
-                                   pad_token_id=prompts_lib.pad_token_id(self.prompts.tokenizer))
+            self.generator.compile(params, lora, prompts=self.rows, prompt_len=prompt_len,
+                                   **self._generate_options(prompts_lib.pad_token_id(self.prompts.tokenizer)))
+
+    def _generate_options(self, pad_token_id: int) -> dict[str, Any]:
+        """The options an evaluation generates with, which key its programs (:meth:`compile`'s too)."""
+        return dict(num_samples=1, max_new_tokens=self.run_config.max_new_tokens, top_k=self.run_config.eval_top_k,
+                    eos_token_ids=self.eos_ids, pad_token_id=pad_token_id)
 
     def __call__(self, params: Any, lora: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """``(scalars, samples)`` of the policy ``(params, lora)``.
@@ -119,11 +121,8 @@ class Evaluator:
             for repeat in range(run_config.eval_repeats):
                 key = jax.random.fold_in(jax.random.fold_in(eval_key, repeat), index)
                 with self.compile_log.label("generate", reporting.generate_shape(ids, 1, run_config.max_new_tokens)):
-                    r = self.generator.generate(
-                        params, ids, prompt_mask, key, num_samples=1, max_new_tokens=run_config.max_new_tokens,
-                        temperature=run_config.eval_temperature, top_k=run_config.eval_top_k,
-                        eos_token_ids=self.eos_ids,
-                        pad_token_id=prompts.pad_id, lora=lora)
+                    r = self.generator.generate(params, ids, prompt_mask, key, temperature=run_config.eval_temperature,
+                                                lora=lora, **self._generate_options(prompts.pad_id))
                 first, tokens = hosts.local_rows(r.tokens)
                 mask = hosts.local_rows(r.mask)[1]
                 mine = padded[first : first + len(tokens)]

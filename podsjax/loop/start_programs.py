@@ -79,10 +79,9 @@ def _batch_builder(trainer, params, lora, prompt_len: int) -> None:
     with trainer.compile_log.label("generate", reporting.generate_shape(ids, algo.n, run_config.max_new_tokens)):
         # The fit check's call: the programs it compiles (or compiled), never new ones.
         generated = trainer.generator.compile(
-            params, lora, prompts=rows, prompt_len=prompt_len, num_samples=algo.n,
-            max_new_tokens=run_config.max_new_tokens, top_p=algo.top_p, top_k=algo.top_k,
-            eos_token_ids=tuple(trainer.eos_ids), pad_token_id=prompts_lib.pad_token_id(trainer.tokenizer),
-            return_logprobs=algo.sampler_logprobs)
+            params, lora, prompts=rows, prompt_len=prompt_len,
+            **dry_run.rollout_options(algo, run_config.max_new_tokens, trainer.eos_ids,
+                                      prompts_lib.pad_token_id(trainer.tokenizer)))
     rollouts = generated["decode"].out_info[0]
     rewards = jax.ShapeDtypeStruct((rows, algo.n), jnp.float32)
     key = jax.eval_shape(lambda: jax.random.key(0))

@@ -106,10 +106,11 @@ class Trainer:
         self.signals = run_state.StopSignals(drop_at_once=hosts.count() == 1)
         self._compiled_once = False
         self._update_shapes: set[tuple[int, int]] = set()  # (rows, prompt length) the update compiled for
-        # Compiles overlap generation on CPUs and TPUs. XLA's GPU compiler times candidate
-        # kernels on the device as it compiles (autotuning): beside generation those timings
-        # are noise and its scratch memory adds to generation's. GPUs, and runs over several
-        # hosts (untried), keep compiles one at a time until measured.
+        # A step's update compiles behind generation's run on CPUs and TPUs. XLA's GPU compiler
+        # times candidate kernels on the device as it compiles (autotuning): beside a running
+        # generation those timings are noise and its scratch memory adds to generation's. GPUs,
+        # and runs over several hosts (untried), compile it after generation. (The start's
+        # compiles, with nothing running yet, overlap on GPUs too: podsjax.loop.start_programs.)
         self._overlap_compiles = mesh_lib.platform(model.mesh) != "gpu" and hosts.count() == 1
         self._pending_compile: compilation.InBackground | None = None  # the update compiling behind generation
 
@@ -178,8 +179,9 @@ class Trainer:
         batch builder compile beside them, ``run_config.compile_threads`` at a time
         (``podsjax.loop.start_programs``).
         """
-        self._update_shapes.add((self._update_rows, programs.padded_prompt_length(self.run_config)))
-        self._buckets.compiled(programs.padded_prompt_length(self.run_config))
+        prompt_len = programs.padded_prompt_length(self.run_config)
+        self._update_shapes.add((self._update_rows, prompt_len))
+        self._buckets.compiled(prompt_len)
         return start_programs.plan_and_compile(self, start_programs.compile_threads(self.run_config, hosts.count()))
 
     def policy_params(self):
@@ -213,9 +215,8 @@ class Trainer:
         shape = reporting.generate_shape(prompts.ids_PL, algo.n, run_config.max_new_tokens)
         with self.compile_log.label("generate", shape):
             rollouts = self.generator.generate(
-                params, ids, prompt_mask, key, num_samples=algo.n, max_new_tokens=run_config.max_new_tokens,
-                temperature=algo.temperature, top_p=algo.top_p, top_k=algo.top_k, eos_token_ids=self.eos_ids,
-                pad_token_id=prompts.pad_id, lora=lora, return_logprobs=algo.sampler_logprobs)
+                params, ids, prompt_mask, key, temperature=algo.temperature, lora=lora,
+                **dry_run.rollout_options(algo, run_config.max_new_tokens, self.eos_ids, prompts.pad_id))
         return {"examples": examples, "prompts": prompts, "skipped": skipped, "ids": ids, "prompt_mask": prompt_mask,
                 "rollouts": rollouts}
 
