@@ -23,7 +23,7 @@ import time
 import traceback
 import warnings
 
-from experiments import completed, flags, launch_checks, run_dir
+from experiments import completed, flags, helptext, launch_checks, run_dir
 from experiments.config import describe_setting
 from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_device_count
 
@@ -393,7 +393,7 @@ def main(task: str, argv=None) -> int:
     try:
         args, config = flags.parse(task, argv)
         if args.help:
-            print(flags.help_text(task, sys.argv[1:] if argv is None else argv))
+            print(helptext.help_text(task, sys.argv[1:] if argv is None else argv))
             return 0
         args.distributed = distributed_plan(args)
         if args.out is None:

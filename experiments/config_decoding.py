@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -36,10 +37,12 @@ SECTIONS = tuple(f.name for f in dataclasses.fields(ExperimentConfig))
 _NEGATIVE_VALUE = re.compile(r"-(\d|\.\d|inf\b|nan\b)", re.IGNORECASE)
 
 
-def _unknown(flag: str, task: str, where: str) -> UsageError:
-    from experiments import helptext
-
-    return UsageError(f"unrecognized argument {flag}{helptext.suggestion(flag, task)} ({where})")
+def _unknown(flag: str, where: str, launch_flags: tuple[str, ...] = ()) -> UsageError:
+    """``unrecognized argument --flag; did you mean --known?`` when a known flag (a config
+    field's, or one of ``launch_flags``) is a close misspelling."""
+    known = [*launch_flags, *(f"--{section}.{name}" for section, fields in _field_types().items() for name in fields)]
+    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+    return UsageError(f"unrecognized argument {flag}{f'; did you mean {close[0]}?' if close else ''} ({where})")
 
 
 def _draccus_error(exc: Exception) -> str:
@@ -170,7 +173,7 @@ def _flag_values(flags: list[str], where: str | None = None) -> dict[str, Any]:
         raise UsageError(_where(where, str(exc))) from None
     unknown += [f"--{name}" for name in given if "." not in name]  # draccus's own --config_path
     if unknown:
-        raise _unknown(unknown[0].split("=")[0], "gsm8k", "see --help for the config's fields")
+        raise _unknown(unknown[0].split("=")[0], "see --help for the config's fields")
     fields_of, tree = _field_types(), {}
     for name, text in given.items():
         section, _, field = name.partition(".")

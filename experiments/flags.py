@@ -132,14 +132,6 @@ def _dest(flag: str) -> str:
     return "short_" + flag[2:].replace("-", "_")
 
 
-def help_text(task: str, argv: list[str] | None = None) -> str:
-    """The launch flags' help, then every field of the config tree, each with the default that the
-    command ``argv`` would run with (``experiments.helptext``)."""
-    from experiments import helptext
-
-    return helptext.help_text(task, argv)
-
-
 def _field_flags(args, rest: list[str]) -> tuple[list[str], dict[str, str]]:
     """The shortcuts as dotted flags, then the dotted flags given as they are; and for each
     dotted field, the flag that gave it (the last one)."""
@@ -160,7 +152,8 @@ def _field_flags(args, rest: list[str]) -> tuple[list[str], dict[str, str]]:
         names["run.progress"] = "--no-progress"
     for token in rest:
         if token.startswith("-") and not token.startswith("--") or token.startswith("--") and "." not in token:
-            raise _unknown(token.split("=")[0], args.task, "config fields are --<section>.<field>; see --help")
+            launch_flags = tuple(o for o in build_parser(args.task)._option_string_actions if o.startswith("--"))
+            raise _unknown(token.split("=")[0], "config fields are --<section>.<field>; see --help", launch_flags)
         if token.startswith("--"):
             names[token[2:].partition("=")[0]] = token.partition("=")[0]
     return flags + rest, names

@@ -3,13 +3,12 @@
 The config tree's defaults are not its dataclasses' defaults: a run takes the method's
 and the setting's values first (``experiments.config.preset_layers``), so ``--help``
 resolves the config the way a run does (``--help --method grpo`` shows GRPO's values)
-and shows those. Also: the closest known flag for a misspelled one.
+and shows those.
 """
 
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import re
 import typing
@@ -117,11 +116,3 @@ def _tree_help(task: str, values: dict[str, Any], comments: dict[str, str]) -> s
             text = _with_default(comments.get(dotted, ""), values.get(dotted))
             group.add_argument(f"--{dotted}", metavar=_kind(tp), help=text.replace("%", "%%"))
     return tree.format_help()
-
-
-def suggestion(flag: str, task: str) -> str:
-    """``"; did you mean --method?"`` for a close misspelling of a known flag, else ``""``."""
-    known = [option for option in flags.build_parser(task)._option_string_actions if option.startswith("--")]
-    known += [f"--{section}.{name}" for section, fields in config_decoding._field_types().items() for name in fields]
-    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
-    return f"; did you mean {close[0]}?" if close else ""

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from experiments import config_decoding, flags
+from experiments import config_decoding, flags, helptext
 from experiments.usage import UsageError
 
 
@@ -25,7 +25,7 @@ def entries(text):
 
 @pytest.fixture(scope="module")
 def plain():
-    return entries(flags.help_text("gsm8k", ["--help"]))
+    return entries(helptext.help_text("gsm8k", ["--help"]))
 
 
 def test_every_entry_shows_one_default(plain):
@@ -48,7 +48,7 @@ def test_the_defaults_are_the_ones_a_run_with_no_flags_uses(plain):
 
 
 def test_the_method_given_with_help_shows_its_own_defaults():
-    grpo = entries(flags.help_text("gsm8k", ["--method", "grpo", "--help"]))
+    grpo = entries(helptext.help_text("gsm8k", ["--method", "grpo", "--help"]))
     _, config = flags.parse("gsm8k", ["--method", "grpo"])
     assert grpo["--algorithm.algorithm"].endswith("(default: grpo)")
     assert grpo["--n"].endswith(f"(default: {config.algorithm.n})") and config.algorithm.n == config.algorithm.m
