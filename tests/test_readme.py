@@ -1,6 +1,7 @@
 """The commands and examples of the README and of docs/ stay true."""
 
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -11,7 +12,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+# Every page: the guides in docs/, the results in docs/results/, and the changelog.
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+PAGES = ["README.md", "CHANGELOG.md", *(page.relative_to(ROOT).as_posix() for page in DOCS)]
 
 
 def python_blocks(text):
@@ -19,11 +22,8 @@ def python_blocks(text):
 
 
 def all_python_blocks():
-    """(id, code) of every python example in the README and in docs/."""
-    blocks = [(f"README.md-{i}", code) for i, code in enumerate(python_blocks(README))]
-    for page in DOCS:
-        blocks += [(f"docs/{page.name}-{i}", code) for i, code in enumerate(python_blocks(page.read_text()))]
-    return blocks
+    """(id, code) of every python example in the README, the changelog and docs/."""
+    return [(f"{page}-{i}", code) for page in PAGES for i, code in enumerate(python_blocks((ROOT / page).read_text()))]
 
 
 @pytest.mark.slow
@@ -78,10 +78,10 @@ def test_the_readme_and_the_library_guide_have_the_examples_they_promise():
     library = (ROOT / "docs" / "library.md").read_text()
     assert [heading for heading, language in fences(library) if language == "python"] == [
         "Rules by name, and your own", "Bring your own trainer", "Models: loading, LoRA, generation, export",
-        "Rewards", "One training step in your own code"]
+        "Rewards", "One training step in your own code", "Hooks on the loop"]
 
 
-@pytest.mark.parametrize("page", ["README.md", *(f"docs/{page.name}" for page in DOCS)])
+@pytest.mark.parametrize("page", PAGES)
 def test_every_code_block_is_run_or_checked(page):
     text = (ROOT / page).read_text()
     # A fence without a language, or a misspelt one, would escape the python examples' run.
@@ -118,7 +118,7 @@ def heading_anchors(text):
     return anchors
 
 
-@pytest.mark.parametrize("page", ["README.md", *(f"docs/{page.name}" for page in DOCS)])
+@pytest.mark.parametrize("page", PAGES)
 def test_every_link_between_pages_finds_its_page_and_heading(page):
     path = ROOT / page
     for target, anchor in re.findall(r"\]\((?!https?:|mailto:)([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text()):
@@ -126,3 +126,24 @@ def test_every_link_between_pages_finds_its_page_and_heading(page):
         assert linked.exists(), f"{page} links to {target}, which is not there"
         if anchor and linked.suffix == ".md":
             assert anchor in heading_anchors(linked.read_text()), f"{page} links to {target}#{anchor}: no such heading"
+
+
+def test_docs_holds_the_guides_and_the_results_folder_holds_the_results():
+    # Result files (run summaries, plots) go beside the results page, not among the guides.
+    strays = sorted(path.name for path in (ROOT / "docs").iterdir() if path.is_file() and path.suffix != ".md")
+    assert not strays, f"docs/ holds files other than pages: {', '.join(strays)}; results go in docs/results/"
+    assert (ROOT / "docs" / "results" / "README.md").is_file(), "docs/results/README.md, the results page, is missing"
+    assert not (ROOT / "docs" / "changes.md").exists(), "the changelog is CHANGELOG.md at the repository root"
+    assert (ROOT / "CHANGELOG.md").read_text().startswith("# Changelog\n"), "CHANGELOG.md opens with its title"
+    assert "\n## Unreleased\n" in (ROOT / "CHANGELOG.md").read_text(), "CHANGELOG.md has an Unreleased section"
+
+
+def test_every_result_file_is_linked_from_the_results_page():
+    folder = ROOT / "docs" / "results"
+    page = (folder / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([^)#\s/]+)\)", page))
+    unlinked = sorted(path.name for path in folder.iterdir() if path.name != "README.md" and path.name not in linked)
+    assert not unlinked, f"docs/results/README.md links no {', '.join(unlinked)}"
+    for summary in folder.glob("*.json"):  # the plot it names lies beside it
+        plot = json.loads(summary.read_text())["plot"]
+        assert (folder / plot).is_file(), f"{summary.name} names the plot {plot}, which is not beside it"
