@@ -6,12 +6,14 @@ A checkpoint holds three items, each written by orbax into one step directory:
   optimizer state, step, RNG). It is stored as a *flat* dict keyed by the leaf paths
   (``"opt_state/0/mu/params/w"``), so the on-disk layout does not depend on which pytree
   classes the caller uses, and a mismatch can be reported by leaf name. Typed PRNG keys
-  (``jax.random.key``) are stored as their raw ``key_data`` and re-wrapped on restore.
+  (``jax.random.key``) are stored as their raw ``key_data`` and re-wrapped on restore
+  (``checkpoint_layout``).
 - ``host``: a small JSON dict of host-side progress (data position, elapsed training
   seconds, ...).
 - ``checksums``: one 32-bit checksum per state leaf, computed on the devices at save
   time (a position-weighted sum of the raw bits, so a flipped byte or a swapped block
-  changes it). Restore recomputes them and refuses a checkpoint whose arrays changed.
+  changes it). Restore recomputes them and refuses a checkpoint whose arrays changed
+  (``checkpoint_integrity``).
 
 :meth:`Checkpointer.restore_latest` restores the newest checkpoint that loads and
 passes its checksums; a newer one that does not is renamed ``<step>.corrupt`` (kept
@@ -38,7 +40,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -46,54 +47,32 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
-_STATE = "state"
-_HOST = "host"
-_SUMS = "checksums"
-_ROOT = "root"  # name of the only leaf when the state is a bare array
-CORRUPT_SUFFIX = ".corrupt"
-
-
-class CheckpointCorrupt(ValueError):
-    """A checkpoint's files are damaged: they do not load, or their arrays fail the checksums."""
-
-
-class CheckpointMismatch(ValueError):
-    """A checkpoint is whole but holds another state's leaves, shapes or dtypes."""
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an error, without the kilobyte of JSON spec that tensorstore appends."""
-    line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return line.split(" [tensorstore_spec=")[0]
-
-
-def _leaf_checksum(x: jax.Array) -> jax.Array:
-    """A uint32 checksum of ``x``'s raw bits: sum over i of bits[i] * (i mod 65521 + 1), wrapping.
-
-    Integer sums wrap the same way in any order, so the value does not depend on the
-    sharding or the reduction order of the device that computes it.
-    """
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    else:
-        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 8-byte types gain a trailing axis
-    flat = bits.reshape(-1)
-    weights = (jnp.arange(flat.shape[0], dtype=jnp.uint32) % jnp.uint32(65521)) + jnp.uint32(1)
-    return jnp.sum(flat * weights, dtype=jnp.uint32)
-
-
-_checksum = jax.jit(_leaf_checksum)
-
-
-def _host_checksums(flat: dict[str, Any]) -> dict[str, int]:
-    # One program per leaf shape and placement (leaves may live on different devices), each
-    # finished before the next starts (fake CPU devices: docs/reliability.md, "Not promised").
-    return {p: int(jax.device_get(_checksum(x))) for p, x in flat.items()}
+from podsjax.checkpoint_integrity import (
+    CheckpointCorrupt,
+    CheckpointMismatch,
+    check_matches,
+    first_line,
+    host_checksums,
+    verify_checksums,
+)
+from podsjax.checkpoint_layout import (
+    CHECKSUMS_ITEM,
+    CORRUPT_SUFFIX,
+    HOST_ITEM,
+    STATE_ITEM,
+    abstract_leaf,
+    flat_state,
+    host_json,
+    leaf_paths,
+    move_aside,
+    open_manager,
+    restore_args,
+    save_args,
+    saved_leaves,
+    unflatten_state,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,54 +115,6 @@ class CheckpointConfig:
             raise ValueError(f"keep_last must be an int >= 1 or None, got {self.keep_last!r}")
 
 
-def _key_name(entry: Any) -> str:
-    for attr in ("key", "name", "idx"):  # DictKey/FlattenedIndexKey, GetAttrKey, SequenceKey
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def _leaf_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
-    """Flattens ``tree`` into ``(paths, leaves, treedef)`` with unique '/'-joined paths."""
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = ["/".join(_key_name(k) for k in path) or _ROOT for path, _ in with_path]
-    if len(set(paths)) != len(paths):
-        dup = next(p for p in paths if paths.count(p) > 1)
-        raise ValueError(f"two state leaves share the checkpoint name {dup!r}; rename one of the keys")
-    return paths, [leaf for _, leaf in with_path], treedef
-
-
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
-
-
-def _key_impl(abstract_key: jax.ShapeDtypeStruct) -> Any:
-    # jax.random.key_impl only takes key arrays, so read it off a tracer of that type.
-    found = []
-    jax.eval_shape(lambda k: found.append(jax.random.key_impl(k)) or k, abstract_key)
-    return found[0]
-
-
-def _abstract_leaf(path: str, leaf: Any) -> jax.ShapeDtypeStruct:
-    """The orbax restore target for one leaf of the caller's abstract state."""
-    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-        raise TypeError(f"abstract state leaf {path!r} must be a jax.ShapeDtypeStruct or array, got {type(leaf).__name__}")
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is None:
-        # Unsharded targets land on this process's first device, like jnp.asarray does.
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    shape, dtype = tuple(leaf.shape), leaf.dtype
-    if _is_key(leaf):
-        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            # A spec shorter than the rank leaves the trailing key-data axis replicated.
-            sharding = jax.sharding.NamedSharding(sharding.mesh, sharding.spec)
-        elif not isinstance(sharding, jax.sharding.SingleDeviceSharding):
-            raise TypeError(f"PRNG key leaf {path!r}: only NamedSharding or single-device targets are supported")
-        shape, dtype = tuple(data.shape), data.dtype
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
 class Checkpointer:
     """Periodic, atomic, optionally async checkpoints of a pytree plus a host dict.
 
@@ -199,16 +130,7 @@ class Checkpointer:
         self.config = config
         self.directory = os.path.abspath(os.fspath(config.directory))
         self._clock = clock
-        options = dict(enable_async_checkpointing=config.async_save, create=True,
-                       cleanup_tmp_directories=True)
-        if config.keep_last is not None:
-            options["preservation_policy"] = ocp.checkpoint_managers.LatestN(config.keep_last)
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(**options),
-            item_handlers={_STATE: ocp.StandardCheckpointHandler(), _HOST: ocp.JsonCheckpointHandler(),
-                           _SUMS: ocp.JsonCheckpointHandler()},
-        )
+        self._manager = open_manager(self.directory, config.keep_last, config.async_save)
         self._last_saved_step = self._manager.latest_step()
         # Set lazily by the first should_save/save, so a clock that the caller restores
         # after construction (elapsed training seconds) does not trigger a spurious save.
@@ -275,28 +197,14 @@ class Checkpointer:
                 no array leaves or two leaves with the same path name.
         """
         step = int(step)
-        host_state = {} if host_state is None else host_state
-        if not isinstance(host_state, Mapping):
-            raise ValueError(f"host_state must be a dict, got {type(host_state).__name__}")
-        try:
-            host_json = json.loads(json.dumps(dict(host_state)))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"host_state is not JSON-serializable: {e}") from None
+        host = host_json(host_state)
         if not (force or self.should_save(step, now)):
             return False
         if step in self._manager.all_steps():
             return False  # already saved (e.g. a forced final save right after a periodic one)
-        paths, leaves, _ = _leaf_paths(state)
-        if not paths:
-            raise ValueError("state has no array leaves to checkpoint")
-        flat = {p: (jax.random.key_data(x) if _is_key(x) else x) for p, x in zip(paths, leaves)}
-        sums = _host_checksums(flat)
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(**{_STATE: ocp.args.StandardSave(flat), _HOST: ocp.args.JsonSave(host_json),
-                                       _SUMS: ocp.args.JsonSave(sums)}),
-            force=True,  # the decision is ours; orbax's own interval policy must not veto it
-        )
+        flat = flat_state(state)
+        # force: the decision is ours; orbax's own interval policy must not veto it.
+        self._manager.save(step, args=save_args(flat, host, host_checksums(flat)), force=True)
         self._last_saved_step = step
         self._last_save_time = self._clock() if now is None else float(now)
         return True
@@ -330,28 +238,19 @@ class Checkpointer:
         elif int(step) not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} (available: {steps})")
         step = int(step)
-        paths, leaves, treedef = _leaf_paths(abstract_state)
-        targets = {p: _abstract_leaf(p, x) for p, x in zip(paths, leaves)}
+        paths, leaves, _ = leaf_paths(abstract_state)
+        targets = {p: abstract_leaf(p, x) for p, x in zip(paths, leaves)}
         where = f"checkpoint {self.directory}/{step}"
         try:
-            self._check_matches(step, targets)
-            restored = self._manager.restore(step, args=ocp.args.Composite(**{
-                _STATE: ocp.args.StandardRestore(targets), _HOST: ocp.args.JsonRestore(), _SUMS: ocp.args.JsonRestore()}))
+            check_matches(saved_leaves(self._manager, step), targets, where)
+            restored = self._manager.restore(step, args=restore_args(targets))
         except CheckpointMismatch:
             raise
         except Exception as exc:  # orbax/tensorstore raise many types for damaged files
-            raise CheckpointCorrupt(f"{where} does not load ({type(exc).__name__}: {_first_line(exc)})") from exc
-        flat = restored[_STATE]
-        expected, actual = restored[_SUMS] or {}, _host_checksums(flat)
-        bad = sorted(p for p in actual if expected.get(p) != actual[p])
-        if bad:
-            raise CheckpointCorrupt(f"{where}: {len(bad)} array(s) fail their checksum, first {bad[0]!r}")
-        out = [
-            jax.random.wrap_key_data(flat[p], impl=_key_impl(x)) if _is_key(x) else flat[p]
-            for p, x in zip(paths, leaves)
-        ]
+            raise CheckpointCorrupt(f"{where} does not load ({type(exc).__name__}: {first_line(exc)})") from exc
+        verify_checksums(restored[STATE_ITEM], restored[CHECKSUMS_ITEM], where)
         self._last_saved_step = step
-        return jax.tree_util.tree_unflatten(treedef, out), dict(restored[_HOST] or {})
+        return unflatten_state(restored[STATE_ITEM], abstract_state), dict(restored[HOST_ITEM] or {})
 
     def restore_latest(self, abstract_state: Any, warn: Callable[[str], None] = print
                        ) -> tuple[Any, dict[str, Any], int] | None:
@@ -374,7 +273,7 @@ class Checkpointer:
             try:
                 state, host = self.restore(abstract_state, step)
             except CheckpointCorrupt as exc:
-                moved.append(self._move_aside(step))
+                moved.append(move_aside(self.directory, step))
                 warn(f"warning: {exc}; moved it to {moved[-1]} and trying the checkpoint before it")
                 continue
             if moved:
@@ -385,36 +284,6 @@ class Checkpointer:
             raise CheckpointCorrupt(f"no checkpoint in {self.directory} loads; the damaged ones were moved to "
                                     f"*{CORRUPT_SUFFIX}; start again with --overwrite")
         return None
-
-    def _move_aside(self, step: int) -> str:
-        source = os.path.join(self.directory, str(step))
-        target = source + CORRUPT_SUFFIX
-        if jax.process_index() == 0:
-            suffix = 0
-            while os.path.exists(target):  # a second damaged copy of the same step
-                suffix += 1
-                target = f"{source}{CORRUPT_SUFFIX}{suffix}"
-            os.rename(source, target)
-        return target
-
-    def _check_matches(self, step: int, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
-        metadata = self._manager.item_metadata(step)[_STATE]  # None when its files are gone
-        saved = None if metadata is None else metadata.tree
-        where = f"checkpoint {self.directory}/{step}"
-        if not saved:
-            raise CheckpointCorrupt(f"{where} has no readable array metadata")
-        missing = [p for p in targets if p not in saved]
-        if missing:
-            raise CheckpointMismatch(f"{where} has no leaf {missing[0]!r} that the target state expects ({len(missing)} missing)")
-        extra = [p for p in saved if p not in targets]
-        if extra:
-            raise CheckpointMismatch(f"{where} has leaf {extra[0]!r} that the target state lacks ({len(extra)} extra)")
-        for p, t in targets.items():
-            s = saved[p]
-            if tuple(s.shape) != tuple(t.shape):
-                raise CheckpointMismatch(f"{where}: leaf {p!r} has shape {tuple(s.shape)}, target expects {tuple(t.shape)}")
-            if np.dtype(s.dtype) != np.dtype(t.dtype):
-                raise CheckpointMismatch(f"{where}: leaf {p!r} has dtype {np.dtype(s.dtype)}, target expects {np.dtype(t.dtype)}")
 
     def delete(self, step: int) -> None:
         """Deletes the checkpoint of ``step`` (after any pending save has committed)."""

@@ -19,6 +19,8 @@ backend:
   :func:`while_loops` gives the cost of one iteration (e.g. one decode step);
 - a ``conditional`` costs its most expensive branch.
 
+Reading the text is ``hlo_text``'s part; this module is the cost model.
+
 Example:
     >>> cost = program_cost(compiled.as_text())
     >>> cost.bytes, cost.flops, cost.kernels
@@ -27,17 +29,21 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
-                "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "token": 0}
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
-# A layout's memory space other than 0 is not device memory: S(1) is a TPU's on-chip VMEM,
-# S(2) its sync flags, S(5) the host. Only arrays in space 0 cost HBM traffic.
-_MEMORY_SPACE = re.compile(r"S\((\d+)\)")
+from podsjax.hlo_text import (
+    ARRAY_TYPE,
+    Instr,
+    arrays,
+    backend_config,
+    called_computations,
+    constant_value,
+    on_chip,
+    parse_module,
+    type_bytes,
+)
+
 _ASYNC_COPIES = {"copy-start": 0, "slice-start": -2}  # where the destination sits in the result tuple
 # Instructions that launch nothing and move no data.
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
@@ -46,7 +52,6 @@ _CONTROL = {"while", "conditional", "call"}
 _SLICES = {"slice", "dynamic-slice"}
 _PARTIAL_READS = _SLICES | {"gather"}  # read only what their result holds of operand 0
 _UPDATES = {"dynamic-update-slice": 1, "scatter": 2}  # in-place writes: the operand holding the update
-_SCRATCH = {"s8", "u8"}  # library calls' workspace outputs, not traffic
 
 
 @dataclasses.dataclass
@@ -66,153 +71,41 @@ class Cost:
         return Cost(*(a * k for a in dataclasses.astuple(self)))
 
 
-@dataclasses.dataclass
-class _Instr:
-    name: str
-    type: str
-    opcode: str
-    operands: list[str]
-    attrs: str
-    root: bool
-    args: str = ""
-
-
-def _arrays(type_text: str, in_hbm_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
-    return [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims, layout in _ARRAY.findall(type_text)
-            if d in _DTYPE_BYTES and not (in_hbm_only and _on_chip(layout))]
-
-
-def _on_chip(layout: str) -> bool:
-    space = _MEMORY_SPACE.search(layout or "")
-    return space is not None and int(space.group(1)) != 0
-
-
-def type_bytes(type_text: str, skip_scratch: bool = False, in_hbm_only: bool = True) -> float:
-    """Bytes an HLO type (an array or a tuple of them) occupies in device memory: tiling
-    ignored, arrays in another memory space (a TPU's VMEM) left out unless ``in_hbm_only``
-    is False."""
-    return sum(_DTYPE_BYTES[d] * math.prod(dims) for d, dims in _arrays(type_text, in_hbm_only)
-               if not (skip_scratch and d in _SCRATCH))
-
-
-def _async_copy_bytes(instr: _Instr, operand_type: str) -> float:
+def _async_copy_bytes(instr: Instr, operand_type: str) -> float:
     """An async copy or slice between memory spaces: its destination's bytes, once for the
     read where the source is in HBM and once for the write where the destination is."""
-    found = list(_ARRAY.finditer(instr.type))
+    found = list(ARRAY_TYPE.finditer(instr.type))
     if len(found) < 2:
         return 0.0
     destination = found[_ASYNC_COPIES[instr.opcode]]
     size = type_bytes(destination.group(0), in_hbm_only=False)
-    source = _ARRAY.search(operand_type)
-    from_hbm = source is not None and not _on_chip(source.group(3))
-    return size * (int(from_hbm) + int(not _on_chip(destination.group(3))))
+    source = ARRAY_TYPE.search(operand_type)
+    from_hbm = source is not None and not on_chip(source.group(3))
+    return size * (int(from_hbm) + int(not on_chip(destination.group(3))))
 
 
-def _matching(text: str, start: int, open_c: str, close_c: str) -> int:
-    """Index just past the bracket that closes the one at ``start``."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == open_c:
-            depth += 1
-        elif text[i] == close_c:
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(text)
-
-
-_HEAD = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-
-
-def _parse_instr(line: str) -> _Instr | None:
-    head = _HEAD.match(line)
-    if head is None:
-        return None
-    pos = head.end()
-    if line[pos] == "(":
-        end = _matching(line, pos, "(", ")")
-    else:
-        end = line.index(" ", pos)
-    type_text = line[pos:end]
-    rest = line[end:].lstrip()
-    paren = rest.find("(")
-    if paren < 0:
-        return None
-    opcode = rest[:paren]
-    close = _matching(rest, paren, "(", ")")
-    operands = re.findall(r"%([\w.\-]+)", rest[paren:close])
-    return _Instr(head.group(2), type_text, opcode, operands, rest[close:], bool(head.group(1)),
-                  rest[paren + 1:close - 1])
-
-
-def parse_module(text: str) -> tuple[dict[str, list[_Instr]], str]:
-    """``({computation name: instructions}, entry name)`` of an HLO module's text."""
-    computations: dict[str, list[_Instr]] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        stripped = line.strip()
-        if current is None:
-            match = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*)?\{\s*$", stripped)
-            if match and not stripped.startswith(("HloModule", "FileNames", "FunctionNames", "FileLocations",
-                                                  "StackFrames")):
-                current = match.group(2)
-                computations[current] = []
-                if match.group(1):
-                    entry = current
-            continue
-        if stripped == "}":
-            current = None
-            continue
-        instr = _parse_instr(line)
-        if instr is not None:
-            computations[current].append(instr)
-    return computations, entry
-
-
-def _called(attrs: str, key: str) -> list[str]:
-    match = re.search(key + r"=\{([^}]*)\}", attrs) or re.search(key + r"=%?([\w.\-]+)", attrs)
-    return re.findall(r"%?([\w.\-]+)", match.group(1)) if match else []
-
-
-def _backend_config(attrs: str) -> dict:
-    start = attrs.find("backend_config=")
-    if start < 0 or attrs[start + 15: start + 16] != "{":
-        return {}
-    begin = start + 15
-    try:
-        return json.loads(attrs[begin:_matching(attrs, begin, "{", "}")])
-    except ValueError:
-        return {}
-
-
-def _declared_cost(instr: _Instr) -> tuple[float, float] | None:
+def _declared_cost(instr: Instr) -> tuple[float, float] | None:
     """(flops, bytes) a TPU kernel declares (Pallas's ``cost_estimate``), else None. A kernel
     whose blocks read part of an operand (one layer of a stacked cache) moves that part, not
     the operand: its declaration, computed from its blocks, is the count to take."""
     if instr.opcode != "custom-call" or "tpu_custom_call" not in instr.attrs:
         return None
-    estimate = _backend_config(instr.attrs).get("custom_call_config", {}).get("cost_estimate")
+    estimate = backend_config(instr.attrs).get("custom_call_config", {}).get("cost_estimate")
     if not estimate or "bytes_accessed" not in estimate:
         return None
     return float(estimate.get("flops", 0)), float(estimate["bytes_accessed"])
 
 
-def _constant(instr: _Instr | None) -> int | None:
-    if instr is None or instr.opcode != "constant" or not re.fullmatch(r"-?\d+", instr.args.strip()):
-        return None
-    return int(instr.args)
-
-
 def _dot_flops(out_type: str, lhs_type: str, contracting: list[int]) -> float:
-    out = _arrays(out_type)
-    lhs = _arrays(lhs_type)
+    out = arrays(out_type)
+    lhs = arrays(lhs_type)
     if not out or not lhs:
         return 0.0
     k = math.prod(lhs[0][1][d] for d in contracting if d < len(lhs[0][1]))
     return 2.0 * math.prod(out[0][1]) * k
 
 
-def _matmul_flops(instr: _Instr, types: dict[str, str]) -> float:
+def _matmul_flops(instr: Instr, types: dict[str, str]) -> float:
     """2 x output elements x contracted elements of a dot, or of a convolution.
 
     The TPU compiler writes matmuls as convolutions, some with their batch dims as padded
@@ -225,8 +118,8 @@ def _matmul_flops(instr: _Instr, types: dict[str, str]) -> float:
         contracting = [int(x) for x in dims.group(1).split(",") if x] if dims else []
         return _dot_flops(instr.type, types.get(instr.operands[0], ""), contracting)
     labels = re.search(r"dim_labels=([^_]*)_([^-]*)->", instr.attrs)
-    out = _arrays(instr.type)
-    lhs, kernel = (_arrays(types.get(o, "")) for o in (instr.operands + ["", ""])[:2])
+    out = arrays(instr.type)
+    lhs, kernel = (arrays(types.get(o, "")) for o in (instr.operands + ["", ""])[:2])
     if not labels or not out or not lhs or not kernel:
         return 0.0
     lhs_labels, kernel_labels = labels.groups()
@@ -262,20 +155,20 @@ class _Module:
             if instr.opcode in ("dot", "convolution"):
                 flops += _matmul_flops(instr, types)
             elif instr.opcode == "fusion":
-                flops += sum(self._inner_flops(c) for c in _called(instr.attrs, "calls"))
+                flops += sum(self._inner_flops(c) for c in called_computations(instr.attrs, "calls"))
         return flops
 
-    def _custom_call_flops(self, instr: _Instr, types: dict[str, str]) -> float:
+    def _custom_call_flops(self, instr: Instr, types: dict[str, str]) -> float:
         target = re.search(r'custom_call_target="([^"]+)"', instr.attrs)
         target = target.group(1) if target else ""
         operand_types = [types.get(o, "") for o in instr.operands]
         if "gemm" in target or "matmul" in target:
-            numbers = _backend_config(instr.attrs)
+            numbers = backend_config(instr.attrs)
             numbers = numbers.get("gemm_backend_config", numbers).get("dot_dimension_numbers", {})
             contracting = [int(x) for x in numbers.get("lhs_contracting_dimensions", [])]
             return _dot_flops(instr.type, operand_types[0], contracting)
         if "fmha" in target or "flash" in target:
-            q, k = (_arrays(t) for t in operand_types[:2])
+            q, k = (arrays(t) for t in operand_types[:2])
             if not q or not k:
                 return 0.0
             b, lq, h, e = q[0][1] if len(q[0][1]) == 4 else (1, *q[0][1][-3:])
@@ -286,8 +179,8 @@ class _Module:
 
     # -- bytes of one kernel ----------------------------------------------------------------
 
-    def _fusion_bytes(self, instr: _Instr, types: dict[str, str]) -> float:
-        called = _called(instr.attrs, "calls")
+    def _fusion_bytes(self, instr: Instr, types: dict[str, str]) -> float:
+        called = called_computations(instr.attrs, "calls")
         inner = self.computations.get(called[0], []) if called else []
         root = next((i for i in inner if i.root), None)
         in_place = self._in_place_updates(root, inner)  # parameter name -> update bytes written
@@ -322,7 +215,7 @@ class _Module:
             elif reader.opcode == "bitcast":
                 total += self._read_bytes(computation, reader.name, size)
             elif reader.opcode == "fusion":
-                nested = _called(reader.attrs, "calls")[0]
+                nested = called_computations(reader.attrs, "calls")[0]
                 params = self._params(nested)
                 total += sum(self._read_bytes(nested, params[k], size) for k, o in enumerate(reader.operands)
                              if o == name and k in params)
@@ -330,7 +223,7 @@ class _Module:
                 return size
         return min(total, size)
 
-    def _in_place_updates(self, root: _Instr | None, inner: list[_Instr]) -> dict[str, float]:
+    def _in_place_updates(self, root: Instr | None, inner: list[Instr]) -> dict[str, float]:
         """Parameters a fusion's result updates in place (dynamic-update-slice roots), with the
         bytes of each update."""
         if root is None:
@@ -350,10 +243,10 @@ class _Module:
                     out[buffer.name] = out.get(buffer.name, 0.0) + type_bytes(update.type if update else "")
         return out
 
-    def _kernel(self, instr: _Instr, types: dict[str, str]) -> Cost:
+    def _kernel(self, instr: Instr, types: dict[str, str]) -> Cost:
         if instr.opcode == "fusion":
             moved = self._fusion_bytes(instr, types)
-            flops = sum(self._inner_flops(c) for c in _called(instr.attrs, "calls"))
+            flops = sum(self._inner_flops(c) for c in called_computations(instr.attrs, "calls"))
         elif instr.opcode in _UPDATES:
             update = type_bytes(types.get(instr.operands[_UPDATES[instr.opcode]], ""))
             moved, flops = 2 * update, 0.0
@@ -374,26 +267,26 @@ class _Module:
             seconds = max(moved / self.bandwidth, flops / self.peak if self.peak else 0.0)
         return Cost(flops=flops, bytes=moved, kernels=1.0, roofline_s=seconds)
 
-    def trip_count(self, instr: _Instr, computation: str) -> int | None:
+    def trip_count(self, instr: Instr, computation: str) -> int | None:
         """A while loop's trip count: XLA's record (GPU), else a counter that starts at a
         constant and runs while below another (a scan, as the TPU compiler leaves it); None
         when it depends on data."""
-        n = _backend_config(instr.attrs).get("known_trip_count", {}).get("n")
+        n = backend_config(instr.attrs).get("known_trip_count", {}).get("n")
         if n is not None:
             return int(n)
-        cond = self.computations.get(next(iter(_called(instr.attrs, "condition")), ""), [])
+        cond = self.computations.get(next(iter(called_computations(instr.attrs, "condition")), ""), [])
         by_name = {i.name: i for i in cond}
         root = next((i for i in cond if i.root), None)
         if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs:
             return None
         counter, bound = (by_name.get(o) for o in root.operands)
-        limit = _constant(bound)
+        limit = constant_value(bound)
         if limit is None or counter is None or counter.opcode != "get-tuple-element":
             return None
         index = int(re.search(r"index=(\d+)", counter.attrs).group(1))
         scope = {i.name: i for i in self.computations.get(computation, [])}
         init = scope.get(instr.operands[0]) if instr.operands else None
-        start = _constant(scope.get(init.operands[index])) if init is not None and init.opcode == "tuple" else None
+        start = constant_value(scope.get(init.operands[index])) if init is not None and init.opcode == "tuple" else None
         return max(limit - (start or 0), 0)
 
     def cost(self, computation: str) -> Cost:
@@ -405,17 +298,18 @@ class _Module:
             if instr.opcode in _FREE or instr.opcode.endswith("-done"):
                 continue
             if instr.opcode == "while":
-                body = _called(instr.attrs, "body")
-                cond = _called(instr.attrs, "condition")
+                body = called_computations(instr.attrs, "body")
+                cond = called_computations(instr.attrs, "condition")
                 once = sum((self.cost(c) for c in body + cond), Cost())
                 total = total + once * (self.trip_count(instr, computation) or 1)
             elif instr.opcode == "conditional":
-                branches = _called(instr.attrs, "branch_computations") or (
-                    _called(instr.attrs, "true_computation") + _called(instr.attrs, "false_computation"))
+                branches = called_computations(instr.attrs, "branch_computations") or (
+                    called_computations(instr.attrs, "true_computation")
+                    + called_computations(instr.attrs, "false_computation"))
                 costs = [self.cost(b) for b in branches]
                 total = total + max(costs, key=lambda c: (c.roofline_s, c.bytes), default=Cost())
             elif instr.opcode == "call":
-                total = total + sum((self.cost(c) for c in _called(instr.attrs, "to_apply")), Cost())
+                total = total + sum((self.cost(c) for c in called_computations(instr.attrs, "to_apply")), Cost())
             else:
                 total = total + self._kernel(instr, types)
         self._memo[computation] = total
@@ -440,8 +334,8 @@ def while_loops(hlo_text: str, bandwidth: float | None = None, peak_flops: float
     loops = []
     for instr in module.computations.get(module.entry, []):
         if instr.opcode == "while":
-            once = sum((module.cost(c) for c in _called(instr.attrs, "body") + _called(instr.attrs, "condition")),
-                       Cost())
+            parts = called_computations(instr.attrs, "body") + called_computations(instr.attrs, "condition")
+            once = sum((module.cost(c) for c in parts), Cost())
             loops.append((module.trip_count(instr, module.entry), once))
     return loops
 

@@ -340,16 +340,16 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_previous_restored(tm
 
 
 def test_checksums_catch_changed_bits_that_still_load(tmp_path):
-    from podsjax.checkpoint import _leaf_checksum
+    from podsjax.checkpoint_integrity import leaf_checksum
 
     x = jnp.arange(1000.0)
     flipped = x.at[500].set(jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x[500], jnp.uint32) ^ 1,
                                                          jnp.float32))
     swapped = x.at[10].set(x[11]).at[11].set(x[10])
-    sums = {int(_leaf_checksum(v)) for v in (x, flipped, swapped)}
+    sums = {int(leaf_checksum(v)) for v in (x, flipped, swapped)}
     assert len(sums) == 3
     for dtype in (jnp.bfloat16, jnp.int32, jnp.bool_, jnp.uint32):
-        assert _leaf_checksum(jnp.ones(7, dtype)).dtype == jnp.uint32
+        assert leaf_checksum(jnp.ones(7, dtype)).dtype == jnp.uint32
 
 
 def test_no_loadable_checkpoint_is_one_error_and_a_mismatch_is_not_damage(tmp_path):
@@ -368,3 +368,42 @@ def test_no_loadable_checkpoint_is_one_error_and_a_mismatch_is_not_damage(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["1.corrupt", "2.corrupt"]
     with Checkpointer(CheckpointConfig(str(tmp_path))) as ck:
         assert ck.restore_latest(abstract) is None and ck.all_steps() == []
+
+
+def test_the_layout_stores_a_flat_state_by_leaf_path_and_moves_damage_aside(tmp_path):
+    from podsjax import checkpoint_layout as layout
+
+    state = {"a": {"w": jnp.arange(3.0)}, "rng": jax.random.key(7)}
+    flat = layout.flat_state(state)
+    assert set(flat) == {"a/w", "rng"} and not layout.is_key(flat["rng"])
+    back = layout.unflatten_state(flat, jax.eval_shape(lambda: state))
+    assert layout.is_key(back["rng"]) and bool(jnp.all(jax.random.key_data(back["rng"]) ==
+                                                       jax.random.key_data(state["rng"])))
+    with pytest.raises(ValueError, match="no array leaves"):
+        layout.flat_state({})
+    with pytest.raises(ValueError, match="not JSON-serializable"):
+        layout.host_json({"position": object()})
+    (tmp_path / "3").mkdir()
+    (tmp_path / "3.corrupt").mkdir()  # an earlier damaged copy of the same step is kept too
+    assert layout.move_aside(str(tmp_path), 3) == str(tmp_path / "3.corrupt1")
+    assert sorted(os.listdir(tmp_path)) == ["3.corrupt", "3.corrupt1"]
+
+
+def test_integrity_checks_name_the_first_leaf_that_differs():
+    from podsjax import checkpoint
+    from podsjax.checkpoint_integrity import (
+        CheckpointCorrupt, CheckpointMismatch, check_matches, host_checksums, verify_checksums)
+
+    target = {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    check_matches({"w": jax.ShapeDtypeStruct((2,), jnp.float32)}, target, "ckpt")
+    with pytest.raises(CheckpointMismatch, match=r"^ckpt: leaf 'w' has shape \(3,\), target expects \(2,\)$"):
+        check_matches({"w": jax.ShapeDtypeStruct((3,), jnp.float32)}, target, "ckpt")
+    with pytest.raises(CheckpointMismatch, match="has leaf 'v' that the target state lacks"):
+        check_matches({"w": target["w"], "v": target["w"]}, target, "ckpt")
+    with pytest.raises(CheckpointCorrupt, match="no readable array metadata"):
+        check_matches(None, target, "ckpt")
+    flat = {"w": jnp.ones(2)}
+    verify_checksums(flat, host_checksums(flat), "ckpt")
+    with pytest.raises(CheckpointCorrupt, match=r"1 array\(s\) fail their checksum, first 'w'"):
+        verify_checksums(flat, {"w": 0}, "ckpt")
+    assert checkpoint.CheckpointCorrupt is CheckpointCorrupt and checkpoint.CheckpointMismatch is CheckpointMismatch

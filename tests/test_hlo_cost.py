@@ -190,3 +190,24 @@ def test_a_tpu_kernel_counts_what_it_declares_and_otherwise_its_operands():
     assert cost.bytes == 73728 + operands
     assert cost.flops == 4096
     assert cost.kernels == 2
+
+
+def test_the_text_reads_as_computations_of_instructions():
+    from podsjax import hlo_text
+
+    computations, entry = hlo_text.parse_module(GPU_STYLE)
+    assert entry == "main" and set(computations) == {"fused_slice", "fused_update", "layer_body", "layer_cond",
+                                                     "step_body", "step_cond", "main"}
+    by_name = {i.name: i for i in computations["layer_body"]}
+    gemm = by_name["gemm"]  # a tuple result type, a JSON backend config with nested braces
+    assert (gemm.type, gemm.opcode, gemm.operands) == ("(bf16[8,32]{1,0}, s8[1024]{0})", "custom-call", ["x", "slice"])
+    assert hlo_text.backend_config(gemm.attrs)["gemm_backend_config"]["dot_dimension_numbers"][
+        "lhs_contracting_dimensions"] == ["1"]
+    assert hlo_text.called_computations(by_name["slice"].attrs, "calls") == ["fused_slice"]
+    assert by_name["t"].root and not gemm.root
+    layers = next(i for i in computations["step_body"] if i.opcode == "while")
+    assert hlo_text.called_computations(layers.attrs, "body") == ["layer_body"]
+    assert [hlo_text.constant_value(i) for i in computations["layer_cond"]] == [None, None, 28, None]
+    assert hlo_text.arrays("(f32[4]{0:S(1)}, s32[]{:S(2)})") == [("f32", (4,)), ("s32", ())]
+    assert hlo_text.arrays("(f32[4]{0:S(1)}, s32[]{:S(2)})", in_hbm_only=True) == []
+    assert hlo_cost.parse_module is hlo_text.parse_module and hlo_cost.type_bytes is hlo_text.type_bytes

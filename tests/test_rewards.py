@@ -425,6 +425,21 @@ def test_pool_rejects_unpicklable_rewards_and_fork(pool):
     assert empty.total_B.shape == (0,)
 
 
+def test_pool_warnings_are_shown_once_each_and_the_pool_names_keep_their_home():
+    from podsjax.rewards import pool as pool_module
+    from podsjax.rewards.pool_batch import Warnings
+    from podsjax.rewards.pool_fleet import WorkerFleet
+
+    lines = []
+    warnings = Warnings(lines.append)
+    notes = [("nan", "first NaN"), ("nan", "second NaN"), ("crash", "a crash")]
+    warnings.drain(notes)
+    warnings.once(("crash", "another crash"))
+    assert lines == ["first NaN", "a crash"] and notes == []
+    assert issubclass(RewardPool, WorkerFleet) and pool_module.RewardPoolError is RewardPoolError
+    assert pool_module.MAX_SERVER_DEATHS == 3 and "sympy" in pool_module.DEFAULT_PRELOAD
+
+
 # ------------------------------------------------------------ the authors' format score
 
 

@@ -1,11 +1,12 @@
 """One ``RewardPool.score`` call's results as they arrive, and what it has learned about its
 reward functions: which returned NaN, raised, crashed, or timed out so often in a row that
-the batch gives up on them."""
+the batch gives up on them; and the pool's warnings, each shown once."""
 
 from __future__ import annotations
 
 import collections
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -13,6 +14,30 @@ from podsjax.rewards import _worker
 
 # Warned about once per pool: (key, line). The key says which warnings are the same one.
 Note = tuple[str, str]
+
+
+class Warnings:
+    """Passes each warning line on once per pool.
+
+    Args:
+        warn: takes each line (default: print).
+    """
+
+    def __init__(self, warn: Callable[[str], None] | None = None):
+        self._warn = warn or (lambda line: print(line, flush=True))
+        self._warned: set[str] = set()
+
+    def once(self, note: Note) -> None:
+        key, line = note
+        if key not in self._warned:
+            self._warned.add(key)
+            self._warn(line)
+
+    def drain(self, notes: list[Note]) -> None:
+        """Warns about each of ``notes`` not yet warned about, and empties the list."""
+        for note in notes:
+            self.once(note)
+        notes.clear()
 
 
 class Batch:

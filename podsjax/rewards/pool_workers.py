@@ -1,4 +1,4 @@
-"""A RewardPool's settings, and its handle on one worker process."""
+"""A RewardPool's settings, its error, and its handle on one worker process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ import time
 
 from podsjax.rewards import _worker
 
+# Tries to reach a forkserver that a reward killed (multiprocessing relaunches it).
+_SERVER_TRIES = 5
+
 # Imported once in the forkserver, so replacing a dead worker costs a fork, not imports.
 DEFAULT_PRELOAD = ("podsjax.rewards", "math_verify", "sympy")
+
+
+class RewardPoolError(RuntimeError):
+    """The pool cannot do its job (a worker cannot start or cannot load a reward)."""
 
 
 def default_workers() -> int:
@@ -92,6 +99,7 @@ class WorkerHandle:
         finally:
             child_conn.close()
         self.server = forkserver_pid()  # the process server it was forked from (None: spawn)
+        self.start_method = config.start_method
         self.conn = parent_conn
         self.state = "starting"  # starting -> idle <-> (loading | busy)
         self.deadline = time.monotonic() + config.startup_timeout_s
@@ -104,6 +112,34 @@ class WorkerHandle:
             self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
+
+    def server_died(self) -> bool:
+        """Whether this worker's exit report is its forkserver's death (it reads as exit code 255)
+        while the worker itself lives on."""
+        if self.start_method != "forkserver" or self.process.exitcode != 255:
+            return False
+        try:
+            with open(f"/proc/{self.process.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+
+def start_worker(ctx, config: PoolConfig) -> WorkerHandle:
+    """A new worker; a forkserver that a reward killed is restarted on the way (multiprocessing
+    relaunches a dead one, once it has seen it exit: meanwhile connecting fails).
+
+    Raises:
+        RewardPoolError: no process server comes back.
+    """
+    for attempt in range(_SERVER_TRIES):
+        try:
+            return WorkerHandle(ctx, config)
+        except (OSError, EOFError) as exc:
+            error = exc
+            time.sleep(0.05 * 2**attempt)
+    raise RewardPoolError(f"cannot start a reward worker: its process server is gone and does not come back "
+                          f"({_worker.first_line(error)})")
 
 
 def forkserver_pid() -> int | None:
