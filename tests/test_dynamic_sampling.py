@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from podsjax import mesh as mesh_lib
 from podsjax.loop import dynamic_sampling, perf, scoring
+from podsjax.loop.step_data import Scored
 
 
 def test_zero_variance_marks_groups_whose_rewards_all_agree():
@@ -36,11 +37,14 @@ def test_choose_groups_keeps_the_first_informative_groups_then_fills_in_draw_ord
 def test_group_rows_and_take_scored_pick_whole_groups_and_sum_the_counts():
     rows = dynamic_sampling.group_rows(np.array([1, 3]), n=2)
     np.testing.assert_array_equal(rows, [2, 3, 6, 7])
-    first = {"total": np.arange(4.0), "count/reward/errors": np.float64(1)}
-    second = {"total": np.arange(4.0, 8.0), "count/reward/errors": np.float64(2)}
+    first, second = (Scored(np.arange(4.0) + offset, np.arange(4) + offset, np.zeros(4),
+                            {"reward/accuracy": np.arange(4.0) + offset}, {"reward/errors": errors})
+                     for offset, errors in ((0, 1.0), (4, 2.0)))
     taken = dynamic_sampling.take_scored([first, second], rows)
-    np.testing.assert_array_equal(taken["total"], [2.0, 3.0, 6.0, 7.0])
-    assert taken["count/reward/errors"] == 3
+    np.testing.assert_array_equal(taken.total, [2.0, 3.0, 6.0, 7.0])
+    np.testing.assert_array_equal(taken.length, [2, 3, 6, 7])
+    np.testing.assert_array_equal(taken.per_function["reward/accuracy"], [2.0, 3.0, 6.0, 7.0])
+    assert taken.failures == {"reward/errors": 3.0}
 
 
 @pytest.mark.cpu_mesh
@@ -59,16 +63,17 @@ def test_take_rows_gathers_across_draws_and_keeps_the_placement():
 def test_reward_stats_count_zero_variance_groups_before_and_after_selection():
     rewards = np.array([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
     selected = np.array([[True, False, True, False], [True, True, False, False], [True, True, False, False]])
-    stats = scoring.reward_stats({"total": rewards.reshape(-1)}, rewards, selected)
+    flat = rewards.reshape(-1)
+    stats = scoring.reward_stats(Scored(flat, np.ones(flat.shape, np.int32), np.zeros_like(flat)), rewards, selected)
     assert stats["reward/zero_std_groups"] == pytest.approx(1 / 3)
     assert stats["reward/zero_std_groups_selected"] == pytest.approx(2 / 3)  # groups 1 and 2 kept equal rewards
 
 
 def test_length_stats_as_trl_and_verl_report_them():
-    stats = scoring.length_stats({"length": np.array([3, 8, 5, 8]), "truncated": np.array([0.0, 1.0, 0.0, 1.0])})
+    stats = scoring.length_stats(Scored(np.zeros(4), np.array([3, 8, 5, 8]), np.array([0.0, 1.0, 0.0, 1.0])))
     assert stats == {"completion/length_mean": 6.0, "completion/length_min": 3.0, "completion/length_max": 8.0,
                      "completion/truncated_frac": 0.5, "completion/terminated_length_mean": 4.0}
-    assert np.isnan(scoring.length_stats({"length": np.array([8]), "truncated": np.array([1.0])})[
+    assert np.isnan(scoring.length_stats(Scored(np.zeros(1), np.array([8]), np.array([1.0])))[
         "completion/terminated_length_mean"])
 
 

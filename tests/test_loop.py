@@ -401,6 +401,62 @@ def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path
     assert sorted(os.listdir(out / "best")) == ["1", "4"]
 
 
+class RecordingHook(loop.Hook):
+    """Records the loop's events it is called at, in order."""
+
+    def __init__(self, name, events):
+        self.name, self.events = name, events
+
+    def on_start(self, step, history):
+        self.events.append((self.name, "start", step, len(history)))
+
+    def on_step(self, step, result):
+        self.events.append((self.name, "step", step, result.step, dict(result.scalars)))
+
+    def on_eval(self, step, evaluation):
+        self.events.append((self.name, "eval", step, evaluation["eval/accuracy"]))
+
+    def on_end(self, step):
+        self.events.append((self.name, "end", step))
+
+    def on_close(self):
+        self.events.append((self.name, "close"))
+
+
+@pytest.mark.slow
+def test_a_user_hook_sees_each_step_and_evaluation_in_order_beside_the_run_s_own(setup, tmp_path):
+    out, events = tmp_path / "run", []
+    accuracies = iter([0.1, 0.5, 0.3])
+
+    def scripted_eval(params, lora):
+        return {"eval/accuracy": next(accuracies), "eval/examples": 2.0}, []
+
+    trainer = make_trainer(setup, out, max_steps=2, evaluator=scripted_eval, hooks=[RecordingHook("a", events)])
+    trainer.add_hook(RecordingHook("b", events))
+    history = trainer.run()
+
+    def of(name):
+        return [e[1:] for e in events if e[0] == name]
+
+    assert [e[:3] for e in of("a")] == [
+        ("start", 0, 0), ("eval", 0, 0.1), ("step", 1, 1), ("eval", 1, 0.5), ("step", 2, 2), ("eval", 2, 0.3),
+        ("end", 2), ("close",)]
+    assert of("b") == of("a")
+    # Both are called at each event in the order they were added, and close in reverse.
+    assert [e[0] for e in events[:-2]] == ["a", "b"] * 7 and [e[0] for e in events[-2:]] == ["b", "a"]
+    # The run's own hooks still wrote the metrics (the very scalars the hooks saw), the
+    # evaluation history, the checkpoints and the best model.
+    records = {r["step"]: r for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r}
+    steps = [(step, scalars) for kind, step, _, scalars in (e for e in of("a") if e[0] == "step")]
+    assert [step for step, _ in steps] == sorted(records) == [1, 2]
+    for step, scalars in steps:
+        assert records[step]["reward/mean"] == scalars["reward/mean"]
+        assert records[step]["train/loss"] == pytest.approx(scalars["train/loss"])
+    assert [h["step"] for h in history] == [h["step"] for h in run_files.read_history(str(out))] == [0, 1, 2]
+    assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"]
+    assert (trainer.best.step, trainer.best.accuracy) == (1, 0.5) and os.listdir(out / "best") == ["1"]
+
+
 @jax.jit
 def _busy(tokens):
     """``tokens``, after a few hundred device matmuls (a fraction of a second on a CPU)."""
@@ -487,22 +543,19 @@ def test_dynamic_sampling_draws_again_until_the_groups_have_variance(setup, tmp_
         assert second["reward/zero_std_groups"] == 1 and second["data/zero_std_groups_drawn"] == 1
         assert trainer.step == 2 and trainer.compile_counts["update"] == 1  # one shape for every step
         # The groups trained are the drawn ones: group 1 of the first draw and group 0 of the second.
-        draws = [trainer._draw_and_generate(*trainer.policy_params(), jax.random.key(i)) for i in range(2)]
-        scores = [{"total": np.array(t, np.float32).repeat(4), "length": np.full(8, 4), "truncated": np.zeros(8)}
-                  for t in ([0, 0], [0, 0])]
-        scores[0]["total"][4:] = [0, 1, 0, 1]
-        scores[1]["total"][:4] = [1, 0, 1, 0]
-        zero = dynamic_sampling.zero_variance(np.concatenate([s["total"] for s in scores]).reshape(-1, 4))
-        merged, scored, stats = trainer._merge_draws(draws, scores, zero)
+        draws = [trainer.stepper.draw_and_generate(*trainer.policy_params(), jax.random.key(i)) for i in range(2)]
+        totals = [np.array(t, np.float32) for t in ([0, 0, 0, 0, 0, 1, 0, 1], [1, 0, 1, 0, 0, 0, 0, 0])]
+        scores = [loop.Scored(total, np.full(8, 4), np.zeros(8)) for total in totals]
+        zero = dynamic_sampling.zero_variance(np.concatenate(totals).reshape(-1, 4))
+        merged, scored, stats = trainer.stepper.merge_draws(draws, scores, zero)
         assert stats == {"data/sampling_rounds": 2.0, "data/zero_std_groups_drawn": 0.5, "data/groups_filled": 0.0}
-        tokens = [np.asarray(d["rollouts"].tokens) for d in draws]
+        tokens = [np.asarray(d.rollouts.tokens) for d in draws]
         expected = np.concatenate([tokens[0][4:], tokens[1][:4]])
-        np.testing.assert_array_equal(np.asarray(merged["rollouts"].tokens), expected)
+        np.testing.assert_array_equal(np.asarray(merged.rollouts.tokens), expected)
         # Every per-row field follows the rows, the lengths too.
-        np.testing.assert_array_equal(np.asarray(merged["rollouts"].lengths),
-                                      np.asarray(merged["rollouts"].mask).sum(axis=-1))
-        assert [e.prompt for e in merged["examples"]] == [draws[0]["examples"][1].prompt,
-                                                          draws[1]["examples"][0].prompt]
-        np.testing.assert_array_equal(scored["total"], [0, 1, 0, 1, 1, 0, 1, 0])
+        np.testing.assert_array_equal(np.asarray(merged.rollouts.lengths),
+                                      np.asarray(merged.rollouts.mask).sum(axis=-1))
+        assert [e.prompt for e in merged.examples] == [draws[0].examples[1].prompt, draws[1].examples[0].prompt]
+        np.testing.assert_array_equal(scored.total, [0, 1, 0, 1, 1, 0, 1, 0])
     finally:
         trainer.close()

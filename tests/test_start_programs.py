@@ -106,7 +106,7 @@ def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny, tm
                          compile_threads=threads)
     trainer = loop.Trainer(model, params, prompts.load_tokenizer(checkpoint), train, test,
                            paper_settings.method_config("pods", n=4, m=2), run, lora=pm.LoraConfig(rank=2, alpha=4.0))
-    trainer._overlap_compiles = False  # as on a GPU, where the first step compiles nothing behind generation
+    trainer.weights.overlap_compiles = False  # as on a GPU, where the first step compiles nothing behind generation
     try:
         runner._check_fits(trainer, limit=2**40)
         fit_check = dict(trainer.compile_counts)

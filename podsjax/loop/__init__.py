@@ -2,9 +2,12 @@
 
 Its parts: :class:`RunConfig` (``config``); the jitted programs of a step besides generation
 (``programs``, shared with ``--dry-run``); the prompts (``prompt_source``); the
-:class:`Evaluator`; the run's logs (``run_files``); and the :class:`Trainer`, which owns
-resume, the step loop, checkpoints and divergence. Generator, scorer and evaluator are
-arguments of the Trainer, so a test or a user swaps any of them.
+:class:`Evaluator`; the run's logs (``run_files``); the weights and the update
+(``weights``); one RL step (``rl_step``), whose data are typed (``step_data``); the loop's
+cadence and stop (``run_loop``) and its hooks (``hooks``: metrics, divergence, evaluation
+history, progress, the best model, checkpoints); and the :class:`Trainer`, which wires them
+and resumes. Generator, scorer, evaluator and extra hooks are arguments of the Trainer, so a
+test or a user swaps or adds any of them.
 
 The training clock counts generation, scoring, selection and update time only;
 evaluation and checkpoint writes are excluded, as in the paper's wall-clock plots.
@@ -24,14 +27,16 @@ and that step is checkpointed before :class:`~podsjax.run_state.StopRequested` i
 
 from podsjax.loop.config import EVAL_METRICS, RunConfig
 from podsjax.loop.evaluator import Evaluator, eval_scalars
+from podsjax.loop.hooks import Hook
 from podsjax.loop.programs import (abstract_batch, abstract_state, batch_program, batch_shardings, padded_prompt_length,
                                    prompt_rows, update_program)
 from podsjax.loop.prompt_source import DataStream, PromptSource
 from podsjax.loop.run_files import HISTORY_FILE, LogDamaged, history_path, read_history
+from podsjax.loop.step_data import Draw, Scored, StepResult
 from podsjax.loop.trainer import Trainer, TrainingDiverged
 
 __all__ = [
-    "DataStream", "EVAL_METRICS", "Evaluator", "HISTORY_FILE", "LogDamaged", "PromptSource", "RunConfig", "Trainer",
-    "TrainingDiverged", "abstract_batch", "abstract_state", "batch_program", "batch_shardings", "eval_scalars",
-    "history_path", "padded_prompt_length", "prompt_rows", "read_history", "update_program",
+    "DataStream", "Draw", "EVAL_METRICS", "Evaluator", "HISTORY_FILE", "Hook", "LogDamaged", "PromptSource", "RunConfig",
+    "Scored", "StepResult", "Trainer", "TrainingDiverged", "abstract_batch", "abstract_state", "batch_program",
+    "batch_shardings", "eval_scalars", "history_path", "padded_prompt_length", "prompt_rows", "read_history", "update_program",
 ]

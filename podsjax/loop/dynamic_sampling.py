@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from podsjax.loop.step_data import Scored
+
 
 def zero_variance(rewards_GN: np.ndarray) -> np.ndarray:
     """[G] bool: the groups whose rewards are all equal (no group-relative signal; TRL's
@@ -42,15 +44,15 @@ def group_rows(groups: np.ndarray, n: int) -> np.ndarray:
     return (np.asarray(groups)[:, None] * n + np.arange(n)).reshape(-1)
 
 
-def take_scored(rounds: Sequence[dict[str, np.ndarray]], rows: np.ndarray) -> dict[str, np.ndarray]:
+def take_scored(rounds: Sequence[Scored], rows: np.ndarray) -> Scored:
     """The scored rows ``rows`` of the rounds' scores laid end to end; failure counts are summed."""
-    out = {}
-    for name in rounds[0]:
-        if name.startswith("count/"):
-            out[name] = np.float64(sum(r[name] for r in rounds))
-        else:
-            out[name] = np.concatenate([r[name] for r in rounds])[rows]
-    return out
+    def joined(field):
+        return np.concatenate([field(r) for r in rounds])[rows]
+
+    first = rounds[0]
+    return Scored(joined(lambda r: r.total), joined(lambda r: r.length), joined(lambda r: r.truncated),
+                  {name: joined(lambda r, name=name: r.per_function[name]) for name in first.per_function},
+                  {name: float(sum(r.failures[name] for r in rounds)) for name in first.failures})
 
 
 @jax.jit
