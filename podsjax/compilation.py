@@ -7,7 +7,7 @@ cache makes a second run of the same command load them from disk instead.
 counts them, so a test can check that a run compiles each program once.
 
 Example:
-    >>> enable_compile_cache()  # before the first compile
+    >>> enable_compile_cache()
     >>> log = CompileLog(print)
     >>> with log.label("update"):
     ...     state, metrics = step_fn(state, batch, frozen)
@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 from jax import monitoring
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 # Event names in jax/_src/dispatch.py and jax/_src/compiler.py (jax 0.4.30 - 0.11).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -48,7 +49,8 @@ def default_cache_dir() -> str:
 
 def enable_compile_cache(directory: str | os.PathLike | None = None,
                          min_compile_time_s: float = MIN_CACHED_COMPILE_S) -> str:
-    """Turns on JAX's persistent compilation cache; call it before the first compile.
+    """Turns on JAX's persistent compilation cache, also in a process that has compiled
+    before (JAX decides once whether to use the cache; this makes it decide again).
 
     Args:
         directory: where compiled programs are kept (default: :func:`default_cache_dir`).
@@ -70,12 +72,14 @@ def enable_compile_cache(directory: str | os.PathLike | None = None,
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax_compilation_cache.reset_cache()
     return path
 
 
 def disable_compile_cache() -> None:
     """Turns the persistent cache off, also when ``JAX_COMPILATION_CACHE_DIR`` names one."""
     jax.config.update("jax_enable_compilation_cache", False)
+    jax_compilation_cache.reset_cache()
 
 
 def compile_cache_dir() -> str | None:

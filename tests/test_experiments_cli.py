@@ -26,14 +26,38 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def compile_cache(tmp_path_factory):
-    """The CLI's persistent compile cache, kept out of the user's home for these runs."""
+    """The CLI's persistent compile cache, kept out of the user's home for these runs.
+
+    The runs of this module share it, in-process too: programs of the same shapes (another
+    seed, another method's generation) load instead of compiling again. Later modules of the
+    same test process compile without it, as before."""
+    from podsjax import compilation
+
     before = os.environ.get("PODSJAX_CACHE_DIR")
     os.environ["PODSJAX_CACHE_DIR"] = path = str(tmp_path_factory.mktemp("compile_cache"))
     yield path
+    compilation.disable_compile_cache()
     if before is None:
         os.environ.pop("PODSJAX_CACHE_DIR", None)
     else:
         os.environ["PODSJAX_CACHE_DIR"] = before
+
+
+def test_the_compile_cache_turned_on_after_a_compile_is_used(tmp_path):
+    # In-process CLI runs turn the cache on after earlier compiles of the same process.
+    import jax
+    import jax.numpy as jnp
+
+    from podsjax import compilation
+
+    compilation.disable_compile_cache()
+    jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()
+    cache = compilation.enable_compile_cache(tmp_path / "cache", min_compile_time_s=0)
+    try:
+        jax.jit(lambda x: x * 3 - 1)(jnp.ones(5)).block_until_ready()
+    finally:
+        compilation.disable_compile_cache()
+    assert os.listdir(cache)
 
 
 def run_cli(args, timeout=300):
@@ -141,7 +165,7 @@ def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, data_d
     flags = ["--methods", "grpo,pods", "--seeds", "0,1", "--out", str(out), "--model", checkpoint,
              "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data", os.path.join(gsm8k, "test.jsonl"),
              "--eval-limit", "4", "--n", "4", "--m", "2", "--max-completion-length", "6", "--max-steps", "1",
-             "--eval-every", "0", "--lora-rank", "2", "--no-progress", "--reward-workers", "1", "--no-compile-cache"]
+             "--eval-every", "0", "--lora-rank", "2", "--no-progress", "--reward-workers", "1"]
     assert compare.main(flags) == 0
     printed = capsys.readouterr().out
     assert "| grpo |" in printed and "| pods |" in printed and "speed-up vs grpo" in printed
@@ -165,7 +189,7 @@ def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, t
         out = tmp_path / method
         code = cli.main("gsm8k", ["--method", method, "--mesh", "8", "--max-steps", "2", "--eval-limit", "8",
                                   "--prompts-per-step", "8",
-                                  "--warmup-dir", warmup, "--warmup-steps", "30", "--no-progress", "--no-compile-cache",
+                                  "--warmup-dir", warmup, "--warmup-steps", "30", "--no-progress",
                                   "--reward-workers", "1", "--out", str(out)])
         printed = capsys.readouterr().out
         assert code == 0, printed[-2000:]
@@ -188,7 +212,7 @@ def test_the_grpo_toolbox_trains_on_the_tiny_preset_and_logs_to_every_backend(tm
     code = cli.main("gsm8k", [
         "--method", "pods", "--mesh", "8", "--max-steps", "2", "--eval-limit", "8", "--prompts-per-step", "8",
         "--warmup-dir", warmup,
-        "--warmup-steps", "30", "--no-progress", "--no-compile-cache", "--reward-workers", "1", "--out", str(tmp_path),
+        "--warmup-steps", "30", "--no-progress", "--reward-workers", "1", "--out", str(tmp_path),
         "--algorithm.loss_type", "gspo", "--algorithm.steps_per_generation", "2", "--algorithm.num_iterations", "2",
         "--algorithm.tis_cap", "3", "--algorithm.log_mismatch", "true", "--algorithm.dynamic_sampling", "true",
         "--eval-repeats", "2", "--eval-temperature", "0.7", "--eval-k", "1,2", "--log", "jsonl,tensorboard,wandb"])
