@@ -130,21 +130,22 @@ def _size_kb(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(path) for f in names) // 1024
 
 
-def run_args(model, data_dir):
-    """A 4-step PODS run of the tiny random model with a checkpoint at every step."""
+def run_args(model, data_dir, compile_cache):
+    """A 4-step PODS run of the tiny random model with a checkpoint at every step; its runs
+    share ``compile_cache``, so each program compiles once."""
     gsm8k = os.path.join(data_dir, "gsm8k")
     return ["--model", model, "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data",
             os.path.join(gsm8k, "test.jsonl"), "--eval-limit", "4", "--method", "pods", "--n", "4", "--m", "2",
             "--prompts-per-step", "2", "--max-completion-length", "8", "--lora-rank", "2", "--eval-every", "1000",
             "--checkpoint-every-steps", "1", "--max-steps", "4", "--no-progress", "--reward-workers", "1",
-            "--no-compile-cache"]
+            "--compile-cache-dir", str(compile_cache)]
 
 
 def checkpointed_run(tmp_path_factory, data_dir):
     """The run of run_args, finished (checkpoints of steps 2-4 kept), made once per session for
     every test that needs one; returns (its directory, its arguments). Copy it before changing it."""
     base = tmp_path_factory.getbasetemp()
-    args = run_args(str(base / "faults_tiny_model"), data_dir)
+    args = run_args(str(base / "faults_tiny_model"), data_dir, base / "faults_compile_cache")
     out = base / "faults_checkpointed_run"
     if not (out / "final_model").is_dir():
         save_tiny_checkpoint(base / "faults_tiny_model")
@@ -173,7 +174,7 @@ def test_a_full_disk_stops_with_one_line_and_resume_is_exact(tmp_path_factory, d
         assert len(errors) == 1 and lines[-1] == errors[0], full.stderr[-3000:]
         assert errors[0].startswith("error: no space left on device writing") and "--resume" in errors[0]
         subprocess.run(["mount", "-o", "remount,size=65536k", str(disk)], check=True)
-        resumed = _run_cli(["--out", str(out), "--resume", "--no-progress", "--no-compile-cache"])
+        resumed = _run_cli(["--out", str(out), "--resume", "--no-progress", *common[-2:]])  # the same cache
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert _losses(out) == _losses(reference)
         assert os.path.isfile(out / "final_model" / "config.json")
