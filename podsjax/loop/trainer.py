@@ -150,7 +150,7 @@ class Trainer:
         """One console line, above the progress bar when one is drawn."""
         if self._print is None:
             return
-        bar = getattr(getattr(self, "_progress", None), "bar", None)
+        bar = getattr(getattr(self, "_progress", None), "bar", None)  # resume logs before the hooks exist
         if bar is not None and bar.enabled and self._print is metrics_lib.print_line:
             bar.write(line)
         else:
