@@ -74,7 +74,7 @@ def write_data(data_dir: str, out_dir: str, train_examples: int, test_examples: 
 
 def build_tokenizer(train_jsonl: str, vocab_size: int):
     """The tiny preset's byte-level BPE tokenizer (specials, template), with merges learned on GSM8K."""
-    from podsjax.prompts import DEFAULT_SYSTEM_PROMPT
+    from podsjax.data.prompts import DEFAULT_SYSTEM_PROMPT
     from podsjax.tiny.build import build_tokenizer as build_bpe
 
     with open(train_jsonl, encoding="utf-8") as f:

@@ -6,7 +6,7 @@ transformers and loaded into podsjax with ``podsjax.models.from_pretrained``, in
 --dtype (bfloat16 on GPU/TPU, float32 on CPU by default). Both sides sample
 P rows of L random prompt tokens x T new tokens at temperature 1 (no top-k, no
 top-p), end to end (prefill included):
-  (a) podsjax: ``podsjax.sampling.Generator.generate`` (jit prefill + lax.while_loop decode)
+  (a) podsjax: ``podsjax.sampler.sampling.Generator.generate`` (jit prefill + lax.while_loop decode)
   (b) transformers: ``model.generate(do_sample=True, ...)`` in eager PyTorch under
       ``torch.no_grad()``, sdpa attention and its default dynamic cache, on CUDA when
       torch has it (timed up to ``torch.cuda.synchronize()``)
@@ -76,7 +76,7 @@ def run_generate(args) -> dict:
     import torch
 
     from podsjax.models import init_cache, prefill
-    from podsjax.sampling import Generator
+    from podsjax.sampler.sampling import Generator
 
     spec = args.spec
     # EOS off: no token id ends a transformers row early.
@@ -238,7 +238,7 @@ def format_decode_table(args, r) -> str:
 
 def reward_inputs(task_name: str, data_dir: str, limit: int | None):
     """Gold solutions as think/answer completions, plus their reward columns."""
-    from podsjax.data import load_task, reward_columns
+    from podsjax.data.datasets import load_task, reward_columns
 
     path = os.path.join(data_dir, TASK_DIRS[task_name], "test.jsonl")
     task = load_task(task_name, "test", path=path, limit=limit)

@@ -5,7 +5,7 @@
 #   2. the CLI on setting a (a random 1.5B checkpoint, PODS n 64 m 16, LoRA r64): start to
 #      the first finished step with a cold and then a warm compile cache, the programs
 #      compiled before it, the steady step and its phases, and the plan's roofline beside them.
-# First, the decode kernel compiled through Triton against the XLA form (tests/test_decode_kernel.py), and
+# First, the decode kernel compiled through Triton against the XLA form (tests/models/test_decode_kernel.py), and
 # one layer's decode attention under several splits against the XLA form and its floor.
 #
 #   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
@@ -23,7 +23,7 @@ set -o pipefail
 OUT=${OUT:-/tmp/podsjax-gpu-check}
 source "$(dirname "$0")/gpu_stages.sh"
 stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null); XLA_FLAGS=${XLA_FLAGS:-}"
-stage kernel "${T_KERNEL:-60}" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/test_decode_kernel.py -k on_a_gpu
+stage kernel "${T_KERNEL:-60}" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/models/test_decode_kernel.py -k on_a_gpu
 stage attention "${T_ATTENTION:-90}" "$PY" -m benchmarks.decode_attention ${ATTENTION:-}
 model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
 stage decode "${T_DECODE:-190}" "$PY" -m benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \

@@ -1,8 +1,8 @@
 """A decode step on a GPU against its memory floor, from XLA's GPU compiler on any host.
 
 For each GPU, checkpoint shape and row count it compiles the sampler's decode program
-deviceless (``podsjax.gpu_topology``) in both layer layouts and counts one step from the
-optimized HLO (``podsjax.hlo_cost``): bytes moved against the floor (the weights the step
+deviceless (``podsjax.devices.gpu_topology``) in both layer layouts and counts one step from the
+optimized HLO (``podsjax.devices.hlo_cost``): bytes moved against the floor (the weights the step
 reads and its KV cache, once) and against the floor of a cache that repeats each prompt's
 KV in every row, kernels launched, and the step's roofline time. "unrolled" is what
 podsjax runs on a GPU (each prompt's KV held once for its samples); "scanned" is the
@@ -20,7 +20,7 @@ import argparse
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for GPUs from this host; probe for none here
-from podsjax.gpu_topology import DEVICELESS_XLA_FLAGS  # noqa: E402 - imports no JAX
+from podsjax.devices.gpu_topology import DEVICELESS_XLA_FLAGS  # noqa: E402 - imports no JAX
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DEVICELESS_XLA_FLAGS}".strip()
 
@@ -28,9 +28,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import podsjax.models as pm  # noqa: E402
-from podsjax import dry_run, sampling, topology  # noqa: E402
-from podsjax import mesh as mesh_lib  # noqa: E402
-from podsjax.gpu_topology import GPUS  # noqa: E402
+from podsjax.devices import dry_run, topology  # noqa: E402
+from podsjax.sampler import sampling  # noqa: E402
+from podsjax.devices import mesh as mesh_lib  # noqa: E402
+from podsjax.devices.gpu_topology import GPUS  # noqa: E402
 
 PROMPT, COMPLETION, LORA_RANK = 512, 512, 64  # setting a's shapes
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from podsjax.selection import max_variance
+from podsjax.core.selection import max_variance
 
 DEFAULT_SHAPES = [(b, n) for b in (1, 64, 4096) for n in (16, 64, 256)]
 

@@ -1,9 +1,9 @@
 """The update per row against the update with each prompt computed once (``algorithm.shared_prefix``),
 side by side in one process, on one device.
 
-Both forms take the same batch (``train.build_batch``: P prompts, m rows each, left-padded
+Both forms take the same batch (``train_step.build_batch``: P prompts, m rows each, left-padded
 prompts of Lp tokens with 60-100 % of them real, completions of T tokens with 25-100 %
-real) and the same jitted step (``train.make_train_step``, state donated). Each form is
+real) and the same jitted step (``train_step.make_train_step``, state donated). Each form is
 compiled, run once more to warm up, then both run --repeats times in alternation; the
 table shows the medians. Update tokens/s counts the rows' tokens, P x m x (Lp + T), for
 both forms, so its ratio is the speed-up; "positions" is what each form runs through the
@@ -15,7 +15,7 @@ fp32, 32 prompts x m 4, Lp 128, T 48); ``qwen0.5b`` is a Qwen2.5-0.5B shape
 (``benchmarks.qwen_model``) with --layers of its 24 layers (default 4, CPU-sized), LoRA r 64,
 1 prompt x m 8, Lp 256, T 64. Any size flag overrides the preset's.
 
---mesh spreads the batch and the params over a mesh (``podsjax.mesh``; on a CPU, fake
+--mesh spreads the batch and the params over a mesh (``podsjax.devices.mesh``; on a CPU, fake
 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8), as the tiny preset's CLI
 run does with --mesh 8.
 
@@ -52,8 +52,8 @@ import numpy as np
 import podsjax.models as pm
 from benchmarks.machine import busy_note, cpu_snapshot, others_busy
 from benchmarks.qwen_model import SHAPES
-from podsjax import algorithms, train
-from podsjax import mesh as mesh_lib
+from podsjax.update import algorithms, train_step
+from podsjax.devices import mesh as mesh_lib
 from podsjax.tiny.build import TINY_MODEL
 
 PRESETS = {
@@ -88,12 +88,12 @@ def rollouts(args, vocab: int):
 def compiled_step(model, params, lora, config, batch):
     """(run_once, compile seconds) of a donated update of ``config``."""
     optimizer = algorithms.make_optimizer(config)
-    policy, _ = train.lora_apply_fn(model) if lora is not None else train.full_apply_fn(model)
+    policy, _ = train_step.lora_apply_fn(model) if lora is not None else train_step.full_apply_fn(model)
     trainable, frozen = (lora, params) if lora is not None else (params, None)
     # The state is donated: each form updates its own copy.
-    state = train.init_state(jax.tree.map(jnp.copy, trainable), optimizer)
+    state = train_step.init_state(jax.tree.map(jnp.copy, trainable), optimizer)
     start = time.perf_counter()
-    step = jax.jit(train.make_train_step(policy, optimizer, config), donate_argnums=0).lower(
+    step = jax.jit(train_step.make_train_step(policy, optimizer, config), donate_argnums=0).lower(
         state, batch, frozen).compile()
     compile_s = time.perf_counter() - start
     holder = {"state": state}
@@ -183,7 +183,7 @@ def main(argv=None):
     if args.lora_rank:
         lora = pm.init_lora(jax.random.key(1), model, pm.LoraConfig(rank=args.lora_rank, alpha=float(args.lora_rank)))
     common = dict(algorithm="grpo", n=args.m, m=args.m, learning_rate=1e-5, temperature=1.0)
-    batch, _ = train.build_batch(*rollouts(args, config.vocab_size), algorithms.AlgorithmConfig(**common))
+    batch, _ = train_step.build_batch(*rollouts(args, config.vocab_size), algorithms.AlgorithmConfig(**common))
     if mesh is not None:
         params = jax.device_put(params, pm.param_shardings(model, mesh))
         if lora is not None:

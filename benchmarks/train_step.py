@@ -6,7 +6,7 @@ qwen2.5-0.5b / 1.5b / 3b, made from the config with no download) is built with
 transformers and loaded into podsjax, so both sides train the same weights on the
 same batch of B rows x (prompt L + completion T) tokens in --dtype (bfloat16 on
 GPU/TPU, float32 on CPU by default). For each --update mode, LoRA first:
-  (a) podsjax: ``podsjax.train.make_train_step`` on one device, jitted with the
+  (a) podsjax: ``podsjax.update.train_step.make_train_step`` on one device, jitted with the
       state donated, the model built with --remat (full: each layer recomputed in
       the backward pass; none; dots: matmul outputs kept). LoRA is r --lora-rank,
       alpha --lora-alpha on all 7 projections (``init_lora``), the base frozen.
@@ -69,7 +69,8 @@ from benchmarks.machine import (
     others_busy, print_machine, print_runs, reset_torch_peak, torch_device, torch_peak_bytes, torch_sync,
 )
 from benchmarks.qwen_model import add_model_args, build_hf_model, describe, resolve, to_podsjax
-from podsjax import algorithms, paper_settings, train
+from podsjax.update import algorithms, train_step
+from experiments import paper_settings
 from podsjax.models import LoraConfig, init_lora
 
 # transformers 5 renamed gradient checkpointing; peft still calls the old names.
@@ -96,20 +97,20 @@ def podsjax_step(model, params, lora, batch, config):
     """(run_once, compile seconds): a donated update of ``lora`` on frozen ``params`` (of ``params`` when no LoRA)."""
     optimizer = algorithms.make_optimizer(config)
     if lora is not None:
-        policy, _ = train.lora_apply_fn(model)
+        policy, _ = train_step.lora_apply_fn(model)
         trainable, frozen = lora, params
     else:
-        policy, _ = train.full_apply_fn(model)
+        policy, _ = train_step.full_apply_fn(model)
         trainable, frozen = params, None
-    state = train.init_state(trainable, optimizer)
-    train_batch = train.TrainBatch(
+    state = train_step.init_state(trainable, optimizer)
+    train_batch = train_step.TrainBatch(
         input_ids=jnp.asarray(batch["ids"], jnp.int32),
         attention_mask=jnp.asarray(batch["attention_mask"], jnp.int32),
         completion_mask=jnp.asarray(batch["completion_mask"]),
         advantages=jnp.asarray(batch["advantages"]),
     )
     t0 = time.perf_counter()
-    step = jax.jit(train.make_train_step(policy, optimizer, config), donate_argnums=0).lower(
+    step = jax.jit(train_step.make_train_step(policy, optimizer, config), donate_argnums=0).lower(
         state, train_batch, frozen).compile()
     compile_s = time.perf_counter() - t0
     holder = {"state": state}

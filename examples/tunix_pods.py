@@ -16,8 +16,8 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 
 # tunix.rl.grpo is also called grpo: name ours apart.
-from podsjax import grpo as pods_grpo
-from podsjax import selection
+from podsjax.core import grpo as pods_grpo
+from podsjax.core import selection
 
 TUNIX_EPS = 1e-6  # tunix's own GRPO advantages: (r - mean) / (std(ddof=1) + 1e-6)
 

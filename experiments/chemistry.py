@@ -4,7 +4,7 @@
         --setting d --out runs/chemistry
 
 The paper's chemistry dataset is not named in what is reachable; this task stands in
-for it (see ``podsjax.data``). There is no Hub default, so --dataset (or --data and
+for it (see ``podsjax.data.datasets``). There is no Hub default, so --dataset (or --data and
 --eval-data) is needed with --model; any file with problem/answer/unit rows works the same way.
 """
 

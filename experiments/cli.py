@@ -30,9 +30,9 @@ from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_dev
 # The library's errors about what the user gave it (module, class): one line, status 2.
 # Looked up in sys.modules so that this module never imports JAX itself.
 _USER_ERRORS = (
-    ("podsjax.data", "DataError"), ("podsjax.prompts", "PromptError"), ("podsjax.models.hf_io", "CheckpointError"),
-    ("podsjax.checkpoint", "CheckpointCorrupt"), ("podsjax.checkpoint", "CheckpointMismatch"),
-    ("podsjax.loop", "TrainingDiverged"), ("podsjax.loop", "LogDamaged"), ("podsjax.dry_run", "DoesNotFit"),
+    ("podsjax.data.datasets", "DataError"), ("podsjax.data.prompts", "PromptError"), ("podsjax.models.hf_io", "CheckpointError"),
+    ("podsjax.run.checkpoint", "CheckpointCorrupt"), ("podsjax.run.checkpoint", "CheckpointMismatch"),
+    ("podsjax.rl", "TrainingDiverged"), ("podsjax.rl", "LogDamaged"), ("podsjax.devices.dry_run", "DoesNotFit"),
     ("podsjax.tiny.warmup", "WarmupError"), ("podsjax.rewards.pool", "RewardPoolError"),
 )
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -256,7 +256,7 @@ def prepare_devices(spec: str | None, processes: int = 1, topology: str | None =
         if "jax" in sys.modules:  # the config tree imported it, and it read the variable then
             sys.modules["jax"].config.update("jax_platforms", "cpu")
     flags = host_device_flags(count // processes, os.environ.get("XLA_FLAGS", ""))
-    from podsjax.gpu_topology import DEVICELESS_XLA_FLAGS, is_gpu_name  # no JAX
+    from podsjax.devices.gpu_topology import DEVICELESS_XLA_FLAGS, is_gpu_name  # no JAX
 
     if topology is not None and is_gpu_name(topology) and DEVICELESS_XLA_FLAGS not in flags:
         flags = f"{flags} {DEVICELESS_XLA_FLAGS}".strip()
@@ -292,7 +292,7 @@ def distributed_plan(args) -> tuple[str, int, int] | str | None:
     variables; "auto" in a SLURM or Open MPI job of several tasks or on a multi-host TPU
     slice, where jax finds its peers itself; None for a single process.
     """
-    from podsjax.mesh import DISTRIBUTED_ENV
+    from podsjax.devices.mesh import DISTRIBUTED_ENV
 
     flags = (args.coordinator, args.num_processes, args.process_id)
     values = []
@@ -329,7 +329,7 @@ def start_distributed(plan) -> None:
     """Joins the multi-host run ``distributed_plan`` gave (nothing for a single process)."""
     if plan is None:
         return
-    from podsjax import mesh as mesh_lib
+    from podsjax.devices import mesh as mesh_lib
 
     try:
         if plan == "auto":
@@ -344,7 +344,7 @@ def start_distributed(plan) -> None:
 
 def setup_compile_cache(args) -> str | None:
     """Turns the persistent compilation cache on (unless --no-compile-cache); before any compile."""
-    from podsjax import compilation
+    from podsjax.devices import compilation
 
     if args.no_compile_cache:
         compilation.disable_compile_cache()

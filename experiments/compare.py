@@ -25,8 +25,8 @@ from experiments import cli, completed, config_decoding, launch_checks
 from experiments import flags as flags_lib
 from experiments.config import METHODS, ExperimentConfig, describe_setting
 from experiments.usage import UsageError
-from podsjax import analysis
-from podsjax.metrics import read_jsonl
+from experiments import analysis
+from podsjax.run.metrics import read_jsonl
 
 # label -> the AlgorithmConfig fields it sets over the shared config; the paper's sweeps
 # (n at m=16, m at n=64, the selection rule at the setting's n and m).
@@ -187,7 +187,7 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
 
 
 def _history(out: str) -> list[dict]:
-    from podsjax.loop import read_history
+    from podsjax.rl import read_history
 
     return with_trained_tokens(read_history(out), out)
 
@@ -346,7 +346,7 @@ def format_late_gains(rows) -> str:
 
 
 def format_summary(rows, baseline, seeds) -> str:
-    """Both speed-up estimators (see podsjax.analysis): per seed, and the authors' mean curves."""
+    """Both speed-up estimators (see experiments.analysis): per seed, and the authors' mean curves."""
     def seconds(t):
         return "never" if not math.isfinite(t) else f"{t:.0f} s"
 

@@ -22,7 +22,7 @@ def is_complete(config: ExperimentConfig, out: str) -> bool:
 
 def _last_step(out: str) -> dict:
     """The last training record of the run's metrics.jsonl (empty when there is none)."""
-    from podsjax.metrics import read_jsonl  # imports no JAX
+    from podsjax.run.metrics import read_jsonl  # imports no JAX
 
     path = os.path.join(out, "metrics.jsonl")
     rows = read_jsonl(path) if os.path.isfile(path) else []

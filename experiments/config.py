@@ -1,15 +1,15 @@
 """The experiment config: one typed tree, the single source of every default and rule of a run.
 
 Sections: ``model`` (checkpoint, dtype, remat, LoRA, mesh), ``algorithm``
-(:class:`podsjax.algorithms.AlgorithmConfig`), ``run`` (:class:`podsjax.loop.RunConfig`:
+(:class:`podsjax.update.algorithms.AlgorithmConfig`), ``run`` (:class:`podsjax.rl.RunConfig`:
 budget, sampling, evaluation, checkpoints, logging), ``rewards``, ``data`` and ``tiny``.
 Every field is a command-line flag (``--algorithm.epsilon_high 0.28``) and a key of a
 YAML config file (``--config run.yaml``); draccus builds both from these dataclasses
 and their field comments.
 
 A run's config is the dataclass defaults, then the method's n / m
-(:func:`podsjax.paper_settings.method_config`), then the named setting's
-(``podsjax.paper_settings.PRESETS``: tiny and the paper's a-f), then the config file, then
+(:func:`experiments.paper_settings.method_config`), then the named setting's
+(``experiments.paper_settings.PRESETS``: tiny and the paper's a-f), then the config file, then
 the flags. Each is a :class:`Layer`, and :func:`stack` says which one each value came from;
 :func:`settings_table` is docs/paper_settings.md's table of every preset value.
 """
@@ -21,10 +21,11 @@ import math
 import typing
 from typing import Any
 
-from podsjax import algorithms, paper_settings
-from podsjax.loop import RunConfig
-from podsjax.mesh_spec import parse_mesh_spec
-from podsjax.prompts import DEFAULT_SYSTEM_PROMPT
+from podsjax.update import algorithms
+from experiments import paper_settings
+from podsjax.rl import RunConfig
+from podsjax.devices.mesh_spec import parse_mesh_spec
+from podsjax.data.prompts import DEFAULT_SYSTEM_PROMPT
 
 DTYPES = ("float32", "bfloat16")
 METHODS = algorithms.ALGORITHMS
@@ -127,8 +128,8 @@ class DataSection:
     answer_column: str | None = None  # your column holding the gold answer (default: answer)
 
     def columns(self, task: str) -> dict[str, str]:
-        """The task's fields read from your columns (``podsjax.data.load_task(columns=...)``)."""
-        from podsjax.data import PROMPT_FIELD
+        """The task's fields read from your columns (``podsjax.data.datasets.load_task(columns=...)``)."""
+        from podsjax.data.datasets import PROMPT_FIELD
 
         wanted = {PROMPT_FIELD[task]: self.prompt_column, "answer": self.answer_column}
         return {field: column for field, column in wanted.items() if column}

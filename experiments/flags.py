@@ -40,7 +40,7 @@ from experiments.config_decoding import (
 from experiments.config_documents import _show
 from experiments.launch_checks import has_run
 from experiments.usage import UsageError
-from podsjax import paper_settings
+from experiments import paper_settings
 
 # Short names of config fields: flag -> dotted field.
 SHORTCUTS: dict[str, str] = {
@@ -331,7 +331,7 @@ def _dataset(args, data: dict[str, Any], given: dict[str, str]) -> dict[str, Any
     """The data fields --dataset sets: a directory gives data.train and data.test (its split
     files), a file data.train, and an ``owner/name`` that is no local path data.hub.
     ``data``: the data section so far (its split names)."""
-    from podsjax import data as data_lib  # no JAX
+    from podsjax.data import datasets as data_lib  # no JAX
 
     dataset = args.dataset
     if os.path.isfile(dataset):

@@ -23,7 +23,7 @@ def check(args, config: ExperimentConfig) -> None:
     for flag, path in (("--model", config.model.path), ("--data", config.data.train), ("--eval-data", config.data.test)):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{flag} {path}: no such file or directory")
-    from podsjax import data  # no JAX
+    from podsjax.data import datasets as data  # no JAX
 
     hint = data.LOCAL_ONLY_TASKS.get(config.task)
     missing = [flag for flag, path in (("--data", config.data.train), ("--eval-data", config.data.test))

@@ -15,7 +15,7 @@ import re
 import shutil
 
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
-from podsjax.run_state import LOCK_FILE
+from podsjax.run.run_state import LOCK_FILE
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 METRICS_FILE = "metrics.jsonl"

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 
 from experiments.config import ExperimentConfig
 from experiments.usage import UsageError, mesh_device_count
-from podsjax import data, hosts, loop, prompts
-from podsjax import mesh as mesh_lib
+from podsjax.data import datasets as data, prompts
+from podsjax.devices import hosts
+from podsjax import rl
+from podsjax.devices import mesh as mesh_lib
 from podsjax import models as pm
 from podsjax import rewards as rewards_lib
 
@@ -50,7 +52,7 @@ def _make_mesh(spec, devices=None):
 def _topology_mesh(spec, topology: str):
     """The mesh over a TPU slice's or a GPU host's compile-only devices (all of them unless
     --mesh names fewer)."""
-    from podsjax.topology import compile_only_devices
+    from podsjax.devices.topology import compile_only_devices
 
     try:
         devices = compile_only_devices(topology)
@@ -229,7 +231,7 @@ def make_rewards(config: ExperimentConfig):
 def _check_rows(mesh, algo, run_config) -> None:
     """Rollout rows are split over the mesh's batch shards, and trained rows into micro-batches."""
     shards = mesh_lib.shard_count(mesh, "batch")
-    prompt_rows = loop.prompt_rows(run_config, algo)
+    prompt_rows = rl.prompt_rows(run_config, algo)
     rows = prompt_rows * algo.n
     if rows % shards:
         raise UsageError(f"--prompts-per-step x --n = {rows} rollout rows must divide evenly over the mesh's "

@@ -25,8 +25,11 @@ from experiments.run_setup import (
     make_rewards,
 )
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
-from podsjax import compilation, hosts, loop, prompts, run_state
-from podsjax import dry_run as dry_run_lib
+from podsjax.devices import compilation, hosts
+from podsjax import rl
+from podsjax.data import prompts
+from podsjax.run import run_state
+from podsjax.devices import dry_run as dry_run_lib
 from podsjax import models as pm
 from podsjax import rewards as rewards_lib
 from podsjax.models import peft_io
@@ -94,7 +97,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
 
 
 def _lock(out_dir: str) -> run_state.RunLock | None:
-    """The run directory's lock (``podsjax.run_state.RunLock``), taken by process 0 for every
+    """The run directory's lock (``podsjax.run.run_state.RunLock``), taken by process 0 for every
     process of the run before anything else is written there; None on the other processes."""
     lock, error = None, None
     if hosts.is_primary():
@@ -146,7 +149,7 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
             prompts.check_vocab(tokenizer, model.config.vocab_size, checkpoint)
         print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
         start = time.time()
-        trainer = loop.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
+        trainer = rl.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
                                rewards=make_rewards(config), started_at=started_at, scorer=scorer)
     except BaseException:
         scorer.close()
@@ -227,8 +230,8 @@ def _dry_run(config: ExperimentConfig, out_dir: str, mesh, topology: str | None 
     """Compiles generate and the update, prints and writes memory and compile times; trains nothing."""
     algo, run_config, lora = config.algorithm, config.run, config.lora  # run() has checked the rows
     model, source = _dry_run_model(config, mesh)
-    prompt_len = loop.padded_prompt_length(run_config)
-    prompt_rows = loop.prompt_rows(run_config, algo)
+    prompt_len = rl.padded_prompt_length(run_config)
+    prompt_rows = rl.prompt_rows(run_config, algo)
     rows = prompt_rows * algo.m
     print(f"dry run: {source} ({_millions(model.config.num_params)} params, {config.model.dtype}, "
           f"{'LoRA rank ' + str(lora.rank) if lora else 'full fine-tune'}), {algo.algorithm}: "

@@ -18,7 +18,7 @@ class UsageError(Exception):
 
 def mesh_device_count(spec: str | None) -> int:
     """Devices a ``--mesh`` spec needs (parsed without importing JAX)."""
-    from podsjax.mesh_spec import parse_mesh_spec
+    from podsjax.devices.mesh_spec import parse_mesh_spec
 
     if spec is None:
         return 1
@@ -30,7 +30,7 @@ def mesh_device_count(spec: str | None) -> int:
 
 def has_accelerator(dev: str = "/dev") -> bool:
     """Whether this host has a GPU or TPU device node (so JAX's plugins may find one)."""
-    from podsjax.accelerators import has_accelerator as found  # no JAX
+    from podsjax.devices.accelerators import has_accelerator as found  # no JAX
 
     return found(dev)
 

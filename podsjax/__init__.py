@@ -16,22 +16,25 @@ tools) do not pay for importing JAX.
 
 import importlib
 
-from podsjax import accelerators as _accelerators
+from podsjax import moved as _moved
+from podsjax.devices import accelerators as _accelerators
 
 __version__ = "0.1.0"
 
-# No accelerator-probe noise on a CPU-only host (see podsjax.accelerators).
+# No accelerator-probe noise on a CPU-only host (see podsjax.devices.accelerators).
 _accelerators.cpu_alone_without_accelerator()
 
-_SUBMODULES = ("algorithms", "data", "grpo", "logprobs", "loop", "mesh", "models", "prompts", "rewards", "sampling",
-               "selection", "train")
+_SUBMODULES = ("core", "data", "devices", "models", "rewards", "rl", "run", "sampler", "tiny", "update")
 _SELECTION_NAMES = ("select", "select_flat", "flat_rows", "register_rule", "indices_to_mask")
 __all__ = [*_SUBMODULES, *_SELECTION_NAMES]
+_moved.install()
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f"podsjax.{name}")
+    if _moved.new_path(f"podsjax.{name}") is not None:  # an old path: podsjax.selection, podsjax.loop
+        return importlib.import_module(f"podsjax.{name}")  # through the alias, which warns
     if name in _SELECTION_NAMES:
-        return getattr(importlib.import_module("podsjax.selection"), name)
+        return getattr(importlib.import_module("podsjax.core.selection"), name)
     raise AttributeError(f"module 'podsjax' has no attribute {name!r}")

@@ -8,10 +8,18 @@ multi-device meshes: those are pinned to the 8 CPU devices (their default device
 import os
 import shutil
 import tempfile
+import pathlib
+import sys
+
+# Test modules import helpers from one another across folders (``from test_models import
+# build_hf``): each folder of tests is on the path, as the flat folder was.
+for _folder in sorted(pathlib.Path(__file__).parent.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 from experiments.cli import host_device_flags  # noqa: E402
 from experiments.usage import has_accelerator  # noqa: E402 - imports no JAX
-from podsjax.gpu_topology import DEVICELESS_XLA_FLAGS  # noqa: E402 - imports no JAX
+from podsjax.devices.gpu_topology import DEVICELESS_XLA_FLAGS  # noqa: E402 - imports no JAX
 
 os.environ["XLA_FLAGS"] = host_device_flags(8, os.environ.get("XLA_FLAGS", ""))
 if not has_accelerator():

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from podsjax import mesh as mesh_lib
+from podsjax.devices import mesh as mesh_lib
 
 
 def host_batch_to_global(local_batch: Any, mesh: Mesh) -> Any:

@@ -10,7 +10,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from host_batches import host_batch_to_global  # noqa: E402
-from podsjax import mesh as mesh_lib  # noqa: E402
+from podsjax.devices import mesh as mesh_lib  # noqa: E402
 
 
 def main():

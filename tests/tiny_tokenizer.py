@@ -3,7 +3,7 @@
 ``podsjax.tiny.build_tokenizer`` trains it (Qwen2's pre-tokenizer, ChatML, EOS
 ``<|im_end|>``, pad ``<|endoftext|>``); this corpus keeps it fast and independent of the
 tiny tasks. Tests save it beside their tiny model with ``save_tiny_tokenizer(tmp_path)``
-and load it back with ``AutoTokenizer`` or ``podsjax.prompts.load_tokenizer``. Nothing
+and load it back with ``AutoTokenizer`` or ``podsjax.data.prompts.load_tokenizer``. Nothing
 touches the network, and the same corpus gives the same vocabulary every time.
 """
 

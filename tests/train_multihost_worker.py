@@ -17,8 +17,9 @@ import numpy as np  # noqa: E402
 
 import podsjax.models as pm  # noqa: E402
 from host_batches import host_batch_to_global  # noqa: E402
-from podsjax import mesh as mesh_lib  # noqa: E402
-from podsjax import algorithms, paper_settings, train  # noqa: E402
+from podsjax.devices import mesh as mesh_lib  # noqa: E402
+from podsjax.update import algorithms, train_step  # noqa: E402
+from experiments import paper_settings  # noqa: E402
 
 MODEL = pm.ModelConfig(arch="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                        num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, tie_word_embeddings=True)
@@ -41,9 +42,9 @@ def rollouts():
     return prompt_ids, prompt_mask, tokens, mask, rewards
 
 
-def local_batch(prompts: slice) -> train.TrainBatch:
+def local_batch(prompts: slice) -> train_step.TrainBatch:
     """The update rows of the given prompts, as numpy: selection is per prompt, so a host needs only its own."""
-    batch, _ = jax.jit(train.build_batch, static_argnames="config")(*(x[prompts] for x in rollouts()), config=ALGO)
+    batch, _ = jax.jit(train_step.build_batch, static_argnames="config")(*(x[prompts] for x in rollouts()), config=ALGO)
     return jax.tree.map(np.asarray, batch)
 
 
@@ -51,10 +52,10 @@ def setup(mesh):
     """(jitted step, initial state) on ``mesh``; params are born sharded from a fixed key."""
     model = pm.Decoder(MODEL, mesh=mesh)
     params = pm.init_params(model, jax.random.key(0), mesh)
-    policy, reference = train.full_apply_fn(model)
+    policy, reference = train_step.full_apply_fn(model)
     optimizer = algorithms.make_optimizer(ALGO)
-    state = jax.jit(lambda p: train.init_state(p, optimizer))(params)  # one compile, not one per op
-    return jax.jit(train.make_train_step(policy, optimizer, ALGO, reference)), state
+    state = jax.jit(lambda p: train_step.init_state(p, optimizer))(params)  # one compile, not one per op
+    return jax.jit(train_step.make_train_step(policy, optimizer, ALGO, reference)), state
 
 
 def flat(tree, prefix):

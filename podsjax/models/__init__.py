@@ -12,14 +12,7 @@ Example:
 """
 
 from podsjax.models.cache import KVCache, cache_shardings, decode_step, init_cache, prefill
-from podsjax.models.config import (
-    CHECKPOINT_SHAPES,
-    SUPPORTED_ARCHITECTURES,
-    Llama3RopeScaling,
-    ModelConfig,
-    from_hf_config,
-    checkpoint_shape,
-)
+from podsjax.models.model_config import (CHECKPOINT_SHAPES, SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelConfig, from_hf_config, checkpoint_shape)
 from podsjax.models.decoder import REMAT_POLICIES, Decoder, DecoderOutput
 from podsjax.models.hf_io import CheckpointError, from_pretrained, load_params, save_pretrained, tensor_specs
 from podsjax.models.lora import DEFAULT_TARGETS, LoraConfig, LoraParams, init_lora, lora_logical_axes, merge_lora

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from podsjax import mesh as mesh_lib
+from podsjax.devices import mesh as mesh_lib
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from podsjax import mesh as mesh_lib
+from podsjax.devices import mesh as mesh_lib
 
 # Logical names of each cache field, for shardings (a slot's K*E features split as its kv heads).
 CACHE_LOGICAL_AXES = {

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from podsjax import mesh as mesh_lib
+from podsjax.devices import mesh as mesh_lib
 from podsjax.models import tpu_decode_kernel
 from podsjax.models.attention import (
     LayerCache,
@@ -45,7 +45,7 @@ from podsjax.models.attention import (
     cache_slots,
 )
 from podsjax.models.cache import KVCache
-from podsjax.models.config import ModelConfig
+from podsjax.models.model_config import ModelConfig
 from podsjax.models.lora import PROJECTION_LOGICAL_AXES, LoraParams
 from podsjax.models.rope import apply_rope, rope_inv_freq, rope_tables
 

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from podsjax import mesh as mesh_lib
-from podsjax.models.config import CheckpointError, from_hf_config
+from podsjax.devices import mesh as mesh_lib
+from podsjax.models.model_config import CheckpointError, from_hf_config
 from podsjax.models.decoder import Decoder
 from podsjax.models.lora import LoraParams, merged_kernel
 from podsjax.models.params import abstract_params, param_logical_axes

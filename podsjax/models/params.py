@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from podsjax import mesh as mesh_lib
+from podsjax.devices import mesh as mesh_lib
 
 
 def _boxed_abstract(model) -> Any:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from podsjax import mesh as mesh_lib
+from podsjax.devices import mesh as mesh_lib
 from podsjax.models import decode_kernel
 from podsjax.models import decoder as dec
 from podsjax.models.lora import LoraParams, merged_kernel

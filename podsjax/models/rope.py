@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from podsjax.models.config import ModelConfig
+from podsjax.models.model_config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

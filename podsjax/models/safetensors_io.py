@@ -3,7 +3,7 @@
 The format is small: an 8-byte little-endian header length, a JSON header
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then
 the raw little-endian bytes. It is handled here rather than by the ``safetensors``
-package because of what host memory costs, measured in ``tests/test_models_io.py``:
+package because of what host memory costs, measured in ``tests/models/test_models_io.py``:
 
 - Reading: ``safe_open(...).get_tensor`` copies each tensor out of its map. Loading a
   214 MB model onto 8 devices held 34.3 MB of transient host memory that way (two copies
@@ -29,7 +29,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from podsjax.models.config import CheckpointError
+from podsjax.models.model_config import CheckpointError
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),

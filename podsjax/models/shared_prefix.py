@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from podsjax import mesh as mesh_lib
+from podsjax.devices import mesh as mesh_lib
 from podsjax.models.attention import attend, attention_implementation
-from podsjax.models.config import ModelConfig
+from podsjax.models.model_config import ModelConfig
 from podsjax.models.decoder import (
     Decoder,
     DecoderOutput,

@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from podsjax import mesh as mesh_lib
+from podsjax.devices import mesh as mesh_lib
 from podsjax.models.attention import attend_cached
 
 _NEG = 0.7 * float(jnp.finfo(jnp.float32).min)  # masked scores: exp underflows to 0, no inf - inf

@@ -202,7 +202,7 @@ def default_rewards(task: str, *, accuracy: float = 1.0, format: float = 1.0, ta
     """The paper's reward for a task: accuracy + format + tag count, weighted.
 
     The defaults weigh podsjax's exact format and tag count 1/1/1; each paper setting's
-    family and weights are in ``podsjax.paper_settings`` (``format_style`` "authors-release",
+    family and weights are in ``experiments.paper_settings`` (``format_style`` "authors-release",
     "authors-llama" or "open-r1").
 
     Args:

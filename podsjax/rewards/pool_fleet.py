@@ -55,8 +55,6 @@ class WorkerFleet:
         self._warnings = Warnings(warn)
         self._dead_servers: set[int | None] = set()  # forkserver pids seen dead
 
-    # ----------------------------------------------------------------- lifecycle
-
     def start(self, wait: bool = True) -> "WorkerFleet":
         """Starts the workers and waits until they are ready; a no-op when running.
 

@@ -4,7 +4,7 @@ With no real checkpoint, the experiments run end to end on any CPU on this prese
 
     stats = podsjax.tiny.warm_up(os.path.join(run_dir, podsjax.tiny.WARMUP_DIRNAME))
     model, params = podsjax.models.from_pretrained(stats.path, mesh=mesh)
-    tokenizer = podsjax.prompts.load_tokenizer(stats.path)
+    tokenizer = podsjax.data.prompts.load_tokenizer(stats.path)
     train_examples, test_examples = podsjax.tiny.tiny_tasks(seed=0)
 
 The three tasks (``TASKS``) stand in for the paper's benchmarks and use their reward
@@ -14,7 +14,7 @@ and ``tiny_tasks(seed, task=...)`` pick one.
 
 The checkpoint is an ordinary HF directory, so everything after the warm-up (sampling,
 rewards, selection, the sharded step, checkpoints, evaluation) is the real-run code path.
-Its RL settings, checked to run quickly on a 2-core CPU, are ``podsjax.paper_settings.TINY``.
+Its RL settings, checked to run quickly on a 2-core CPU, are ``experiments.paper_settings.TINY``.
 """
 
 from podsjax.tiny.build import CHATML_TEMPLATE, TINY_MODEL, build_tiny_checkpoint, build_tokenizer, tiny_model

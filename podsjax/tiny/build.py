@@ -18,7 +18,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from podsjax import prompts as prompts_lib
+from podsjax.data import prompts as prompts_lib
 from podsjax.models import Decoder, ModelConfig, init_params, save_pretrained
 from podsjax.tiny.problems import generate_problems, sft_completion
 
@@ -126,7 +126,7 @@ def build_tiny_checkpoint(directory: str | os.PathLike, seed: int = 0, model: Mo
     """Builds the tiny tokenizer and a randomly initialised Qwen2 model and saves both.
 
     The directory then loads through the normal code paths:
-    ``podsjax.models.from_pretrained(directory)`` and ``podsjax.prompts.load_tokenizer(directory)``
+    ``podsjax.models.from_pretrained(directory)`` and ``podsjax.data.prompts.load_tokenizer(directory)``
     (and transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer``).
 
     Args:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from podsjax.data import Example, chemistry_question
+from podsjax.data.datasets import Example, chemistry_question
 
 # (name, formula, molar mass in g/mol), rounded to integers as textbook exercises do.
 COMPOUNDS = (("water", "H2O", 18), ("methane", "CH4", 16), ("oxygen", "O2", 32), ("nitrogen", "N2", 28),

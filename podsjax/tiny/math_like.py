@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from podsjax.data import Example
+from podsjax.data.datasets import Example
 
 VARIABLES = ("x", "y", "z", "n", "k", "t", "p", "w", "r", "m")
 

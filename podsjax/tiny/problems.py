@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from podsjax.data import Example
+from podsjax.data.datasets import Example
 from podsjax.tiny import chemistry_like, math_like
 from podsjax.rewards.gsm8k import GSM8K_MARKER
 from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from podsjax import prompts as prompts_lib
+from podsjax.data import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
-from podsjax import sampling
+from podsjax.sampler import sampling
 from podsjax.rewards.combine import TASK_ACCURACY
-from podsjax.data import Example, reward_columns
+from podsjax.data.datasets import Example, reward_columns
 from podsjax.models import Decoder, init_cache, prefill
 from podsjax.tiny.problems import sft_completion
 
@@ -31,7 +31,7 @@ def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[E
     """Greedy accuracy (the task's reward) and format rate, through the RL loop's prompt and sampler path.
 
     Prompts, padding, EOS ids and decoding are the RL loop's evaluation's
-    (``podsjax.prompts``): every generate call gets exactly ``batch_size`` rows (the last
+    (``podsjax.data.prompts``): every generate call gets exactly ``batch_size`` rows (the last
     prompt repeated, the copies not scored), so the sampler compiles once.
 
     Args:
@@ -42,7 +42,7 @@ def evaluate_greedy(model: Decoder, params: Any, tokenizer, examples: Sequence[E
         batch_size: prompts per generate call.
         max_prompt_length: longer prompts are dropped, as in the loop.
         task: whose accuracy reward scores the completions ("gsm8k", "math", "chemistry").
-        generator: ``model``'s :class:`podsjax.sampling.Generator`; pass the same one to
+        generator: ``model``'s :class:`podsjax.sampler.sampling.Generator`; pass the same one to
             every evaluation to compile once (default: a new one, which compiles).
 
     Returns:
@@ -92,7 +92,7 @@ class SftData:
 def tokenize_sft(tokenizer, examples: Sequence[Example], multiple: int = 8) -> SftData:
     """Tokenizes prompt + PODS-format completion + EOS, as the loop would see them.
 
-    The prompt is tokenized the way ``podsjax.prompts.tokenize_prompts`` does it, and
+    The prompt is tokenized the way ``podsjax.data.prompts.tokenize_prompts`` does it, and
     the completion separately, because the sampler emits completion tokens after
     the prompt ids (a joint tokenization could merge across the boundary).
 

@@ -3,7 +3,7 @@
 RL from a random policy never sees a reward, so the tiny policy is first taught the
 answer format and some arithmetic by next-token cross-entropy on
 ``<chat-template prompt><think>steps</think><answer>N</answer><|im_end|>``, with the
-loss on the completion only. The prompt is rendered by ``podsjax.prompts`` exactly as
+loss on the completion only. The prompt is rendered by ``podsjax.data.prompts`` exactly as
 the RL loop renders it (default system prompt, chat template, no extra special
 tokens), so the warm-up trains on the inputs RL will see.
 
@@ -33,8 +33,8 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from podsjax import prompts as prompts_lib
-from podsjax import sampling
+from podsjax.data import prompts as prompts_lib
+from podsjax.sampler import sampling
 from podsjax.models import Decoder, ModelConfig, from_pretrained, save_pretrained
 from podsjax.tiny.build import TINY_MODEL, build_tiny_checkpoint, check_tiny_model
 from podsjax.tiny.problems import TASKS, check_task, generate_problems, make_splits
@@ -226,7 +226,7 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
         directory: where the warmed-up checkpoint goes (the CLI's default:
             ``podsjax.tiny.warmup_cache.cache_dir(config)``, shared by every run).
             It then loads with ``podsjax.models.from_pretrained`` and
-            ``podsjax.prompts.load_tokenizer``.
+            ``podsjax.data.prompts.load_tokenizer``.
         config: the settings; defaults to ``WarmupConfig()``.
         overwrite: redo a warm-up already in ``directory``, even with other settings.
         log: called with one-line progress messages (e.g. ``print``); None is silent.

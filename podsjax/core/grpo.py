@@ -1,0 +1,402 @@
+"""The GRPO objective as pure functions: advantages, GRPO / GSPO / CISPO losses, TIS and the sampler mismatch.
+
+Everything here is jit/vmap/grad-able and imports nothing else from podsjax. The log-probs the
+loss takes come from ``podsjax.core.logprobs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+StdScaling = Literal["group", "batch", "none"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "group-token-mean"]
+STD_SCALINGS = ("group", "batch", "none")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "group-token-mean")
+LossType = Literal["grpo", "gspo", "cispo"]
+LOSS_TYPES = ("grpo", "gspo", "cispo")
+TisLevel = Literal["token", "sequence"]
+TIS_LEVELS = ("token", "sequence")
+
+
+def group_advantages(
+    rewards_PM: jax.Array,
+    *,
+    eps: float = 1e-4,
+    std_scaling: StdScaling = "group",
+    ddof: int = 1,
+) -> jax.Array:
+    """Group-relative advantages a_i = (r_i - mean_group) / (std + eps).
+
+    Call it on the rewards of the *selected* rollouts, so PODS normalizes over
+    the subset it trains on.
+
+    Args:
+      rewards_PM: [..., M] rewards; the last axis is one group.
+      eps: added to the std (the PODS reference code uses 1e-4).
+      std_scaling: "group" divides by each group's std, "batch" by the std of
+        all rewards, "none" only subtracts the group mean (Dr. GRPO).
+      ddof: delta degrees of freedom of the std; 1 matches ``torch.std``,
+        which TRL-style GRPO code uses, 0 gives the population std.
+
+    Returns:
+      [..., M] float32 advantages. A group whose rewards are all equal gets
+      exactly zero, in every scaling mode and for any eps (0 included): the
+      rewards are shifted by the group's first value before the mean, so equal
+      values are exactly 0 and no float32 rounding of the mean is left over.
+      A group of one (M = 1) therefore also gets 0, where the authors' code
+      gets NaN from its ddof-1 std of one value: a lone rollout carries no
+      group-relative signal, and 0 keeps the update finite.
+    """
+    if std_scaling not in STD_SCALINGS:
+        raise ValueError(f"std_scaling must be one of {STD_SCALINGS}; got {std_scaling!r}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0; got {eps}")
+    rewards = jnp.asarray(rewards_PM, dtype=jnp.float32)
+    if rewards.ndim < 1:
+        raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
+    # Mean and std are shift-invariant; shifting by one member makes equal rewards
+    # exactly 0 before any averaging (mean([7.0] * 7) is not exactly 7.0 in float32).
+    shifted = rewards - rewards[..., :1]
+    centered = shifted - jnp.mean(shifted, axis=-1, keepdims=True)
+    if std_scaling == "none":
+        return centered
+    if std_scaling == "group":
+        size = rewards.shape[-1]
+        std = jnp.std(shifted, axis=-1, keepdims=True, ddof=ddof if size > ddof else 0)
+    else:
+        std = jnp.std(rewards, ddof=ddof if rewards.size > ddof else 0)
+    scale = std + eps
+    # 0 / 0 (equal rewards with eps = 0) is 0 here, not NaN.
+    return centered / jnp.where(scale > 0, scale, 1.0)
+
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Hyperparameters of the clipped GRPO loss (hashable, so jit can take it static).
+
+    Attributes:
+      epsilon: lower clip, the ratio is kept >= 1 - epsilon for negative advantages.
+      epsilon_high: upper clip (DAPO's clip-higher); None means epsilon.
+      beta: weight of the k3 KL to the reference policy; 0 needs no reference.
+      aggregation: "token-mean" averages all tokens of the batch,
+        "seq-mean-token-mean" averages per sequence then over sequences
+        (the original GRPO), "seq-mean-token-sum-norm" sums tokens and divides
+        by a constant B * norm_length (Dr. GRPO), "group-token-mean" averages the
+        tokens of each group of ``group_size`` consecutive rows, then over groups (TRL's
+        bnpo on micro-batches of one group each, as the PODS authors' 8-GPU trainer).
+      norm_length: the constant length of Dr. GRPO's normalizer; None uses the
+        padded completion length L of the batch.
+      group_size: rows per group for "group-token-mean" (its groups are runs of
+        consecutive rows; the batch must hold whole groups).
+      loss_type: each token's policy term: "grpo" clips the token's ratio, "gspo" the
+        sequence's (:func:`gspo_token_loss`), "cispo" caps a stop-gradient weight on
+        REINFORCE (:func:`cispo_token_loss`); each takes every aggregation and the KL.
+      tis_cap: truncated importance sampling against the sampler (None: off). Each
+        token's policy term is weighted by sg(min(pi_old / pi_sampler, tis_cap)), where
+        pi_old is the update program's log-prob of the policy that sampled; the KL term
+        is not weighted (as TRL and verl). Needs the sampler's log-probs
+        (:func:`tis_weights`).
+      tis_level: "token" (one weight per token) or "sequence" (one per sequence: the
+        product of its tokens' ratios, truncated).
+    """
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    aggregation: Aggregation = "token-mean"
+    norm_length: int | None = None
+    group_size: int | None = None
+    loss_type: LossType = "grpo"
+    tis_cap: float | None = None
+    tis_level: TisLevel = "token"
+
+    def __post_init__(self):
+        if not self.epsilon >= 0:
+            raise ValueError(f"epsilon must be >= 0; got {self.epsilon}")
+        if self.epsilon_high is not None and not self.epsilon_high >= 0:
+            raise ValueError(f"epsilon_high must be >= 0; got {self.epsilon_high}")
+        if not self.beta >= 0:
+            raise ValueError(f"beta must be >= 0; got {self.beta}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {self.aggregation!r}")
+        if self.norm_length is not None and self.norm_length < 1:
+            raise ValueError(f"norm_length must be >= 1; got {self.norm_length}")
+        if self.aggregation == "group-token-mean" and (self.group_size is None or self.group_size < 1):
+            raise ValueError(f"aggregation 'group-token-mean' needs group_size >= 1; got {self.group_size}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {self.loss_type!r}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0, or None for no truncated importance sampling; got {self.tis_cap}")
+        if self.tis_level not in TIS_LEVELS:
+            raise ValueError(f"tis_level must be one of {TIS_LEVELS}; got {self.tis_level!r}")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+@flax.struct.dataclass
+class LossTerms:
+    """What the loss reduces, kept apart so micro-batches can share one normalizer.
+
+    ``loss = numerator / denominator``; summing numerators over micro-batches and
+    dividing by the whole batch's denominator gives the big-batch loss exactly.
+    """
+
+    numerator: jax.Array
+    denominator: jax.Array
+
+
+@flax.struct.dataclass
+class LossMetrics:
+    """Masked-token statistics of one loss evaluation (all scalars)."""
+
+    clip_frac_low: jax.Array  # ratio < 1 - eps with a negative advantage (CISPO: always 0)
+    clip_frac_high: jax.Array  # ratio > 1 + eps_high with a positive advantage (CISPO: any capped weight)
+    kl_mean: jax.Array
+    advantage_mean: jax.Array
+    ratio_mean: jax.Array
+    num_tokens: jax.Array
+    tis_weight_mean: jax.Array  # the TIS weight's token mean (1 without TIS)
+    tis_truncated_frac: jax.Array  # tokens whose TIS weight the cap cut
+
+
+def _groups(rows: int, config: LossConfig) -> int:
+    """The number of whole groups of ``config.group_size`` in ``rows`` rows (a ValueError if not whole)."""
+    if rows % config.group_size:
+        raise ValueError(f"aggregation 'group-token-mean' needs whole groups of {config.group_size} rows; "
+                         f"a batch of {rows} rows is not (the rows of each micro-batch must be whole groups)")
+    return rows // config.group_size
+
+
+def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:
+    """The normalizer the aggregation mode divides by, for a batch's mask."""
+    mask = mask_BL.astype(jnp.float32)
+    if config.aggregation == "token-mean":
+        return jnp.maximum(jnp.sum(mask), 1.0)
+    if config.aggregation == "group-token-mean":
+        return jnp.asarray(_groups(mask.shape[0], config), jnp.float32)
+    num_seqs = jnp.asarray(mask.shape[0] if mask.ndim > 1 else 1, jnp.float32)
+    if config.aggregation == "seq-mean-token-mean":
+        return num_seqs
+    length = config.norm_length or mask.shape[-1]
+    return num_seqs * length
+
+
+class TokenLoss(NamedTuple):
+    """One policy term per token, before the KL, the mask and the aggregation ([B, L] each)."""
+
+    per_token: jax.Array
+    ratio: jax.Array  # the importance ratio used (GSPO: the sequence's, on each of its tokens)
+    clipped_low: jax.Array  # bool: the lower clip bit
+    clipped_high: jax.Array  # bool: the upper clip (CISPO: the cap) bit
+
+
+def grpo_token_loss(log_ratio_BL: jax.Array, adv_B1: jax.Array, config: LossConfig) -> TokenLoss:
+    """-min(r A, clip(r, 1 - eps, 1 + eps_high) A) with r = exp(log_ratio), GRPO's log_ratio = logp - old."""
+    ratio = jnp.exp(log_ratio_BL)
+    clipped = jnp.clip(ratio, 1.0 - config.epsilon, 1.0 + config.clip_high)
+    return TokenLoss(per_token=-jnp.minimum(ratio * adv_B1, clipped * adv_B1), ratio=ratio,
+                     clipped_low=(ratio < 1.0 - config.epsilon) & (adv_B1 < 0),
+                     clipped_high=(ratio > 1.0 + config.clip_high) & (adv_B1 > 0))
+
+
+def gspo_token_loss(logp_BL, old_BL, adv_B1, mask_BL, config: LossConfig) -> TokenLoss:
+    """GSPO: the clipped surrogate of one ratio per sequence, s = exp(mean_t (logp - old)).
+
+    Every token of a sequence gets -min(s A, clip(s, 1 - eps, 1 + eps_high) A), and the
+    gradient flows through s, as TRL's ``importance_sampling_level="sequence"``. verl
+    writes it per token as sg(s) * pi / sg(pi) (the paper's GSPO-token): the same value
+    on each token and, since every aggregation weights a sequence's tokens alike, the
+    same gradient. ``mask_BL`` (float) is 1 on the tokens that count.
+    """
+    lengths = jnp.maximum(jnp.sum(mask_BL, axis=-1, keepdims=True), 1.0)
+    log_seq_ratio = jnp.sum((logp_BL - old_BL) * mask_BL, axis=-1, keepdims=True) / lengths
+    return grpo_token_loss(jnp.broadcast_to(log_seq_ratio, logp_BL.shape), adv_B1, config)
+
+
+def cispo_token_loss(logp_BL, old_BL, adv_B1, config: LossConfig) -> TokenLoss:
+    """CISPO: -sg(min(r, 1 + eps_high)) A logp, REINFORCE weighted by the capped ratio.
+
+    No token loses its gradient: the cap only bounds the weight. The bound is the
+    MiniMax-M1 paper's 1 + eps_high with no lower bound (the paper sets none; verl adds
+    1 - eps_low). TRL caps at ``epsilon_high`` itself (ScaleRL's eps_max, suggested 5.0),
+    which is ``epsilon_high=4.0`` here; ``epsilon`` is unused.
+    """
+    ratio = jnp.exp(logp_BL - old_BL)
+    cap = 1.0 + config.clip_high
+    capped = jax.lax.stop_gradient(jnp.minimum(ratio, cap))
+    return TokenLoss(per_token=-capped * adv_B1 * logp_BL, ratio=ratio,
+                     clipped_low=jnp.zeros(ratio.shape, bool), clipped_high=ratio > cap)
+
+
+def tis_weights(old_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.Array, cap: float,
+                level: TisLevel = "token") -> tuple[jax.Array, jax.Array]:
+    """Truncated importance weights min(pi_old / pi_sampler, cap), stop-gradient, and which were cut.
+
+    ``old_BL`` are the update program's log-probs of the policy that sampled and
+    ``sampler_BL`` the sampler's own; both [B, L], ``mask_BL`` 1 on the tokens that count.
+    "sequence" gives every token of a sequence the truncated product of its tokens' ratios.
+    The ratio is formed in log space and capped there, so a large log-ratio cannot
+    overflow. Returns ``(weights_BL, truncated_BL)``.
+    """
+    if level not in TIS_LEVELS:
+        raise ValueError(f"tis_level must be one of {TIS_LEVELS}; got {level!r}")
+    valid = mask_BL.astype(bool)
+    log_ratio = jnp.where(valid, old_BL - sampler_BL, 0.0)
+    if level == "sequence":
+        log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, axis=-1, keepdims=True), log_ratio.shape)
+    log_cap = jnp.log(jnp.float32(cap))
+    weights = jnp.exp(jnp.minimum(log_ratio, log_cap))
+    return jax.lax.stop_gradient(weights), log_ratio > log_cap
+
+
+class Mismatch(NamedTuple):
+    """Sums over the tokens that count of how far the sampler's log-probs are from the update's."""
+
+    abs_logp_diff: jax.Array  # sum of |logp_update - logp_sampler|
+    max_ratio: jax.Array  # largest pi_update / pi_sampler of a token (0 with no tokens)
+    tokens: jax.Array
+
+
+def sampler_mismatch(update_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.Array) -> Mismatch:
+    """The sampler/update mismatch of one batch: the two programs' log-probs of the same tokens
+    under the same weights, which differ by precision (bf16 decode over a bf16 cache against
+    a rematerialised update) and by filtering the sampler did not apply to its log-probs."""
+    valid = mask_BL.astype(bool)
+    diff = jnp.where(valid, update_BL - sampler_BL, 0.0)
+    max_log_ratio = jnp.max(jnp.where(valid, diff, -jnp.inf))
+    return jax.lax.stop_gradient(Mismatch(abs_logp_diff=jnp.sum(jnp.abs(diff)),
+                                          max_ratio=jnp.exp(max_log_ratio),
+                                          tokens=jnp.sum(valid.astype(jnp.float32))))
+
+
+def grpo_loss_terms(
+    logprobs_BL: jax.Array,
+    advantages_B: jax.Array,
+    mask_BL: jax.Array,
+    config: LossConfig,
+    *,
+    old_logprobs_BL: jax.Array | None = None,
+    ref_logprobs_BL: jax.Array | None = None,
+    sampler_logprobs_BL: jax.Array | None = None,
+) -> tuple[LossTerms, LossMetrics]:
+    """The policy loss with k3 KL, as (numerator, denominator) plus metrics.
+
+    Per token: the ``config.loss_type`` term (GRPO's -min(ratio * A, clip(ratio, 1 - eps,
+    1 + eps_high) * A) with ratio = exp(logp - old), or GSPO's or CISPO's)
+    + beta * (exp(ref - logp) - (ref - logp) - 1).
+
+    Args:
+      logprobs_BL: [B, L] log-probs of the completion tokens under the policy
+        being trained (differentiate through these).
+      advantages_B: [B] one advantage per sequence.
+      mask_BL: [B, L] 1 for completion tokens that count, 0 for padding.
+      config: the loss hyperparameters.
+      old_logprobs_BL: [B, L] log-probs of the policy that sampled; None means
+        the current policy (one update per batch, ratio 1 with the gradient
+        of logp).
+      ref_logprobs_BL: [B, L] reference log-probs; required iff beta > 0.
+      sampler_logprobs_BL: [B, L] the sampler's own log-probs of the tokens; required iff
+        ``config.tis_cap`` is set. The TIS weight compares them with ``old_logprobs_BL``
+        (or, with none, the current log-probs, which then are the sampling policy's).
+
+    Returns:
+      (LossTerms, LossMetrics). Masked positions get exactly zero gradient,
+      whatever values they hold.
+    """
+    if logprobs_BL.ndim != 2:
+        raise ValueError(f"logprobs must be [B, L]; got shape {logprobs_BL.shape}")
+    if mask_BL.shape != logprobs_BL.shape:
+        raise ValueError(f"mask {mask_BL.shape} must match logprobs {logprobs_BL.shape}")
+    if advantages_B.shape != logprobs_BL.shape[:1]:
+        raise ValueError(f"advantages must be [B]={logprobs_BL.shape[:1]}; got {advantages_B.shape}")
+    for name, other in (("old_logprobs", old_logprobs_BL), ("ref_logprobs", ref_logprobs_BL),
+                        ("sampler_logprobs", sampler_logprobs_BL)):
+        if other is not None and other.shape != logprobs_BL.shape:
+            raise ValueError(f"{name} {other.shape} must match logprobs {logprobs_BL.shape}")
+    if config.beta > 0 and ref_logprobs_BL is None:
+        raise ValueError(f"beta={config.beta} > 0 needs ref_logprobs_BL")
+    if config.tis_cap is not None and sampler_logprobs_BL is None:
+        raise ValueError(f"tis_cap={config.tis_cap} needs sampler_logprobs_BL (the sampler's log-probs)")
+
+    valid = mask_BL.astype(bool)
+    weight = valid.astype(jnp.float32)
+    # Padding may hold anything (even inf); zero it *before* the arithmetic so
+    # neither the loss nor the gradient ever sees it.
+    logp = jnp.where(valid, logprobs_BL.astype(jnp.float32), 0.0)
+    old = jax.lax.stop_gradient(logp) if old_logprobs_BL is None else jnp.where(valid, old_logprobs_BL, 0.0)
+    adv = advantages_B.astype(jnp.float32)[:, None]
+
+    if config.loss_type == "gspo":
+        policy = gspo_token_loss(logp, old, adv, weight, config)
+    elif config.loss_type == "cispo":
+        policy = cispo_token_loss(logp, old, adv, config)
+    else:
+        policy = grpo_token_loss(logp - old, adv, config)
+    per_token = policy.per_token
+    tis, truncated = jnp.ones_like(logp), jnp.zeros(logp.shape, bool)
+    if config.tis_cap is not None:
+        sampler = jnp.where(valid, sampler_logprobs_BL, 0.0)
+        tis, truncated = tis_weights(old, sampler, weight, config.tis_cap, config.tis_level)
+        per_token = per_token * tis
+
+    if ref_logprobs_BL is not None:
+        log_ref_ratio = jnp.where(valid, ref_logprobs_BL, 0.0) - logp
+        kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        if config.beta > 0:
+            per_token = per_token + config.beta * kl
+    else:
+        kl = jnp.zeros_like(logp)
+
+    per_token = jnp.where(valid, per_token, 0.0)
+    if config.aggregation == "seq-mean-token-mean":
+        lengths = jnp.maximum(jnp.sum(weight, axis=-1), 1.0)
+        numerator = jnp.sum(jnp.sum(per_token, axis=-1) / lengths)
+    elif config.aggregation == "group-token-mean":
+        groups = _groups(per_token.shape[0], config)
+        group_sums = jnp.sum(per_token, axis=-1).reshape(groups, config.group_size).sum(axis=-1)
+        group_tokens = jnp.sum(weight, axis=-1).reshape(groups, config.group_size).sum(axis=-1)
+        numerator = jnp.sum(group_sums / jnp.maximum(group_tokens, 1.0))
+    else:
+        numerator = jnp.sum(per_token)
+
+    num_tokens = jnp.sum(weight)
+    denom_tokens = jnp.maximum(num_tokens, 1.0)
+
+    def token_mean(x):
+        return jax.lax.stop_gradient(jnp.sum(jnp.where(valid, x, 0.0)) / denom_tokens)
+
+    metrics = LossMetrics(
+        clip_frac_low=token_mean(policy.clipped_low.astype(jnp.float32)),
+        clip_frac_high=token_mean(policy.clipped_high.astype(jnp.float32)),
+        kl_mean=token_mean(kl),
+        advantage_mean=jnp.mean(advantages_B.astype(jnp.float32)),
+        ratio_mean=token_mean(policy.ratio),
+        num_tokens=num_tokens,
+        tis_weight_mean=token_mean(tis),
+        tis_truncated_frac=token_mean(truncated.astype(jnp.float32)),
+    )
+    return LossTerms(numerator=numerator, denominator=loss_denominator(mask_BL, config)), metrics
+
+
+def grpo_loss(
+    logprobs_BL: jax.Array,
+    advantages_B: jax.Array,
+    mask_BL: jax.Array,
+    config: LossConfig = LossConfig(),
+    *,
+    old_logprobs_BL: jax.Array | None = None,
+    ref_logprobs_BL: jax.Array | None = None,
+    sampler_logprobs_BL: jax.Array | None = None,
+) -> tuple[jax.Array, LossMetrics]:
+    """The scalar policy loss (GRPO, GSPO or CISPO) and its metrics; see ``grpo_loss_terms``."""
+    terms, metrics = grpo_loss_terms(logprobs_BL, advantages_B, mask_BL, config, old_logprobs_BL=old_logprobs_BL,
+                                     ref_logprobs_BL=ref_logprobs_BL, sampler_logprobs_BL=sampler_logprobs_BL)
+    return terms.numerator / terms.denominator, metrics

@@ -1,0 +1,89 @@
+"""Where a run's prompts come from: a seeded, endless shuffle of the training set, tokenized."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from podsjax.data import datasets as data_lib
+from podsjax.data import prompts as prompts_lib
+
+
+class DataStream:
+    """An endless, seeded shuffle of examples; its position is all that resume needs."""
+
+    def __init__(self, examples: Sequence[data_lib.Example], seed: int, position: int = 0):
+        if not examples:
+            raise ValueError("the training set is empty")
+        self.examples, self.seed, self.position = list(examples), seed, position
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+
+    def take(self, count: int) -> list[data_lib.Example]:
+        out = []
+        for _ in range(count):
+            epoch, offset = divmod(self.position, len(self.examples))
+            out.append(self.examples[int(self._order(epoch)[offset])])
+            self.position += 1
+        return out
+
+
+class PromptSource:
+    """Templates and tokenizes questions as every step and evaluation feeds them, and draws
+    each step's prompts from a :class:`DataStream`.
+
+    Args:
+        tokenizer: the policy's tokenizer (its chat template, if any, is applied).
+        stream: the training examples' shuffle.
+        max_prompt_length: longer prompts are skipped, never cut.
+        system_prompt: instructions before each question (None: none).
+        log: prints one console line (the first time prompts are skipped).
+    """
+
+    def __init__(self, tokenizer, stream: DataStream, *, max_prompt_length: int, system_prompt: str | None,
+                 log: Callable[[str], None]):
+        self.tokenizer, self.stream = tokenizer, stream
+        self.max_prompt_length, self.system_prompt = max_prompt_length, system_prompt
+        self._log = log
+        self._skips_reported = False
+
+    def prepare(self, examples: Sequence[data_lib.Example]) -> prompts_lib.PromptBatch:
+        """The examples' questions, templated, tokenized and left-padded."""
+        return prompts_lib.prepare_prompts(self.tokenizer, [e.prompt for e in examples],
+                                           max_prompt_length=self.max_prompt_length, system_prompt=self.system_prompt)
+
+    def draw(self, wanted: int, groups: int = 1) -> tuple[list[data_lib.Example], prompts_lib.PromptBatch, int]:
+        """The next ``wanted`` training examples whose prompts fit, and how many were skipped.
+
+        A prompt longer than ``max_prompt_length`` is skipped (never cut: a cut question
+        rewards the wrong answer) and another is drawn, so every step has the same rows:
+        no new shape to compile, and no step left with nothing to score. With ``groups``
+        g > 1 each example appears g times in a row, one group each.
+
+        Raises:
+            PromptError: two passes' worth of draws (which hold every example at least
+                once) were too long to fill one step.
+        """
+        limit = 2 * len(self.stream.examples)
+        kept: list[data_lib.Example] = []
+        skipped = 0
+        while len(kept) < wanted:
+            drawn = self.stream.take(wanted - len(kept))
+            batch = self.prepare(drawn)
+            kept += [drawn[i] for i in batch.kept_P]
+            skipped += batch.num_dropped
+            if len(kept) < wanted and skipped >= limit:
+                raise prompts_lib.PromptError(
+                    f"too few training prompts fit in max_prompt_length {self.max_prompt_length} tokens: "
+                    f"{skipped} of {skipped + len(kept)} drawn for one step of {wanted} were longer; "
+                    "raise --max-prompt-length or filter the training set")
+        if skipped and not self._skips_reported:
+            self._log(f"skipped {skipped} training prompt(s) longer than max_prompt_length "
+                      f"{self.max_prompt_length} tokens and drew others (each step's count: data/prompts_skipped)")
+            self._skips_reported = True
+        if skipped or groups > 1:
+            kept = [example for example in kept for _ in range(groups)]
+            batch = self.prepare(kept)
+        return kept, batch, skipped

@@ -1,0 +1,1 @@
+"""Generation: the Generator, its decode loop and its compiled programs."""

@@ -1,0 +1,191 @@
+"""The sampler's compiled programs: the rollout weights, prefill and decode, each compiled once per signature.
+
+Decode is compiled first with the KV cache's layout left to the compiler, and prefill
+then writes the cache in the layout decode chose. A while loop may want another layout
+than the default: XLA's TPU compiler packs kv heads with head_dim, and given a
+default-layout cache argument it copied the whole cache on the way in and out (decode
+temporaries as large as the cache). Greedy evaluation and sampled rollouts of the same
+row count share one decode program (temperature is a traced input).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from podsjax.sampler import decoding
+from podsjax.devices import mesh as mesh_lib
+from podsjax.models import rollout
+
+STAGES = ("weights", "prefill", "decode")
+
+
+class Programs:
+    """Compiled programs by key, the oldest dropped past ``limit``; each compiles once,
+    whichever thread asks first, while other programs compile on other threads.
+
+    Attributes:
+        by_key: ``(stage, model, ...) -> program``; a ``"stages"`` entry holds one call's
+            ``(weights, prefill, decode, cache)``, so the steady state traces nothing.
+        compiles: programs compiled so far, per stage (evictions do not lower it).
+        seconds: compile seconds per key, for a caller that waited on another thread's compile.
+    """
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"max_programs must be >= 1; got {limit}")
+        self.by_key: dict = {}
+        self.limit = limit
+        self.lock = threading.RLock()  # guards the dicts; never held while compiling
+        self.compiles: collections.Counter = collections.Counter()
+        self.seconds: dict = {}
+        self._compiling: dict[tuple, concurrent.futures.Future] = {}
+
+    def remember(self, key: tuple, value):
+        with self.lock:
+            self.by_key[key] = value
+            while len(self.by_key) > self.limit:
+                oldest = next(iter(self.by_key))
+                del self.by_key[oldest]
+                self.seconds.pop(oldest, None)
+        return value
+
+    def compiled(self, key: tuple, build: Callable[[], Any], timings: dict | None):
+        """The program under ``key``: built by this thread, or by the thread already building it."""
+        with self.lock:
+            if key in self.by_key:
+                return self.by_key[key]
+            pending = self._compiling.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._compiling[key] = concurrent.futures.Future()
+        if not owner:
+            value = pending.result()  # another thread's compile (its error, if it failed)
+            if timings is not None:
+                timings[key[0]] = self.seconds.get(key, 0.0)
+            return value
+        start = time.perf_counter()
+        try:
+            value = build()
+        except BaseException as exc:
+            with self.lock:
+                del self._compiling[key]
+            pending.set_exception(exc)
+            raise
+        seconds = time.perf_counter() - start
+        with self.lock:
+            self.seconds[key] = seconds
+            self.remember(key, value)
+            self.compiles[key[0]] += 1
+            del self._compiling[key]
+        pending.set_result(value)
+        if timings is not None:
+            timings[key[0]] = seconds
+        return value
+
+
+def signature(tree: Any, mesh: Mesh | None) -> tuple:
+    """A hashable key of a tree's structure, shapes, dtypes and (under a mesh) partition specs.
+
+    Concrete arrays and the dry run's ``ShapeDtypeStruct``s of the same placement give the
+    same key, so the programs the dry run compiles are the ones the first step runs."""
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def spec(x):
+        sharding = getattr(x, "sharding", None)
+        if mesh is None or sharding is None:
+            return None
+        parts = tuple(p[0] if isinstance(p, tuple) and len(p) == 1 else p
+                      for p in getattr(sharding, "spec", (str(sharding),)))
+        while parts and parts[-1] is None:
+            parts = parts[:-1]
+        return parts
+
+    return treedef, tuple((tuple(x.shape), str(x.dtype), spec(x)) for x in leaves)
+
+
+def _on_mesh(x: jax.ShapeDtypeStruct, mesh: Mesh | None) -> jax.ShapeDtypeStruct:
+    """An input placed off the model's mesh (a LoRA tree made without one) is taken
+    replicated on it; ``generate`` moves it there, as jit would."""
+    sharding = x.sharding
+    if mesh is None or (isinstance(sharding, NamedSharding) and sharding.mesh == mesh):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+
+
+def _cache_formats(layers: decoding.Layers, cache, mesh: Mesh | None, layout) -> Any:
+    """in/out shardings of a cache argument: ``layout(x, sharding)`` for its keys and values
+    (every array of 4 or more dims), the others as the mesh places them."""
+    shardings = layers.cache_shardings(cache, mesh) if mesh is not None else jax.tree.map(lambda _: None, cache)
+    return jax.tree.map(lambda x, s: layout(x, s) if x.ndim >= 4 else s, cache, shardings,
+                        is_leaf=lambda x: x is None)
+
+
+def stages(programs: Programs, model, cfg: decoding.SamplingConfig, params: Any, lora: Any, prompt_ids_BL: Any,
+           timings: dict | None = None) -> tuple:
+    """``(weights, prefill, decode, cache)`` for these inputs (arrays or ``ShapeDtypeStruct``s),
+    compiled into ``programs`` the first time they are asked for; ``cache`` is the KV cache's
+    ``ShapeDtypeStruct`` tree."""
+    return _stages(programs, model, cfg, params, lora, prompt_ids_BL, timings)
+
+
+def _stages(programs: Programs, model, cfg: decoding.SamplingConfig, params, lora, prompt_ids_BL, timings):
+    mesh: Mesh | None = model.mesh
+    params, lora = jax.tree.map(lambda x: _on_mesh(mesh_lib.abstract(x), mesh), (params, lora))
+    ids = jax.ShapeDtypeStruct(tuple(prompt_ids_BL.shape), jnp.int32)
+    inputs = (signature(params, mesh), signature(lora, mesh))
+    call = ("stages", model, cfg.prefill_key, cfg.decode_key, inputs, ids.shape)
+    if call in programs.by_key:  # the steady state: no tracing, no lookups by abstract values
+        return programs.by_key[call]
+    layers = decoding.layers_for(model)
+    weights_fn, weights = None, (params, lora)  # the scanned layout reads the params themselves
+    if isinstance(layers, decoding.UnrolledLayers):
+        merge = functools.partial(rollout.rollout_weights, model)
+        weights = jax.eval_shape(merge, params, lora)
+        placed = rollout.weights_shardings(weights, mesh) if mesh is not None else None
+        if mesh is not None:
+            weights = mesh_lib.with_shardings(weights, placed)
+
+        def build_weights():
+            return jax.jit(merge, out_shardings=placed).lower(params, lora).compile()
+
+        weights_fn = programs.compiled(("weights", model) + inputs, build_weights, timings)
+    prefill_fn = functools.partial(decoding.prefill, model, *cfg.prefill_key)
+    logits, cache = jax.eval_shape(prefill_fn, weights, ids, ids)
+    if mesh is not None:
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=mesh_lib.batch_sharding(mesh, logits.ndim))
+        cache = mesh_lib.with_shardings(cache, layers.cache_shardings(cache, mesh))
+    key_sig = signature(weights, mesh)
+
+    def build_decode():
+        auto = _cache_formats(layers, cache, mesh, lambda x, s: Format(Layout.AUTO, s))
+        fn = jax.jit(functools.partial(decoding.decode, model, cfg.decode_key), donate_argnums=2,
+                     in_shardings=(None, None, auto, None, None), out_shardings=(None, auto))
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return fn.lower(weights, logits, cache, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+
+    # Keyed without the prompt count: evaluation and rollouts with as many rows share it.
+    decode = programs.compiled(("decode", model, cfg.decode_key, key_sig, signature((logits, cache), mesh)),
+                               build_decode, timings)
+
+    def build_prefill():
+        chosen = iter(f for x, f in zip(jax.tree.leaves(cache), jax.tree.leaves(decode.input_formats[0][2]))
+                      if x.ndim >= 4)
+        # Prompt rows placed as Generator.place_rows places them on every process.
+        rows = mesh_lib.rows_sharding(mesh, ids.shape[0], ids.ndim) if mesh is not None else None
+        fn = jax.jit(prefill_fn, in_shardings=(None, rows, rows),
+                     out_shardings=(getattr(logits, "sharding", None),
+                                    _cache_formats(layers, cache, mesh, lambda x, s: next(chosen))))
+        return fn.lower(weights, ids, ids).compile()
+
+    prefill = programs.compiled(("prefill",) + call[1:], build_prefill, timings)
+    return programs.remember(call, (weights_fn, prefill, decode, cache))

@@ -1,0 +1,387 @@
+"""The GRPO objective: hand-computed values, a float64 NumPy reference, gradients."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from podsjax.core import grpo, logprobs
+from podsjax.core.grpo import LossConfig
+
+LOSS = jax.jit(grpo.grpo_loss, static_argnums=3)
+
+
+# --- advantages ----------------------------------------------------------------
+
+
+def test_group_advantages_by_hand():
+    rewards = jnp.array([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    # Group 0: mean 0.5, deviations +-0.5; sample variance 4 * 0.25 / 3 = 1/3,
+    # std = 0.57735027, so a = +-0.5 / (0.57735027 + 1e-4) = +-0.86587543.
+    adv = np.asarray(grpo.group_advantages(rewards, eps=1e-4))
+    np.testing.assert_allclose(adv[0], [0.86587543, -0.86587543, -0.86587543, 0.86587543], rtol=1e-6)
+    # Group 1 has zero variance: zero advantages, not 0/0.
+    assert np.array_equal(adv[1], np.zeros(4))
+    # ddof=0: population std 0.5, a = +-0.5 / 0.5001 = +-0.99980004.
+    pop = np.asarray(grpo.group_advantages(rewards[:1], eps=1e-4, ddof=0))
+    np.testing.assert_allclose(pop, [[0.99980004, -0.99980004, -0.99980004, 0.99980004]], rtol=1e-6)
+
+
+def test_group_advantages_batch_and_none_scaling():
+    rewards = jnp.array([[1.0, 0.0], [3.0, 3.0]])
+    # "none": only the group mean is removed (Dr. GRPO).
+    assert np.asarray(grpo.group_advantages(rewards, std_scaling="none")).tolist() == [[0.5, -0.5], [0.0, 0.0]]
+    # "batch": std of all four rewards [1, 0, 3, 3] with ddof=1: mean 1.75,
+    # squared deviations 0.5625 + 3.0625 + 1.5625 + 1.5625 = 6.75, var 2.25, std 1.5;
+    # group 0 -> +-0.5 / 1.5001 = +-0.33331111.
+    adv = np.asarray(grpo.group_advantages(rewards, std_scaling="batch", eps=1e-4))
+    np.testing.assert_allclose(adv, [[0.33331111, -0.33331111], [0.0, 0.0]], rtol=1e-6)
+    with pytest.raises(ValueError, match="std_scaling must be one of"):
+        grpo.group_advantages(rewards, std_scaling="global")
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=16, max_size=16),
+       m=st.integers(1, 64), eps=st.sampled_from([0.0, 1e-4]), ddof=st.sampled_from([0, 1]))
+def test_equal_rewards_give_exactly_zero_advantages(values, m, eps, ddof):
+    # Known cases: -2.5 with m=3 gave 7e-4 and 7.0 with m=7 gave -4.7e-3 (float32 mean rounding).
+    # Sixteen equal-reward groups an example, beside one with variance: each compile (one a
+    # shape) checks sixteen values.
+    equal = np.repeat(np.asarray(values, np.float32)[:, None], m, axis=1)
+    rewards = jnp.asarray(np.concatenate([equal, np.arange(m, dtype=np.float32)[None]]))
+    for scaling in grpo.STD_SCALINGS:
+        adv = np.asarray(grpo.group_advantages(rewards, eps=eps, std_scaling=scaling, ddof=ddof))
+        assert np.all(adv[:-1] == 0.0), (scaling, adv[:-1][adv[:-1] != 0.0])
+        assert np.all(np.isfinite(adv))
+
+
+@pytest.mark.parametrize("value,m", [(-2.5, 3), (7.0, 7)])
+def test_issue_cases_of_equal_rewards_are_exactly_zero(value, m):
+    adv = jax.jit(grpo.group_advantages)(jnp.full((2, m), value))
+    assert np.all(np.asarray(adv) == 0.0)
+
+
+def test_a_group_of_one_gets_zero_advantage_not_nan():
+    # The authors' code divides by a ddof-1 std of one value (NaN); a lone rollout has no group signal.
+    for eps in (0.0, 1e-4):
+        adv = np.asarray(grpo.group_advantages(jnp.array([[3.0], [-1.0]]), eps=eps))
+        assert adv.tolist() == [[0.0], [0.0]]
+
+
+# --- token log-probs -----------------------------------------------------------
+
+
+def log_softmax_f64(logits, temperature):
+    x = logits.astype(np.float64) / temperature
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_token_logprobs_and_entropy_match_float64_numpy():
+    rng = np.random.default_rng(0)
+    logits = (rng.normal(size=(3, 5, 50)) * 4).astype(np.float32)
+    targets = rng.integers(0, 50, (3, 5))
+    for temperature in (1.0, 0.7):
+        ref = log_softmax_f64(logits, temperature)
+        jitted = jax.jit(logprobs.token_logprobs, static_argnames="temperature")
+        got = np.asarray(jitted(logits, targets, temperature=temperature))
+        np.testing.assert_allclose(got, np.take_along_axis(ref, targets[..., None], -1)[..., 0], atol=1e-5, rtol=0)
+        entropy = -(np.exp(ref) * ref).sum(-1)
+        got_entropy = np.asarray(logprobs.token_entropy(logits, temperature=temperature))
+        np.testing.assert_allclose(got_entropy, entropy, atol=1e-5)
+    # bf16 logits are upcast before the reduction
+    got_bf16 = logprobs.token_logprobs(jnp.asarray(logits, jnp.bfloat16), targets)
+    assert got_bf16.dtype == jnp.float32
+
+
+def test_token_logprobs_does_not_materialize_a_log_softmax():
+    b, l, v = 4, 64, 8192
+    logits_bytes = b * l * v * 4
+    compiled = (
+        jax.jit(logprobs.token_logprobs)
+        .lower(jax.ShapeDtypeStruct((b, l, v), jnp.float32), jax.ShapeDtypeStruct((b, l), jnp.int32))
+        .compile()
+    )
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        pytest.skip("this backend reports no memory analysis")
+    # A full [B, L, V] temporary (softmax, log-softmax, scaled copy) would need logits_bytes.
+    assert analysis.temp_size_in_bytes < logits_bytes // 4, analysis.temp_size_in_bytes
+
+
+# --- the clipped loss ----------------------------------------------------------
+
+
+def hand_example():
+    # Seq 0: A=+1, ratios [1.5, 1.0]; seq 1: A=-1, ratios [0.5, (masked)].
+    logp = jnp.log(jnp.array([[1.5, 1.0], [0.5, jnp.inf]]))  # the masked slot holds garbage
+    old = jnp.zeros((2, 2))
+    adv = jnp.array([1.0, -1.0])
+    mask = jnp.array([[1, 1], [1, 0]])
+    return logp, old, adv, mask
+
+
+@pytest.mark.parametrize(
+    "aggregation,expected",
+    [
+        # per-token losses: -min(1.5, 1.2) = -1.2, -1.0, -min(-0.5, -0.8) = +0.8
+        ("token-mean", (-1.2 - 1.0 + 0.8) / 3),  # -0.46667
+        ("seq-mean-token-mean", ((-1.2 - 1.0) / 2 + 0.8 / 1) / 2),  # -0.15
+        ("seq-mean-token-sum-norm", (-1.2 - 1.0 + 0.8) / (2 * 2)),  # -0.35, normalizer B * L
+    ],
+)
+def test_loss_by_hand(aggregation, expected):
+    logp, old, adv, mask = hand_example()
+    loss, metrics = LOSS(logp, adv, mask, LossConfig(epsilon=0.2, aggregation=aggregation), old_logprobs_BL=old)
+    assert float(loss) == pytest.approx(expected, abs=1e-6)
+    # clipped low: seq 1 token 0 (ratio 0.5 < 0.8, A<0); high: seq 0 token 0 (1.5 > 1.2, A>0).
+    assert float(metrics.clip_frac_low) == pytest.approx(1 / 3)
+    assert float(metrics.clip_frac_high) == pytest.approx(1 / 3)
+    assert float(metrics.advantage_mean) == 0.0
+    assert float(metrics.num_tokens) == 3
+
+
+def test_group_token_mean_by_hand_on_two_groups_of_different_lengths():
+    # On policy (ratio 1) each token's loss is -A. Group 0: rows of 1 and 3 tokens, A = 1 and
+    # -1: -1 + 3 = 2 over 4 tokens = 0.5. Group 1: rows of 2 and 1 tokens, A = 0.5 and 2:
+    # -1 - 2 = -3 over 3 tokens = -1. The mean over the two groups: -0.25; one token mean
+    # over the batch would be (2 - 3) / 7.
+    mask = jnp.array([[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0]], jnp.float32)
+    adv = jnp.array([1.0, -1.0, 0.5, 2.0])
+    logp = jnp.full((4, 3), -1.0)
+    config = LossConfig(aggregation="group-token-mean", group_size=2)
+
+    def loss_fn(lp):
+        return grpo.grpo_loss(lp, adv, mask, config)[0]
+
+    loss, grad = jax.value_and_grad(loss_fn)(logp)
+    assert float(loss) == pytest.approx(-0.25, abs=1e-6)
+    assert float(grpo.grpo_loss(logp, adv, mask, LossConfig())[0]) == pytest.approx(-1 / 7, abs=1e-6)
+    # d loss / d logp of a token: -A / (its group's tokens x 2 groups).
+    expected = np.array([[-1 / 8, 0, 0], [1 / 8, 1 / 8, 1 / 8], [-1 / 12, -1 / 12, 0], [-1 / 3, 0, 0]])
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6, atol=1e-7)
+    # One group a micro-batch (as the authors' trainer): numerators 0.5 and -1 over 2 groups.
+    terms = [grpo.grpo_loss_terms(logp[s], adv[s], mask[s], config)[0] for s in (slice(0, 2), slice(2, 4))]
+    assert [float(t.numerator) for t in terms] == pytest.approx([0.5, -1.0])
+    assert float(grpo.loss_denominator(mask, config)) == 2.0 and float(terms[0].denominator) == 1.0
+
+
+def test_kl_by_hand_and_zero_at_reference():
+    logp = jnp.log(jnp.array([[1.5]]))
+    ref = jnp.zeros((1, 1))
+    adv, mask = jnp.array([0.0]), jnp.ones((1, 1))
+    # d = ref - logp = -log 1.5; k3 = e^d - d - 1 = 2/3 + 0.4054651 - 1 = 0.0721318
+    loss, metrics = LOSS(logp, adv, mask, LossConfig(beta=0.5), ref_logprobs_BL=ref)
+    assert float(metrics.kl_mean) == pytest.approx(0.0721318, abs=1e-6)
+    assert float(loss) == pytest.approx(0.5 * 0.0721318, abs=1e-6)  # A=0: only the KL term
+
+    rng = np.random.default_rng(1)
+    same = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
+    adv3, mask3 = jnp.asarray(rng.normal(size=3), jnp.float32), jnp.ones((3, 4))
+    with_kl, m_kl = LOSS(same, adv3, mask3, LossConfig(beta=0.3), ref_logprobs_BL=same)
+    without, _ = LOSS(same, adv3, mask3, LossConfig(beta=0.0))
+    assert float(m_kl.kl_mean) == 0.0
+    assert float(with_kl) == float(without)
+
+
+def groups_for(aggregation, rows):
+    """group-token-mean's rows per group in these tests: pairs where the rows pair up, else one group."""
+    return (2 if rows % 2 == 0 else rows) if aggregation == "group-token-mean" else None
+
+
+def numpy_loss_f64(logp, old, ref, adv, mask, eps, eps_high, beta, aggregation, group_size=None):
+    logp, old, ref = (np.where(mask > 0, x, 0.0).astype(np.float64) for x in (logp, old, ref))
+    adv = adv.astype(np.float64)[:, None]
+    ratio = np.exp(logp - old)
+    pg = -np.minimum(ratio * adv, np.clip(ratio, 1 - eps, 1 + eps_high) * adv)
+    d = ref - logp
+    per_token = (pg + beta * (np.exp(d) - d - 1)) * mask
+    if aggregation == "token-mean":
+        return per_token.sum() / mask.sum()
+    if aggregation == "seq-mean-token-mean":
+        return np.mean(per_token.sum(-1) / np.maximum(mask.sum(-1), 1))
+    if aggregation == "group-token-mean":
+        groups = [slice(start, start + group_size) for start in range(0, len(mask), group_size)]
+        return np.mean([per_token[g].sum() / max(mask[g].sum(), 1) for g in groups])
+    return per_token.sum() / (mask.shape[0] * mask.shape[1])
+
+
+@pytest.mark.parametrize("aggregation", grpo.AGGREGATIONS)
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_matches_float64_numpy(aggregation, beta):
+    rng = np.random.default_rng(2)
+    b, l = 6, 9
+    old = rng.normal(-2, 1, (b, l)).astype(np.float32)
+    logp = (old + rng.normal(0, 0.3, (b, l))).astype(np.float32)
+    ref = (old + rng.normal(0, 0.3, (b, l))).astype(np.float32)
+    adv = rng.normal(size=b).astype(np.float32)
+    mask = (np.arange(l)[None] < rng.integers(1, l + 1, b)[:, None]).astype(np.float32)
+    config = LossConfig(epsilon=0.2, epsilon_high=0.28, beta=beta, aggregation=aggregation,
+                        group_size=groups_for(aggregation, b))
+    loss, _ = LOSS(logp, adv, mask, config, old_logprobs_BL=old, ref_logprobs_BL=ref)
+    expected = numpy_loss_f64(logp, old, ref, adv, mask, 0.2, 0.28, beta, aggregation, config.group_size)
+    assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_masked_tokens_get_exactly_zero_gradient():
+    rng = np.random.default_rng(3)
+    mask = np.array([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]], np.float32)
+    logp = rng.normal(-1, 0.5, mask.shape).astype(np.float32)
+    logp[mask == 0] = np.inf  # garbage in padding must not leak into loss or grads
+    old = np.where(mask > 0, logp - 0.1, np.nan).astype(np.float32)
+    ref = np.where(mask > 0, logp + 0.1, -np.inf).astype(np.float32)
+    adv = jnp.array([1.0, -2.0, 0.5])
+    for aggregation in grpo.AGGREGATIONS:
+        config = LossConfig(beta=0.1, aggregation=aggregation, group_size=groups_for(aggregation, 3))
+
+        def loss_fn(lp):
+            return grpo.grpo_loss(lp, adv, mask, config, old_logprobs_BL=old, ref_logprobs_BL=ref)[0]
+
+        loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp))
+        grad = np.asarray(grad)
+        assert np.isfinite(float(loss))
+        assert np.all(grad[mask == 0] == 0.0)
+        assert np.all(np.isfinite(grad)) and np.all(grad[mask > 0] != 0.0)
+
+
+def test_zero_variance_group_gives_zero_advantage_and_finite_loss():
+    adv = grpo.group_advantages(jnp.ones((1, 4)))[0]
+    assert np.array_equal(np.asarray(adv), np.zeros(4))
+    logp = jnp.full((4, 3), -1.0)
+    loss, grads = jax.value_and_grad(lambda lp: grpo.grpo_loss(lp, adv, jnp.ones((4, 3)))[0])(logp)
+    assert float(loss) == 0.0 and np.all(np.asarray(grads) == 0.0)
+
+
+def test_clipping_is_active_exactly_outside_the_trust_region():
+    eps, eps_high = 0.2, 0.28
+    ratios = np.array([0.5, 0.79, 0.81, 1.0, 1.2, 1.27, 1.29, 1.6], np.float32)
+    for sign in (1.0, -1.0):
+        old = np.zeros((1, len(ratios)), np.float32)
+        adv = jnp.array([sign])
+        config = LossConfig(epsilon=eps, epsilon_high=eps_high)
+
+        def loss_fn(lp):
+            return grpo.grpo_loss(lp, adv, jnp.ones_like(lp), config, old_logprobs_BL=old)
+
+        grad, metrics = jax.grad(loss_fn, has_aux=True)(jnp.log(ratios)[None])
+        clipped = (ratios > 1 + eps_high) if sign > 0 else (ratios < 1 - eps)
+        assert np.array_equal(np.asarray(grad)[0] == 0.0, clipped), sign
+        frac_high, frac_low = float(metrics.clip_frac_high), float(metrics.clip_frac_low)
+        assert (frac_high, frac_low) == pytest.approx((clipped.mean(), 0.0) if sign > 0 else (0.0, clipped.mean()))
+
+
+def test_split_batch_terms_sum_to_the_whole_batch_loss():
+    # Gradient accumulation: numerators of micro-batches over the whole batch's
+    # denominator reproduce the big-batch loss for every aggregation mode.
+    rng = np.random.default_rng(4)
+    logp = rng.normal(-1, 0.3, (8, 5)).astype(np.float32)
+    old = (logp + rng.normal(0, 0.2, logp.shape)).astype(np.float32)
+    adv = rng.normal(size=8).astype(np.float32)
+    mask = (np.arange(5)[None] < rng.integers(1, 6, 8)[:, None]).astype(np.float32)
+    for aggregation in grpo.AGGREGATIONS:
+        config = LossConfig(aggregation=aggregation, group_size=groups_for(aggregation, 8))
+        whole, _ = grpo.grpo_loss(logp, adv, mask, config, old_logprobs_BL=old)
+        # Micro-batches of whole groups for group-token-mean.
+        split = 2 if aggregation == "group-token-mean" else 3
+        numerator = sum(
+            float(grpo.grpo_loss_terms(logp[s], adv[s], mask[s], config, old_logprobs_BL=old[s])[0].numerator)
+            for s in (slice(0, split), slice(split, 8))
+        )
+        assert numerator / float(grpo.loss_denominator(mask, config)) == pytest.approx(float(whole), rel=1e-6)
+
+
+def test_on_policy_ratio_is_one_with_the_policy_gradient():
+    # old=None: ratio 1, loss = -mean(A) per token, grad = -A / num_tokens.
+    logp = jnp.array([[-1.0, -2.0], [-0.5, -0.1]])
+    adv = jnp.array([2.0, -1.0])
+    loss, grad = jax.value_and_grad(lambda lp: grpo.grpo_loss(lp, adv, jnp.ones((2, 2)))[0])(logp)
+    assert float(loss) == pytest.approx(-(2 + 2 - 1 - 1) / 4)
+    np.testing.assert_allclose(np.asarray(grad), [[-0.5, -0.5], [0.25, 0.25]], rtol=1e-6)
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        LossConfig(aggregation="mean")
+    with pytest.raises(ValueError, match="epsilon must be >= 0"):
+        LossConfig(epsilon=-0.1)
+    with pytest.raises(ValueError, match="'group-token-mean' needs group_size >= 1; got None"):
+        LossConfig(aggregation="group-token-mean")
+    with pytest.raises(ValueError, match="needs whole groups of 2 rows; a batch of 3 rows is not"):
+        grpo.grpo_loss(jnp.zeros((3, 2)), jnp.zeros(3), jnp.ones((3, 2)),
+                       LossConfig(aggregation="group-token-mean", group_size=2))
+    with pytest.raises(ValueError, match="beta=0.1 > 0 needs ref_logprobs_BL"):
+        grpo.grpo_loss(jnp.zeros((2, 3)), jnp.zeros(2), jnp.ones((2, 3)), LossConfig(beta=0.1))
+    with pytest.raises(ValueError, match=r"advantages must be \[B\]"):
+        grpo.grpo_loss(jnp.zeros((2, 3)), jnp.zeros(3), jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        logprobs.token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), jnp.int32), temperature=0.0)
+    assert math.isclose(LossConfig(epsilon=0.2).clip_high, 0.2)
+
+
+def test_chunked_head_matches_full_logits_in_values_and_gradients():
+    b, t, d, v = 3, 12, 8, 50
+    keys = jax.random.split(jax.random.key(5), 3)
+    hidden = jax.random.normal(keys[0], (b, t, d))
+    head = jax.random.normal(keys[1], (v, d))
+    targets = jax.random.randint(keys[2], (b, t), 0, v)
+    weights = jnp.linspace(-1.0, 1.0, b * t).reshape(b, t)
+
+    def full(hidden, head):
+        logits = jnp.einsum("btd,vd->btv", hidden, head)
+        return (logprobs.token_logprobs(logits, targets, temperature=0.7),
+                logprobs.token_entropy(logits, temperature=0.7))
+
+    def chunked(hidden, head):  # 3 x 4 x 50 = 600 elements per chunk: 3 chunks of 4 positions
+        return logprobs.head_logprobs(hidden, head, targets, temperature=0.7, max_elements=600)
+
+    assert logprobs.logits_chunk(b, t, v, 600) == 4
+    (logp_a, ent_a), (logp_b, ent_b) = jax.jit(full)(hidden, head), jax.jit(chunked)(hidden, head)
+    np.testing.assert_allclose(np.asarray(logp_b), np.asarray(logp_a), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent_b), np.asarray(ent_a), atol=1e-5)
+    loss = lambda fn: lambda h, w: jnp.sum(fn(h, w)[0] * weights)  # noqa: E731
+    grads_a = jax.jit(jax.grad(loss(full), argnums=(0, 1)))(hidden, head)
+    grads_b = jax.jit(jax.grad(loss(chunked), argnums=(0, 1)))(hidden, head)
+    for got, ref in zip(grads_b, grads_a):
+        assert float(jnp.abs(ref).max()) > 0
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
+
+
+def test_chunked_head_never_holds_all_logits():
+    b, t, d, v = 4, 256, 16, 4096  # all logits: 16 MB fp32; a chunk of 8 positions: 0.5 MB
+    hidden = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
+    head = jax.ShapeDtypeStruct((v, d), jnp.float32)
+    targets = jax.ShapeDtypeStruct((b, t), jnp.int32)
+
+    def temp_bytes(max_elements):
+        loss = lambda h, w, y: jnp.sum(logprobs.head_logprobs(h, w, y, max_elements=max_elements)[0])  # noqa: E731
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(hidden, head, targets).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    whole, chunked = temp_bytes(b * t * v), temp_bytes(b * 8 * v)
+    assert whole >= b * t * v * 4  # one pass keeps at least the [B, T, V] logits
+    assert chunked < b * t * v * 4 / 4, (whole, chunked)
+
+
+def test_a_bf16_head_gradient_is_summed_over_its_chunks_in_fp32():
+    # 64 chunks of a bf16 head: summed in bf16 the gradient drifts by several roundings
+    # (2.2 % of its largest entry here); summed in fp32 it is rounded once at the end.
+    b, t, d, v = 4, 256, 64, 512
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden, head = jax.random.normal(keys[0], (b, t, d)), jax.random.normal(keys[1], (v, d)) * 0.05
+    targets = jax.random.randint(keys[2], (b, t), 0, v)
+
+    def loss(h, w, max_elements):
+        return jnp.sum(logprobs.head_logprobs(h, w, targets, max_elements=max_elements)[0])
+
+    reference = np.asarray(jax.grad(loss, argnums=1)(hidden, head, b * t * v))  # fp32, one chunk
+    assert logprobs.logits_chunk(b, t, v, b * 4 * v) == 4
+    got = jax.jit(jax.grad(loss, argnums=1), static_argnums=2)(hidden.astype(jnp.bfloat16),
+                                                                head.astype(jnp.bfloat16), b * 4 * v)
+    assert got.dtype == jnp.bfloat16
+    error = np.abs(np.asarray(got, np.float32) - reference).max() / np.abs(reference).max()
+    assert error < 0.01, error  # one bf16 rounding is 2^-8 = 0.4 %

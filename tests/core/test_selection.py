@@ -1,0 +1,364 @@
+"""Selection rules: the PODS theorems, invariances, transforms and edge cases."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding, PartitionSpec
+
+from podsjax.core import selection
+
+pytestmark = pytest.mark.cpu_mesh
+
+# One jitted function per rule, shared by every test, so shapes compile once.
+MV = jax.jit(selection.max_variance, static_argnums=1)
+MAX_REWARD = jax.jit(selection.max_reward, static_argnums=1)
+PERCENTILE = jax.jit(selection.percentile, static_argnums=1)
+RANDOM = jax.jit(selection.random, static_argnums=1)
+
+JITTED_SELECT = jax.jit(selection.select, static_argnums=(0, 2))
+# XLA flushes subnormal floats to zero (they compare equal to 0), so the NumPy
+# references below only see normal floats.
+PROPERTY = settings(max_examples=150, deadline=None)
+
+
+@st.composite
+def group_and_m(draw, max_n=12, values=None):
+    n = draw(st.integers(1, max_n))
+    m = draw(st.integers(1, n))
+    if values is None:
+        values = st.one_of(
+            st.floats(-100, 100, allow_nan=False, allow_subnormal=False, width=32),
+            st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.0]),  # forces ties
+        )
+    rewards = draw(st.lists(values, min_size=n, max_size=n))
+    return np.asarray(rewards, np.float32), m
+
+
+def brute_force_max_variance(rewards, m):
+    r = rewards.astype(np.float64)
+    return max(np.var(r[list(c)]) for c in itertools.combinations(range(len(r)), m))
+
+
+def stable_ranks(rewards):
+    """Rank of each position under the (reward, index) order."""
+    order = np.argsort(rewards, kind="stable")
+    ranks = np.empty_like(order)
+    ranks[order] = np.arange(len(order))
+    return ranks
+
+
+# --- Theorem 1 -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(group_and_m())
+def test_theorem1_variance_equals_brute_force_maximum(case):
+    rewards, m = case
+    idx = np.asarray(MV(rewards, m))
+    got = np.var(rewards[idx].astype(np.float64))
+    best = brute_force_max_variance(rewards, m)
+    spread = float(np.ptp(rewards.astype(np.float64))) ** 2
+    # float32 scoring: error ~ a few ulps of m^2 * range^2, far below 1e-5 relative.
+    assert got == pytest.approx(best, rel=1e-5, abs=1e-7 * spread + 1e-12)
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(group_and_m())
+def test_theorem1_subset_is_top_k_plus_bottom_m_minus_k(case):
+    rewards, m = case
+    n = len(rewards)
+    ranks = set(stable_ranks(rewards)[np.asarray(MV(rewards, m))].tolist())
+    shapes = [set(range(m - k)) | set(range(n - k, n)) for k in range(m + 1)]
+    assert ranks in shapes
+
+
+def test_theorem1_ties_pick_smallest_k_and_lowest_indices():
+    # All equal: every candidate scores 0, k=0 wins, so the bottom block = first m indices.
+    assert np.asarray(MV(jnp.full((6,), 3.0), 4)).tolist() == [0, 1, 2, 3]
+    # [0,0,1,1], m=3: k=0 (ranks 0,1,2 = indices 0,1,2, one 1) already scores the
+    # maximum 3*1 - 1^2 = 2, as do k=1 and k=2 (two 1s: 3*2 - 2^2 = 2); smallest k wins.
+    assert np.asarray(MV(jnp.array([0.0, 0.0, 1.0, 1.0]), 3)).tolist() == [0, 1, 2]
+    # [1,1,0,0], m=3: same scores; ranks 0,1,2 are indices 2,3 (the zeros) then 0.
+    assert np.asarray(MV(jnp.array([1.0, 1.0, 0.0, 0.0]), 3)).tolist() == [2, 3, 0]
+
+
+# --- Theorem 2 -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,m", [(4, 2), (8, 3), (8, 4), (16, 4), (16, 5), (64, 16), (12, 12)])
+def test_theorem2_binary_rewards_exact_cases(n, m):
+    for p in range(n + 1):
+        q = n - p
+        rewards = np.zeros(n, np.float32)
+        rewards[np.random.default_rng(p).permutation(n)[:p]] = 1.0
+        ones = int(rewards[np.asarray(MV(rewards, m))].sum())
+        if p >= m / 2 and q >= m / 2:
+            expected = m // 2  # both plentiful: half ones (floor for odd m, the tie rule)
+        elif p < q:
+            expected = p  # ones are scarcer: take all of them
+        else:
+            expected = m - q  # zeros are scarcer: take all zeros, fill with ones
+        assert ones == expected, (n, m, p)
+
+
+# --- Invariances ---------------------------------------------------------------
+
+integer_rewards = st.integers(-20, 20).map(float)
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(group_and_m(values=integer_rewards), st.integers(-1000, 1000), st.integers(1, 16))
+def test_shift_and_positive_scale_keep_the_subset(case, shift, scale):
+    # Integer data keeps every score exact, so equality is bit-for-bit, ties included.
+    rewards, m = case
+    base = np.asarray(MV(rewards, m))
+    assert np.array_equal(np.asarray(MV(rewards + np.float32(shift), m)), base)
+    assert np.array_equal(np.asarray(MV(rewards * np.float32(scale), m)), base)
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(group_and_m(values=st.floats(-10, 10, allow_nan=False, allow_subnormal=False, width=32)), st.floats(-50, 50), st.floats(0.1, 10))
+def test_shift_and_scale_keep_the_subset_for_float_rewards(case, shift, scale):
+    rewards, m = case
+    assume(len(np.unique(rewards)) == len(rewards))
+    # Only groups whose best subset wins by a clear margin: rounding may reorder exact ties.
+    r = rewards.astype(np.float64)
+    variances = sorted(float(np.var(r[list(c)])) for c in itertools.combinations(range(len(r)), m))
+    assume(len(variances) == 1 or variances[-1] - variances[-2] > 1e-3 * max(variances[-1], 1e-3))
+    base = set(np.asarray(MV(rewards, m)).tolist())
+    transformed = (rewards.astype(np.float64) * scale + shift).astype(np.float32)
+    assume(len(np.unique(transformed)) == len(transformed))  # float32 rounding must not merge rewards
+    assert set(np.asarray(MV(transformed, m)).tolist()) == base
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(group_and_m(), st.randoms(use_true_random=False))
+def test_permutation_permutes_the_indices(case, rnd):
+    rewards, m = case
+    perm = np.asarray(rnd.sample(range(len(rewards)), len(rewards)))
+    permuted = rewards[perm]
+    chosen = set(np.asarray(MV(rewards, m)).tolist())
+    chosen_after = set(perm[np.asarray(MV(permuted, m))].tolist())
+    if len(np.unique(rewards)) == len(rewards):
+        assert chosen_after == chosen
+    else:  # ties may swap equal rewards, but the chosen values are the same multiset
+        assert sorted(rewards[list(chosen_after)]) == sorted(rewards[list(chosen)])
+
+
+def test_large_common_offset_is_stable():
+    rng = np.random.default_rng(0)
+    small = rng.permutation(np.arange(-32, 32, dtype=np.float32) * 0.25).reshape(4, 16)
+    shifted = small + np.float32(1e6)  # exact in float32: spacing at 1e6 is 1/16
+    assert np.array_equal(np.asarray(MV(shifted, 5)), np.asarray(MV(small, 5)))
+    # and still the true maximum, checked in float64
+    for row in range(4):
+        idx = np.asarray(MV(shifted, 5))[row]
+        assert np.var(small[row][idx].astype(np.float64)) == pytest.approx(brute_force_max_variance(small[row], 5))
+
+
+# --- Indices, all rules --------------------------------------------------------
+
+ALL_RULES = ["max_variance", "max_reward", "percentile", "random"]
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(
+    st.integers(1, 3),
+    group_and_m(max_n=20, values=st.one_of(st.floats(-5, 5, allow_subnormal=False, width=32), st.just(float("nan")), st.just(1.0))),
+    st.sampled_from(ALL_RULES),
+)
+def test_indices_unique_and_in_range(batch, case, rule):
+    rewards, m = case
+    rewards_PN = np.stack([np.roll(rewards, i) for i in range(batch)])
+    idx = np.asarray(JITTED_SELECT(rule, rewards_PN, m, key=jax.random.key(0)))
+    assert idx.shape == (batch, m) and idx.dtype == np.int32
+    assert ((idx >= 0) & (idx < len(rewards))).all()
+    for row in idx:
+        assert len(set(row.tolist())) == m
+
+
+# --- Non-finite rewards --------------------------------------------------------
+
+
+def test_nan_rewards_are_chosen_last():
+    rewards = np.array([0.3, np.nan, 1.0, -np.inf, 0.0, 0.9, np.nan, 0.1], np.float32)
+    finite = np.flatnonzero(np.isfinite(rewards))
+    # With >= m finite rewards the rule runs on the finite ones only.
+    idx = np.asarray(MV(rewards, 3))
+    ref = finite[np.asarray(MV(rewards[finite], 3))]
+    assert sorted(idx.tolist()) == sorted(ref.tolist())
+    # With fewer than m finite: all finite ones, then non-finite in index order.
+    few = np.array([np.nan, 2.0, np.inf, 1.0, np.nan], np.float32)
+    assert np.asarray(MV(few, 4)).tolist() == [3, 1, 0, 2]
+    assert np.asarray(MAX_REWARD(few, 3)).tolist() == [1, 3, 0]
+
+
+# --- Other rules ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(group_and_m(max_n=16))
+def test_max_reward_keeps_the_highest(case):
+    rewards, m = case
+    order = np.lexsort((np.arange(len(rewards)), rewards))[::-1]  # (reward, index) descending
+    assert np.asarray(MAX_REWARD(rewards, m)).tolist() == order[:m].tolist()
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(group_and_m(max_n=16))
+def test_percentile_evenly_spaced_ranks_include_extremes(case):
+    rewards, m = case
+    n = len(rewards)
+    ranks = stable_ranks(rewards)[np.asarray(PERCENTILE(rewards, m))]
+    if m == 1:
+        assert ranks.tolist() == [n - 1]
+        return
+    expected = np.floor(np.arange(m) * (n - 1) / (m - 1) + 0.5).astype(int)
+    assert ranks.tolist() == expected.tolist()
+    assert ranks[0] == 0 and ranks[-1] == n - 1
+
+
+def test_random_is_uniform_and_deterministic_per_key():
+    n, m, trials = 8, 3, 4000
+    keys = jax.random.split(jax.random.key(7), trials)
+    idx = np.asarray(jax.vmap(lambda k: selection.random(jnp.zeros(n), m, key=k))(keys))
+    counts = np.bincount(idx.ravel(), minlength=n)
+    p = m / n
+    sigma = np.sqrt(trials * p * (1 - p))
+    assert np.all(np.abs(counts - trials * p) < 5 * sigma), counts
+    # pairs are uniform too, not only marginals: every pair appears ~ trials*C(n-2,m-2)/C(n,m)
+    pairs = np.zeros((n, n))
+    for row in idx:
+        for a, b in itertools.combinations(row, 2):
+            pairs[min(a, b), max(a, b)] += 1
+    expected_pair = trials * m * (m - 1) / (n * (n - 1))
+    assert np.all(np.abs(pairs[np.triu_indices(n, 1)] - expected_pair) < 5 * np.sqrt(expected_pair))
+    key = jax.random.key(1)
+    assert np.array_equal(np.asarray(RANDOM(jnp.zeros(n), m, key=key)), np.asarray(RANDOM(jnp.zeros(n), m, key=key)))
+
+
+# --- Transforms and sharding ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_jit_equals_no_jit_and_vmap_equals_loop():
+    rewards = np.random.default_rng(3).integers(0, 4, (2, 5, 16)).astype(np.float32)
+    eager = np.asarray(selection.max_variance(rewards, 6))
+    assert np.array_equal(np.asarray(MV(rewards, 6)), eager)
+    flat = rewards.reshape(10, 16)
+    vmapped = np.asarray(jax.vmap(lambda r: selection.max_variance(r, 6))(flat))
+    looped = np.stack([np.asarray(selection.max_variance(r, 6)) for r in flat])
+    assert np.array_equal(vmapped, looped)
+    assert np.array_equal(vmapped.reshape(2, 5, 6), eager)
+
+
+def test_second_call_with_new_values_does_not_recompile():
+    fn = jax.jit(lambda rewards: selection.max_variance(rewards, 2))  # a fresh cache
+    fn(jnp.zeros((4, 8))).block_until_ready()
+    fn(jnp.arange(32.0).reshape(4, 8)).block_until_ready()
+    assert fn._cache_size() == 1
+    fn(jnp.zeros((4, 16))).block_until_ready()  # a new shape does compile: the counter works
+    assert fn._cache_size() == 2
+
+
+def test_sharded_input_matches_unsharded_and_stays_sharded():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rewards = np.random.default_rng(4).normal(size=(16, 32)).astype(np.float32)
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    placed = jax.device_put(rewards, sharding)
+    out = MV(placed, 8)
+    assert out.sharding.is_equivalent_to(sharding, out.ndim)
+    assert np.array_equal(np.asarray(out), np.asarray(MV(rewards, 8)))
+
+    auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    per_shard = jax.jit(
+        jax.shard_map(
+            lambda r: selection.max_variance(r, 8), mesh=auto, in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data")
+        )
+    )
+    assert np.array_equal(np.asarray(per_shard(rewards)), np.asarray(MV(rewards, 8)))
+
+
+def test_sort_with_indices_matches_stable_argsort():
+    rng = np.random.default_rng(5)
+    for rows, n in ((3, 1), (3, 16), (300, 16), (300, 37), (3, 1500)):
+        values = rng.integers(-3, 3, (rows, n)).astype(np.float32)
+        values[0, : n // 2] = -0.0  # -0.0 ties with 0.0
+        sorted_vals, idx = jax.jit(selection.sort_with_indices)(values)
+        ref = np.argsort(values, axis=-1, kind="stable")
+        assert np.array_equal(np.asarray(idx), ref), n
+        assert np.array_equal(np.asarray(sorted_vals), np.take_along_axis(values, ref, -1))
+
+
+# --- Registry, masks and errors ------------------------------------------------
+
+
+def test_registry_dispatch_and_user_rules():
+    rewards = jnp.array([[0.0, 5.0, 1.0, 3.0]])
+    assert np.array_equal(selection.select("max-variance", rewards, 2), MV(rewards, 2))
+
+    def lowest(rewards, m, *, key=None):
+        return jnp.argsort(rewards, axis=-1)[..., :m].astype(jnp.int32)
+
+    selection.register_rule("test_lowest", lowest)
+    try:
+        assert np.asarray(selection.select("test_lowest", rewards, 2)).tolist() == [[0, 2]]
+        with pytest.raises(ValueError, match="already registered"):
+            selection.register_rule("test-lowest", lowest)
+    finally:
+        selection._RULES.pop("test_lowest")
+    with pytest.raises(ValueError, match="unknown selection rule 'nope'; known rules: max_reward, max_variance"):
+        selection.select("nope", rewards, 2)
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        selection.select("random", rewards, 2)
+
+
+def test_indices_to_mask():
+    idx = jnp.array([[3, 0], [1, 2]])
+    mask = np.asarray(selection.indices_to_mask(idx, 5))
+    assert mask.tolist() == [[True, False, False, True, False], [False, True, True, False, False]]
+    with pytest.raises(ValueError, match="integer array"):
+        selection.indices_to_mask(jnp.array([0.5]), 4)
+
+
+@pytest.mark.parametrize("m", [0, 5, -1])
+def test_bad_m_raises_a_clear_error_at_trace_time(m):
+    with pytest.raises(ValueError, match=rf"1 <= m <= N=4.*got m={m}"):
+        MV(jnp.zeros(4), m)
+
+
+def test_traced_m_and_scalar_rewards_raise_clear_errors():
+    with pytest.raises(TypeError, match="m must be a static Python int"):
+        jax.jit(selection.max_variance)(jnp.zeros(4), 2)
+    with pytest.raises(ValueError, match="last axis of rollouts"):
+        selection.max_variance(jnp.float32(1.0), 1)
+
+
+@pytest.mark.slow
+def test_theorem1_holds_on_every_row_of_a_large_batch():
+    # Many rows at once, as the benchmark runs it; check every row against brute force.
+    rng = np.random.default_rng(6)
+    for n in (5, 8, 10):
+        rewards = np.where(rng.random((512, n)) < 0.3, rng.integers(0, 3, (512, n)), rng.normal(size=(512, n)))
+        rewards = rewards.astype(np.float32)
+        batch = np.tile(rewards, (2, 1))
+        for m in range(1, n + 1):
+            idx = np.asarray(MV(batch, m))[:512]
+            combos = np.array(list(itertools.combinations(range(n), m)))
+            best = np.var(rewards.astype(np.float64)[:, combos], axis=-1).max(axis=1)
+            got = np.var(np.take_along_axis(rewards, idx, 1).astype(np.float64), axis=1)
+            np.testing.assert_allclose(got, best, rtol=1e-5, atol=1e-7)
+            assert all(len(set(row)) == m for row in idx.tolist())

@@ -1,0 +1,130 @@
+"""--overwrite deletes only a podsjax run directory, never the run's model, data, config file,
+the current directory or a parent of any of them."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from experiments import cli, config_decoding, flags, runner
+from podsjax.run.run_state import LOCK_FILE
+
+pytestmark = pytest.mark.cpu_mesh
+
+HF_CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256}
+
+
+def tree(directory):
+    """Every file under ``directory`` with its bytes."""
+    found = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, directory)] = f.read()
+    return found
+
+
+def write(directory, files):
+    for name, text in files.items():
+        path = os.path.join(directory, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text)
+
+
+@pytest.fixture
+def never_trains(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the run went on")
+
+    monkeypatch.setattr(runner, "_train_and_export", never)
+
+
+def podsjax_run(out):
+    """A directory as a run leaves it: the config.json it writes first."""
+    _, config = flags.parse("gsm8k", ["--out", str(out), "--max-steps", "1"])
+    write(out, {"config.json": json.dumps(config_decoding.as_json(config))})
+
+
+def refused(args, capsys):
+    """Runs the CLI, which must refuse with one line; returns that line."""
+    assert cli.main("gsm8k", [*args, "--overwrite", "--max-steps", "1", "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --overwrite: refusing to delete "), err
+    return err
+
+
+def test_a_folder_of_user_files_is_not_deleted(tmp_path, data_dir, capsys, never_trains):
+    out = tmp_path / "mine"
+    shutil.copytree(os.path.join(data_dir, "gsm8k"), out / "dataset")
+    write(out, {"thesis.txt": "four years of work"})
+    before = tree(out)
+    err = refused(["--out", str(out)], capsys)
+    assert str(out) in err and "dataset, thesis.txt" in err and "no podsjax run directory" in err
+    assert tree(out) == before
+
+
+def test_the_model_directory_is_not_deleted(tmp_path, data_dir, capsys, never_trains):
+    model = tmp_path / "model"
+    write(model, {"config.json": json.dumps(HF_CONFIG), "model.safetensors": "weights", "tokenizer.json": "{}"})
+    before = tree(model)
+    gsm8k = os.path.join(data_dir, "gsm8k")
+    err = refused(["--model", str(model), "--out", str(model), "--data", os.path.join(gsm8k, "train.jsonl"),
+                   "--eval-data", os.path.join(gsm8k, "test.jsonl")], capsys)
+    assert f"{model} (it holds config.json, model.safetensors, tokenizer.json): it is the model (--model)" in err
+    assert tree(model) == before
+
+
+def test_the_dataset_directory_is_not_deleted(tmp_path, data_dir, capsys, never_trains):
+    dataset = tmp_path / "dataset"
+    shutil.copytree(os.path.join(data_dir, "gsm8k"), dataset)
+    before = tree(dataset)
+    err = refused(["--dataset", str(dataset), "--out", str(dataset)], capsys)
+    assert f"{dataset / 'train.jsonl'} inside it is the train data" in err and "test.jsonl, train.jsonl" in err
+    assert tree(dataset) == before
+
+
+@pytest.mark.parametrize("out, cwd", [(".", ""), ("..", "src")])
+def test_the_current_directory_and_its_parents_are_not_deleted(tmp_path, capsys, never_trains, monkeypatch,
+                                                                out, cwd):
+    project = tmp_path / "project"
+    write(project, {"notes.md": "ideas", "src/train.py": "print('mine')"})
+    before = tree(project)
+    monkeypatch.chdir(project / cwd)
+    err = refused(["--out", out], capsys)
+    assert "the current directory" in err and "notes.md, src" in err
+    assert tree(project) == before
+
+
+def test_a_run_that_holds_its_own_model_or_config_file_is_not_deleted(tmp_path, capsys, never_trains):
+    out = tmp_path / "run"
+    podsjax_run(out)
+    write(out, {"final_model/config.json": json.dumps(HF_CONFIG), "my.yaml": "run:\n  max_steps: 1\n"})
+    before = tree(out)
+    err = refused(["--model", str(out / "final_model"), "--out", str(out)], capsys)
+    assert f"{out / 'final_model'} inside it is the model (--model)" in err
+    err = refused(["--config", str(out / "my.yaml"), "--out", str(out)], capsys)
+    assert "inside it is the config file (--config)" in err
+    assert tree(out) == before
+
+
+def test_a_podsjax_run_is_replaced(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    podsjax_run(out)
+    write(out, {"metrics.jsonl": "{}\n", "checkpoints/1/x": "state"})
+    seen = []
+    monkeypatch.setattr(runner, "_train_and_export", lambda config, out_dir, *a: seen.append(os.listdir(out_dir)) or 0)
+    assert cli.main("gsm8k", ["--out", str(out), "--overwrite", "--no-compile-cache", "--max-steps", "1"]) == 0
+    assert [sorted(set(names) - {LOCK_FILE}) for names in seen] == [["config.json"]]
+
+
+def test_the_runner_refuses_too(tmp_path, never_trains):
+    """run_experiment, called without the CLI, makes the same check before it writes anything."""
+    out = tmp_path / "mine"
+    write(out, {"thesis.txt": "four years of work"})
+    _, config = flags.parse("gsm8k", ["--out", str(out), "--max-steps", "1"])
+    with pytest.raises(cli.UsageError, match="thesis.txt.*no podsjax run directory"):
+        runner.run_experiment(config, str(out), overwrite=True, resume=False)
+    assert tree(out) == {"thesis.txt": b"four years of work"}

@@ -1,0 +1,188 @@
+"""The fused grouped decode attention (podsjax.models.decode_kernel) against the XLA form.
+
+On a CPU the kernel runs in Pallas's interpreter; on a GPU host also compiled, through Triton.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from podsjax.devices import mesh as mesh_lib
+from podsjax.models import decode_kernel, rollout
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def grouped_case(prompts, samples, kv_heads, groups, prompt_len, slots, head_dim, dtype, seed=0):
+    """Random queries and a grouped cache with holes in both masks; each row has written
+    ``length`` completion slots, the last of them its own token."""
+    rng = np.random.default_rng(seed)
+    b = prompts * samples
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    prompt_mask = jnp.asarray(rng.random((prompts, prompt_len)) < 0.7).at[:, -1].set(True)
+    length = jnp.asarray(rng.integers(1, slots + 1, size=b), jnp.int32)
+    allowed = (jnp.arange(slots)[None] < length[:, None]) & jnp.asarray(rng.random((b, slots)) < 0.8)
+    allowed = allowed.at[jnp.arange(b), length - 1].set(True)
+    return dict(q_B1HE=normal(b, 1, kv_heads * groups, head_dim),
+                prompt_k_PKSE=normal(prompts, kv_heads, prompt_len, head_dim),
+                prompt_v_PKSE=normal(prompts, kv_heads, prompt_len, head_dim), prompt_mask_PS=prompt_mask,
+                k_BKTE=normal(b, kv_heads, slots, head_dim), v_BKET=normal(b, kv_heads, head_dim, slots),
+                allowed_B1T=allowed[:, None], length_B=length)
+
+
+def xla_form(case):
+    return rollout.attend_grouped(*[v for k, v in case.items() if k != "length_B"])
+
+
+def kernel_form(case, interpret=True):
+    b, _, h, e = case["q_B1HE"].shape
+    k = case["prompt_k_PKSE"].shape[1]
+    out = decode_kernel.grouped_decode_attention(
+        case["q_B1HE"].reshape(b, k, h // k, e), case["prompt_k_PKSE"], case["prompt_v_PKSE"],
+        case["prompt_mask_PS"], case["k_BKTE"], case["v_BKET"], case["allowed_B1T"][:, 0], case["length_B"],
+        interpret=interpret)
+    return out.reshape(b, 1, h, e)
+
+
+# (prompts, samples, kv heads, queries per kv head, prompt slots, completion slots, head_dim):
+# lengths that are not a multiple of the kernel's block, more than one block, a group of 1,
+# a group whose query matrix (n x G = 70) takes several tiles and a prompt in several chunks.
+SHAPES = [(2, 3, 2, 3, 37, 21, 16), (1, 4, 1, 6, 64, 130, 32), (3, 1, 2, 2, 80, 16, 16),
+          (1, 10, 1, 7, 300, 40, 16)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_kernel_matches_the_xla_grouped_attention_in_fp32(shape):
+    case = grouped_case(*shape, jnp.float32)
+    np.testing.assert_allclose(kernel_form(case), xla_form(case), atol=2e-6, rtol=2e-6)
+
+
+def test_the_kernel_reads_a_bf16_cache_as_the_xla_form_does():
+    case = grouped_case(2, 4, 2, 6, 48, 40, 32, jnp.bfloat16, seed=1)
+    out, ref = kernel_form(case).astype(jnp.float32), xla_form(case).astype(jnp.float32)
+    # Both sum in fp32 and round once to bf16: at most one bf16 step apart.
+    np.testing.assert_allclose(out, ref, atol=1e-2, rtol=1e-2)
+    assert float(jnp.mean(out == ref)) > 0.9
+
+
+def test_a_prompt_chunk_that_holds_only_left_padding_adds_nothing():
+    # 600 prompt slots are ten prefix chunks of 64; the first 400 slots are padding, so
+    # the first six chunks have no real slot and their parts must weigh 0 in the merge.
+    case = grouped_case(2, 3, 2, 3, 600, 24, 16, jnp.float32, seed=6)
+    case = dict(case, prompt_mask_PS=jnp.broadcast_to(jnp.arange(600) >= 400, (2, 600)))
+    assert decode_kernel.plan(6, 2, 2, 3, 600, 24).prefix_splits == 10
+    np.testing.assert_allclose(kernel_form(case), xla_form(case), atol=2e-6, rtol=2e-6)
+
+
+def test_at_setting_as_shape_the_attention_fills_an_h100_with_short_walks():
+    # 64 rows of one prompt, 2 kv heads, 6 query heads each, 512 + 512 slots: at least two
+    # programs for each of 132 SMs, none walking more than 256 slots, and each pass (they
+    # run one after the other) fills the GPU alone or walks one block a program. Read from
+    # the launched grids, not only the plan.
+    args = (jax.ShapeDtypeStruct((64, 2, 6, 128), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((1, 512), bool),
+            jax.ShapeDtypeStruct((64, 2, 512, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 2, 128, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64, 512), bool), jax.ShapeDtypeStruct((64,), jnp.int32))
+    jaxpr = jax.make_jaxpr(decode_kernel.grouped_decode_attention)(*args)
+    grids = [e.params["grid_mapping"].grid for e in _pallas_calls(jaxpr.jaxpr)]
+    assert len(grids) == 2
+    programs = sum(int(np.prod(g)) for g in grids)
+    split = decode_kernel.plan(64, 1, 2, 6, 512, 512)
+    assert programs == split.programs >= decode_kernel.MIN_PROGRAMS == 264
+    for pass_programs, chunk in ((split.prefix_programs, split.prefix_chunk), (split.own_programs, split.own_chunk)):
+        assert pass_programs >= decode_kernel.MIN_PROGRAMS or chunk == split.block
+    assert split.max_slots_per_program <= 256
+    assert split.own_chunk * split.own_splits >= 512 and split.prefix_chunk * split.prefix_splits >= 512
+    # the prefix pass reads the group's prompt once: one prompt, per kv head, per query tile and chunk
+    assert split.prefix_programs == 2 * split.query_tiles * split.prefix_splits
+
+
+def test_the_prompt_pass_fills_the_gpu_with_query_tiles_before_it_splits_the_prompt():
+    # Four prompts of 64 rows: 16-row query tiles alone give 384 programs, so the prompt stays
+    # in chunks of 256 slots, and the merge reads no more fp32 parts than it must.
+    split = decode_kernel.plan(256, 4, 2, 6, 512, 512)
+    assert split.query_tile == 16 and split.prefix_programs >= decode_kernel.MIN_PROGRAMS
+    assert split.prefix_splits == 2
+
+
+def test_both_passes_read_one_layout_of_the_queries():
+    # One transpose of q a layer feeds the prompt pass's query matrix and every row's
+    # queries in the completion pass; a second layout would be one more kernel a layer.
+    args = (jax.ShapeDtypeStruct((12, 2, 6, 32), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((2, 2, 64, 32), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((2, 64), bool),
+            jax.ShapeDtypeStruct((12, 2, 64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((12, 2, 32, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((12, 64), bool), jax.ShapeDtypeStruct((12,), jnp.int32))
+    jaxpr = jax.make_jaxpr(decode_kernel.grouped_decode_attention)(*args)
+    calls = list(_pallas_calls(jaxpr.jaxpr))
+    assert len(calls) == 2
+    assert calls[0].invars[0] is calls[1].invars[0]
+
+
+def _pallas_calls(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for value in eqn.params.values():
+            if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+                yield from _pallas_calls(value.jaxpr)
+
+
+def test_blocks_past_a_rows_length_are_never_read():
+    # 256 completion slots are four of the kernel's blocks; NaN in every block a row has
+    # not reached would show in its output if the block were read.
+    case = grouped_case(2, 2, 1, 2, 16, 256, 16, jnp.float32, seed=2)
+    first_unread = -(-case["length_B"] // 64) * 64
+    beyond = jnp.arange(256)[None, None, :, None] >= first_unread[:, None, None, None]
+    assert bool(jnp.any(beyond))
+    poisoned = dict(case, k_BKTE=jnp.where(beyond, jnp.nan, case["k_BKTE"]),
+                    v_BKET=jnp.where(jnp.swapaxes(beyond, -1, -2), jnp.nan, case["v_BKET"]))
+    np.testing.assert_allclose(kernel_form(poisoned), xla_form(case), atol=2e-6, rtol=2e-6)
+
+
+def test_a_wrong_length_changes_the_result():
+    # The length bounds what the kernel reads, whatever ``allowed`` says: a row cut to 70
+    # slots reads two blocks of 64 and misses the allowed slots 128-199, so the test above
+    # could tell a kernel that ignored the length.
+    case = grouped_case(1, 2, 1, 2, 16, 256, 16, jnp.float32, seed=3)
+    case = dict(case, length_B=jnp.array([200, 200], jnp.int32),
+                allowed_B1T=(jnp.arange(256) < 200)[None, None].repeat(2, axis=0))
+    full, cut = kernel_form(case), kernel_form(dict(case, length_B=jnp.array([200, 70], jnp.int32)))
+    np.testing.assert_allclose(full[0], cut[0], atol=1e-6)
+    assert float(jnp.max(jnp.abs(full[1] - cut[1]))) > 1e-3
+
+
+@pytest.mark.parametrize("implementation, head_dim, dtype, fits", [
+    ("cudnn", 128, jnp.bfloat16, True), ("cudnn", 64, jnp.float16, True), ("xla", 128, jnp.bfloat16, False),
+    ("cudnn", 96, jnp.bfloat16, False), ("cudnn", 8, jnp.bfloat16, False), ("cudnn", 128, jnp.float32, False)])
+def test_the_kernel_runs_where_prefill_runs_cudnn_and_triton_can_tile_the_head(implementation, head_dim, dtype, fits):
+    assert rollout.decode_kernel_fits(implementation, head_dim, dtype) is fits
+
+
+@pytest.mark.cpu_mesh
+@pytest.mark.parametrize("spec, prompts, samples", [
+    ("fsdp=8", 8, 2),  # the prompts split with their rows
+    ("fsdp=8", 2, 8),  # whole on every device; each device's 2 rows sample one prompt
+    ("fsdp=8", 3, 8),  # whole on every device; a device's 3 rows straddle two prompts: the XLA form
+    ("data=2,fsdp=4", 4, 4),  # the prompts split over data only, the rows over both: gathered, sliced
+])
+def test_on_a_mesh_each_device_attends_its_own_rows_to_their_prompts(monkeypatch, spec, prompts, samples):
+    monkeypatch.setattr(decode_kernel, "grouped_decode_attention",
+                        functools.partial(decode_kernel.grouped_decode_attention, interpret=True))
+    mesh = mesh_lib.make_mesh(spec)
+    case = grouped_case(prompts, samples, 2, 2, 24, 16, 16, jnp.float32, seed=4)
+    names = ["q_B1HE", "prompt_k_PKSE", "prompt_v_PKSE", "prompt_mask_PS", "k_BKTE", "v_BKET", "allowed_B1T",
+             "length_B"]
+    placed = {k: jax.device_put(v, mesh_lib.logical_sharding(mesh, ("batch",) + (None,) * (v.ndim - 1), v.shape))
+              for k, v in case.items()}
+    out = jax.jit(lambda *a: rollout.attend_grouped_kernel(*a, mesh))(*[placed[k] for k in names])
+    np.testing.assert_allclose(out, xla_form(case), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiles the Triton kernel: needs a GPU")
+def test_the_compiled_kernel_matches_the_xla_form_on_a_gpu():
+    case = grouped_case(4, 16, 2, 6, 512, 512, 128, jnp.bfloat16, seed=5)
+    out, ref = kernel_form(case, interpret=False).astype(jnp.float32), xla_form(case).astype(jnp.float32)
+    np.testing.assert_allclose(out, ref, atol=1e-2, rtol=1e-2)

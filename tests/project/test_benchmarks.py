@@ -1,0 +1,180 @@
+"""The benchmark scripts still run (tiny shapes; the measured figures live in docs/benchmarks.md), and their floors are right."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import costs
+from benchmarks.machine import peaks_for
+from benchmarks.qwen_model import SHAPES, hf_config, podsjax_config
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_SHAPE = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+              "--vocab", "1024"]
+TINY_MODEL = [*TINY_SHAPE, "--repeats", "1"]
+
+
+def run(module, *args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def last_column(row: str) -> float:
+    return float(row.rstrip(" |").rsplit("|", 1)[1])
+
+
+def test_selection_benchmarks_reference_loop_finds_the_maximum_variance_subset():
+    """The benchmark's reference (the authors' O(M^2) loop) against brute force, in-process."""
+    import itertools
+
+    import numpy as np
+
+    from benchmarks import selection
+
+    rng = np.random.default_rng(3)
+    rewards = (rng.integers(0, 2, (20, 8)) + 0.25 * rng.integers(0, 3, (20, 8))).astype(np.float32)
+    chosen = selection.reference_loop(rewards, 3)
+    for row, picked in zip(rewards, chosen):
+        best = max(np.var(row[list(c)]) for c in itertools.combinations(range(8), 3))
+        assert len(set(picked)) == 3 and np.var(row[picked]) == pytest.approx(best, rel=1e-6)
+    # One timed shape: the run checks podsjax against the reference, and the table holds its ratios.
+    (row,) = selection.run([(4, 16)], min_time=0.0)
+    b, n, m, *times = row
+    assert (b, n, m) == (4, 16, 4) and all(t > 0 for t in times)
+    line = selection.format_table([row]).splitlines()[-1]
+    assert line.startswith("| 4 | 16 | 4 |") and f"| {times[0] / times[1]:.2f} |" in line
+    assert selection.parse_shapes("64x16,8x4") == [(64, 16), (8, 4)]
+
+
+def test_forward_benchmark_checks_logits_and_prints_a_ratio():
+    printed = run("benchmarks.forward", "--batch", "1", "--seq", "16", "--dtype", "float32", *TINY_MODEL)
+    assert "a/b speed-up" in printed and "max abs logit diff" in printed
+    row = next(line for line in printed.splitlines() if line.startswith("| small"))
+    assert last_column(row) < 1e-4, row  # fp32 (full-precision matmuls on an accelerator too): the same logits
+
+
+def test_generate_benchmark_runs_both_contenders(data_dir):
+    printed = run("benchmarks.generate", "--rows", "2", "--prompt-len", "8", "--new-tokens", "4", *TINY_MODEL,
+                  "--data", data_dir, "--reward-limit", "8", "--workers", "1")
+    assert "a/b speed-up" in printed and "| gsm8k |" in printed
+    assert "% of floor" in printed and "| (a) podsjax |" in printed and "measured here" in printed
+
+
+def test_train_step_benchmark_checks_lora_and_full_gradients():
+    # The torch side of LoRA is peft (in the test extra): both updates are compared.
+    modes = ["lora", "full"]
+    printed = run("benchmarks.train_step", "--batch", "2", "--prompt-len", "8", "--completion-len", "8",
+                  "--lora-rank", "8", "--update", ",".join(modes), "--dtype", "float32", *TINY_MODEL)
+    rows = [line for line in printed.splitlines() if line.startswith(("| LoRA r8", "| full"))]
+    assert len(rows) == len(modes), printed
+    # Same weights (and LoRA A), same batch, same loss: the two first-step gradient norms must agree.
+    for row in rows:
+        assert last_column(row) < 1e-4, row
+    assert "MFU a / b" in printed and "podsjax compile" in printed
+
+
+def test_shared_prefix_benchmark_checks_both_forms_and_prints_ratios():
+    for preset, lora in (("tiny", "0"), ("qwen0.5b", "4")):
+        printed = run("benchmarks.shared_prefix", "--preset", preset, "--prompts", "2", "--m", "2", "--prompt-len", "8",
+                      "--completion-len", "4", "--layers", "1", "--lora-rank", lora, "--repeats", "1")
+        assert "| per row | 48 |" in printed and "| shared prefix | 32 |" in printed, printed
+        assert "x update tokens/s" in printed and "1.50x fewer positions" in printed, printed
+
+
+def test_decode_attention_benchmark_checks_every_split_against_the_xla_form():
+    printed = run("benchmarks.decode_attention", "--rows", "8", "--prompt-len", "32", "--slots", "32", "--filled",
+                  "16", "--head-dim", "16", "--sets", "1", "--iters", "1", "--dtype", "float32")
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split("|")[1].strip() for r in rows][:2] == ["the plan", "fill 132 programs a pass"], printed
+    assert rows[-1].startswith("| XLA form"), printed
+    assert all(last_column(r) < 1e-5 for r in rows[:-1]), printed
+
+
+def test_cli_step_benchmark_times_a_cold_and_a_warm_run(data_dir):
+    printed = run("benchmarks.cli_step", *TINY_SHAPE, "--max-steps", "2", "--eval-limit", "1", "--train-examples",
+                  "8", "--tokenizer-vocab", "512", "--data", data_dir,
+                  "--cli-flags", "--n", "4", "--m", "2", "--max-completion-length", "8", timeout=240)
+    assert "| 1: cold compile cache |" in printed and "| 2: warm compile cache |" in printed, printed
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"])
+def test_shape_param_counts_agree_across_transformers_podsjax_and_the_floors(name):
+    import torch
+    import transformers
+
+    spec = SHAPES[name]
+    with torch.device("meta"):  # shapes only, no memory
+        hf = transformers.Qwen2ForCausalLM(hf_config(spec, 2048))
+    count = sum(p.numel() for p in hf.parameters())
+    assert count == podsjax_config(spec, 2048).num_params == costs.matmul_params(spec)
+    # The model cards: 0.49B, 1.54B, 3.09B.
+    assert round(count / 1e9, 2) == {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09}[name]
+
+
+def test_decode_floor_matches_the_design_note():
+    # DESIGN.md: 1.5B shape, bf16, 256 rows, 512 + 512 tokens on an H100: a 2.6 ms floor.
+    peaks = peaks_for("NVIDIA H100 80GB HBM3")
+    floor = costs.decode_step_bytes(SHAPES["qwen2.5-1.5b"], 2, 256, 512, 512) / peaks.bandwidth
+    assert peaks.name == "H100 SXM" and floor == pytest.approx(2.6e-3, abs=0.05e-3)
+    assert peaks_for("NVIDIA H100 PCIe").name == "H100 PCIe"
+    assert peaks_for("TPU v5 lite").name == "TPU v5e" and peaks_for("TPU v5p").name == "TPU v5p"
+    assert peaks_for("NVIDIA A100-SXM4-80GB").bandwidth == 2.0e12 and peaks_for("cpu") is None
+
+
+def test_update_flops_follow_the_stated_formula():
+    spec = SHAPES["small"]
+    full = costs.update_flops(spec, 8, 64, 128, None)
+    lora = costs.update_flops(spec, 8, 64, 128, 64)
+    tokens = 8 * 192
+    # Full fine-tuning is at least 6 N per token; LoRA is about 4 N + 6 N_lora per token (plus attention).
+    assert full > 6 * costs.body_params(spec) * tokens
+    assert 4 * costs.body_params(spec) * tokens < lora < full
+    from podsjax.models.lora import LoraConfig, lora_shapes
+
+    shapes = lora_shapes(podsjax_config(spec, 2048), LoraConfig(rank=64, alpha=64.0)).values()
+    assert costs.lora_params(spec, 64) == sum(math.prod(a) + math.prod(b) for a, _, b, _ in shapes)
+
+
+def test_trace_summary_counts_stream_kernels_once_and_leaves_derived_lines_out(tmp_path):
+    import gzip
+    import json
+
+    from benchmarks import trace_summary
+
+    meta = [
+        {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 7, "tid": 1, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "pid": 7, "tid": 2, "name": "thread_name", "args": {"name": "Stream #14(Compute)"}},
+        {"ph": "M", "pid": 7, "tid": 3, "name": "thread_name", "args": {"name": "XLA Modules"}},
+        {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/host:CPU"}},
+    ]
+    kernels = [  # (tid, name, start, duration): 10-30 and 25-35 overlap on two streams; 50-60 alone
+        (1, "loop_fusion_12", 10, 20), (2, "loop_fusion.13", 25, 10), (1, "gemm", 50, 10),
+        (3, "jit_decode", 0, 100), (4, "ignored on host", 0, 100)]
+    events = meta + [{"ph": "X", "pid": 9 if tid == 4 else 7, "tid": tid, "name": n, "ts": t, "dur": d}
+                     for tid, n, t, d in kernels]
+    path = tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = trace_summary.summarize(trace_summary.device_kernels(
+        trace_summary.load_events(trace_summary.find_trace(str(tmp_path)))))
+    assert (summary.kernels, summary.span_us, summary.busy_us) == (3, 50.0, 35.0)
+    assert summary.by_name == [("loop_fusion", 2, 30.0), ("gemm", 1, 10.0)]
+    text = trace_summary.format_summary(summary, steps=2)
+    assert "busy 0.018 ms (70% of the span)" in text and "| loop_fusion | 1.0 | 0.015 ms | 86% |" in text
+    # A TPU has no streams: its "XLA Ops" line holds the kernels, "XLA Modules" the programs.
+    tpu = [{"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:TPU:0"}},
+           {"ph": "M", "pid": 3, "tid": 1, "name": "thread_name", "args": {"name": "XLA Modules"}},
+           {"ph": "M", "pid": 3, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+           {"ph": "X", "pid": 3, "tid": 1, "name": "jit_decode", "ts": 0, "dur": 100},
+           {"ph": "X", "pid": 3, "tid": 2, "name": "fusion.3", "ts": 10, "dur": 5}]
+    assert trace_summary.device_kernels(tpu, "/device:TPU") == [("fusion.3", 10.0, 5.0)]

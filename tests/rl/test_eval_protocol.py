@@ -1,0 +1,301 @@
+"""Evaluation: greedy or the paper's sampled passes, the Llama metric, and one decode program."""
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_checkpoint import save_tiny_checkpoint
+
+import podsjax.models as pm
+from podsjax.data import datasets as data, prompts
+from podsjax.sampler import decoding, sampling
+from podsjax import rl
+from experiments import paper_settings
+from podsjax import rewards as rewards_lib
+from podsjax.rl.pass_at_k import gsm8k_answer_key
+from podsjax.rewards import format_correct
+
+QUESTIONS = [("What is 2 + 2?", "4"), ("What is 3 + 4?", "7"), ("What is 5 - 1?", "4"), ("What is 6 / 2?", "3")]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("eval_ckpt"))
+    model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
+    examples = [data.Example(q, a) for q, a in QUESTIONS]
+    return model, params, prompts.load_tokenizer(checkpoint), examples
+
+
+# One generator per model for the module: its tests share the compiled programs.
+shared_generator = functools.cache(sampling.Generator)
+
+
+def make_trainer(setup, out_dir, rewards=None, generator=None, scorer=None, **run_fields):
+    model, params, tokenizer, examples = setup
+    run = rl.RunConfig(out_dir=str(out_dir), max_steps=1, prompts_per_step=2, max_new_tokens=7,
+                         reward_workers=1, progress=False, console=False, **run_fields)
+    algo = paper_settings.method_config("pods", n=4, m=2)
+    return rl.Trainer(model, params, tokenizer, examples, examples, algo, run,
+                        lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards,
+                        generator=generator or shared_generator(model), scorer=scorer)
+
+
+class InProcessScorer:
+    """Stands in for the reward pool, so test-local reward functions need no worker process."""
+
+    def score(self, completions, rewards, **columns):
+        return rewards_lib.score_rewards(completions, rewards, **columns)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<think>a</think><answer>4</answer>", True),
+    ("\n<think>a</think>\n<answer>4</answer>\n", True),
+    ("<think>a</think> <answer>4</answer>\n\n", True),  # re.match's "$" also matches before a final newline
+    ("<think>a</think><answer></answer>", True),  # the authors' check allows a blank answer
+    ("<think>a</think><think>b</think><answer>4</answer>", True),  # and repeated tags
+    ("x<think>a</think><answer>4</answer>", False),
+    ("<think>a</think>  <answer>4</answer>", False),  # at most one space or newline between blocks
+    ("<think>a</think><answer>4</answer> x", False),
+    ("<answer>4</answer>", False),
+])
+def test_format_correct_is_the_authors_strict_check(text, expected):
+    assert format_correct(text) is expected
+    assert rewards_lib.get_reward("strict_format")([text]) == [float(expected)]
+
+
+def test_eval_scalars_average_the_passes_and_multiply_the_metrics_parts():
+    values_RE = {"accuracy": np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]),
+                 "strict_format": np.array([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])}
+    plain = rl.eval_scalars(values_RE, rl.EVAL_METRICS["accuracy"])
+    assert plain["eval/accuracy"] == pytest.approx(0.5)
+    assert plain["eval/accuracy_std"] == pytest.approx(np.std([2 / 3, 1 / 3], ddof=1), abs=1e-12)
+    both = rl.eval_scalars(values_RE, rl.EVAL_METRICS["accuracy_and_format"])
+    assert both["eval/accuracy"] == pytest.approx(1 / 3) and both["eval/accuracy_std"] == 0.0
+    assert both["eval/answer_accuracy"] == pytest.approx(0.5) and both["eval/format_accuracy"] == pytest.approx(0.5)
+    assert both["eval/examples"] == 3.0
+    one = rl.eval_scalars({k: v[:1] for k, v in values_RE.items()}, rl.EVAL_METRICS["accuracy"])
+    assert one["eval/accuracy_std"] == 0.0  # one pass: no spread to report
+    empty = rl.eval_scalars({k: v[:, :0] for k, v in values_RE.items()}, rl.EVAL_METRICS["accuracy"])
+    assert empty["eval/accuracy"] == 0.0 and empty["eval/examples"] == 0.0
+
+
+class RecordingGenerator:
+    """The shared generator, noting each call's key, temperature, samples and prompt rows."""
+
+    def __init__(self, model):
+        self.inner, self.model, self.calls = shared_generator(model), model, []
+
+    def place_rows(self, x):
+        return self.inner.place_rows(x)
+
+    def generate(self, params, ids, mask, key, **kwargs):
+        self.calls.append((tuple(np.asarray(jax.random.key_data(key)).ravel()), kwargs["temperature"],
+                           kwargs["num_samples"], ids.shape[0]))
+        return self.inner.generate(params, ids, mask, key, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", ["scanned", "unrolled"])
+def test_sampled_passes_draw_their_own_keys_and_share_the_rollouts_decode_program(setup, tmp_path, layers):
+    model = setup[0].clone(rollout_layers=layers)
+    recorder = RecordingGenerator(model)
+    calls = recorder.calls
+    trainer = make_trainer((model, *setup[1:]), tmp_path / "run", generator=recorder, eval_repeats=3,
+                           eval_temperature=0.9)
+    decodes = []
+    try:
+        first = trainer.evaluate()
+        decodes.append(trainer.compile_counts.get("generate[decode]", 0))
+        trainer.rl_step()
+        decodes.append(trainer.compile_counts.get("generate[decode]", 0))
+        second = trainer.evaluate()
+        decodes.append(trainer.compile_counts.get("generate[decode]", 0))
+    finally:
+        trainer.close()
+    evals = [c for c in calls if c[2] == 1]
+    assert len(evals) == 6 and {c[1] for c in evals} == {0.9}
+    assert len({c[0] for c in evals[:3]}) == 3  # a key per pass
+    assert [c[0] for c in evals[:3]] == [c[0] for c in evals[3:]]  # the same keys at every evaluation
+    # 4 prompts in one chunk of prompts_per_step x n = 8 rows, as the step's 2 prompts x 4 samples.
+    assert {c[3] for c in evals} == {8} and [(c[3], c[1]) for c in calls if c[2] == 4] == [(2, 0.9)]
+    # At most one compile (none when an earlier test in this process built the same program),
+    # and the next evaluation compiles nothing. The scanned layout's cache holds each row's
+    # prompt, so the evaluation runs the rollouts' decode program. The unrolled one (GPUs)
+    # holds a prompt once for its n samples: 8 prompts x 1 sample is a cache of another
+    # shape from 2 prompts x 4, so the step compiles its own decode program, once.
+    own_rollout_program = isinstance(decoding.layers_for(model), decoding.UnrolledLayers)
+    assert own_rollout_program == (layers == "unrolled")
+    assert decodes[0] <= 1 and decodes[0] <= decodes[1] <= decodes[0] + own_rollout_program, trainer.compile_counts
+    assert decodes[2] == decodes[1], trainer.compile_counts
+    for result in (first, second):
+        assert result["eval/examples"] == 4.0 and result["eval/accuracy_std"] >= 0.0
+        assert {"eval/answer_accuracy", "eval/format_accuracy"} <= set(result)
+
+
+def test_greedy_is_one_pass_at_temperature_zero_by_default(setup, tmp_path):
+    recorder = RecordingGenerator(setup[0])
+    calls = recorder.calls
+    trainer = make_trainer(setup, tmp_path / "run", generator=recorder)
+    try:
+        result = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert [(c[1], c[2]) for c in calls] == [(0.0, 1)] and result["eval/accuracy_std"] == 0.0
+    with pytest.raises(ValueError, match="eval_repeats 2 needs eval_temperature > 0"):
+        rl.RunConfig(out_dir="unused", max_steps=1, eval_repeats=2)
+
+
+class StubGenerator:
+    """Records each call's sampling arguments and decodes nothing (empty completions)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def place_rows(self, x):
+        return jnp.asarray(x)
+
+    def generate(self, params, ids, mask, key, *, max_new_tokens, **kwargs):
+        self.calls.append({name: kwargs[name] for name in ("temperature", "top_k")})
+        empty = jnp.zeros((ids.shape[0], max_new_tokens), jnp.int32)
+        return types.SimpleNamespace(tokens=empty, mask=empty.astype(bool))
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_evaluation_samples_among_the_protocols_top_k(setup, tmp_path, top_k):
+    # The evaluation protocol's top-k, not the rollouts' (0 here), reaches every pass.
+    stub = StubGenerator(setup[0])
+    trainer = make_trainer(setup, tmp_path / "run", generator=stub, scorer=InProcessScorer(), eval_repeats=2,
+                           eval_temperature=0.9, eval_top_k=top_k)
+    try:
+        trainer.evaluate()
+    finally:
+        trainer.close()
+    assert stub.calls == [{"temperature": 0.9, "top_k": top_k}] * 2
+
+
+def by_position(pattern):
+    """A reward function that scores the i-th completion of a call ``pattern[i]``."""
+    def fn(completions, **_):
+        return [float(pattern[i % len(pattern)]) for i in range(len(completions))]
+    return fn
+
+
+def test_accuracy_and_format_counts_an_answer_only_with_the_strict_format(setup, tmp_path):
+    rewards = [rewards_lib.WeightedReward(by_position([1, 0, 1, 0]), 1.0, "accuracy"),
+               rewards_lib.WeightedReward(by_position([1, 1, 0, 0]), 0.0, "strict_format")]
+    results = {}
+    for metric in rl.EVAL_METRICS:
+        trainer = make_trainer(setup, tmp_path / metric, rewards=rewards, scorer=InProcessScorer(), eval_metric=metric)
+        try:
+            results[metric] = trainer.evaluate()
+        finally:
+            trainer.close()
+    assert results["accuracy"]["eval/accuracy"] == 0.5
+    assert results["accuracy_and_format"]["eval/accuracy"] == 0.25  # both right only for the first
+    assert results["accuracy_and_format"]["eval/answer_accuracy"] == 0.5
+    assert results["accuracy_and_format"]["eval/format_accuracy"] == 0.5
+
+
+def test_sampled_accuracy_is_the_mean_over_passes_with_their_spread(setup, tmp_path):
+    passes = iter([1.0, 0.0, 1.0])  # one score call per pass: all right, all wrong, all right
+
+    def accuracy(completions, **_):
+        value = next(passes)
+        return [value] * len(completions)
+
+    trainer = make_trainer(setup, tmp_path / "run", rewards=[(accuracy, 1.0)], scorer=InProcessScorer(),
+                           eval_repeats=3, eval_temperature=0.9)
+    try:
+        result = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert result["eval/accuracy"] == pytest.approx(2 / 3)
+    assert result["eval/accuracy_std"] == pytest.approx(np.std([1, 0, 1], ddof=1))
+
+
+def test_the_trainer_adds_the_strict_format_check_to_evaluation_only(setup, tmp_path):
+    trainer = make_trainer(setup, tmp_path / "run", rewards=rewards_lib.default_rewards("gsm8k", format=0.01))
+    trainer.close()
+    assert [w.name for w in trainer.rewards] == ["accuracy", "format", "tag_count"]
+    assert [(w.name, w.weight) for w in trainer.evaluator.rewards][-1] == ("strict_format", 0.0)
+
+
+# Four passes of the four questions: each completion's grade and final answer (None: unreadable).
+CORRECT_RE = [[1, 0, 1, 1],
+              [0, 0, 0, 1],
+              [0, 1, 0, 1],
+              [0, 0, 0, 1]]
+ANSWERS_RE = [["a", None, "e", "g"],
+              ["b", None, "f", "g"],
+              ["b", "c", "e", "g"],
+              [None, "d", "f", "g"]]
+
+
+def test_pass_and_maj_at_k_come_from_the_passes_grades_and_answers(setup, tmp_path):
+    grades, answers = iter(CORRECT_RE), iter(ANSWERS_RE)
+    rows = []  # the answer key sees one pass's rows at a time, padding rows included
+
+    def accuracy(completions, **_):  # one call per pass
+        grade = next(grades)
+        return [float(grade[i]) if i < len(grade) else 0.0 for i in range(len(completions))]
+
+    def answer_key(text):
+        if not rows:
+            rows.extend(next(answers) + ["pad"] * (8 - len(QUESTIONS)))
+        return rows.pop(0)
+
+    rewards = [rewards_lib.WeightedReward(accuracy, 1.0, "accuracy")]
+    trainer = make_trainer(setup, tmp_path / "run", rewards=rewards, scorer=InProcessScorer(), eval_repeats=4,
+                           eval_temperature=0.9, eval_k=(1, 2, 4))
+    try:
+        evaluator = rl.Evaluator(trainer.generator, trainer.prompts, InProcessScorer(), setup[3],
+                                   trainer.run_config, rows=8, rewards=rewards, eos_ids=trainer.eos_ids,
+                                   answer_key=answer_key)
+        result, _ = evaluator(*trainer.policy_params())
+    finally:
+        trainer.close()
+    assert result["eval/accuracy"] == pytest.approx(7 / 16, abs=1e-12)
+    assert result["eval/pass_at_1"] == pytest.approx(7 / 16, abs=1e-12)
+    # Three questions right once in 4 (1 - C(3,2)/C(4,2) = 1/2), one right every time.
+    assert result["eval/pass_at_2"] == pytest.approx((3 * 0.5 + 1) / 4, abs=1e-12)
+    assert result["eval/pass_at_4"] == 1.0
+    # Blocks of passes (0, 1) and (2, 3). Q1: a (tie, first) right; b wrong. Q2: nobody votes;
+    # c (tie, first) right. Q3: e right at pass 0; e wrong at pass 2. Q4: right twice.
+    assert result["eval/maj_at_2"] == pytest.approx(5 / 8, abs=1e-12)
+    # One block: Q1 b (2 to 1) wrong; Q2 c (tie with d) right; Q3 e (tie with f) right at pass 0; Q4 right.
+    assert result["eval/maj_at_4"] == pytest.approx(3 / 4, abs=1e-12)
+    assert result["eval/maj_at_1"] == pytest.approx(7 / 16, abs=1e-12)  # the unreadable ones are wrong too
+
+
+def test_the_tasks_answer_key_votes_by_default_and_eval_k_off_logs_nothing_new(setup, tmp_path):
+    rewards = [rewards_lib.WeightedReward(by_position([1, 0, 1, 0]), 1.0, "accuracy")]
+    results = {}
+    for eval_k in ((), (1, 2)):
+        trainer = make_trainer(setup, tmp_path / str(len(eval_k)), rewards=rewards, scorer=InProcessScorer(),
+                               eval_repeats=2, eval_temperature=0.9, eval_k=eval_k)
+        try:
+            assert trainer.evaluator.answer_key is (gsm8k_answer_key if eval_k else None)
+            results[eval_k] = trainer.evaluate()
+        finally:
+            trainer.close()
+    assert not any("_at_" in name for name in results[()])
+    on = results[(1, 2)]
+    assert on["eval/pass_at_1"] == on["eval/accuracy"] == 0.5 and on["eval/pass_at_2"] == 0.5
+    assert 0.0 <= on["eval/maj_at_2"] <= 0.5 and 0.0 <= on["eval/maj_at_1"] <= 0.5
+
+
+def test_an_evaluation_where_no_prompt_fits_is_an_error_not_zero_accuracy(setup, tmp_path):
+    trainer = make_trainer(setup, tmp_path / "run", max_prompt_length=8)
+    try:
+        with pytest.raises(prompts.PromptError, match=r"^no evaluation example fits in max_prompt_length 8 tokens: "
+                                                      r"all 4 are longer; raise --max-prompt-length") as info:
+            trainer.evaluate()
+    finally:
+        trainer.close()
+    assert "\n" not in str(info.value)

@@ -1,0 +1,132 @@
+"""The programs a run needs before its first step compile side by side (podsjax.rl.start_programs)."""
+
+import os
+import threading
+import time
+
+import jax.numpy as jnp
+import pytest
+from tiny_checkpoint import save_tiny_checkpoint
+
+import podsjax.models as pm
+from podsjax.devices import compilation
+from podsjax.data import datasets as data, prompts
+from podsjax import rl
+from experiments import paper_settings
+from podsjax.sampler import sampler_programs
+
+PROGRAMS = ("generate[weights]", "generate[prefill]", "generate[decode]", "update", "select[build_batch]")
+
+
+def test_a_program_asked_for_by_two_threads_compiles_once_while_another_compiles_beside_it():
+    programs = sampler_programs.Programs(8)
+    both_building = threading.Barrier(2, timeout=10)  # two keys must build at the same time
+    builds = []
+
+    def build(name):
+        def run():
+            builds.append(name)
+            both_building.wait()
+            time.sleep(0.2)  # the third thread asks for "a" while it builds
+            return name
+        return run
+
+    results, timings = {}, {}
+    threads = [threading.Thread(target=lambda k=k: results.setdefault(k, programs.compiled((k,), build(k), None)))
+               for k in ("a", "b")]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    waiter = programs.compiled(("a",), build("a again"), timings)
+    for t in threads:
+        t.join()
+    assert sorted(builds) == ["a", "b"] and waiter == results["a"] == "a" and results["b"] == "b"
+    assert programs.compiles["a"] == programs.compiles["b"] == 1
+    assert timings["a"] >= 0.2  # the waiter reports the compile it waited for
+
+
+def test_a_failed_compile_raises_in_the_thread_that_waited_and_compiles_again_when_asked():
+    programs = sampler_programs.Programs(8)
+    started = threading.Event()
+
+    def failing():
+        started.set()
+        time.sleep(0.2)
+        raise ValueError("does not compile")
+
+    errors = []
+    owner = threading.Thread(target=lambda: errors.append(pytest.raises(ValueError, programs.compiled, ("k",),
+                                                                        failing, None)))
+    owner.start()
+    started.wait(10)
+    with pytest.raises(ValueError, match="does not compile"):
+        programs.compiled(("k",), lambda: "never", None)
+    owner.join()
+    assert programs.compiled(("k",), lambda: "now", None) == "now" and programs.compiles["k"] == 1
+
+
+def test_a_compile_pool_runs_jobs_beside_the_caller_and_raises_their_first_error():
+    together = threading.Barrier(2, timeout=10)
+    with compilation.CompilePool(2) as pool:
+        job = pool.submit(together.wait)
+        together.wait()  # only returns if the job runs beside this thread
+        failed = pool.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            pool.wait()
+    assert job.done() and failed.done()
+    with compilation.CompilePool(1) as pool:  # one thread: each job now, on the caller's
+        assert pool.submit(threading.get_ident).result() == threading.get_ident()
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="compile threads must be an integer >= 1"):
+            compilation.CompilePool(bad)
+    with pytest.raises(ValueError, match="compile_threads must be >= 1"):
+        rl.RunConfig(out_dir="x", max_steps=1, compile_threads=0)
+
+
+def overlapping(intervals):
+    """Pairs of compiles that ran at the same time."""
+    return [(a[0], b[0]) for i, a in enumerate(intervals) for b in intervals[i + 1:] if a[1] < b[2] and b[1] < a[2]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, data_dir):
+    checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("start_ckpt"))
+    gsm8k = os.path.join(data_dir, "gsm8k")
+    train = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=4).examples
+    test = data.load_task("gsm8k", "test", path=os.path.join(gsm8k, "test.jsonl"), limit=4).examples
+    return checkpoint, train, test
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_mesh
+@pytest.mark.parametrize("threads", [4, 1])
+def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny, tmp_path, threads):
+    from experiments import runner
+
+    checkpoint, train, test = tiny
+    model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
+    run = rl.RunConfig(out_dir=str(tmp_path / "run"), max_steps=1, prompts_per_step=2, max_new_tokens=8,
+                         max_prompt_length=256, eval_every_s=0.0, reward_workers=1, progress=False, console=False,
+                         compile_threads=threads)
+    trainer = rl.Trainer(model, params, prompts.load_tokenizer(checkpoint), train, test,
+                           paper_settings.method_config("pods", n=4, m=2), run, lora=pm.LoraConfig(rank=2, alpha=4.0))
+    trainer.weights.overlap_compiles = False  # as on a GPU, where the first step compiles nothing behind generation
+    try:
+        runner._check_fits(trainer, limit=2**40)
+        fit_check = dict(trainer.compile_counts)
+        trainer.evaluate()
+        trainer.rl_step()
+    finally:
+        trainer.close()
+    # The step-0 evaluation's prefill (one sample per prompt) and the batch builder compile
+    # in the fit check; the evaluation and the first step then compile nothing.
+    assert fit_check["select[build_batch]"] == 1 and fit_check["generate[prefill]"] == 2, fit_check
+    # (Eager conversions such as a key's fold_in compile too, in milliseconds: not counted.)
+    assert {k: v for k, v in trainer.compile_counts.items() if k in PROGRAMS} == {
+        k: v for k, v in fit_check.items() if k in PROGRAMS}
+    assert sum(v for k, v in fit_check.items() if k in PROGRAMS) <= 5
+    pairs = overlapping([i for i in trainer.compile_log.intervals if i[0] in PROGRAMS])
+    if threads == 1:
+        assert not pairs
+    else:
+        assert pairs, trainer.compile_log.intervals

@@ -1,0 +1,202 @@
+"""MetricsWriter (JSONL, TensorBoard events, samples), Progress and timers."""
+
+import glob
+import io
+import json
+import math
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from podsjax.run.metrics import (MetricsWriter, PhaseTimer, Progress, flatten_metrics, read_jsonl, to_jsonable, tokens_per_second)
+
+
+def read_events(path):
+    """Decodes an event file with tensorboardX's protobuf classes and CRC, independently of ours."""
+    tbx = pytest.importorskip("tensorboardX")
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
+
+    events = []
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos < len(data):
+        header = data[pos:pos + 8]
+        (length,) = struct.unpack("<Q", header)
+        assert struct.unpack("<I", data[pos + 8:pos + 12])[0] == masked_crc32c(header)
+        body = data[pos + 12:pos + 12 + length]
+        assert struct.unpack("<I", data[pos + 12 + length:pos + 16 + length])[0] == masked_crc32c(body)
+        events.append(event_pb2.Event.FromString(body))
+        pos += 16 + length
+    assert tbx is not None
+    return events
+
+
+def scalars_of(events):
+    return [(e.step, v.tag, v.simple_value) for e in events if e.HasField("summary") for v in e.summary.value]
+
+
+def test_jsonl_lines_convert_jax_numpy_and_nonfinite(tmp_path):
+    clock = iter([1000.0, 1001.5]).__next__
+    with MetricsWriter(tmp_path, backends=("jsonl",), clock=clock) as w:
+        w.write(1, {"loss": jnp.float32(0.25), "reward": {"mean": np.float64(0.5), "std": 0.125},
+                    "skipped": jnp.int32(0), "truncated": np.bool_(True)})
+        w.write(2, {"loss": float("nan"), "grad_norm": jnp.array(float("inf")), "lr": 5e-6})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    assert json.loads(lines[0]) == {"step": 1, "wall_time": 1000.0, "loss": 0.25, "reward/mean": 0.5,
+                                    "reward/std": 0.125, "skipped": 0, "truncated": 1}
+    assert isinstance(json.loads(lines[0])["skipped"], int)
+    assert "NaN" not in lines[1] and "Infinity" not in lines[1]  # strict JSON
+    assert json.loads(lines[1]) == {"step": 2, "wall_time": 1001.5, "loss": None, "grad_norm": None, "lr": 5e-6}
+
+
+def test_bad_scalars_raise_one_line(tmp_path):
+    with MetricsWriter(tmp_path, backends=("jsonl",)) as w:
+        with pytest.raises(ValueError, match=r"metric 'x' must be a real scalar") as e:
+            w.write(1, {"x": jnp.ones(3)})
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError, match="metric 'name' must be a real scalar"):
+            w.write(1, {"name": "abc"})
+        with pytest.raises(ValueError, match="'step' is reserved"):
+            w.write(1, {"step": 3})
+    assert not (tmp_path / "metrics.jsonl").exists() or (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_tensorboard_event_file_holds_the_scalars(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        w.write(3, {"reward": {"mean": jnp.float32(0.75)}, "lr": 2e-5})
+        w.write(4, {"reward": {"mean": 0.5}, "loss": float("nan"), "huge": 1e300})
+    files = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+    assert len(files) == 1
+    events = read_events(files[0])
+    assert events[0].file_version == "brain.Event:2"
+    got = scalars_of(events)
+    assert [(s, t) for s, t, _ in got] == [(3, "reward/mean"), (3, "lr"), (4, "reward/mean"), (4, "loss"), (4, "huge")]
+    assert got[0][2] == 0.75 and got[1][2] == np.float32(2e-5) and got[2][2] == 0.5
+    assert math.isnan(got[3][2]) and got[4][2] == math.inf
+    assert events[1].wall_time > 1e9
+
+
+def test_a_resumed_writer_appends_and_purges_tensorboard_from_the_resume(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        for step in (1, 2, 3):
+            w.write(step, {"r": step / 10})
+    # Killed mid-line: a torn record at the end. (The loop cuts the logs back to the
+    # checkpoint before a resumed writer opens them; the writer itself only appends.)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "r": 0.')
+    with MetricsWriter(tmp_path, resume_step=2) as w:
+        w.write(3, {"r": 0.33})
+    raw = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert raw[3] == '{"step": 4, "r": 0.' and len(raw) == 5  # the torn line stays one line of its own
+    assert [(r["step"], r["r"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(1, 0.1), (2, 0.2), (3, 0.3),
+                                                                                      (3, 0.33)]
+    # TensorBoard: two event files; the second purges steps >= 3 of the first.
+    files = sorted(glob.glob(str(tmp_path / "events.out.tfevents.*")))  # name order is creation order
+    assert len(files) == 2
+    second = read_events(files[1])
+    assert second[1].step == 3 and second[1].session_log.status == second[1].session_log.START
+    assert [(s, t) for s, t, _ in scalars_of(second)] == [(3, "r")]
+
+
+def test_samples_jsonl(tmp_path):
+    records = [
+        {"prompt": "1+1?", "completion": "<answer>2</answer>", "rewards": {"accuracy": np.float32(1.0), "format": 0.5},
+         "selected": np.bool_(True), "logprobs": jnp.array([-0.5, -1.0])},
+        {"prompt": "1+1?", "completion": "3", "rewards": {"accuracy": 0.0, "format": float("nan")},
+         "selected": False, "logprobs": np.array([-2.0, -0.25])},
+    ]
+    with MetricsWriter(tmp_path, backends=("jsonl",)) as w:
+        w.write_samples(5, records)
+        w.write_samples(5, records[:1])  # same step again (e.g. after a resume): kept, not overwritten
+        with pytest.raises(ValueError, match="sample 0 has a 'step' field"):
+            w.write_samples(6, [{"step": 1}])
+    rows = read_jsonl(tmp_path / "samples.jsonl")
+    assert len(rows) == 3
+    assert rows[0] == {"step": 5, "prompt": "1+1?", "completion": "<answer>2</answer>",
+                       "rewards": {"accuracy": 1.0, "format": 0.5}, "selected": True, "logprobs": [-0.5, -1.0]}
+    assert rows[1]["rewards"] == {"accuracy": 0.0, "format": None} and rows[1]["selected"] is False
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+    with MetricsWriter(tmp_path / "off", enabled=False) as w:
+        record = w.write(1, {"x": 1.5})
+        w.write_samples(1, [{"a": 1}])
+    assert record["x"] == 1.5
+    assert not (tmp_path / "off").exists()
+
+
+def test_progress_bar_shows_postfix_and_is_off_without_tty():
+    stream = io.StringIO()
+    with Progress(100, unit="step", enabled=True, file=stream, mininterval=0) as bar:
+        bar.update(10, step=10, reward=jnp.float32(0.123456), acc=0.5)
+        bar.update(20, step=20, reward=0.25, acc="n/a")
+    out = stream.getvalue()
+    assert "step=20" in out and "reward=0.25" in out and "acc=n/a" in out and "reward=0.1235" in out
+    assert "20/100step" in out
+    quiet = io.StringIO()  # not a TTY: auto mode draws nothing
+    with Progress(3600.0, unit="s", file=quiet) as bar:
+        assert not bar.enabled
+        bar.update(60.0, step=1)
+    assert quiet.getvalue() == ""
+    with pytest.raises(ValueError, match="total must be > 0"):
+        Progress(0)
+
+
+def test_timers_and_throughput():
+    ticks = iter([0.0, 1.5, 10.0, 10.25, 20.0, 21.0, 30.0, 31.0]).__next__
+    timer = PhaseTimer(clock=ticks)
+    with timer.phase("generation"):
+        pass
+    with timer.phase("update"):
+        pass
+    with pytest.raises(RuntimeError):
+        with timer.phase("generation"):
+            raise RuntimeError("boom")  # still timed
+    assert timer.totals() == {"generation": 2.5, "update": 0.25}
+    assert tokens_per_second(jnp.int32(300), 1.5) == 200.0
+    assert math.isnan(tokens_per_second(10, 0.0))
+
+
+def test_helpers():
+    assert flatten_metrics({"a": {"b": 1, "c": {"d": 2}}, "e": 3}) == {"a/b": 1, "a/c/d": 2, "e": 3}
+    with pytest.raises(ValueError, match="non-empty strings"):
+        flatten_metrics({"": 1})
+    assert to_jsonable({"x": (np.int64(2), np.float32(float("inf")))}) == {"x": [2, None]}
+    with pytest.raises(ValueError, match="cannot store a object"):
+        to_jsonable({"x": object()})
+
+
+def test_a_phase_s_compiles_are_counted_as_compiles_not_as_the_phase():
+    import time
+
+    import jax
+
+    from podsjax.devices.compilation import CompileLog
+
+    log = CompileLog()
+    timer = PhaseTimer(compile_seconds=log.thread_seconds)
+    with timer.phase("selection"):
+        with log.label("select"):  # a function of its own: it compiles here
+            jax.jit(lambda x: jnp.cumsum(x * 3.0 + 1.0) ** 2)(jnp.ones(13)).block_until_ready()
+    compiled = sum(log.seconds.values())
+    assert compiled > 0 and timer.compile_s == pytest.approx(compiled)
+    with timer.phase("update"):
+        with timer.compiling():  # waiting for a compile on another thread
+            time.sleep(0.05)
+    assert timer.compile_s >= compiled + 0.05
+    assert timer.totals()["update"] < 0.02 and timer.totals()["selection"] >= 0
+
+
+def test_the_step_line_reports_compiles_apart_from_the_phases():
+    from podsjax.rl import reporting
+
+    scalars = {"time/generation": 0.8, "time/scoring": 0.1, "time/selection": 0.01, "time/update": 0.32,
+               "time/compile": 12.25}
+    assert reporting.phases_text(scalars) == ("step 13.48 s (generation 0.80, scoring 0.10, selection 0.01, "
+                                              "update 0.32; compiles 12.25)")
+    assert reporting.phases_text({**scalars, "time/compile": 0.0}).endswith("update 0.32)")

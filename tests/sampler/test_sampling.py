@@ -1,0 +1,435 @@
+"""The jit sampler: token-exact greedy parity with transformers, log-probs, EOS, sharding."""
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+from jax.sharding import NamedSharding, PartitionSpec
+from test_models import build_hf
+
+import podsjax.models as pm
+from podsjax.core import logprobs
+from podsjax.devices import mesh as mesh_lib
+from podsjax.sampler import sampling
+
+pytestmark = pytest.mark.cpu_mesh
+
+FAMILIES = ["qwen2_tied_gqa", "llama_untied_mqa_llama3"]
+EOS = 3
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family -> (HF torch model, podsjax model, params), built once."""
+    out = {}
+    for i, name in enumerate(FAMILIES):
+        path = tmp_path_factory.mktemp(f"sampling_{name}")
+        hf = build_hf(path, name, seed=10 + i)
+        model, params = pm.from_pretrained(path, dtype=jnp.float32)
+        out[name] = (hf, model, params)
+    return out
+
+
+@pytest.fixture(scope="module")
+def generator_for():
+    """model -> the one Generator this module samples it with, so its tests share compiled programs."""
+    generators = {}
+
+    def generator(model):
+        if model not in generators:
+            generators[model] = sampling.Generator(model)
+        return generators[model]
+
+    return generator
+
+
+def left_padded_prompts(seed=0):
+    rng = np.random.RandomState(seed)
+    lengths = [7, 4, 1]
+    ids = np.full((3, 8), PAD, np.int32)
+    mask = np.zeros((3, 8), np.int32)
+    for row, length in enumerate(lengths):
+        ids[row, 8 - length :] = rng.randint(4, 256, length)  # never the EOS or pad id
+        mask[row, 8 - length :] = 1
+    return ids, mask
+
+
+def hf_greedy(hf, ids, mask, max_new_tokens):
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+        )
+    return out[:, ids.shape[1] :].numpy()
+
+
+@pytest.mark.parametrize("layers", ["scanned", "unrolled"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_is_token_exact_with_transformers_on_a_left_padded_batch(tiny, generator_for, family, layers):
+    hf, model, params = tiny[family]
+    model = model.clone(rollout_layers=layers)
+    gen = generator_for(model)
+    ids, mask = left_padded_prompts()
+    ours = gen.generate(params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=12,
+                        temperature=0.0, eos_token_ids=EOS, pad_token_id=PAD)
+    theirs = hf_greedy(hf, ids, mask, 12)
+    tokens = np.asarray(ours.tokens)
+    for row in range(len(ids)):
+        n_valid = int(ours.lengths[row])
+        assert tokens[row, :n_valid].tolist() == theirs[row, :n_valid].tolist(), row
+        # HF pads after EOS with pad_token_id too, or ran out of tokens.
+        assert theirs[row, n_valid:].tolist() == [PAD] * (theirs.shape[1] - n_valid)
+
+
+def test_top_k_one_equals_greedy(tiny, generator_for):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
+    ids, mask = left_padded_prompts(1)
+    greedy = gen.generate(params, ids, mask, jax.random.key(0), num_samples=2, max_new_tokens=10,
+                          temperature=0.0, eos_token_ids=EOS)
+    top1 = gen.generate(params, ids, mask, jax.random.key(5), num_samples=2, max_new_tokens=10,
+                        temperature=0.7, top_k=1, eos_token_ids=EOS)
+    assert np.array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
+    assert np.array_equal(np.asarray(top1.mask), np.asarray(greedy.mask))
+
+
+def completion_logprobs(model, params, prompt_ids, prompt_mask, rollouts, num_samples, temperature):
+    """Recomputes the sampled tokens' log-probs with one full forward pass, as the train step does."""
+    ids = np.concatenate([np.repeat(prompt_ids, num_samples, 0), np.asarray(rollouts.tokens)], axis=1)
+    mask = np.concatenate([np.repeat(prompt_mask, num_samples, 0), np.asarray(rollouts.mask)], axis=1)
+    logits = model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV
+    lp = prompt_ids.shape[1]
+    targets = jnp.asarray(ids[:, lp:])
+    return np.asarray(logprobs.token_logprobs(logits[:, lp - 1 : -1], targets, temperature=temperature))
+
+
+@pytest.mark.slow
+def test_sampled_logprobs_match_a_full_forward_pass(tiny, generator_for):
+    _, model, params = tiny["llama_untied_mqa_llama3"]
+    gen = generator_for(model)
+    ids, mask = left_padded_prompts(2)
+    n, temperature = 3, 0.8
+    rollouts = gen.generate(params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
+                            temperature=temperature, top_p=0.9, eos_token_ids=EOS, return_logprobs=True)
+    recomputed = completion_logprobs(model, params, ids, mask, rollouts, n, temperature)
+    valid = np.asarray(rollouts.mask)
+    np.testing.assert_allclose(np.asarray(rollouts.logprobs)[valid], recomputed[valid], atol=1e-5)
+    assert np.all(np.asarray(rollouts.logprobs)[~valid] == 0)
+    # Off by default (the update recomputes them), and the tokens do not depend on it.
+    plain = gen.generate(params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
+                         temperature=temperature, top_p=0.9, eos_token_ids=EOS)
+    assert plain.logprobs is None
+    np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(rollouts.tokens))
+
+
+def test_mask_lengths_and_truncation_follow_the_first_eos(tiny, generator_for):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
+    ids, mask = left_padded_prompts(3)
+    # Temperature 3 makes EOS likely early in some rows and absent in others.
+    r = gen.generate(params, ids, mask, jax.random.key(2), num_samples=8, max_new_tokens=12,
+                     temperature=3.0, eos_token_ids=(EOS, 4), pad_token_id=PAD)
+    tokens, valid = np.asarray(r.tokens), np.asarray(r.mask)
+    saw_eos = saw_truncated = False
+    for row in range(tokens.shape[0]):
+        stops = np.flatnonzero(np.isin(tokens[row], [EOS, 4]))
+        if len(stops):
+            first = stops[0]
+            saw_eos = True
+            assert valid[row].tolist() == [True] * (first + 1) + [False] * (12 - first - 1)
+            assert not bool(r.truncated[row]) and int(r.lengths[row]) == first + 1
+            assert np.all(tokens[row, first + 1 :] == PAD)
+        else:
+            saw_truncated = True
+            assert valid[row].all() and bool(r.truncated[row]) and int(r.lengths[row]) == 12
+    assert saw_eos and saw_truncated, "the seed should give both kinds of rows"
+
+
+def test_same_key_same_rollouts_and_samples_differ(tiny, generator_for):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
+    ids, mask = left_padded_prompts(4)
+    kwargs = dict(num_samples=4, max_new_tokens=8, temperature=1.0, eos_token_ids=EOS)
+    a = gen.generate(params, ids, mask, jax.random.key(3), **kwargs)
+    b = gen.generate(params, ids, mask, jax.random.key(3), **kwargs)
+    c = gen.generate(params, ids, mask, jax.random.key(4), **kwargs)
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+    raw = gen.generate(params, ids, mask, jax.random.PRNGKey(3), **kwargs)  # a raw key: as its typed key
+    assert np.array_equal(np.asarray(raw.tokens), np.asarray(a.tokens))
+    # The n samples of one prompt are not copies of each other.
+    first_prompt = np.asarray(a.tokens)[:4]
+    assert len({tuple(row) for row in first_prompt}) > 1
+
+
+def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
+    from podsjax.sampler import decoding
+
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(5)
+    jaxpr = jax.make_jaxpr(lambda p, i, m: decoding.prefill(model, 16, 4, (p, None), i, m))(params, ids, mask)
+
+    def dot_shapes(jaxpr):  # the layers run inside a scan: walk nested jaxprs too
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield from (v.aval.shape for v in eqn.outvars)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from dot_shapes(sub)
+
+    shapes = list(dot_shapes(jaxpr.jaxpr))
+    prompt_len = ids.shape[1]
+    # Projections run as [rows, features] matmuls over the flattened batch and length.
+    assert any(s[0] == 3 * prompt_len for s in shapes)  # the model runs on the 3 prompts
+    assert not any(s[0] == 48 * prompt_len for s in shapes)  # never on 3 x 16 copies
+
+
+def test_the_unrolled_cache_holds_each_prompt_once_and_each_sample_its_completion(tiny):
+    from podsjax.sampler import decoding
+    from podsjax.models import rollout
+
+    _, model, params = tiny["qwen2_tied_gqa"]
+    model = model.clone(rollout_layers="unrolled")
+    ids, mask = left_padded_prompts(5)
+    weights = jax.eval_shape(lambda p: rollout.rollout_weights(model, p), params)
+    _, cache = jax.eval_shape(lambda w, i, m: decoding.prefill(model, 16, 4, w, i, m), weights, ids, mask)
+    cfg = model.config
+    assert isinstance(cache, rollout.GroupedCache)
+    assert cache.prompts.keys[0].shape == (3, cfg.num_kv_heads, ids.shape[1], cfg.head_dim)
+    assert cache.rows.keys[0].shape == (48, cfg.num_kv_heads, 4, cfg.head_dim)
+    assert cache.rows.values[0].shape == (48, cfg.num_kv_heads, cfg.head_dim, 4)  # slots last
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda w, i, m: decoding.prefill(model, 16, 4, w, i, m)[1])(
+        rollout.rollout_weights(model, params), ids, mask).rows.positions_B), np.repeat(np.asarray(mask).sum(1), 16))
+
+
+def test_unrolled_layers_sample_what_the_scanned_layers_sample_with_lora_and_on_a_mesh(tiny, generator_for):
+    # The unrolled layout folds LoRA into merged per-layer weights (fp32 here, so the
+    # merge rounds at fp32) and splits rows over the mesh; the same key gives the same rollouts.
+    _, model, params = tiny["llama_untied_mqa_llama3"]
+    scanned_gen = generator_for(model.clone(rollout_layers="scanned"))
+    lora = pm.init_lora(jax.random.key(1), model, pm.LoraConfig(rank=4, alpha=8.0))
+    lora = lora.replace(weights=jax.tree.map(lambda x: x + 0.05, lora.weights))  # B = 0 would leave the base
+    ids, mask = left_padded_prompts(8)
+    kwargs = dict(num_samples=4, max_new_tokens=6, temperature=0.8, top_p=0.95, eos_token_ids=EOS,
+                  return_logprobs=True, lora=lora)
+    scanned = scanned_gen.generate(params, ids[:2], mask[:2], jax.random.key(4), **kwargs)
+    mesh = mesh_lib.make_mesh("data=2,fsdp=4")
+    sharded = pm.Decoder(model.config, mesh=mesh, rollout_layers="unrolled")
+    placed = jax.device_put(params, pm.param_shardings(sharded, mesh))
+    unrolled = sampling.Generator(sharded).generate(placed, ids[:2], mask[:2], jax.random.key(4), **kwargs)
+    assert np.array_equal(np.asarray(unrolled.tokens), np.asarray(scanned.tokens))
+    np.testing.assert_allclose(np.asarray(unrolled.logprobs), np.asarray(scanned.logprobs), atol=1e-4)
+    # The adapters change what is sampled.
+    base = scanned_gen.generate(params, ids[:2], mask[:2], jax.random.key(4), **{**kwargs, "lora": None})
+    assert not np.array_equal(np.asarray(base.tokens), np.asarray(scanned.tokens))
+
+
+def test_more_than_one_key_is_refused_in_one_line(tiny, generator_for):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
+    ids, mask = left_padded_prompts(6)
+    with pytest.raises(ValueError, match="key must be one PRNG key; got shape"):
+        gen.generate(params, ids, mask, jax.random.split(jax.random.key(5)), num_samples=2, max_new_tokens=4,
+                     temperature=1.0, eos_token_ids=EOS)
+
+
+def test_second_call_with_new_prompts_does_not_recompile(tiny, generator_for):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
+    kwargs = dict(num_samples=2, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
+    ids, mask = left_padded_prompts(6)
+    before = gen.compiles
+    gen.generate(params, ids, mask, jax.random.key(0), **kwargs)
+    first = gen.compiles
+    ids2, mask2 = left_padded_prompts(7)
+    gen.generate(params, ids2, mask2, jax.random.key(1), **kwargs)
+    assert gen.compiles == first
+    assert first["prefill"] <= before["prefill"] + 1 and first["decode"] <= before["decode"] + 1
+
+
+@pytest.mark.slow
+def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny, generator_for):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
+    ids, mask = left_padded_prompts(6)  # 3 prompts
+    sampled = gen.generate(params, ids[:1], mask[:1], jax.random.key(0), num_samples=3, max_new_tokens=5,
+                           temperature=0.9, eos_token_ids=EOS)  # training: 1 prompt x 3 samples
+    before = gen.compiles
+    greedy = gen.generate(params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=5,
+                          temperature=0.0, eos_token_ids=EOS)  # evaluation: 3 prompts x 1 greedy sample
+    assert gen.compiles["decode"] == before["decode"]  # one executable served both
+    assert gen.compiles["prefill"] == before["prefill"] + 1
+    # ...and the traced temperature still decides: greedy rows follow the argmax.
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV)
+    np.testing.assert_array_equal(np.asarray(greedy.tokens)[:, 0], logits[:, -1].argmax(-1))
+    assert sampled.tokens.shape == greedy.tokens.shape
+
+
+
+def test_each_generator_owns_its_programs_and_compiles_each_signature_once(tiny):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    model = model.clone(rollout_layers="unrolled")  # all three stages: weights, prefill, decode
+    shapes = dict(prompt_len=8, max_new_tokens=4, eos_token_ids=(EOS,))
+    first, other = sampling.Generator(model), sampling.Generator(model)
+    compiled = first.compile(params, None, prompts=2, num_samples=2, **shapes)
+    assert all(seconds > 0 for seconds in compiled["compile_s"].values()), compiled["compile_s"]
+    again = first.compile(params, None, prompts=2, num_samples=2, **shapes)
+    assert again["compile_s"] == {"weights": 0.0, "prefill": 0.0, "decode": 0.0}
+    assert again["decode"] is compiled["decode"]
+    # A new prompt count compiles prefill and decode (this layout's cache holds each prompt once)
+    # and reuses the weights program, whose inputs are the same.
+    first.compile(params, None, prompts=4, num_samples=1, **shapes)
+    assert first.compiles == {"weights": 1, "prefill": 2, "decode": 2}
+    # Another generator of the same model compiles its own.
+    own = other.compile(params, None, prompts=2, num_samples=2, **shapes)
+    assert own["decode"] is not compiled["decode"] and own["compile_s"]["decode"] > 0
+    assert other.compiles == {"weights": 1, "prefill": 1, "decode": 1}
+    with pytest.raises(ValueError, match="max_programs must be >= 1"):
+        sampling.Generator(model, max_programs=0)
+
+
+def test_place_rows_splits_rows_that_divide_over_the_batch_shards_and_replicates_others(tiny):
+    _, model, _ = tiny["qwen2_tied_gqa"]
+    mesh = mesh_lib.make_mesh("data=2,fsdp=4")
+    gen = sampling.Generator(pm.Decoder(model.config, mesh=mesh))
+    even = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)
+    placed = gen.place_rows(even)
+    assert placed.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(("data", "fsdp"))), 2)
+    assert {shard.data.shape for shard in placed.addressable_shards} == {(2, 3)}
+    np.testing.assert_array_equal(np.asarray(placed), even)
+    assert gen.place_rows(placed).sharding == placed.sharding
+    uneven = np.arange(6 * 2, dtype=np.int32).reshape(6, 2)  # 6 rows over 8 batch shards
+    replicated = gen.place_rows(uneven)
+    assert replicated.sharding.is_fully_replicated and len(replicated.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(replicated), uneven)
+    np.testing.assert_array_equal(np.asarray(sampling.Generator(model).place_rows(uneven)), uneven)  # no mesh
+
+@pytest.mark.slow
+def test_sharded_generation_matches_single_device(tmp_path):
+    path = tmp_path / "ckpt"
+    build_hf(path, "qwen2_tied_gqa", seed=20)
+    mesh = mesh_lib.make_mesh("data=2,fsdp=4")
+    model, params = pm.from_pretrained(path, dtype=jnp.float32)
+    sharded_model, sharded_params = pm.from_pretrained(path, dtype=jnp.float32, mesh=mesh)
+    ids, mask = left_padded_prompts(8)
+    ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # 4 prompts x 2 = 8 rows
+    kwargs = dict(num_samples=2, max_new_tokens=6, temperature=0.0, eos_token_ids=EOS, return_logprobs=True)
+    ref = sampling.Generator(model).generate(params, ids, mask, jax.random.key(0), **kwargs)
+    out = sampling.Generator(sharded_model).generate(sharded_params, ids, mask, jax.random.key(0), **kwargs)
+    assert np.array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    expected = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    assert out.tokens.sharding.is_equivalent_to(expected, 2)
+
+
+def test_bad_arguments_raise_one_line_errors(tiny):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts()
+    base = dict(num_samples=1, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
+    cases = [
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(num_samples=0), "num_samples must be >= 1"),
+        (dict(eos_token_ids=()), "eos_token_ids must name at least one token"),
+        (dict(eos_token_ids=["</s>"]), "eos_token_ids must be ints"),
+    ]
+    for override, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            sampling.generate(model, params, ids, mask, jax.random.key(0), **{**base, **override})
+    with pytest.raises(ValueError, match=r"must both be \[B, L\]"):
+        sampling.generate(model, params, ids, mask[:, :3], jax.random.key(0), **base)
+
+
+def first_token_distribution(model, params, ids, mask, temperature):
+    logits = model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV[0, -1]
+    return np.asarray(jax.nn.softmax(logits.astype(jnp.float32) / temperature), np.float64)
+
+
+def chi_square_p_value(counts, expected_probs):
+    """Pearson chi-square test; bins expected below 5 counts are pooled into one."""
+    total = counts.sum()
+    expected = expected_probs * total
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    keep = expected > 0
+    stat = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return scipy_stats.chi2.sf(stat, keep.sum() - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_token_frequencies_match_the_tempered_softmax(tiny, generator_for, top_p):
+    # Significance level 0.001: with a fixed key the test is deterministic; a wrong
+    # temperature, filter or logit row shifts the counts far beyond that.
+    _, model, params = tiny["qwen2_tied_gqa"]
+    gen = generator_for(model)
+    ids, mask = left_padded_prompts(9)
+    ids, mask = ids[:1], mask[:1]
+    temperature, draws = 0.7, 6000
+    probs = first_token_distribution(model, params, ids, mask, temperature)
+    order = np.argsort(-probs)
+    before = np.cumsum(probs[order]) - probs[order]
+    nucleus = order[before < top_p]  # the smallest prefix whose mass reaches top_p
+    expected = np.zeros_like(probs)
+    expected[nucleus] = probs[nucleus] / probs[nucleus].sum()
+    r = gen.generate(params, ids, mask, jax.random.key(11), num_samples=draws, max_new_tokens=1,
+                     temperature=temperature, top_p=top_p, eos_token_ids=EOS)
+    first = np.asarray(r.tokens)[:, 0]
+    assert set(first.tolist()) <= set(nucleus.tolist())
+    counts = np.bincount(first, minlength=len(probs)).astype(np.float64)
+    assert chi_square_p_value(counts, expected) > 1e-3
+    # The test has power: the untempered softmax is rejected on the same counts.
+    assert chi_square_p_value(counts, first_token_distribution(model, params, ids, mask, 1.0)) < 1e-3
+
+
+def test_filters_keep_exactly_the_top_k_and_the_nucleus():
+    from podsjax.sampler.decoding import filter_logits
+
+    rng = np.random.default_rng(12)
+    logits = rng.normal(size=(5, 40)).astype(np.float32) * 2
+    kept_k = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), 7, 1.0)))
+    assert np.array_equal(kept_k, logits >= np.sort(logits, -1)[:, -7:-6])
+    for top_p in (0.3, 0.9, 0.999):
+        kept = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), 0, top_p)))
+        for row in range(5):
+            probs = np.exp(logits[row] - logits[row].max())
+            probs /= probs.sum()
+            order = np.argsort(-probs)
+            mass_before = np.cumsum(probs[order]) - probs[order]
+            assert set(np.flatnonzero(kept[row])) == set(order[mass_before < top_p]), (row, top_p)
+
+
+def test_sampling_at_a_temperature_draws_from_the_tempered_logits():
+    from podsjax.sampler import decoding
+
+    rng = np.random.default_rng(13)
+    # The sampler draws what jax.random.categorical draws from logits / temperature, for the same key.
+    logits = jnp.asarray(rng.normal(size=(64, 300)).astype(np.float32) * 3)
+    key = jax.random.key(14)
+    cfg = decoding.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=0.7, eos_token_ids=(EOS,))
+    tokens, _ = jax.jit(lambda lg, k: decoding.sample_tokens(lg, k, jnp.float32(cfg.temperature), cfg))(logits, key)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jax.random.categorical(key, logits / 0.7)))
+
+
+@pytest.mark.slow
+def test_bf16_generation_runs_and_follows_the_bf16_forward(tiny, generator_for):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    bf16 = model.clone(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    gen = generator_for(bf16)
+    params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    ids, mask = left_padded_prompts(9)
+    out = gen.generate(params16, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=4, temperature=0.0,
+                       eos_token_ids=EOS, return_logprobs=True)
+    assert np.isfinite(np.asarray(out.logprobs)).all()
+    forward = jax.jit(lambda p: bf16.apply({"params": p}, jnp.asarray(ids),
+                                           attention_mask=jnp.asarray(mask)).logits_BLV)
+    logits = np.asarray(forward(params16))
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:, 0], logits[:, -1].argmax(-1))
