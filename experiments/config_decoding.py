@@ -28,7 +28,7 @@ from experiments.config_documents import (
     _kind,
     _load,
     _read_bytes,
-    _show,
+    show_value,
 )
 from experiments.usage import CONFIG_FILE, UsageError
 
@@ -40,7 +40,7 @@ _NEGATIVE_VALUE = re.compile(r"-(\d|\.\d|inf\b|nan\b)", re.IGNORECASE)
 def _unknown(flag: str, where: str, launch_flags: tuple[str, ...] = ()) -> UsageError:
     """``unrecognized argument --flag; did you mean --known?`` when a known flag (a config
     field's, or one of ``launch_flags``) is a close misspelling."""
-    known = [*launch_flags, *(f"--{section}.{name}" for section, fields in _field_types().items() for name in fields)]
+    known = [*launch_flags, *(f"--{section}.{name}" for section, fields in field_types().items() for name in fields)]
     close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
     return UsageError(f"unrecognized argument {flag}{f'; did you mean {close[0]}?' if close else ''} ({where})")
 
@@ -92,14 +92,14 @@ def _read_file(path: str) -> dict[str, Any]:
             raise UsageError(f"{where}: unknown section {name!r}; the sections are {', '.join(SECTIONS)}")
         if fields is not None and not isinstance(fields, dict):  # null: a section with every field left out
             raise UsageError(f"{where}: section {name!r} must be a mapping of its fields, got "
-                             f"{_kind(fields)} {_show(fields)}")
+                             f"{_kind(fields)} {show_value(fields)}")
         sections[name] = fields or {}
     return sections
 
 # -- the values, field by field ---------------------------------------------------------------
 
 @functools.cache
-def _field_types() -> dict[str, dict[str, Any]]:
+def field_types() -> dict[str, dict[str, Any]]:
     """section -> field -> its type, from the dataclasses' annotations."""
     return {section: typing.get_type_hints(cls) for section, cls in typing.get_type_hints(ExperimentConfig).items()}
 
@@ -114,7 +114,7 @@ def _check_values(values: dict[str, Any], where: str | None) -> None:
     """What draccus would take silently or trip over: a boolean where a number belongs (it
     would store true as 1.0), null where a number must be, an integer no field holds, a value
     that is no plain YAML value."""
-    fields_of = _field_types()
+    fields_of = field_types()
     for section, fields in values.items():
         if not isinstance(fields, dict):
             continue  # draccus names the section
@@ -174,7 +174,7 @@ def _flag_values(flags: list[str], where: str | None = None) -> dict[str, Any]:
     unknown += [f"--{name}" for name in given if "." not in name]  # draccus's own --config_path
     if unknown:
         raise _unknown(unknown[0].split("=")[0], "see --help for the config's fields")
-    fields_of, tree = _field_types(), {}
+    fields_of, tree = field_types(), {}
     for name, text in given.items():
         section, _, field = name.partition(".")
         tree.setdefault(section, {})[field] = _flag_value(text, f"--{name}", fields_of[section][field])

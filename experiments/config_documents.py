@@ -153,7 +153,7 @@ def _kind(value: Any) -> str:
     return "int" if isinstance(value, _HugeInt) else type(value).__name__
 
 
-def _show(value: Any, limit: int = 60) -> str:
+def show_value(value: Any, limit: int = 60) -> str:
     """A value as a message shows it: JSON, cut short."""
     try:
         text = json.dumps(value)

@@ -28,7 +28,7 @@ import draccus
 from experiments.config import METHODS, ExperimentConfig, Layer, merge, preset_layers, stack
 from experiments.config_decoding import (
     _check_values,
-    _field_types,
+    field_types,
     _flag_values,
     _negative_values,
     _read_file,
@@ -37,7 +37,7 @@ from experiments.config_decoding import (
     decode,
     read_run_config,
 )
-from experiments.config_documents import _show
+from experiments.config_documents import show_value
 from experiments.launch_checks import has_run
 from experiments.usage import UsageError
 from experiments import paper_settings
@@ -269,8 +269,8 @@ def _resumed_flags(task: str, args, flags: list[str], given: dict[str, str], fil
     resumed, changed = _against_saved(stated, saved, given, explicit)
     if changed:
         _, dotted, old, new = min(changed, key=lambda change: change[0])
-        raise UsageError(f"--resume keeps the run's config; --{dotted} cannot change from {_show(old)} to "
-                         f"{_show(new)} (a resume may change only {', '.join('--' + r for r in RESUMABLE)})")
+        raise UsageError(f"--resume keeps the run's config; --{dotted} cannot change from {show_value(old)} to "
+                         f"{show_value(new)} (a resume may change only {', '.join('--' + r for r in RESUMABLE)})")
     return resumed
 
 
@@ -299,7 +299,7 @@ def _against_saved(stated: dict[str, Any], saved: ExperimentConfig, given: dict[
                    explicit: set[str]) -> tuple[list[str], list[tuple[bool, str, Any, Any]]]:
     """(flags that set the RESUMABLE fields ``stated`` names, the other stated fields whose value
     differs from the run's as (not given explicitly, field, run's value, stated value))."""
-    fields_of, changed, resumed = _field_types(), [], []
+    fields_of, changed, resumed = field_types(), [], []
     for section, fields in stated.items():
         for name, raw in fields.items():
             dotted = f"{section}.{name}"
@@ -311,7 +311,7 @@ def _against_saved(stated: dict[str, Any], saved: ExperimentConfig, given: dict[
             except (draccus.utils.DraccusException, ValueError, TypeError):
                 new = raw  # not a value of the field: read_run_config names it
             if dotted in RESUMABLE:
-                resumed += [f"--{dotted}", given[dotted] if dotted in given else _show(raw, limit=1 << 20)]
+                resumed += [f"--{dotted}", given[dotted] if dotted in given else show_value(raw, limit=1 << 20)]
             elif new != old:
                 changed.append((dotted not in explicit, dotted, old, new))
     return resumed, changed

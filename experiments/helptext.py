@@ -108,7 +108,7 @@ def _tree_help(task: str, values: dict[str, Any], comments: dict[str, str]) -> s
     tree = argparse.ArgumentParser(prog=f"python -m experiments.{task}", usage=argparse.SUPPRESS, add_help=False,
                                    description="The config tree: every field is a flag --<section>.<field> VALUE "
                                                "(YAML: null, true, [a, b]); the defaults are this command's.")
-    types_of = config_decoding._field_types()
+    types_of = config_decoding.field_types()
     for section in config_decoding.SECTIONS:
         group = tree.add_argument_group(section)
         for name, tp in types_of[section].items():

@@ -50,6 +50,8 @@ MOVED = {
     "podsjax.loop.run_files": "podsjax.run.run_files",
     "podsjax.loop": "podsjax.rl",
     "podsjax.models.config": "podsjax.models.model_config",
+    "podsjax.rewards.gsm8k": "podsjax.rewards.gsm8k_grader",
+    "podsjax.rewards.chemistry": "podsjax.rewards.chemistry_grader",
     "podsjax.paper_settings": "experiments.paper_settings",
     "podsjax.analysis": "experiments.analysis",
 }

@@ -40,9 +40,17 @@ if "PODSJAX_CACHE_DIR" not in os.environ or os.environ.get(_OWN_CACHE):
     os.environ[_OWN_CACHE] = "1"
 else:
     _test_cache = None
-# Likewise the tiny preset's warm-ups: shared by the runs of one test process, not the user's.
-if "PODSJAX_WARMUP_CACHE_DIR" not in os.environ or os.environ.get(_OWN_CACHE):
+# The tiny preset's warm-ups: shared by every test process of one session (an xdist worker
+# takes its controller's directory, which the controller removes), not the user's. A warm-up
+# is written aside and renamed into place, so two workers that train the same one at once
+# both end with a whole copy; the compile cache above stays per process, as tests count compiles.
+_SHARED_WARMUPS = "PODSJAX_TEST_SHARED_WARMUPS"
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_SHARED_WARMUPS):
+    os.environ["PODSJAX_WARMUP_CACHE_DIR"] = os.environ[_SHARED_WARMUPS]
+    _test_warmups = None
+elif "PODSJAX_WARMUP_CACHE_DIR" not in os.environ or os.environ.get(_OWN_CACHE):
     os.environ["PODSJAX_WARMUP_CACHE_DIR"] = _test_warmups = tempfile.mkdtemp(prefix="podsjax-test-warmups-")
+    os.environ[_SHARED_WARMUPS] = _test_warmups
 else:
     _test_warmups = None
 # Tests never touch the network.

@@ -38,8 +38,8 @@ import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from podsjax.data.data_files import MAX_ROW_CHARS, DataError, read_rows, split_file
-from podsjax.rewards.chemistry import parse_reference
-from podsjax.rewards.gsm8k import GSM8K_MARKER
+from podsjax.rewards.chemistry_grader import parse_reference
+from podsjax.rewards.gsm8k_grader import GSM8K_MARKER
 from podsjax.rewards.mathverify import math_gold, unreadable_gold
 from podsjax.rewards.text import find_numbers, normalize_number_text, parse_number
 

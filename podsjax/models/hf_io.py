@@ -263,7 +263,7 @@ def _check_finite(path: str, specs: list[TensorSpec], files: dict[str, Safetenso
     One on-device reduction over all params; only on a failure are the guilty params' tensors
     read again on the host, to name which of a stacked param's layers holds the values.
     """
-    bad_paths = set(_non_finite_leaves(params))
+    bad_paths = set(non_finite_leaves(params))
     if not bad_paths:
         return
     bad = [spec for spec in specs if "/".join(spec.path) in bad_paths
@@ -311,7 +311,7 @@ def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
+def to_host(x: jax.Array) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils  # collective: every process calls it
 
@@ -324,7 +324,7 @@ def _all_finite(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True, tree)
 
 
-def _non_finite_leaves(tree: Any) -> list[str]:
+def non_finite_leaves(tree: Any) -> list[str]:
     """Param paths holding a NaN or inf (one on-device reduction per tensor)."""
     flags = jax.tree_util.tree_flatten_with_path(jax.device_get(_all_finite(tree)))[0]
     return ["/".join(str(getattr(k, "key", k)) for k in path) for path, ok in flags if not ok]
@@ -364,7 +364,7 @@ def save_pretrained(
     missing = [s.hf_name + " <- " + "/".join(s.path) for s in specs if _lookup(params, s.path) is None]
     if missing:
         raise CheckpointError(f"params lack {len(missing)} tensors: " + ", ".join(missing))
-    bad = _non_finite_leaves(params) + ([] if lora is None else ["lora/" + n for n in _non_finite_leaves(lora.weights)])
+    bad = non_finite_leaves(params) + ([] if lora is None else ["lora/" + n for n in non_finite_leaves(lora.weights)])
     if bad:
         raise CheckpointError(f"refusing to export non-finite weights (NaN or inf) in {len(bad)} tensors: "
                               + ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else ""))
@@ -380,7 +380,7 @@ def save_pretrained(
                 ab = None if ab is None else jax.tree.map(lambda x: x[spec.layer], ab)
             if ab is not None:
                 leaf = merged_kernel(leaf, ab, lora.scale)
-            host = spec.to_hf(_to_host(leaf))
+            host = spec.to_hf(to_host(leaf))
             return host.astype(out_dtype or host.dtype, copy=False)
         return run
 

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from podsjax.models.hf_io import CheckpointError, _non_finite_leaves, _to_host, tensor_specs
+from podsjax.models.hf_io import CheckpointError, non_finite_leaves, to_host, tensor_specs
 from podsjax.models.lora import LoraParams
 from podsjax.models.safetensors_io import write_safetensors
 
@@ -50,7 +50,7 @@ def save_peft_adapter(model, lora: LoraParams, path: str | os.PathLike, *,
     path = os.fspath(path)
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to write into it")
-    bad = _non_finite_leaves(lora.weights)
+    bad = non_finite_leaves(lora.weights)
     if bad:
         raise CheckpointError(f"refusing to export non-finite LoRA weights (NaN or inf) in {len(bad)} tensors: "
                               + ", ".join(bad[:5]))
@@ -68,10 +68,10 @@ def save_peft_adapter(model, lora: LoraParams, path: str | os.PathLike, *,
         targets.add(spec.hf_name.split(".")[-2])
 
         def a_of(ab=ab, layer=spec.layer, shape=(n_in, rank)):  # bound now: the loop moves on
-            return np.ascontiguousarray(_to_host(ab["a"][layer]).reshape(shape).T)
+            return np.ascontiguousarray(to_host(ab["a"][layer]).reshape(shape).T)
 
         def b_of(ab=ab, layer=spec.layer, shape=(rank, n_out)):
-            return np.ascontiguousarray(_to_host(ab["b"][layer]).reshape(shape).T)
+            return np.ascontiguousarray(to_host(ab["b"][layer]).reshape(shape).T)
 
         entries += [(f"{module}.lora_A.weight", (rank, n_in), np.dtype(ab["a"].dtype), a_of),
                     (f"{module}.lora_B.weight", (n_out, rank), np.dtype(ab["b"].dtype), b_of)]

@@ -11,7 +11,7 @@ score with ``score_rewards`` (in process) or ``RewardPool.score`` (worker
 processes, per-item timeouts, crash recovery).
 """
 
-from podsjax.rewards.chemistry import chemistry_accuracy, extract_chemistry_answer, parse_quantity
+from podsjax.rewards.chemistry_grader import chemistry_accuracy, extract_chemistry_answer, parse_quantity
 from podsjax.rewards.combine import (
     TASK_REWARD_NAMES,
     RewardScores,
@@ -31,7 +31,7 @@ from podsjax.rewards.format import (
     strict_format_reward,
     tag_count_reward,
 )
-from podsjax.rewards.gsm8k import extract_gsm8k_answer, gsm8k_accuracy, parse_gsm8k_gold
+from podsjax.rewards.gsm8k_grader import extract_gsm8k_answer, gsm8k_accuracy, parse_gsm8k_gold
 from podsjax.rewards.mathverify import math_accuracy, math_gold
 from podsjax.rewards.pool import PoolConfig, RewardPool, RewardPoolError
 from podsjax.rewards.text import extract_answer_tag, last_boxed

@@ -21,9 +21,9 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 
 from podsjax.rewards import authors
-from podsjax.rewards.chemistry import chemistry_accuracy
+from podsjax.rewards.chemistry_grader import chemistry_accuracy
 from podsjax.rewards.format import format_reward, format_score_reward, strict_format_reward, tag_count_reward
-from podsjax.rewards.gsm8k import gsm8k_accuracy
+from podsjax.rewards.gsm8k_grader import gsm8k_accuracy
 from podsjax.rewards.mathverify import math_accuracy
 
 RewardFn = Callable[..., Sequence[float]]

@@ -29,7 +29,7 @@ pool once and reuse it across steps; start-up costs seconds.
 
 No worker outlives its pool: ``close()`` kills busy workers at once, a pool still open
 at interpreter exit is closed then, and a worker whose parent dies (SIGKILL, a crash)
-exits by itself (see ``_worker``). Workers ignore SIGINT and SIGTERM, which reach a
+exits by itself (see ``worker_process``). Workers ignore SIGINT and SIGTERM, which reach a
 whole process group (Ctrl-C, SLURM): the parent decides. Starting, watching and replacing
 the workers is ``pool_fleet``'s part; this module hands them a batch's items.
 """
@@ -41,7 +41,7 @@ import pickle
 import time
 from typing import Any, Sequence
 
-from podsjax.rewards import _worker
+from podsjax.rewards import worker_process
 from podsjax.rewards.combine import RewardScores, RewardsLike, as_weighted, check_columns, summarize
 from podsjax.rewards.pool_batch import Batch
 from podsjax.rewards.pool_fleet import MAX_SERVER_DEATHS, WorkerFleet  # noqa: F401 - MAX_SERVER_DEATHS: API too
@@ -58,7 +58,7 @@ def _pickle_rewards(weighted) -> bytes:
             pickle.dumps(w.fn)
         except Exception as exc:  # noqa: BLE001 - turned into a one-line error
             raise TypeError(
-                f"reward {w.name!r} cannot be sent to a worker process ({_worker.first_line(exc)}); "
+                f"reward {w.name!r} cannot be sent to a worker process ({worker_process.first_line(exc)}); "
                 "define it at module level (a lambda or local function does not pickle)"
             ) from None
     return pickle.dumps(tuple(w.fn for w in weighted))

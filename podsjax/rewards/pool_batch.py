@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from podsjax.rewards import _worker
+from podsjax.rewards import worker_process
 
 # Warned about once per pool: (key, line). The key says which warnings are the same one.
 Note = tuple[str, str]
@@ -50,7 +50,7 @@ class Batch:
             it: its remaining items score 0 for it, counted in ``timeouts``.
     """
 
-    _COUNTER = {_worker.TIMEOUT: "timeouts", _worker.MEMORY: "memory_errors", _worker.ERROR: "errors"}
+    _COUNTER = {worker_process.TIMEOUT: "timeouts", worker_process.MEMORY: "memory_errors", worker_process.ERROR: "errors"}
 
     def __init__(self, names: list[str], num_items: int, give_up_after: int):
         self.values_FB = np.zeros((len(names), num_items), np.float64)
@@ -71,7 +71,7 @@ class Batch:
         kinds = set()
         for f, (value, status, message) in enumerate(results):
             self.values_FB[f, item] = value
-            if status == _worker.OK:
+            if status == worker_process.OK:
                 self.timeouts_in_a_row[f] = 0
                 if not math.isfinite(value):  # summarize() scores it 0 and counts it
                     self.notes.append(("nan", f"warning: reward {self.name(f)} returned {value} on an item; "
@@ -79,10 +79,10 @@ class Batch:
                                               "warning is shown once)"))
                 continue
             kinds.add(self._COUNTER[status])
-            if status == _worker.ERROR:
+            if status == worker_process.ERROR:
                 self.notes.append(("error", f"warning: reward {self.name(f)} raised on an item ({message}); it "
                                             "scores 0 and counts in reward/errors (this warning is shown once)"))
-            elif status == _worker.TIMEOUT and message not in (_worker.SKIPPED, _worker.OWN_BUDGET):
+            elif status == worker_process.TIMEOUT and message not in (worker_process.SKIPPED, worker_process.OWN_BUDGET):
                 self._timed_out(f)
         for kind in kinds:
             self.counts[kind] += 1

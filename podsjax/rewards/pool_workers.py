@@ -6,7 +6,7 @@ import dataclasses
 import os
 import time
 
-from podsjax.rewards import _worker
+from podsjax.rewards import worker_process
 
 # Tries to reach a forkserver that a reward killed (multiprocessing relaunches it).
 _SERVER_TRIES = 5
@@ -91,7 +91,7 @@ class WorkerHandle:
         self.current = ctx.Value("i", -1, lock=False)  # the reward function it is in (set by the worker)
         output = None if config.output_budget_bytes is None else (config.output_budget_bytes, config.output_log)
         self.process = ctx.Process(
-            target=_worker.main, args=(child_conn, config.max_memory_mb, config.preload, output, self.current),
+            target=worker_process.main, args=(child_conn, config.max_memory_mb, config.preload, output, self.current),
             daemon=True,
         )
         try:
@@ -139,7 +139,7 @@ def start_worker(ctx, config: PoolConfig) -> WorkerHandle:
             error = exc
             time.sleep(0.05 * 2**attempt)
     raise RewardPoolError(f"cannot start a reward worker: its process server is gone and does not come back "
-                          f"({_worker.first_line(error)})")
+                          f"({worker_process.first_line(error)})")
 
 
 def forkserver_pid() -> int | None:

@@ -24,8 +24,8 @@ from typing import Callable
 import numpy as np
 
 from podsjax.rewards.answer_grader import mathd_normalize
-from podsjax.rewards.chemistry import extract_chemistry_answer
-from podsjax.rewards.gsm8k import extract_gsm8k_answer
+from podsjax.rewards.chemistry_grader import extract_chemistry_answer
+from podsjax.rewards.gsm8k_grader import extract_gsm8k_answer
 from podsjax.rewards.mathverify import MathVerifyTimeout
 from podsjax.rewards.text import extract_answer_tag, last_boxed
 

@@ -29,7 +29,7 @@ def plain():
 
 
 def test_every_entry_shows_one_default(plain):
-    tree = {f"--{section}.{name}" for section, fields in config_decoding._field_types().items() for name in fields}
+    tree = {f"--{section}.{name}" for section, fields in config_decoding.field_types().items() for name in fields}
     assert tree | set(flags.SHORTCUTS) | {"--method", "--out", "--resume"} <= set(plain)
     several = {flag: entry for flag, entry in plain.items() if flag != "--help" and entry.count("(default") != 1}
     assert not several, several

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from podsjax.data import datasets as data
 from podsjax.rewards import RewardPool, chemistry_accuracy, default_rewards, parse_quantity, score_rewards
-from podsjax.rewards.chemistry import unit_scale
+from podsjax.rewards.chemistry_grader import unit_scale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "data", "chemistry", "rows.jsonl")

@@ -485,7 +485,7 @@ def test_math_verify_timeouts_count_as_timeouts_and_log_nothing(monkeypatch, cap
     import math_verify
     from math_verify.errors import TimeoutException
 
-    from podsjax.rewards import _worker, chemistry, mathverify
+    from podsjax.rewards import worker_process, chemistry_grader, mathverify
 
     def slow(*args, **kwargs):
         raise TimeoutException()
@@ -499,10 +499,10 @@ def test_math_verify_timeouts_count_as_timeouts_and_log_nothing(monkeypatch, cap
     with pytest.raises(mathverify.MathVerifyTimeout):
         mathverify.math_accuracy([hard], ["1"])
     with pytest.raises(mathverify.MathVerifyTimeout):
-        chemistry.chemistry_accuracy([r"<answer>\frac{3}{4}</answer>"], ["0.75"])
-    assert chemistry.chemistry_accuracy([r"<answer>\frac{3}{4}</answer>"] * 2, ["0.75"] * 2) == [0.0, 0.0]
-    results = _worker.run_item([mathverify.math_accuracy], hard, {"answer": "1"}, timeout_s=30.0)
-    assert results == [(0.0, _worker.TIMEOUT, _worker.OWN_BUDGET)]  # never gives up on the function
+        chemistry_grader.chemistry_accuracy([r"<answer>\frac{3}{4}</answer>"], ["0.75"])
+    assert chemistry_grader.chemistry_accuracy([r"<answer>\frac{3}{4}</answer>"] * 2, ["0.75"] * 2) == [0.0, 0.0]
+    results = worker_process.run_item([mathverify.math_accuracy], hard, {"answer": "1"}, timeout_s=30.0)
+    assert results == [(0.0, worker_process.TIMEOUT, worker_process.OWN_BUDGET)]  # never gives up on the function
     assert not [r for r in caplog.records if r.name.startswith("math_verify")]
 
 
