@@ -1,5 +1,6 @@
 """The commands and examples of the README and of docs/ stay true."""
 
+import ast
 import importlib.util
 import json
 import os
@@ -89,6 +90,24 @@ def test_every_code_block_is_run_or_checked(page):
     # Every module the commands run is in this repository or its test dependencies.
     for module in set(re.findall(r"python3? -m ([A-Za-z_]\w*(?:\.\w+)*)", text)):
         assert importlib.util.find_spec(module) is not None, f"{page} runs `python -m {module}`, which is not there"
+
+
+def test_the_python_examples_import_from_where_modules_are_now():
+    from podsjax.moved import new_path
+
+    old = []
+    for name, code in all_python_blocks():
+        if name.startswith("CHANGELOG.md"):  # history shows the paths of its day
+            continue
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import):
+                paths = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                paths = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            old += [f"{name}: {path} (now {new_path(path)})" for path in paths if new_path(path)]
+    assert not old, "examples import moved modules through their old paths:\n" + "\n".join(old)
 
 
 @pytest.mark.slow
