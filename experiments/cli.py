@@ -30,7 +30,8 @@ from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_dev
 # The library's errors about what the user gave it (module, class): one line, status 2.
 # Looked up in sys.modules so that this module never imports JAX itself.
 _USER_ERRORS = (
-    ("podsjax.data.datasets", "DataError"), ("podsjax.data.prompts", "PromptError"), ("podsjax.models.hf_io", "CheckpointError"),
+    ("podsjax.data.datasets", "DataError"), ("podsjax.data.prompts", "PromptError"),
+    ("podsjax.models.hf_io", "CheckpointError"),
     ("podsjax.run.checkpoint", "CheckpointCorrupt"), ("podsjax.run.checkpoint", "CheckpointMismatch"),
     ("podsjax.rl", "TrainingDiverged"), ("podsjax.rl", "LogDamaged"), ("podsjax.devices.dry_run", "DoesNotFit"),
     ("podsjax.tiny.warmup", "WarmupError"), ("podsjax.rewards.pool", "RewardPoolError"),

@@ -32,7 +32,8 @@ import dataclasses
 import math
 import re
 
-from podsjax.devices.hlo_text import (ARRAY_TYPE, Instr, arrays, backend_config, called_computations, constant_value, on_chip, parse_module, type_bytes)
+from podsjax.devices.hlo_text import (ARRAY_TYPE, Instr, arrays, backend_config, called_computations, constant_value,
+                                     on_chip, parse_module, type_bytes)
 
 _ASYNC_COPIES = {"copy-start": 0, "slice-start": -2}  # where the destination sits in the result tuple
 # Instructions that launch nothing and move no data.
