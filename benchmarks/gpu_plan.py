@@ -27,11 +27,11 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DEVICELESS_XLA_FL
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import podsjax.models as pm  # noqa: E402
 from podsjax.devices import dry_run, topology  # noqa: E402
-from podsjax.sampler import sampling  # noqa: E402
 from podsjax.devices import mesh as mesh_lib  # noqa: E402
 from podsjax.devices.gpu_topology import GPUS  # noqa: E402
+from podsjax.sampler import sampling  # noqa: E402
+import podsjax.models as pm  # noqa: E402
 
 PROMPT, COMPLETION, LORA_RANK = 512, 512, 64  # setting a's shapes
 

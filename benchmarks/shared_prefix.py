@@ -52,9 +52,9 @@ import numpy as np
 import podsjax.models as pm
 from benchmarks.machine import busy_note, cpu_snapshot, others_busy
 from benchmarks.qwen_model import SHAPES
-from podsjax.update import algorithms, train_step
 from podsjax.devices import mesh as mesh_lib
 from podsjax.tiny.build import TINY_MODEL
+from podsjax.update import algorithms, train_step
 
 PRESETS = {
     "tiny": dict(prompts=32, m=4, prompt_len=128, completion_len=48, layers=None, lora_rank=0),

@@ -23,9 +23,9 @@ from typing import Any
 
 from podsjax.update import algorithms
 from experiments import paper_settings
-from podsjax.rl import RunConfig
-from podsjax.devices.mesh_spec import parse_mesh_spec
 from podsjax.data.prompts import DEFAULT_SYSTEM_PROMPT
+from podsjax.devices.mesh_spec import parse_mesh_spec
+from podsjax.rl import RunConfig
 
 DTYPES = ("float32", "bfloat16")
 METHODS = algorithms.ALGORITHMS

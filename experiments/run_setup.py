@@ -16,12 +16,12 @@ import jax.numpy as jnp
 
 from experiments.config import ExperimentConfig
 from experiments.usage import UsageError, mesh_device_count
-from podsjax.data import datasets as data, prompts
-from podsjax.devices import hosts
-from podsjax import rl
-from podsjax.devices import mesh as mesh_lib
 from podsjax import models as pm
 from podsjax import rewards as rewards_lib
+from podsjax import rl
+from podsjax.data import datasets as data, prompts
+from podsjax.devices import hosts
+from podsjax.devices import mesh as mesh_lib
 
 TINY_HINT = ("no --model given: using the built-in tiny preset (a small Qwen2-architecture model warmed up "
              "in-process). For a real run, download a checkpoint first and pass --model /path/to/Qwen2.5-3B-Instruct")

@@ -25,14 +25,14 @@ from experiments.run_setup import (
     make_rewards,
 )
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
-from podsjax.devices import compilation, hosts
-from podsjax import rl
-from podsjax.data import prompts
-from podsjax.run import run_state
-from podsjax.devices import dry_run as dry_run_lib
 from podsjax import models as pm
 from podsjax import rewards as rewards_lib
+from podsjax import rl
+from podsjax.data import prompts
+from podsjax.devices import compilation, hosts
+from podsjax.devices import dry_run as dry_run_lib
 from podsjax.models import peft_io
+from podsjax.run import run_state
 
 ADAPTER_DIRNAME = "final_adapter"
 BEST_MODEL_DIRNAME = "best_model"

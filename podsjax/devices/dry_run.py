@@ -22,11 +22,11 @@ from typing import Any
 
 import jax
 
-from podsjax.update import algorithms, update_programs
-from podsjax.devices import compilation, hlo_cost, topology
-from podsjax.sampler import sampling
-from podsjax.devices import mesh as mesh_lib
 from podsjax import models as pm
+from podsjax.devices import compilation, hlo_cost, topology
+from podsjax.devices import mesh as mesh_lib
+from podsjax.sampler import sampling
+from podsjax.update import algorithms, update_programs
 
 FIELDS = ("params", "optimizer", "kv_cache", "generate_temp", "update_temp")
 # What shrinks a run's memory per device, for the one-line refusals.

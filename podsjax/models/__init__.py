@@ -16,8 +16,8 @@ from podsjax.models.model_config import (CHECKPOINT_SHAPES, SUPPORTED_ARCHITECTU
 from podsjax.models.decoder import REMAT_POLICIES, Decoder, DecoderOutput
 from podsjax.models.hf_io import CheckpointError, from_pretrained, load_params, save_pretrained, tensor_specs
 from podsjax.models.lora import DEFAULT_TARGETS, LoraConfig, LoraParams, init_lora, lora_logical_axes, merge_lora
-from podsjax.models.peft_io import save_peft_adapter
 from podsjax.models.params import abstract_params, init_params, param_logical_axes, param_shardings
+from podsjax.models.peft_io import save_peft_adapter
 from podsjax.models.rope import apply_rope, rope_inv_freq, rope_tables
 
 __all__ = [

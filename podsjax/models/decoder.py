@@ -45,8 +45,8 @@ from podsjax.models.attention import (
     cache_slots,
 )
 from podsjax.models.cache import KVCache
-from podsjax.models.model_config import ModelConfig
 from podsjax.models.lora import PROJECTION_LOGICAL_AXES, LoraParams
+from podsjax.models.model_config import ModelConfig
 from podsjax.models.rope import apply_rope, rope_inv_freq, rope_tables
 
 _INIT = nn.initializers.normal(stddev=0.02)  # HF initializer_range default

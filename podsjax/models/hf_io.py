@@ -25,9 +25,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from podsjax.devices import mesh as mesh_lib
-from podsjax.models.model_config import CheckpointError, from_hf_config
 from podsjax.models.decoder import Decoder
 from podsjax.models.lora import LoraParams, merged_kernel
+from podsjax.models.model_config import CheckpointError, from_hf_config
 from podsjax.models.params import abstract_params, param_logical_axes
 from podsjax.models.safetensors_io import SafetensorsFile, write_safetensors
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Sequence
 
-from podsjax.rewards.format import format_score
 from podsjax.rewards.answer_grader import grade_answer
+from podsjax.rewards.format import format_score
 from podsjax.rewards.gsm8k_grader import GSM8K_MARKER
 from podsjax.rewards.mathverify import DEFAULT_MATH_VERIFY_TIMEOUT_S, math_gold, quiet_parse, quiet_verify, signal_timeout
 from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, check_lengths

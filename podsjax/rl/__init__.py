@@ -25,14 +25,14 @@ and that step is checkpointed before :class:`~podsjax.run.run_state.StopRequeste
 """
 
 
-from podsjax.rl.run_config import EVAL_METRICS, RunConfig
 from podsjax.rl.evaluator import Evaluator, eval_scalars
 from podsjax.rl.hooks import Hook
+from podsjax.rl.run_config import EVAL_METRICS, RunConfig
 from podsjax.rl.programs import (abstract_batch, abstract_state, batch_program, batch_shardings, padded_prompt_length, prompt_rows, update_program)
 from podsjax.rl.prompt_source import DataStream, PromptSource
-from podsjax.run.run_files import HISTORY_FILE, LogDamaged, history_path, read_history
 from podsjax.rl.step_data import Draw, Scored, StepResult
 from podsjax.rl.trainer import Trainer, TrainingDiverged
+from podsjax.run.run_files import HISTORY_FILE, LogDamaged, history_path, read_history
 
 __all__ = [
     "DataStream", "Draw", "EVAL_METRICS", "Evaluator", "HISTORY_FILE", "Hook", "LogDamaged", "PromptSource", "RunConfig",

@@ -7,18 +7,18 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from podsjax.devices import compilation
+from podsjax import rewards as rewards_lib
 from podsjax.data import datasets as data_lib
+from podsjax.data import prompts as prompts_lib
+from podsjax.devices import compilation
 from podsjax.devices import hosts
 from podsjax.devices import mesh as mesh_lib
 from podsjax.rl import pass_at_k as pass_at_k_lib
-from podsjax.data import prompts as prompts_lib
-from podsjax import rewards as rewards_lib
 from podsjax.rl import reporting
 from podsjax.rl.buckets import BucketReuse
-from podsjax.rl.run_config import EVAL_METRICS, RunConfig
 from podsjax.rl.programs import EVAL_STREAM
 from podsjax.rl.prompt_source import PromptSource
+from podsjax.rl.run_config import EVAL_METRICS, RunConfig
 
 # The breakdown entries evaluation keeps: whatever some EVAL_METRICS entry multiplies.
 EVAL_PARTS = tuple(dict.fromkeys(name for names in EVAL_METRICS.values() for name in names))

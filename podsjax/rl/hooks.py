@@ -14,10 +14,10 @@ import time
 from typing import Mapping
 
 from podsjax.devices import hosts
-from podsjax.run import metrics as metrics_lib
 from podsjax.rl import reporting
-from podsjax.run import run_files
 from podsjax.rl.step_data import StepResult
+from podsjax.run import metrics as metrics_lib
+from podsjax.run import run_files
 
 
 class TrainingDiverged(RuntimeError):

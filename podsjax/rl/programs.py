@@ -10,8 +10,8 @@ length and the random streams.
 from __future__ import annotations
 
 from podsjax.data import prompts as prompts_lib
-from podsjax.update import algorithms
 from podsjax.rl.run_config import RunConfig
+from podsjax.update import algorithms
 from podsjax.update.update_programs import (LORA_INIT_STREAM, abstract_batch, abstract_state, batch_program, batch_shardings, policy_copy_program, start_weights, state_program, update_program)
 
 # Streams folded into ``jax.random.key(seed)``, so each use of randomness draws its own keys

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 
 from podsjax.devices import dry_run, hosts, topology
-from podsjax.run import metrics as metrics_lib
 from podsjax.rl import dynamic_sampling, perf, programs, reporting, scoring
 from podsjax.rl.step_data import Draw, Scored, StepResult
+from podsjax.run import metrics as metrics_lib
 
 
 class RLStep:

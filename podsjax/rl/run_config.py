@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from podsjax.run import log_backends
 from podsjax.data import prompts as prompts_lib
+from podsjax.run import log_backends
 
 # eval_metric -> the reward-breakdown entries whose product scores one completion.
 # "accuracy_and_format" is the Llama runs' "answer and format both correct" (the authors'

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Callable
 
 from podsjax.devices import hosts
-from podsjax.run import run_state
-from podsjax.run import run_files
 from podsjax.rl.hooks import Hook
+from podsjax.run import run_files
+from podsjax.run import run_state
 
 
 class TrainingLoop:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from podsjax.data import datasets as data_lib
-from podsjax.devices import hosts
 from podsjax.data import prompts as prompts_lib
+from podsjax.devices import hosts
 from podsjax.rl.dynamic_sampling import zero_variance
 from podsjax.rl.step_data import Scored
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from podsjax.data import prompts as prompts_lib
 from podsjax.devices import compilation, dry_run
 from podsjax.devices import mesh as mesh_lib
-from podsjax.data import prompts as prompts_lib
 from podsjax.rl import programs, reporting
 from podsjax.rl.evaluator import Evaluator
 

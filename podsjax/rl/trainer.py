@@ -7,29 +7,29 @@ import os
 import time
 from typing import Callable
 
-from podsjax.run import best as best_lib
-from podsjax.run import checkpoint as ckpt_lib
-from podsjax.devices import compilation, dry_run, hosts
-from podsjax.run import log_backends
-from podsjax.run import metrics as metrics_lib
-from podsjax.data import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
-from podsjax.update import algorithms
-from podsjax.run import run_state
-from podsjax.sampler import sampling
+from podsjax.data import prompts as prompts_lib
+from podsjax.devices import compilation, dry_run, hosts
+from podsjax.models import LoraConfig
 from podsjax.rl import buckets, programs, start_programs
-from podsjax.run import run_files
 from podsjax.rl import hooks as hooks_lib
-from podsjax.rl.run_config import RunConfig
 from podsjax.rl.evaluator import Evaluator
 from podsjax.rl.hooks import TrainingDiverged  # noqa: F401 - raised by the loop, named here too
 from podsjax.rl.prompt_source import DataStream, PromptSource
 from podsjax.rl.rl_step import RLStep
+from podsjax.rl.run_config import RunConfig
 from podsjax.rl.run_loop import TrainingLoop
 from podsjax.rl.step_data import StepResult
 from podsjax.rl.weights import Weights
-from podsjax.models import LoraConfig
+from podsjax.run import best as best_lib
+from podsjax.run import checkpoint as ckpt_lib
+from podsjax.run import log_backends
+from podsjax.run import metrics as metrics_lib
+from podsjax.run import run_files
+from podsjax.run import run_state
 from podsjax.run.run_state import HostState
+from podsjax.sampler import sampling
+from podsjax.update import algorithms
 
 
 class Trainer:

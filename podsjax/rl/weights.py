@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import jax
 
-from podsjax.update import algorithms, train_step
 from podsjax.devices import compilation, hosts
 from podsjax.devices import mesh as mesh_lib
-from podsjax.rl import programs
 from podsjax.models import LoraConfig
+from podsjax.rl import programs
+from podsjax.update import algorithms, train_step
 
 
 class Weights:

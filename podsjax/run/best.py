@@ -18,9 +18,9 @@ from typing import Any
 
 import jax
 
-from podsjax.run import checkpoint as ckpt_lib
 from podsjax.devices import hosts
 from podsjax.devices import mesh as mesh_lib
+from podsjax.run import checkpoint as ckpt_lib
 
 BEST_DIRNAME = "best"
 

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from podsjax.sampler import decoding
 from podsjax.devices import mesh as mesh_lib
 from podsjax.models import rollout
+from podsjax.sampler import decoding
 
 STAGES = ("weights", "prefill", "decode")
 

@@ -32,9 +32,9 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from podsjax.data.datasets import Example
-from podsjax.tiny import chemistry_like, math_like
 from podsjax.rewards.gsm8k_grader import GSM8K_MARKER
 from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
+from podsjax.tiny import chemistry_like, math_like
 
 NAMES = ("Tom", "Anna", "Ben", "Lily", "Sam", "Maria", "Jack", "Emma", "Leo", "Mia", "Omar", "Zoe")
 ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "coins", "shells", "cards", "flowers")

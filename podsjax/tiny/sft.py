@@ -16,12 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from podsjax.data import prompts as prompts_lib
 from podsjax import rewards as rewards_lib
-from podsjax.sampler import sampling
-from podsjax.rewards.combine import TASK_ACCURACY
+from podsjax.data import prompts as prompts_lib
 from podsjax.data.datasets import Example, reward_columns
 from podsjax.models import Decoder, init_cache, prefill
+from podsjax.rewards.combine import TASK_ACCURACY
+from podsjax.sampler import sampling
 from podsjax.tiny.problems import sft_completion
 
 

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from podsjax.data import prompts as prompts_lib
-from podsjax.sampler import sampling
 from podsjax.models import Decoder, ModelConfig, from_pretrained, save_pretrained
+from podsjax.sampler import sampling
 from podsjax.tiny.build import TINY_MODEL, build_tiny_checkpoint, check_tiny_model
 from podsjax.tiny.problems import TASKS, check_task, generate_problems, make_splits
 from podsjax.tiny.sft import evaluate_greedy, make_sft_optimizer, make_sft_step, tokenize_sft

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import optax
 
 from podsjax.devices import mesh as mesh_lib
-from podsjax.update import algorithms, train_step
 from podsjax.models import LoraConfig, init_lora, lora_logical_axes
+from podsjax.update import algorithms, train_step
 
 # Folded into ``jax.random.key(seed)`` for the LoRA adapters' first values (the loop's
 # other streams are in ``podsjax.rl.programs``).

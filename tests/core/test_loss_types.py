@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import podsjax.models as pm
-from podsjax.update import algorithms, train_step
 from podsjax.core import grpo
+from podsjax.update import algorithms, train_step
+import podsjax.models as pm
 from experiments import paper_settings
 from podsjax.core.grpo import LossConfig
 

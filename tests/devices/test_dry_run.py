@@ -227,8 +227,8 @@ def test_qwen_0_5b_setting_a_update_fits_in_8_gb(tmp_path):
 def test_the_plan_compiles_the_samplers_program_the_run_uses():
     # top-p and top-k are static in the sampler: a plan that left them at their defaults
     # would compile (and measure) another program than the run's.
-    from podsjax.update import algorithms
     from podsjax.sampler import sampling
+    from podsjax.update import algorithms
 
     model = pm.Decoder(SMALL)
     algo = algorithms.AlgorithmConfig(algorithm="pods", n=4, m=2, top_p=0.9, top_k=7)

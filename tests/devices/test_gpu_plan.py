@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import podsjax.models as pm
-from podsjax.devices import dry_run, gpu_topology, hlo_cost, topology
 from podsjax import rl
+from podsjax.devices import dry_run, gpu_topology, hlo_cost, topology
+import podsjax.models as pm
 from experiments import paper_settings
-from podsjax.sampler import sampling
 from podsjax.devices import mesh as mesh_lib
 from podsjax.models import rollout
+from podsjax.sampler import sampling
 from test_dry_run import FLAGS, config_only_checkpoint, run_cli
 
 HAS_CUDA_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None

@@ -78,9 +78,9 @@ def test_decode_takes_the_kv_cache_in_the_layout_it_chose_without_a_copy():
     # large as the cache). Prefill now writes the layout decode asked for.
     import jax.numpy as jnp
 
-    import podsjax.models as pm
     from podsjax.devices import dry_run, mesh as mesh_lib
     from podsjax.sampler import sampling
+    import podsjax.models as pm
 
     devices = tpu_topology.compile_only_devices("v5e:2x2")
     config = pm.ModelConfig(arch="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,

@@ -20,9 +20,9 @@ import podsjax.models as pm
 from experiments import runner
 from experiments.cli import UsageError
 from experiments.config import ExperimentConfig, ModelSection
-from podsjax.rl import RunConfig
 from podsjax.models import hf_io
 from podsjax.models.safetensors_io import SafetensorsFile
+from podsjax.rl import RunConfig
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 NORM = "model.norm.weight"

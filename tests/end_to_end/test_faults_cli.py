@@ -12,8 +12,8 @@ import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 from experiments import cli, runner
-from podsjax.run import checkpoint
 from podsjax import rl
+from podsjax.run import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

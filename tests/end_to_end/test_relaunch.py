@@ -13,8 +13,8 @@ import pytest
 from test_resume_killed import (ROOT, SHARED_WARMUP, TIMEOUT_S, cli_args, cli_env, records, run_cli, tail,
                                 uninterrupted_run, without_timing)
 
-from podsjax.run import run_state
 from podsjax.rewards import RewardPool, WeightedReward
+from podsjax.run import run_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
 
@@ -27,8 +27,8 @@ def setup(tmp_path_factory, data_dir):
     import jax.numpy as jnp
     from tiny_checkpoint import save_tiny_checkpoint
 
-    import podsjax.models as pm
     from podsjax.data import datasets as data, prompts
+    import podsjax.models as pm
 
     checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("relaunch_ckpt"))
     model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)

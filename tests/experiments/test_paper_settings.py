@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from podsjax.update import algorithms
 from podsjax import rl
+from podsjax.update import algorithms
 from experiments import paper_settings
 from podsjax.rewards import default_rewards
 

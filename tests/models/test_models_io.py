@@ -16,8 +16,8 @@ import torch
 from jax.sharding import PartitionSpec as P
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import podsjax.models as pm
 from podsjax.devices.mesh import make_mesh
+import podsjax.models as pm
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -298,8 +298,8 @@ def test_sharded_prefill_and_decode_match_unsharded(checkpoints):
 LOAD_SCRIPT = """
 import json, sys, tracemalloc
 import jax, numpy as np
-import podsjax.models as pm
 from podsjax.devices.mesh import make_mesh
+import podsjax.models as pm
 mesh = make_mesh("8")
 tracemalloc.start()
 model, params = pm.from_pretrained(sys.argv[1], mesh=mesh)

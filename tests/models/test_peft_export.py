@@ -9,8 +9,8 @@ import pytest
 import torch
 from tiny_checkpoint import save_tiny_checkpoint
 
-import podsjax.models as pm
 from podsjax.models import peft_io
+import podsjax.models as pm
 
 
 @pytest.fixture(scope="module")

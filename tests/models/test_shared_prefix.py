@@ -10,10 +10,10 @@ import numpy as np
 import optax
 import pytest
 
-import podsjax.models as pm
-from podsjax.update import algorithms, train_step, update_forward
 from podsjax.core import grpo
 from podsjax.models.shared_prefix import PrefixDecoder
+from podsjax.update import algorithms, train_step, update_forward
+import podsjax.models as pm
 
 pytestmark = pytest.mark.cpu_mesh
 

@@ -14,11 +14,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import podsjax.models as pm
 from podsjax.devices import dry_run, tpu_topology
-from podsjax.sampler import sampling
 from podsjax.devices import mesh as mesh_lib
 from podsjax.models import tpu_decode_kernel
+from podsjax.sampler import sampling
+import podsjax.models as pm
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install 'podsjax[tpu]')")

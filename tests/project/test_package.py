@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import podsjax
 from podsjax.moved import MOVED
+import podsjax
 
 # What users reach as podsjax.<name>.
 SUBMODULES = ["core", "data", "devices", "models", "rewards", "rl", "run", "sampler", "tiny", "update"]

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
-import podsjax.models as pm
-from podsjax.data import datasets as data, prompts
 from podsjax import rl
+from podsjax.data import datasets as data, prompts
+import podsjax.models as pm
 from experiments import paper_settings
 from podsjax.rl import buckets
 

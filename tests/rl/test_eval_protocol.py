@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
-import podsjax.models as pm
+from podsjax import rl
 from podsjax.data import datasets as data, prompts
 from podsjax.sampler import decoding, sampling
-from podsjax import rl
+import podsjax.models as pm
 from experiments import paper_settings
 from podsjax import rewards as rewards_lib
-from podsjax.rl.pass_at_k import gsm8k_answer_key
 from podsjax.rewards import format_correct
+from podsjax.rl.pass_at_k import gsm8k_answer_key
 
 QUESTIONS = [("What is 2 + 2?", "4"), ("What is 3 + 4?", "7"), ("What is 5 - 1?", "4"), ("What is 6 / 2?", "3")]
 

@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
-import podsjax.models as pm
-from podsjax.run import checkpoint as ckpt_lib
+from podsjax import rl
 from podsjax.data import datasets as data, prompts
 from podsjax.devices import dry_run
-from podsjax import rl
+from podsjax.run import checkpoint as ckpt_lib
 from podsjax.run import metrics
+import podsjax.models as pm
 from experiments import paper_settings
-from podsjax.sampler import sampling
 from podsjax.devices import mesh as mesh_lib
+from podsjax.rewards import combine as rewards_combine
 from podsjax.rl import dynamic_sampling
 from podsjax.run import run_files
-from podsjax.rewards import combine as rewards_combine
+from podsjax.sampler import sampling
 
 pytestmark = pytest.mark.cpu_mesh
 

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
-import podsjax.models as pm
-from podsjax.devices import compilation
-from podsjax.data import datasets as data, prompts
 from podsjax import rl
+from podsjax.data import datasets as data, prompts
+from podsjax.devices import compilation
+import podsjax.models as pm
 from experiments import paper_settings
 from podsjax.sampler import sampler_programs
 

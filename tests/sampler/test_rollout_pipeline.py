@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
-import podsjax.models as pm
-from podsjax.data import datasets as data, prompts
-from podsjax.core import grpo, selection
 from podsjax import rewards
+from podsjax.core import grpo, selection
+from podsjax.data import datasets as data, prompts
 from podsjax.sampler import sampling
+import podsjax.models as pm
 
 
 @pytest.mark.slow

@@ -10,10 +10,10 @@ from scipy import stats as scipy_stats
 from jax.sharding import NamedSharding, PartitionSpec
 from test_models import build_hf
 
-import podsjax.models as pm
 from podsjax.core import logprobs
 from podsjax.devices import mesh as mesh_lib
 from podsjax.sampler import sampling
+import podsjax.models as pm
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -192,8 +192,8 @@ def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
 
 
 def test_the_unrolled_cache_holds_each_prompt_once_and_each_sample_its_completion(tiny):
-    from podsjax.sampler import decoding
     from podsjax.models import rollout
+    from podsjax.sampler import decoding
 
     _, model, params = tiny["qwen2_tied_gqa"]
     model = model.clone(rollout_layers="unrolled")

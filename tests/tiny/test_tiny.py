@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import podsjax.models as pm
 from podsjax import rl, rewards
+import podsjax.models as pm
 from experiments import paper_settings
-from podsjax.data import prompts
 from podsjax import tiny
+from podsjax.data import prompts
 from podsjax.tiny import sft
 from podsjax.tiny import warmup as warmup_lib
 

@@ -6,8 +6,8 @@ from fractions import Fraction
 import pytest
 
 from experiments import paper_settings
-from podsjax.data import prompts
 from podsjax import rewards, tiny
+from podsjax.data import prompts
 from podsjax.data.datasets import reward_columns
 from podsjax.rewards.combine import TASK_ACCURACY
 from podsjax.tiny import chemistry_like, math_like, problems

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import podsjax.models as pm
-from podsjax.update import algorithms, train_step, update_forward
 from podsjax.core import grpo
+from podsjax.update import algorithms, train_step, update_forward
+import podsjax.models as pm
 
 pytestmark = pytest.mark.cpu_mesh
 

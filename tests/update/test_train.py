@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-import podsjax.models as pm
 from podsjax.devices import mesh as mesh_lib
 from podsjax.update import algorithms, train_step
+import podsjax.models as pm
 from experiments import paper_settings
 
 pytestmark = pytest.mark.cpu_mesh

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import podsjax.models as pm
 from podsjax.update import algorithms, train_step
+import podsjax.models as pm
 from experiments import paper_settings
 
 pytestmark = pytest.mark.cpu_mesh
