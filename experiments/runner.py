@@ -150,7 +150,7 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
         print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
         start = time.time()
         trainer = rl.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
-                               rewards=make_rewards(config), started_at=started_at, scorer=scorer)
+                             rewards=make_rewards(config), started_at=started_at, scorer=scorer)
     except BaseException:
         scorer.close()
         raise

@@ -116,7 +116,7 @@ def batch_program(mesh, rows: int, algo: algorithms.AlgorithmConfig | None = Non
         p, n = rewards_PN.shape
         logprobs = None if logprobs_BT is None else logprobs_BT.reshape(p, n, -1)
         return train_step.build_batch(prompt_ids_PL, prompt_mask_PL, tokens_BT.reshape(p, n, -1),
-                                 mask_BT.reshape(p, n, -1), rewards_PN, config=config, key=key, logprobs_PNT=logprobs)
+                                      mask_BT.reshape(p, n, -1), rewards_PN, config=config, key=key, logprobs_PNT=logprobs)
 
     if mesh is None:
         return jax.jit(build_batch, static_argnames="config")
@@ -134,8 +134,8 @@ def batch_shardings(mesh, rows: int, algo: algorithms.AlgorithmConfig | None = N
         return mesh_lib.rows_sharding(mesh, rows, ndim)
 
     return train_step.TrainBatch(input_ids=sharding(2), attention_mask=sharding(2), completion_mask=sharding(2),
-                            advantages=sharding(1), loss_denominator=sharding(0), advantage_mean=sharding(0),
-                            sampler_logprobs=sharding(2) if algo.sampler_logprobs else None)
+                                 advantages=sharding(1), loss_denominator=sharding(0), advantage_mean=sharding(0),
+                                 sampler_logprobs=sharding(2) if algo.sampler_logprobs else None)
 
 
 def abstract_batch(mesh, rows: int, prompt_len: int, max_new_tokens: int,

@@ -310,7 +310,7 @@ def test_group_token_mean_through_the_train_step_one_group_a_micro_batch():
         assert float(train_step.mini_batch_denominators(batch.completion_mask, algo)) == (
             2.0 if algo.aggregation == "group-token-mean" else 23.0)
         return jax.jit(train_step.make_train_step(policy, optimizer, algo))(train_step.init_state(params, optimizer), batch,
-                                                                       params)[1]
+                                                                            params)[1]
 
     ga = run(algorithm="grpo-ga", grad_accum=2, aggregation="group-token-mean")
     big = run(algorithm="grpo", aggregation="group-token-mean")

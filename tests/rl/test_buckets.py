@@ -72,9 +72,9 @@ def test_the_first_step_compiles_nothing_after_the_fit_check_and_the_first_evalu
     test = data.load_task("gsm8k", "test", path=os.path.join(gsm8k, "test.jsonl"), limit=8).examples
     # The fit check compiles the largest bucket (1024); these prompts fall in a smaller one.
     run = rl.RunConfig(out_dir=str(tmp_path / "run"), max_steps=2, prompts_per_step=2, max_new_tokens=8,
-                         max_prompt_length=1024, eval_every_s=0.0, reward_workers=1, progress=False, console=False)
+                       max_prompt_length=1024, eval_every_s=0.0, reward_workers=1, progress=False, console=False)
     trainer = rl.Trainer(model, params, tokenizer, train, test, paper_settings.method_config("pods", n=4, m=2), run,
-                           lora=pm.LoraConfig(rank=2, alpha=4.0))
+                         lora=pm.LoraConfig(rank=2, alpha=4.0))
     try:
         natural = trainer.prompts.prepare(train[:2]).ids_PL.shape[1]
         assert natural < 1024

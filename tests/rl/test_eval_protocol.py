@@ -36,11 +36,11 @@ shared_generator = functools.cache(sampling.Generator)
 def make_trainer(setup, out_dir, rewards=None, generator=None, scorer=None, **run_fields):
     model, params, tokenizer, examples = setup
     run = rl.RunConfig(out_dir=str(out_dir), max_steps=1, prompts_per_step=2, max_new_tokens=7,
-                         reward_workers=1, progress=False, console=False, **run_fields)
+                       reward_workers=1, progress=False, console=False, **run_fields)
     algo = paper_settings.method_config("pods", n=4, m=2)
     return rl.Trainer(model, params, tokenizer, examples, examples, algo, run,
-                        lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards,
-                        generator=generator or shared_generator(model), scorer=scorer)
+                      lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards,
+                      generator=generator or shared_generator(model), scorer=scorer)
 
 
 class InProcessScorer:
@@ -255,8 +255,8 @@ def test_pass_and_maj_at_k_come_from_the_passes_grades_and_answers(setup, tmp_pa
                            eval_temperature=0.9, eval_k=(1, 2, 4))
     try:
         evaluator = rl.Evaluator(trainer.generator, trainer.prompts, InProcessScorer(), setup[3],
-                                   trainer.run_config, rows=8, rewards=rewards, eos_ids=trainer.eos_ids,
-                                   answer_key=answer_key)
+                                 trainer.run_config, rows=8, rewards=rewards, eos_ids=trainer.eos_ids,
+                                 answer_key=answer_key)
         result, _ = evaluator(*trainer.policy_params())
     finally:
         trainer.close()

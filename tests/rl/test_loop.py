@@ -47,10 +47,10 @@ def make_trainer(setup, out_dir, max_steps, lora=None, **parts):
     model, params, tokenizer, train_set, test_set = setup
     algo = paper_settings.method_config("pods", n=4, m=2, learning_rate=1e-3)
     run = rl.RunConfig(out_dir=str(out_dir), max_steps=max_steps, prompts_per_step=2, max_new_tokens=8,
-                         eval_every_s=0.0, eval_batch_size=2, checkpoint_every_steps=1, reward_workers=1,
-                         progress=False)
+                       eval_every_s=0.0, eval_batch_size=2, checkpoint_every_steps=1, reward_workers=1,
+                       progress=False)
     return rl.Trainer(model, params, tokenizer, train_set, test_set, algo, run, lora=lora,
-                        **{"generator": shared_generator(model), **parts})
+                      **{"generator": shared_generator(model), **parts})
 
 
 def read_jsonl(path):
@@ -116,10 +116,10 @@ def test_the_first_step_compiles_the_update_behind_generation(setup, tmp_path):
     # while generation compiles and runs, once per shape, and the step's call reuses it.
     model, params, tokenizer, train_set, _ = setup
     run = rl.RunConfig(out_dir=str(tmp_path / "run"), max_steps=2, prompts_per_step=2, max_new_tokens=8,
-                         eval_every_s=None, reward_workers=1, progress=False, console=False)
+                       eval_every_s=None, reward_workers=1, progress=False, console=False)
     algo = paper_settings.method_config("pods", n=4, m=2)
     trainer = rl.Trainer(model, params, tokenizer, [train_set[0]] * 8, [], algo, run,
-                           lora=pm.LoraConfig(rank=2, alpha=4.0), generator=shared_generator(model))
+                         lora=pm.LoraConfig(rank=2, alpha=4.0), generator=shared_generator(model))
     real, lowered_on = trainer.update_fn, []
 
     class Recorded:
@@ -153,11 +153,11 @@ def test_each_program_compiles_once_and_the_console_says_so(setup, tmp_path):
     # their decode program; its prefill (1 sample per prompt) is its own.
     same = [train_set[0]] * 8
     run = rl.RunConfig(out_dir=str(tmp_path / "run"), max_steps=3, prompts_per_step=2, max_new_tokens=8,
-                         eval_every_s=0.0, eval_batch_size=8, reward_workers=1, progress=False, progress_every_s=0.0)
+                       eval_every_s=0.0, eval_batch_size=8, reward_workers=1, progress=False, progress_every_s=0.0)
     lines = []
     algo = paper_settings.method_config("pods", n=4, m=2)
     trainer = rl.Trainer(model, params, tokenizer, same, same, algo, run,
-                           lora=pm.LoraConfig(rank=2, alpha=4.0), log=lines.append)
+                         lora=pm.LoraConfig(rank=2, alpha=4.0), log=lines.append)
     trainer.compile_log.min_report_s = 0.0  # report every compile, however fast this machine
     trainer.run()
     counts = trainer.compile_counts
@@ -186,10 +186,10 @@ def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_
     gsm8k = os.path.join(data_dir, "gsm8k")
     example = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=1).examples
     run = rl.RunConfig(out_dir=str(tmp_path / "run"), max_steps=1, prompts_per_step=2, max_new_tokens=8,
-                         max_prompt_length=256, eval_every_s=None, reward_workers=1, progress=False, console=False)
+                       max_prompt_length=256, eval_every_s=None, reward_workers=1, progress=False, console=False)
     algo = paper_settings.method_config("pods", n=4, m=2)
     trainer = rl.Trainer(model, params, tokenizer, example * 4, example, algo, run,
-                           lora=pm.LoraConfig(rank=2, alpha=4.0))
+                         lora=pm.LoraConfig(rank=2, alpha=4.0))
     try:
         memory = runner._check_fits(trainer, limit=2**40)  # a device that reports its memory
         assert memory.update_temp > 0 and memory.kv_cache > 0
@@ -216,8 +216,8 @@ def test_a_bf16_full_fine_tune_trains_fp32_master_weights_and_samples_their_bf16
     gsm8k = os.path.join(data_dir, "gsm8k")
     examples = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=4).examples
     run = rl.RunConfig(out_dir=str(tmp_path / "run"), max_steps=2, prompts_per_step=2, max_new_tokens=8,
-                         max_prompt_length=256, eval_every_s=None, reward_workers=1, checkpoint_every_steps=1,
-                         progress=False, console=False)
+                       max_prompt_length=256, eval_every_s=None, reward_workers=1, checkpoint_every_steps=1,
+                       progress=False, console=False)
     algo = paper_settings.method_config("pods", n=4, m=2, learning_rate=1e-3)
     param_bytes = mesh_lib.bytes_per_device(params)
     floating = lambda tree: {str(x.dtype) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
@@ -268,10 +268,10 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
 
     def trainer(examples, name, lines):
         run = rl.RunConfig(out_dir=str(tmp_path / name), max_steps=3, prompts_per_step=2, max_new_tokens=4,
-                             max_prompt_length=fits, eval_every_s=None, reward_workers=1, progress=False)
+                           max_prompt_length=fits, eval_every_s=None, reward_workers=1, progress=False)
         algo = paper_settings.method_config("pods", n=4, m=2)
         return rl.Trainer(model, params, tokenizer, examples, test_set, algo, run,
-                            log=lines.append, generator=shared_generator(model))
+                          log=lines.append, generator=shared_generator(model))
 
     lines = []
     mixed = trainer([long, long, short, long, short, long], "mixed", lines)
@@ -303,10 +303,10 @@ def test_groups_per_prompt_draws_each_prompt_as_several_groups(setup, tmp_path):
     model, params, tokenizer, train_set, test_set = setup
     algo = paper_settings.method_config("pods", n=4, m=2, groups_per_prompt=2)
     run = rl.RunConfig(out_dir=str(tmp_path / "groups"), max_steps=1, prompts_per_step=2, max_new_tokens=4,
-                         eval_every_s=None, reward_workers=1, progress=False)
+                       eval_every_s=None, reward_workers=1, progress=False)
     lines = []
     trainer = rl.Trainer(model, params, tokenizer, train_set, test_set, algo, run, log=lines.append,
-                           generator=shared_generator(model))
+                         generator=shared_generator(model))
     try:
         examples, batch, _ = trainer.prompts.draw(run.prompts_per_step, algo.groups_per_prompt)
         drawn = [e.prompt for e in examples]
@@ -531,13 +531,13 @@ class ScriptedScorer:
 def test_dynamic_sampling_draws_again_until_the_groups_have_variance(setup, tmp_path):
     model, params, tokenizer, train_set, test_set = setup
     run = rl.RunConfig(out_dir=str(tmp_path / "dyn"), max_steps=2, prompts_per_step=2, max_new_tokens=4,
-                         eval_every_s=None, reward_workers=1, progress=False)
+                       eval_every_s=None, reward_workers=1, progress=False)
     algo = paper_settings.method_config("pods", n=4, m=2, dynamic_sampling=True, max_sampling_rounds=2)
     # Step 1: one informative group per draw, so a second draw fills the step. Step 2: both
     # draws flat, so the first draw's groups fill in and the step keeps its shape.
     scorer = ScriptedScorer([("flat", "mixed"), ("mixed", "flat"), ("flat", "flat"), ("flat", "flat")])
     trainer = rl.Trainer(model, params, tokenizer, train_set, test_set, algo, run, scorer=scorer,
-                           generator=shared_generator(model), log=lambda line: None)
+                         generator=shared_generator(model), log=lambda line: None)
     try:
         first = trainer.rl_step()
         assert first["data/sampling_rounds"] == 2 and first["data/groups_filled"] == 0

@@ -106,10 +106,10 @@ def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny, tm
     checkpoint, train, test = tiny
     model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
     run = rl.RunConfig(out_dir=str(tmp_path / "run"), max_steps=1, prompts_per_step=2, max_new_tokens=8,
-                         max_prompt_length=256, eval_every_s=0.0, reward_workers=1, progress=False, console=False,
-                         compile_threads=threads)
+                       max_prompt_length=256, eval_every_s=0.0, reward_workers=1, progress=False, console=False,
+                       compile_threads=threads)
     trainer = rl.Trainer(model, params, prompts.load_tokenizer(checkpoint), train, test,
-                           paper_settings.method_config("pods", n=4, m=2), run, lora=pm.LoraConfig(rank=2, alpha=4.0))
+                         paper_settings.method_config("pods", n=4, m=2), run, lora=pm.LoraConfig(rank=2, alpha=4.0))
     trainer.weights.overlap_compiles = False  # as on a GPU, where the first step compiles nothing behind generation
     try:
         runner._check_fits(trainer, limit=2**40)

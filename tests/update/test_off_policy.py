@@ -58,7 +58,7 @@ def batch_with(model, params, config_fields, sampler_shift=None, seed=0):
     config = algorithms.AlgorithmConfig(**COMMON, **config_fields)
     prompt_ids, prompt_mask, tokens, mask, rewards = rollouts(seed)
     plain, _ = train_step.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards,
-                                 algorithms.AlgorithmConfig(**COMMON))
+                                      algorithms.AlgorithmConfig(**COMMON))
     logp = np.asarray(policy_logprobs(model, params, plain)).reshape(P, N, T)
     if sampler_shift is not None:
         logp = logp + sampler_shift
