@@ -7,6 +7,7 @@ import sys
 
 import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 from tiny_tokenizer import save_tiny_tokenizer
 
 import podsjax.models as pm
@@ -43,6 +44,7 @@ def restore_jax_cache_config():
     yield
     for name, value in saved.items():
         jax.config.update(name, value)
+    jax_compilation_cache.reset_cache()  # JAX decides once whether to use its cache: decide again
 
 
 @pytest.mark.slow

@@ -147,7 +147,8 @@ def test_reward_workers_die_with_a_parent_killed_while_a_reward_hangs(tmp_path):
               "pool = RewardPool(2, preload=(), timeout_s=300).start()\n"
               "print(*pool.worker_pids, flush=True)\n"
               "pool.score(['a', 'b'], [hang])\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), ROOT])}
+    here = os.path.dirname(os.path.abspath(__file__))  # this module; the test helpers one folder up
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), ROOT])}
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     try:

@@ -102,7 +102,11 @@ def tiny(tmp_path_factory, data_dir):
 @pytest.mark.parametrize("threads", [4, 1])
 def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny, tmp_path, threads):
     from experiments import runner
+    from podsjax.devices import compilation
 
+    # Every program compiles here: an earlier test of this process may have left JAX's
+    # persistent cache on, and a program loaded from it is no compile to count.
+    compilation.disable_compile_cache()
     checkpoint, train, test = tiny
     model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
     run = rl.RunConfig(out_dir=str(tmp_path / "run"), max_steps=1, prompts_per_step=2, max_new_tokens=8,
