@@ -97,40 +97,59 @@ def tiny(tmp_path_factory, data_dir):
     return checkpoint, train, test
 
 
+# Run in a process of its own: which programs compile is a fact of one process, and other
+# test modules that ran before in this one may already hold some of them.
+FIT_CHECK_RUN = """
+import json, os, sys
+import jax.numpy as jnp
+import podsjax.models as pm
+from experiments import paper_settings, runner
+from podsjax import rl
+from podsjax.data import datasets as data, prompts
+checkpoint, gsm8k, out, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+train = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=4).examples
+test = data.load_task("gsm8k", "test", path=os.path.join(gsm8k, "test.jsonl"), limit=4).examples
+model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
+run = rl.RunConfig(out_dir=out, max_steps=1, prompts_per_step=2, max_new_tokens=8, max_prompt_length=256,
+                   eval_every_s=0.0, reward_workers=1, progress=False, console=False, compile_threads=threads)
+trainer = rl.Trainer(model, params, prompts.load_tokenizer(checkpoint), train, test,
+                     paper_settings.method_config("pods", n=4, m=2), run, lora=pm.LoraConfig(rank=2, alpha=4.0))
+trainer.weights.overlap_compiles = False  # as on a GPU, where the first step compiles nothing behind generation
+try:
+    runner._check_fits(trainer, limit=2**40)
+    fit_check = dict(trainer.compile_counts)
+    trainer.evaluate()
+    trainer.rl_step()
+finally:
+    trainer.close()
+print(json.dumps({"fit_check": fit_check, "after": dict(trainer.compile_counts),
+                  "intervals": trainer.compile_log.intervals}))
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.cpu_mesh
 @pytest.mark.parametrize("threads", [4, 1])
-def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny, tmp_path, threads):
-    from experiments import runner
-    from podsjax.devices import compilation
+def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny, data_dir, tmp_path, threads):
+    import json
+    import subprocess
+    import sys
 
-    # Every program compiles here: an earlier test of this process may have left JAX's
-    # persistent cache on, and a program loaded from it is no compile to count.
-    compilation.disable_compile_cache()
-    checkpoint, train, test = tiny
-    model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
-    run = rl.RunConfig(out_dir=str(tmp_path / "run"), max_steps=1, prompts_per_step=2, max_new_tokens=8,
-                       max_prompt_length=256, eval_every_s=0.0, reward_workers=1, progress=False, console=False,
-                       compile_threads=threads)
-    trainer = rl.Trainer(model, params, prompts.load_tokenizer(checkpoint), train, test,
-                         paper_settings.method_config("pods", n=4, m=2), run, lora=pm.LoraConfig(rank=2, alpha=4.0))
-    trainer.weights.overlap_compiles = False  # as on a GPU, where the first step compiles nothing behind generation
-    try:
-        runner._check_fits(trainer, limit=2**40)
-        fit_check = dict(trainer.compile_counts)
-        trainer.evaluate()
-        trainer.rl_step()
-    finally:
-        trainer.close()
-    # The step-0 evaluation's prefill (one sample per prompt) and the batch builder compile
-    # in the fit check; the evaluation and the first step then compile nothing.
+    checkpoint, _, _ = tiny
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", FIT_CHECK_RUN, checkpoint, os.path.join(data_dir, "gsm8k"),
+                           str(tmp_path / "run"), str(threads)], cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    fit_check, after = result["fit_check"], result["after"]
+    intervals = [tuple(i) for i in result["intervals"]]
     assert fit_check["select[build_batch]"] == 1 and fit_check["generate[prefill]"] == 2, fit_check
     # (Eager conversions such as a key's fold_in compile too, in milliseconds: not counted.)
-    assert {k: v for k, v in trainer.compile_counts.items() if k in PROGRAMS} == {
+    assert {k: v for k, v in after.items() if k in PROGRAMS} == {
         k: v for k, v in fit_check.items() if k in PROGRAMS}
     assert sum(v for k, v in fit_check.items() if k in PROGRAMS) <= 5
-    pairs = overlapping([i for i in trainer.compile_log.intervals if i[0] in PROGRAMS])
+    pairs = overlapping([i for i in intervals if i[0] in PROGRAMS])
     if threads == 1:
         assert not pairs
     else:
-        assert pairs, trainer.compile_log.intervals
+        assert pairs, intervals
