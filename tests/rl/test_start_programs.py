@@ -4,15 +4,11 @@ import os
 import threading
 import time
 
-import jax.numpy as jnp
 import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
 from podsjax import rl
-from podsjax.data import datasets as data, prompts
 from podsjax.devices import compilation
-import podsjax.models as pm
-from experiments import paper_settings
 from podsjax.sampler import sampler_programs
 
 PROGRAMS = ("generate[weights]", "generate[prefill]", "generate[decode]", "update", "select[build_batch]")
@@ -89,12 +85,8 @@ def overlapping(intervals):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, data_dir):
-    checkpoint = save_tiny_checkpoint(tmp_path_factory.mktemp("start_ckpt"))
-    gsm8k = os.path.join(data_dir, "gsm8k")
-    train = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=4).examples
-    test = data.load_task("gsm8k", "test", path=os.path.join(gsm8k, "test.jsonl"), limit=4).examples
-    return checkpoint, train, test
+def tiny_checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("start_ckpt"))
 
 
 # Run in a process of its own: which programs compile is a fact of one process, and other
@@ -130,14 +122,13 @@ print(json.dumps({"fit_check": fit_check, "after": dict(trainer.compile_counts),
 @pytest.mark.slow
 @pytest.mark.cpu_mesh
 @pytest.mark.parametrize("threads", [4, 1])
-def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny, data_dir, tmp_path, threads):
+def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny_checkpoint, data_dir, tmp_path, threads):
     import json
     import subprocess
     import sys
 
-    checkpoint, _, _ = tiny
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", FIT_CHECK_RUN, checkpoint, os.path.join(data_dir, "gsm8k"),
+    done = subprocess.run([sys.executable, "-c", FIT_CHECK_RUN, tiny_checkpoint, os.path.join(data_dir, "gsm8k"),
                            str(tmp_path / "run"), str(threads)], cwd=root, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
