@@ -318,10 +318,9 @@ def _rates(chip: topology.Chip | None) -> tuple[float | None, float | None]:
 
 
 def decode_step_cost(decode, chip: topology.Chip | None = None) -> hlo_cost.Cost:
-    """One step of a compiled decode program: the sampling loop's body, the loop whose
-    length depends on the data (rows stop at EOS)."""
-    loops = hlo_cost.while_loops(decode.as_text(), *_rates(chip))
-    return max((cost for trips, cost in loops if trips is None), key=lambda c: c.bytes, default=hlo_cost.Cost())
+    """One step of a compiled decode program: of the sampling loop, the loop whose length
+    depends on the data (rows stop at EOS)."""
+    return hlo_cost.data_loop_step(decode.as_text(), *_rates(chip))
 
 
 def _costs(gen: dict, update, chip: topology.Chip | None) -> dict[str, dict[str, float]]:

@@ -16,7 +16,8 @@ backend:
   can reach a chip's peak; elementwise work is left out;
 - a ``while`` loop costs its body times its trip count when that is known (XLA:GPU's
   ``known_trip_count``, or a counter compared with a constant); otherwise once, and
-  :func:`while_loops` gives the cost of one iteration (e.g. one decode step);
+  :func:`while_loops` gives the cost of one iteration, and :func:`data_loop_step` one step
+  of a sampling loop, chunks of steps included;
 - a ``conditional`` costs its most expensive branch.
 
 Reading the text is ``hlo_text``'s part; this module is the cost model.
@@ -329,6 +330,23 @@ def while_loops(hlo_text: str, bandwidth: float | None = None, peak_flops: float
             once = sum((module.cost(c) for c in parts), Cost())
             loops.append((module.trip_count(instr, module.entry), once))
     return loops
+
+
+def data_loop_step(hlo_text: str, bandwidth: float | None = None, peak_flops: float | None = None) -> Cost:
+    """One step of the costliest loop the entry runs whose length depends on data (a sampling
+    loop): its iteration, divided by the trip count of a fixed-count loop its body runs, where
+    the body runs its steps in chunks that way (one check of the condition a chunk)."""
+    module = _Module(hlo_text, bandwidth, peak_flops)
+    steps = []
+    for instr in module.computations.get(module.entry, []):
+        if instr.opcode != "while" or module.trip_count(instr, module.entry) is not None:
+            continue
+        body = called_computations(instr.attrs, "body")
+        once = sum((module.cost(c) for c in body + called_computations(instr.attrs, "condition")), Cost())
+        chunks = [module.trip_count(inner, c) for c in body for inner in module.computations.get(c, [])
+                  if inner.opcode == "while"]
+        steps.append(once * (1 / chunks[0]) if len(chunks) == 1 and chunks[0] else once)
+    return max(steps, key=lambda c: c.bytes, default=Cost())
 
 
 def custom_call_targets(hlo_text: str) -> list[str]:

@@ -208,14 +208,30 @@ def _constrain_rows(model, x):
     return mesh_lib.constrain(x, model.mesh, ("batch",) + (None,) * (x.ndim - 1))
 
 
+# Decode steps run between two checks of the loop's stop condition. A GPU runs a
+# while_loop whose length depends on data by copying the condition to the host and
+# waiting for it every iteration, so the device drains and then waits on the host's
+# launches once per check; a loop of a fixed count inside runs without that wait.
+# Rows that finish mid-chunk run on masked, as at most this many - 1 extra steps.
+MAX_STEPS_PER_CHECK = 8
+
+
+def steps_per_check(max_new_tokens: int) -> int:
+    """Decode steps between two stop checks: the largest divisor of ``max_new_tokens`` up to
+    :data:`MAX_STEPS_PER_CHECK`, so no chunk runs past the last step."""
+    return max(k for k in range(1, MAX_STEPS_PER_CHECK + 1) if max_new_tokens % k == 0)
+
+
 def decode(model, cfg: SamplingConfig, weights, logits_BV, cache, key, temperature) -> tuple[Rollouts, Any]:
-    """Samples up to T tokens per row in one while_loop.
+    """Samples up to T tokens per row in one while_loop, :func:`steps_per_check` steps an
+    iteration (a loop of that fixed count inside).
 
     The final cache is returned so the donated input cache aliases it and the
     loop updates one buffer in place.
     """
     rows, t_max = logits_BV.shape[0], cfg.max_new_tokens
     eos_E = jnp.asarray(cfg.eos_token_ids, jnp.int32)
+    chunk = steps_per_check(t_max)
 
     def cond(c: _Carry):
         return (c.step < t_max) & ~jnp.all(c.done_B)
@@ -249,7 +265,7 @@ def decode(model, cfg: SamplingConfig, weights, logits_BV, cache, key, temperatu
         done_B=_constrain_rows(model, jnp.zeros((rows,), bool)),
         cache=cache,
     )
-    final = lax.while_loop(cond, body, init)
+    final = lax.while_loop(cond, lambda c: lax.fori_loop(0, chunk, lambda _, c: body(c), c), init)
     is_eos_BT = jnp.any(final.tokens_BT[..., None] == eos_E, axis=-1)
     # Valid: every step up to and including the first EOS, within the steps run.
     eos_before_BT = jnp.cumsum(is_eos_BT, axis=1) - is_eos_BT

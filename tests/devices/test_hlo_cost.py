@@ -1,6 +1,9 @@
 """Flops, bytes and kernels counted from optimized HLO text (podsjax.devices.hlo_cost)."""
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax import lax
 
 from podsjax.devices import hlo_cost
 
@@ -211,3 +214,27 @@ def test_the_text_reads_as_computations_of_instructions():
     assert hlo_text.arrays("(f32[4]{0:S(1)}, s32[]{:S(2)})") == [("f32", (4,)), ("s32", ())]
     assert hlo_text.arrays("(f32[4]{0:S(1)}, s32[]{:S(2)})", in_hbm_only=True) == []
     assert hlo_cost.parse_module is hlo_text.parse_module and hlo_cost.type_bytes is hlo_text.type_bytes
+
+
+def test_a_sampling_loop_that_runs_its_steps_in_chunks_costs_one_step():
+    w = jnp.ones((256, 256), jnp.float32)
+
+    def step(c):
+        i, x = c
+        return i + 1, jnp.tanh(x @ w)
+
+    def cond(c):
+        return (c[0] < 64) & (c[1][0, 0] < 5.0)  # the length depends on the data
+
+    def plain(x):
+        return lax.while_loop(cond, step, (0, x))
+
+    def chunked(x):
+        return lax.while_loop(cond, lambda c: lax.fori_loop(0, 4, lambda _, c: step(c), c), (0, x))
+
+    x = jnp.ones((64, 256), jnp.float32)
+    one, per_chunk = (hlo_cost.data_loop_step(jax.jit(f).lower(x).compile().as_text()) for f in (plain, chunked))
+    assert one.flops == per_chunk.flops == 2 * 64 * 256 * 256
+    (_, whole_chunk), = hlo_cost.while_loops(jax.jit(chunked).lower(x).compile().as_text())
+    assert whole_chunk.flops == 4 * one.flops
+    assert per_chunk.bytes == pytest.approx(one.bytes, rel=0.25)

@@ -12,7 +12,7 @@ from test_models import build_hf
 
 from podsjax.core import logprobs
 from podsjax.devices import mesh as mesh_lib
-from podsjax.sampler import sampling
+from podsjax.sampler import decoding, sampling
 import podsjax.models as pm
 
 pytestmark = pytest.mark.cpu_mesh
@@ -151,6 +151,26 @@ def test_mask_lengths_and_truncation_follow_the_first_eos(tiny, generator_for):
             saw_truncated = True
             assert valid[row].all() and bool(r.truncated[row]) and int(r.lengths[row]) == 12
     assert saw_eos and saw_truncated, "the seed should give both kinds of rows"
+
+
+def test_steps_between_stop_checks_divide_the_length():
+    assert [decoding.steps_per_check(t) for t in (512, 12, 7, 11, 1)] == [8, 6, 7, 1, 1]
+
+
+@pytest.mark.parametrize("eos", [(EOS, 4), tuple(range(4, 200))], ids=["some_rows_stop", "every_row_stops_early"])
+def test_rollouts_are_the_same_whether_steps_run_in_chunks_or_one_by_one(tiny, generator_for, monkeypatch, eos):
+    # 12 new tokens run as 2 chunks of 6; a loop that ends mid-chunk runs the chunk out masked.
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(3)
+    kwargs = dict(num_samples=8, max_new_tokens=12, temperature=3.0, eos_token_ids=eos, pad_token_id=PAD,
+                  return_logprobs=True)
+    chunked = generator_for(model).generate(params, ids, mask, jax.random.key(2), **kwargs)
+    monkeypatch.setattr(decoding, "MAX_STEPS_PER_CHECK", 1)
+    stepped = sampling.Generator(model).generate(params, ids, mask, jax.random.key(2), **kwargs)
+    for got, want in zip(jax.tree.leaves(chunked), jax.tree.leaves(stepped)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if len(eos) > 2:  # the loop stopped before its last chunk
+        assert int(np.asarray(stepped.lengths).max()) <= 6
 
 
 def test_same_key_same_rollouts_and_samples_differ(tiny, generator_for):
