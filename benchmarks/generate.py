@@ -6,7 +6,7 @@ transformers and loaded into podsjax with ``podsjax.models.from_pretrained``, in
 --dtype (bfloat16 on GPU/TPU, float32 on CPU by default). Both sides sample
 P rows of L random prompt tokens x T new tokens at temperature 1 (no top-k, no
 top-p), end to end (prefill included):
-  (a) podsjax: ``podsjax.sampler.sampling.Generator.generate`` (jit prefill + lax.while_loop decode)
+  (a) podsjax: ``podsjax.sampler.sampling.Generator.generate`` (one program: prefill, then a while_loop decode)
   (b) transformers: ``model.generate(do_sample=True, ...)`` in eager PyTorch under
       ``torch.no_grad()``, sdpa attention and its default dynamic cache, on CUDA when
       torch has it (timed up to ``torch.cuda.synchronize()``)

@@ -50,13 +50,13 @@ def decode_step(gpu: str, shape: str, rows: int, layers: str) -> dict:
                                             prompt_len=PROMPT, num_samples=64, max_new_tokens=COMPLETION,
                                             eos_token_ids=(151645,))
     chip = topology.chip(GPUS[gpu]["kind"])
-    step = dry_run.decode_step_cost(gen["decode"], chip)
+    step = dry_run.decode_step_cost(gen["sample"], chip)
     floor = gen["weights_read_bytes"] + gen["kv_cache_bytes"]
     cfg = model.config
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V in bf16
     row_floor = gen["weights_read_bytes"] + per_token * rows * (PROMPT + COMPLETION)
     return {"bytes": step.bytes, "floor": floor, "row_floor": row_floor, "cache": gen["kv_cache_bytes"],
-            "kernels": step.kernels, "roofline_s": step.roofline_s, "compile_s": gen["compile_s"]["decode"]}
+            "kernels": step.kernels, "roofline_s": step.roofline_s, "compile_s": gen["compile_s"]["sample"]}
 
 
 def main(argv=None) -> None:
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__}; LoRA r{LORA_RANK}, bf16, {PROMPT} + {COMPLETION} tokens, 64 samples per prompt")
     print("floor: the weights and the KV cache read once; row-cache floor: the same with the prompt's KV in every row")
     print("| GPU | shape | rows | layers | KV cache | bytes / step | / floor | / row-cache floor | kernels "
-          "| step (roofline) | decode compile |")
+          "| step (roofline) | sampling compile |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for gpu in args.gpus:
         for shape in args.shapes:

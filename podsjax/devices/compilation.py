@@ -3,7 +3,7 @@
 A first run on an accelerator spends most of its start in XLA compiles; the persistent
 cache makes a second run of the same command load them from disk instead.
 :class:`CompileLog` reports each compile that happens inside a labelled block, e.g.
-``compiled generate[prefill] (1 prompt x 64 samples, 512 + 512 tokens) in 12.3 s``, and
+``compiled generate[sample] (1 prompt x 64 samples, 512 + 512 tokens) in 12.3 s``, and
 counts them, so a test can check that a run compiles each program once.
 
 Example:
@@ -146,7 +146,7 @@ class CompileLog:
 
     Attributes:
         counts: ``{key: compiles}``, key ``label`` or ``label[program]`` when the jitted
-            function has another name (``generate[prefill]``).
+            function has another name (``generate[sample]``).
         seconds: ``{key: total compile seconds}``.
         events: every compile as ``(key, detail, seconds, from_cache)``, in order.
         intervals: every compile as ``(key, start, end)``, ``time.perf_counter()`` seconds.

@@ -55,15 +55,16 @@ class MemoryPlan:
             fine-tune's fp32 master copy of bf16 weights), and a full fine-tune's KL reference.
         optimizer: optimizer state (AdamW moments of what is trained).
         kv_cache: the sampler's KV cache.
-        generate_temp: XLA temporaries of generation (the larger of prefill and decode).
+        generate_temp: XLA temporaries of generation beside the KV cache (the larger of the
+            weights merge's and sampling's).
         update_temp: XLA temporaries of the update (activations kept for the backward pass).
         batch: the update's input batch.
-        compile_s: seconds per program ("prefill", "decode", "update").
+        compile_s: seconds per program ("weights", "sample", "update").
         device_kind: e.g. "NVIDIA H100 80GB HBM3" or "cpu".
         devices: devices the model is sharded over.
         limit: bytes one device can hold, when the backend reports it (None on CPU).
         remat: the decoder's remat policy.
-        stage_temp: temporaries of each generation stage ("weights", "prefill", "decode").
+        stage_temp: temporaries of each generation stage ("weights", "sample": beside the KV cache).
         rollout_weights: the sampler's merged per-layer copy of the weights
             (``podsjax.models.rollout``), held while generating.
         costs: per program ("prefill", "decode_step", "update"), the ``flops``, ``bytes``
@@ -282,7 +283,9 @@ def plan(model, algo: algorithms.AlgorithmConfig, lora_config: pm.LoraConfig | N
             concurrent.futures.wait([pending])  # no compile left running while the error ends the process
         raise
     update, update_s = pending.result() if pending is not None else compile_update()
-    stage_temp = {stage: _temp(gen[stage]) for stage in ("weights", "prefill", "decode") if gen[stage] is not None}
+    stage_temp = {stage: _temp(gen[stage]) for stage in ("weights", "sample") if gen[stage] is not None}
+    # The KV cache lives inside the sampling program; what its layout pads stays a temporary.
+    stage_temp["sample"] = max(stage_temp["sample"] - int(gen["kv_cache_bytes"]), 0)
     chip = topology.chip(device.device_kind)  # None for a CPU
     costs = _costs(gen, update, chip)
     floor = int(gen["weights_read_bytes"]) + int(gen["kv_cache_bytes"])
@@ -317,15 +320,23 @@ def _rates(chip: topology.Chip | None) -> tuple[float | None, float | None]:
     return (chip.bandwidth, chip.peak_flops) if chip is not None else (None, None)
 
 
-def decode_step_cost(decode, chip: topology.Chip | None = None) -> hlo_cost.Cost:
-    """One step of a compiled decode program: of the sampling loop, the loop whose length
-    depends on the data (rows stop at EOS)."""
-    return hlo_cost.data_loop_step(decode.as_text(), *_rates(chip))
+def decode_step_cost(sample, chip: topology.Chip | None = None) -> hlo_cost.Cost:
+    """One decode step of a compiled sampling program: of its loop whose length depends on
+    the data (rows stop at EOS)."""
+    return hlo_cost.data_loop_step(sample.as_text(), *_rates(chip))
+
+
+def prefill_cost(sample, chip: topology.Chip | None = None) -> hlo_cost.Cost:
+    """A compiled sampling program without its decode loop: the prefill (and the few
+    elementwise ops that finish the rollouts)."""
+    text = sample.as_text()
+    loop = sum((once for trips, once in hlo_cost.while_loops(text, *_rates(chip)) if trips is None), hlo_cost.Cost())
+    return hlo_cost.program_cost(text, *_rates(chip)) + loop * -1
 
 
 def _costs(gen: dict, update, chip: topology.Chip | None) -> dict[str, dict[str, float]]:
     """Flops, bytes, kernels and roofline seconds of prefill, one decode step and the update."""
-    programs = {"prefill": hlo_cost.program_cost(gen["prefill"].as_text(), *_rates(chip)),
-                "decode_step": decode_step_cost(gen["decode"], chip),
+    programs = {"prefill": prefill_cost(gen["sample"], chip),
+                "decode_step": decode_step_cost(gen["sample"], chip),
                 "update": hlo_cost.program_cost(update.as_text(), *_rates(chip))}
     return {name: dataclasses.asdict(cost) for name, cost in programs.items()}

@@ -1,6 +1,6 @@
 """Which compiled prompt length a step's prompts run at: a new bucket compiles when it pays.
 
-Each prompt bucket costs a compile of prefill, decode and the update: tens of seconds each
+Each prompt bucket costs a compile of sampling and of the update: tens of seconds each
 on a GPU, where XLA autotunes its kernels. A bucket drawn once or twice costs more to
 compile than its shorter padding saves. So a step whose prompts fall in a bucket not yet
 compiled runs at the smallest compiled length that holds them (more left padding, which

@@ -1,8 +1,8 @@
 """The programs a run needs before its first step, compiled side by side by the fit check.
 
-Before its first step a run compiles generation (rollout weights, prefill, decode) and the
+Before its first step a run compiles generation (rollout weights, sampling) and the
 update for its largest shapes (the fit check, ``podsjax.devices.dry_run.plan``), generation for
-the step-0 evaluation (evaluation chunks have other shapes than the rollouts on a GPU),
+the step-0 evaluation (evaluation chunks have other shapes than the rollouts),
 and the batch builder. One after another these compiles add up; XLA compiles without
 holding Python's lock, so on a :class:`podsjax.devices.compilation.CompilePool` of a few threads
 the start waits for about the longest one. Each program still compiles once: a program
@@ -68,7 +68,7 @@ def _first_evaluation(trainer, params, lora, prompt_len: int) -> None:
 
 
 def _batch_builder(trainer, params, lora, prompt_len: int) -> None:
-    """The first step's batch builder, for the rollouts of generation's decode program (which
+    """The first step's batch builder, for the rollouts of generation's sampling program (which
     it waits for), placed as the step's arguments are."""
     run_config, algo, mesh = trainer.run_config, trainer.algo, trainer.model.mesh
     if not hasattr(trainer.batch_fn, "lower"):
@@ -82,7 +82,7 @@ def _batch_builder(trainer, params, lora, prompt_len: int) -> None:
             params, lora, prompts=rows, prompt_len=prompt_len,
             **dry_run.rollout_options(algo, run_config.max_new_tokens, trainer.eos_ids,
                                       prompts_lib.pad_token_id(trainer.tokenizer)))
-    rollouts = generated["decode"].out_info[0]
+    rollouts = generated["sample"].out_info
     rewards = jax.ShapeDtypeStruct((rows, algo.n), jnp.float32)
     key = jax.eval_shape(lambda: jax.random.key(0))
     with trainer.compile_log.label("select"):

@@ -147,7 +147,7 @@ class Trainer:
 
     @property
     def compile_counts(self) -> dict[str, int]:
-        """Compiles so far per program, e.g. ``{"generate[prefill]": 1, "update": 1, ...}``."""
+        """Compiles so far per program, e.g. ``{"generate[sample]": 1, "update": 1, ...}``."""
         return dict(self.compile_log.counts)
 
     def log(self, line: str) -> None:

@@ -76,13 +76,9 @@ class SamplingConfig:
             raise ValueError("eos_token_ids must name at least one token (e.g. tokenizer.eos_token_id)")
 
     @property
-    def decode_key(self) -> SamplingConfig:
-        """The fields the decode program depends on (temperature and sample count left out)."""
-        return dataclasses.replace(self, num_samples=1, temperature=1.0)
-
-    @property
-    def prefill_key(self) -> tuple[int, int]:
-        return self.num_samples, self.max_new_tokens
+    def program_key(self) -> SamplingConfig:
+        """The fields the sampling program depends on: all but the temperature, a traced input."""
+        return dataclasses.replace(self, temperature=1.0)
 
 
 def filter_logits(logits_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -222,13 +218,17 @@ def steps_per_check(max_new_tokens: int) -> int:
     return max(k for k in range(1, MAX_STEPS_PER_CHECK + 1) if max_new_tokens % k == 0)
 
 
-def decode(model, cfg: SamplingConfig, weights, logits_BV, cache, key, temperature) -> tuple[Rollouts, Any]:
-    """Samples up to T tokens per row in one while_loop, :func:`steps_per_check` steps an
-    iteration (a loop of that fixed count inside).
+def sample(model, cfg: SamplingConfig, weights, prompt_ids_BL, prompt_mask_BL, key, temperature) -> Rollouts:
+    """Prefill and decode as one program: the KV cache is made and used up inside it, in the
+    layout the compiler picks for the decode loop (a TPU packs kv heads with head_dim), with
+    no copy at a program's edge; one program per shape serves rollouts and evaluation alike."""
+    logits_BV, cache = prefill(model, cfg.num_samples, cfg.max_new_tokens, weights, prompt_ids_BL, prompt_mask_BL)
+    return decode(model, cfg, weights, logits_BV, cache, key, temperature)
 
-    The final cache is returned so the donated input cache aliases it and the
-    loop updates one buffer in place.
-    """
+
+def decode(model, cfg: SamplingConfig, weights, logits_BV, cache, key, temperature) -> Rollouts:
+    """Samples up to T tokens per row in one while_loop, :func:`steps_per_check` steps an
+    iteration (a loop of that fixed count inside), the cache updated in place."""
     rows, t_max = logits_BV.shape[0], cfg.max_new_tokens
     eos_E = jnp.asarray(cfg.eos_token_ids, jnp.int32)
     chunk = steps_per_check(t_max)
@@ -277,4 +277,4 @@ def decode(model, cfg: SamplingConfig, weights, logits_BV, cache, key, temperatu
         lengths=jnp.sum(mask_BT, axis=1, dtype=jnp.int32),
         truncated=~jnp.any(is_eos_BT & mask_BT, axis=1),
     )
-    return rollouts, final.cache
+    return rollouts

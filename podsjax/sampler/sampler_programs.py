@@ -1,11 +1,10 @@
-"""The sampler's compiled programs: the rollout weights, prefill and decode, each compiled once per signature.
+"""The sampler's compiled programs: the rollout weights and sampling, each compiled once per signature.
 
-Decode is compiled first with the KV cache's layout left to the compiler, and prefill
-then writes the cache in the layout decode chose. A while loop may want another layout
-than the default: XLA's TPU compiler packs kv heads with head_dim, and given a
-default-layout cache argument it copied the whole cache on the way in and out (decode
-temporaries as large as the cache). Greedy evaluation and sampled rollouts of the same
-row count share one decode program (temperature is a traced input).
+Sampling is one program, prefill and the decode loop together: the KV cache never crosses
+a program's edge, so the compiler lays it out for the loop (XLA's TPU compiler packs kv
+heads with head_dim; handed a cache in the default layout it copied the whole cache in and
+out), and a run compiles one program per generation shape. Greedy evaluation and sampled
+rollouts of the same shape share it (temperature is a traced input).
 """
 
 from __future__ import annotations
@@ -19,14 +18,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from podsjax.devices import mesh as mesh_lib
 from podsjax.models import rollout
 from podsjax.sampler import decoding
 
-STAGES = ("weights", "prefill", "decode")
+STAGES = ("weights", "sample")
 
 
 class Programs:
@@ -35,7 +33,7 @@ class Programs:
 
     Attributes:
         by_key: ``(stage, model, ...) -> program``; a ``"stages"`` entry holds one call's
-            ``(weights, prefill, decode, cache)``, so the steady state traces nothing.
+            ``(weights, sample, cache)``, so the steady state traces nothing.
         compiles: programs compiled so far, per stage (evictions do not lower it).
         seconds: compile seconds per key, for a caller that waited on another thread's compile.
     """
@@ -122,28 +120,16 @@ def _on_mesh(x: jax.ShapeDtypeStruct, mesh: Mesh | None) -> jax.ShapeDtypeStruct
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
 
 
-def _cache_formats(layers: decoding.Layers, cache, mesh: Mesh | None, layout) -> Any:
-    """in/out shardings of a cache argument: ``layout(x, sharding)`` for its keys and values
-    (every array of 4 or more dims), the others as the mesh places them."""
-    shardings = layers.cache_shardings(cache, mesh) if mesh is not None else jax.tree.map(lambda _: None, cache)
-    return jax.tree.map(lambda x, s: layout(x, s) if x.ndim >= 4 else s, cache, shardings,
-                        is_leaf=lambda x: x is None)
-
-
 def stages(programs: Programs, model, cfg: decoding.SamplingConfig, params: Any, lora: Any, prompt_ids_BL: Any,
            timings: dict | None = None) -> tuple:
-    """``(weights, prefill, decode, cache)`` for these inputs (arrays or ``ShapeDtypeStruct``s),
-    compiled into ``programs`` the first time they are asked for; ``cache`` is the KV cache's
-    ``ShapeDtypeStruct`` tree."""
-    return _stages(programs, model, cfg, params, lora, prompt_ids_BL, timings)
-
-
-def _stages(programs: Programs, model, cfg: decoding.SamplingConfig, params, lora, prompt_ids_BL, timings):
+    """``(weights, sample, cache)`` for these inputs (arrays or ``ShapeDtypeStruct``s), compiled
+    into ``programs`` the first time they are asked for; ``cache`` is the KV cache's
+    ``ShapeDtypeStruct`` tree, which lives inside ``sample``."""
     mesh: Mesh | None = model.mesh
     params, lora = jax.tree.map(lambda x: _on_mesh(mesh_lib.abstract(x), mesh), (params, lora))
     ids = jax.ShapeDtypeStruct(tuple(prompt_ids_BL.shape), jnp.int32)
     inputs = (signature(params, mesh), signature(lora, mesh))
-    call = ("stages", model, cfg.prefill_key, cfg.decode_key, inputs, ids.shape)
+    call = ("stages", model, cfg.program_key, inputs, ids.shape)
     if call in programs.by_key:  # the steady state: no tracing, no lookups by abstract values
         return programs.by_key[call]
     layers = decoding.layers_for(model)
@@ -159,33 +145,21 @@ def _stages(programs: Programs, model, cfg: decoding.SamplingConfig, params, lor
             return jax.jit(merge, out_shardings=placed).lower(params, lora).compile()
 
         weights_fn = programs.compiled(("weights", model) + inputs, build_weights, timings)
-    prefill_fn = functools.partial(decoding.prefill, model, *cfg.prefill_key)
-    logits, cache = jax.eval_shape(prefill_fn, weights, ids, ids)
+        # As the merge places them (one device's arrays included), so sampling's results are
+        # committed as the scanned layout's are, and later programs see one signature.
+        weights = weights_fn.out_info
+    _, cache = jax.eval_shape(functools.partial(decoding.prefill, model, cfg.num_samples, cfg.max_new_tokens),
+                              weights, ids, ids)
     if mesh is not None:
-        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=mesh_lib.batch_sharding(mesh, logits.ndim))
         cache = mesh_lib.with_shardings(cache, layers.cache_shardings(cache, mesh))
-    key_sig = signature(weights, mesh)
 
-    def build_decode():
-        auto = _cache_formats(layers, cache, mesh, lambda x, s: Format(Layout.AUTO, s))
-        fn = jax.jit(functools.partial(decoding.decode, model, cfg.decode_key), donate_argnums=2,
-                     in_shardings=(None, None, auto, None, None), out_shardings=(None, auto))
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        return fn.lower(weights, logits, cache, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
-
-    # Keyed without the prompt count: evaluation and rollouts with as many rows share it.
-    decode = programs.compiled(("decode", model, cfg.decode_key, key_sig, signature((logits, cache), mesh)),
-                               build_decode, timings)
-
-    def build_prefill():
-        chosen = iter(f for x, f in zip(jax.tree.leaves(cache), jax.tree.leaves(decode.input_formats[0][2]))
-                      if x.ndim >= 4)
+    def build_sample():
         # Prompt rows placed as Generator.place_rows places them on every process.
         rows = mesh_lib.rows_sharding(mesh, ids.shape[0], ids.ndim) if mesh is not None else None
-        fn = jax.jit(prefill_fn, in_shardings=(None, rows, rows),
-                     out_shardings=(getattr(logits, "sharding", None),
-                                    _cache_formats(layers, cache, mesh, lambda x, s: next(chosen))))
-        return fn.lower(weights, ids, ids).compile()
+        fn = jax.jit(functools.partial(decoding.sample, model, cfg.program_key),
+                     in_shardings=(None, rows, rows, None, None))
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        return fn.lower(weights, ids, ids, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
 
-    prefill = programs.compiled(("prefill",) + call[1:], build_prefill, timings)
-    return programs.remember(call, (weights_fn, prefill, decode, cache))
+    sample = programs.compiled(("sample",) + call[1:3] + (signature(weights, mesh), ids.shape), build_sample, timings)
+    return programs.remember(call, (weights_fn, sample, cache))

@@ -1,8 +1,8 @@
 """Sampling from a policy: a :class:`Generator` owns its compiled programs and runs them.
 
-Each prompt is prefilled once and its KV cache shared by its samples; decode runs in one
-jit ``while_loop`` (``podsjax.sampler.decoding`` holds the traced bodies, ``podsjax.sampler.sampler_programs``
-compiles them once per signature).
+Each prompt is prefilled once and its KV cache shared by its samples; decode runs in a
+``while_loop`` of the same program (``podsjax.sampler.decoding`` holds the traced bodies,
+``podsjax.sampler.sampler_programs`` compiles them once per signature).
 
 Example:
     >>> gen = Generator(model)  # hold it: its programs are reused by every later call
@@ -32,7 +32,7 @@ __all__ = ["Generator", "Rollouts", "SamplingConfig", "generate"]
 class Generator:
     """Samples completions from one model and owns the programs it compiles for that.
 
-    Each program (the unrolled layout's rollout weights, prefill, decode) compiles once per
+    Each program (the unrolled layout's rollout weights, sampling) compiles once per
     signature of its inputs and is kept, the oldest dropped past ``max_programs``; a lock
     makes each compile happen once when several threads ask. Two generators share nothing.
 
@@ -46,24 +46,22 @@ class Generator:
 
     @property
     def compiles(self) -> dict[str, int]:
-        """Programs this generator compiled so far, per stage ("weights", "prefill", "decode")."""
+        """Programs this generator compiled so far, per stage ("weights", "sample")."""
         return {stage: self._programs.compiles[stage] for stage in sampler_programs.STAGES}
 
     def stages(self, cfg: SamplingConfig, params: Any, lora: Any, prompt_ids_BL: Any, *,
                timings: dict | None = None) -> tuple:
-        """The compiled ``(weights, prefill, decode)`` for these inputs (arrays or ``ShapeDtypeStruct``s).
+        """The compiled ``(weights, sample)`` for these inputs (arrays or ``ShapeDtypeStruct``s).
 
         ``weights(params, lora) -> RolloutWeights`` (``podsjax.models.rollout``: merged, a
         buffer per layer; None for the scanned layout, whose decode reads the params
-        themselves), ``prefill(weights, ids_BL, mask_BL) -> (logits_BV, cache)`` and
-        ``decode(weights, logits_BV, cache, key, temperature) -> (Rollouts, cache)``.
-        Decode is compiled first and prefill writes the cache in the layout decode chose
-        (``podsjax.sampler.sampler_programs``).
+        themselves) and ``sample(weights, ids_BL, mask_BL, key, temperature) -> Rollouts``
+        (prefill and decode in one program, ``podsjax.sampler.sampler_programs``).
 
         Args:
             timings: filled with the seconds of each stage this call compiled.
         """
-        return sampler_programs.stages(self._programs, self.model, cfg, params, lora, prompt_ids_BL, timings)[:3]
+        return sampler_programs.stages(self._programs, self.model, cfg, params, lora, prompt_ids_BL, timings)[:2]
 
     def compile(self, params: Any, lora: Any, *, prompts: int, prompt_len: int, num_samples: int,
                 max_new_tokens: int, top_p: float = 1.0, top_k: int = 0, eos_token_ids=(0,),
@@ -75,27 +73,23 @@ class Generator:
         loaded. A later :meth:`generate` of the same shapes runs these programs.
 
         Returns:
-            ``{"weights": Compiled or None, "prefill": Compiled, "decode": Compiled,
-            "kv_cache_bytes": int, "rollout_weights_bytes": int, "weights_read_bytes": int,
-            "compile_s": {"weights": s, "prefill": s, "decode": s}}``, bytes per device (0 s for
-            a program compiled before). ``weights`` merges the unrolled layout's rollout
-            weights (None for the scanned layout, whose decode reads the params themselves).
+            ``{"weights": Compiled or None, "sample": Compiled, "kv_cache_bytes": int,
+            "rollout_weights_bytes": int, "weights_read_bytes": int,
+            "compile_s": {"weights": s, "sample": s}}``, bytes per device (0 s for a program
+            compiled before). ``weights`` merges the unrolled layout's rollout weights (None for
+            the scanned layout, whose decode reads the params themselves); the KV cache lives
+            inside ``sample``, among its temporaries.
         """
         cfg = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
                              top_k=top_k, eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id,
                              return_logprobs=bool(return_logprobs))
         timings = dict.fromkeys(sampler_programs.STAGES, 0.0)
-        weights, prefill, decode, cache = sampler_programs.stages(
+        weights, sample, cache = sampler_programs.stages(
             self._programs, self.model, cfg, params, lora, jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32),
             timings)
-        # The cache as the device stores it: decode's donated input (a TPU layout pads head_dim
-        # 64 to 128 lanes); the logical size where the backend reports no aliasing.
-        analysis = decode.memory_analysis()
-        stored = int(analysis.alias_size_in_bytes) if analysis is not None else 0
         # What decode reads of the weights: the unrolled layout's copy, or the params themselves.
         read = mesh_lib.bytes_per_device(weights.out_info if weights is not None else (params, lora))
-        return {"weights": weights, "prefill": prefill, "decode": decode,
-                "kv_cache_bytes": stored or mesh_lib.bytes_per_device(cache),
+        return {"weights": weights, "sample": sample, "kv_cache_bytes": mesh_lib.bytes_per_device(cache),
                 "rollout_weights_bytes": read if weights is not None else 0, "weights_read_bytes": read,
                 "compile_s": timings}
 
@@ -125,9 +119,9 @@ class Generator:
     ) -> Rollouts:
         """Samples ``num_samples`` completions per left-padded prompt.
 
-        Each prompt is prefilled once; its KV cache is repeated for its samples
-        and donated to the decode stage, which runs one ``lax.while_loop`` that stops when every row has
-        emitted an EOS or ``max_new_tokens`` are done. With ``model.mesh`` set the
+        Each prompt is prefilled once and its KV cache shared by its samples; in the same
+        program a ``lax.while_loop`` decodes until every row has emitted an EOS or
+        ``max_new_tokens`` are done. With ``model.mesh`` set the
         prompt batch is sharded over the mesh's batch axes (:meth:`place_rows`). The same key gives the
         same rollouts; prompts of a new padded length compile once more, so bucket
         lengths (``podsjax.data.prompts`` does).
@@ -188,15 +182,13 @@ class Generator:
             key = jax.random.wrap_key_data(key)  # a jax.random.PRNGKey
         if key.shape != ():
             raise ValueError(f"key must be one PRNG key; got shape {key.shape}")
-        weights_fn, prefill_fn, decode_fn = self.stages(cfg, params, lora, prompt_ids_BL)
+        weights_fn, sample_fn = self.stages(cfg, params, lora, prompt_ids_BL)
         if weights_fn is not None:
             weights = weights_fn(*_placed((params, lora), weights_fn.input_shardings[0]))
         else:
-            weights = _placed((params, lora), prefill_fn.input_shardings[0][0])
+            weights = _placed((params, lora), sample_fn.input_shardings[0][0])
         prompt_ids_BL, prompt_mask_BL = (self.place_rows(x.astype(jnp.int32)) for x in (prompt_ids_BL, prompt_mask_BL))
-        logits_BV, cache = prefill_fn(weights, prompt_ids_BL, prompt_mask_BL)
-        rollouts, _ = decode_fn(weights, logits_BV, cache, key, jnp.float32(cfg.temperature))
-        return rollouts
+        return sample_fn(weights, prompt_ids_BL, prompt_mask_BL, key, jnp.float32(cfg.temperature))
 
 
 def _place_rows(x: Any, mesh: Mesh | None) -> jax.Array:

@@ -58,7 +58,7 @@ def test_dry_run_reports_every_figure_from_config_json_alone(tmp_path, capsys, r
     report = json.load(open(out / "dry_run.json"))
     for key in dry_run_lib.FIELDS:
         assert isinstance(report[key], int) and report[key] > 0, (key, report)
-    assert set(report["compile_s"]) == {"prefill", "decode", "update"}
+    assert set(report["compile_s"]) == {"sample", "update"}  # the scanned layout has no weights program
     assert all(seconds > 0 for seconds in report["compile_s"].values())
     assert report["remat"] == "dots" and report["devices"] == 8
     assert report["shapes"] == {"prompts": 2, "samples": 8, "update_rows": 8, "prompt_len": 64,
@@ -69,7 +69,7 @@ def test_dry_run_reports_every_figure_from_config_json_alone(tmp_path, capsys, r
     assert sorted(os.listdir(out)) == ["config.json", "dry_run.json"]  # nothing trained
     planned = json.load(open(out / "config.json"))  # the resolved config the figures are for
     assert planned["model"]["remat"] == "dots" and planned["algorithm"]["n"] == 8 and planned["model"]["mesh"] == "8"
-    for words in ("update temporaries", "KV cache", "compiled update", "compiled generate[prefill]"):
+    for words in ("update temporaries", "KV cache", "compiled update", "compiled generate[sample]"):
         assert words in printed.out, printed.out
 
 
@@ -238,7 +238,7 @@ def test_the_plan_compiles_the_samplers_program_the_run_uses():
     dry_run_lib.plan(model, algo, pm.LoraConfig(rank=2, alpha=2.0), base_params=dry_run_lib.abstract_base(model),
                      prompts=1, prompt_len=16, max_new_tokens=4, eos_token_ids=(2,), generator=generator)
     decodes = {(key[2].top_p, key[2].top_k, key[2].max_new_tokens) for key in generator._programs.by_key
-               if key[0] == "decode"}
+               if key[0] == "sample"}
     assert (0.9, 7, 4) in decodes and (1.0, 0, 4) not in decodes, decodes
 
 

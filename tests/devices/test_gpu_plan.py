@@ -81,7 +81,7 @@ def test_h100_decode_reads_a_bf16_cache_layer_by_layer(h100_model):
     # sampler runs the layers unrolled over a cache buffer per layer.
     gen = sampling.Generator(h100_model).compile(dry_run.abstract_base(h100_model), None, prompts=1, prompt_len=64,
                                                  num_samples=8, max_new_tokens=64, eos_token_ids=(2,))
-    text = gen["decode"].as_text()
+    text = gen["sample"].as_text()
     # One layer of the cache: the prompt's KV once [prompts, kv heads, slots, head_dim], and
     # each row's completion [rows, kv heads, slots, head_dim] (values slots last).
     assert "bf16[1,2,64,64]" in text and "bf16[8,2,64,64]" in text
@@ -147,14 +147,14 @@ def test_an_h100_decode_step_of_256_rows_reads_each_prompt_once_and_moves_at_mos
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2  # K and V, bf16
     keys_and_values = per_token * (4 * 512 + 256 * 512)
     assert keys_and_values <= gen["kv_cache_bytes"] < keys_and_values + 2**20  # + masks and counters
-    step = dry_run.decode_step_cost(gen["decode"])
+    step = dry_run.decode_step_cost(gen["sample"])
     row_cache_floor = gen["weights_read_bytes"] + per_token * 256 * (512 + 512)
     assert step.bytes <= row_cache_floor, (step.bytes, row_cache_floor)
     assert step.bytes <= 1.3 * (gen["weights_read_bytes"] + gen["kv_cache_bytes"])
     # Attention is two kernels a layer (the shared prompts, the rows' own completions), their
     # fp32 scores kept in registers: no kernel writes a layer's scores [rows, kv heads,
     # queries per kv head, slots].
-    text = gen["decode"].as_text()
+    text = gen["sample"].as_text()
     assert hlo_cost.custom_call_targets(text).count("__gpu$xla.gpu.triton") == 2 * config.num_layers
     assert not any(re.search(r"f32\[256,2,6,512\]", t) for t in kernel_output_types(text))
 

@@ -72,10 +72,11 @@ def test_a_run_larger_than_the_chips_hbm_fails_in_one_line(tmp_path):
 
 
 @needs_libtpu
-def test_decode_takes_the_kv_cache_in_the_layout_it_chose_without_a_copy():
+def test_sampling_keeps_the_kv_cache_in_one_layout_without_a_copy():
     # The TPU compiler prefers a decode-loop layout of the cache that packs kv heads with
-    # head_dim; a default-layout cache argument was copied in and out (temporaries as
-    # large as the cache). Prefill now writes the layout decode asked for.
+    # head_dim; a default-layout cache handed from a prefill program to a decode program was
+    # copied in and out. Prefill and decode are one program, so no cache crosses an edge.
+    import re
     import jax.numpy as jnp
 
     from podsjax.devices import dry_run, mesh as mesh_lib
@@ -89,7 +90,8 @@ def test_decode_takes_the_kv_cache_in_the_layout_it_chose_without_a_copy():
                        mesh=mesh_lib.make_mesh("1", devices=devices[:1]))
     gen = sampling.Generator(model).compile(dry_run.abstract_base(model), None, prompts=1, prompt_len=512,
                                             num_samples=64, max_new_tokens=512, eos_token_ids=(2,))
-    decode = gen["decode"].memory_analysis()  # the donated cache is the aliased input
-    assert decode.alias_size_in_bytes > 0
-    assert decode.temp_size_in_bytes < decode.alias_size_in_bytes / 8, (decode.temp_size_in_bytes,
-                                                                        decode.alias_size_in_bytes)
+    text = gen["sample"].as_text()
+    # The stacked cache, [layers, rows, slots, kv heads x head_dim (padded or not)], K and V.
+    assert re.search(r"bf16\[2,64,1024,\d+\]", text)
+    copies = re.findall(r"= bf16\[2,64,1024,\d+\]\S* copy(?:-start)?\(", text)
+    assert not copies, copies

@@ -87,12 +87,12 @@ def test_the_first_step_compiles_nothing_after_the_fit_check_and_the_first_evalu
         trainer.rl_step()
     finally:
         trainer.close()
-    # The programs: the fit check's prefill, decode and update; evaluation's prefill (one
-    # sample per prompt; its rows as the rollouts', so it shares their decode); build_batch.
+    # The programs: the fit check's sampling and update; evaluation's sampling (one sample
+    # per prompt); build_batch.
     # (Eager conversions such as a key's fold_in compile too, in milliseconds: not counted.)
     programs = {k: v for k, v in before_second.items()
-                if k in ("generate[weights]", "generate[prefill]", "generate[decode]", "update", "select[build_batch]")}
-    assert sum(programs.values()) <= 5, before_second
-    assert evaluated["generate[decode]"] == fit_check["generate[decode]"] == 1  # evaluation ran at the fit length
-    assert all(before_second[k] == evaluated[k] for k in ("generate[prefill]", "generate[decode]", "update"))
+                if k in ("generate[rollout_weights]", "generate[sample]", "update", "select[build_batch]")}
+    assert sum(programs.values()) <= 4, before_second
+    assert evaluated["generate[sample]"] == fit_check["generate[sample]"] == 2  # evaluation ran at the fit length
+    assert all(before_second[k] == evaluated[k] for k in ("generate[sample]", "update"))
     assert trainer.compile_counts == before_second  # the second step compiles nothing either

@@ -161,12 +161,12 @@ def test_each_program_compiles_once_and_the_console_says_so(setup, tmp_path):
     trainer.compile_log.min_report_s = 0.0  # report every compile, however fast this machine
     trainer.run()
     counts = trainer.compile_counts
-    assert counts["update"] == 1 and counts["generate[decode]"] == 1 and counts["generate[prefill]"] == 2, counts
+    assert counts["update"] == 1 and counts["generate[sample]"] == 2, counts  # the rollouts' and evaluation's
     assert counts["select[build_batch]"] == 1
     first = next(i for i, line in enumerate(lines) if line.startswith("first step done"))
     assert not [line for line in lines[first:] if "compiled" in line], lines  # nothing after the first step
     assert any(line.startswith("compiled update (4 rows x ") for line in lines[:first]), lines
-    assert any(line.startswith("compiled generate[decode] (") for line in lines[:first]), lines
+    assert any(line.startswith("compiled generate[sample] (") for line in lines[:first]), lines
     progress = [line for line in lines if line.startswith("step ")]
     assert [line.split(" |")[0] for line in progress] == ["step 2/3", "step 3/3"]
     assert all(word in progress[-1] for word in ("train clock", "reward", "eval acc", "update")), progress
@@ -197,8 +197,8 @@ def test_the_fit_check_compiles_what_the_first_step_runs(tmp_path_factory, data_
         trainer.rl_step()
     finally:
         trainer.close()
-    big = ("generate[prefill]", "generate[decode]", "update", "select[build_batch]")
-    assert [before[k] for k in big] == [1] * 4 and [trainer.compile_counts[k] for k in big] == [1] * 4, before
+    big = ("generate[sample]", "update", "select[build_batch]")
+    assert [before[k] for k in big] == [1] * 3 and [trainer.compile_counts[k] for k in big] == [1] * 3, before
     with pytest.raises(dry_run.DoesNotFit, match="needs .* per device"):
         memory.limit = 1
         memory.check_fits()
@@ -235,7 +235,7 @@ def test_a_bf16_full_fine_tune_trains_fp32_master_weights_and_samples_their_bf16
             assert copy.sharding.is_equivalent_to(master.sharding, copy.ndim)
             np.testing.assert_array_equal(np.asarray(copy), np.asarray(master.astype(jnp.bfloat16)))
         counts = trainer.compile_counts  # the copy has the loaded weights' signature: no new sampler program
-        assert counts["generate[decode]"] == 1 and counts["policy copy[policy_copy]"] == 1, counts
+        assert counts["generate[sample]"] == 1 and counts["policy copy[policy_copy]"] == 1, counts
     finally:
         trainer.close()
     # The checkpoint holds the fp32 state: restoring into it checks every leaf's dtype.
@@ -284,7 +284,7 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
             assert mixed.prompts.stream.position - before == 2 + skipped[-1]  # every skipped draw replaced
     finally:
         mixed.close()
-    assert sum(skipped) > 0 and mixed.compile_counts["generate[decode]"] == 1
+    assert sum(skipped) > 0 and mixed.compile_counts["generate[sample]"] == 1
     assert sum("longer than max_prompt_length" in line for line in lines) == 1, lines  # said once, then counted
 
     none_fit = trainer([long] * 3, "none", [])

@@ -11,7 +11,7 @@ from podsjax import rl
 from podsjax.devices import compilation
 from podsjax.sampler import sampler_programs
 
-PROGRAMS = ("generate[weights]", "generate[prefill]", "generate[decode]", "update", "select[build_batch]")
+PROGRAMS = ("generate[rollout_weights]", "generate[sample]", "update", "select[build_batch]")
 
 
 def test_a_program_asked_for_by_two_threads_compiles_once_while_another_compiles_beside_it():
@@ -98,10 +98,11 @@ import podsjax.models as pm
 from experiments import paper_settings, runner
 from podsjax import rl
 from podsjax.data import datasets as data, prompts
-checkpoint, gsm8k, out, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+checkpoint, gsm8k, out, threads, layers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 train = data.load_task("gsm8k", "train", path=os.path.join(gsm8k, "train.jsonl"), limit=4).examples
 test = data.load_task("gsm8k", "test", path=os.path.join(gsm8k, "test.jsonl"), limit=4).examples
 model, params = pm.from_pretrained(checkpoint, dtype=jnp.float32)
+model = model.clone(rollout_layers=layers)
 run = rl.RunConfig(out_dir=out, max_steps=1, prompts_per_step=2, max_new_tokens=8, max_prompt_length=256,
                    eval_every_s=0.0, reward_workers=1, progress=False, console=False, compile_threads=threads)
 trainer = rl.Trainer(model, params, prompts.load_tokenizer(checkpoint), train, test,
@@ -121,20 +122,25 @@ print(json.dumps({"fit_check": fit_check, "after": dict(trainer.compile_counts),
 
 @pytest.mark.slow
 @pytest.mark.cpu_mesh
-@pytest.mark.parametrize("threads", [4, 1])
-def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny_checkpoint, data_dir, tmp_path, threads):
+@pytest.mark.parametrize("threads, layers", [(4, "unrolled"), (1, "scanned")])  # a GPU's layout, and a TPU's
+def test_the_fit_check_compiles_what_the_first_evaluation_and_step_need(tiny_checkpoint, data_dir, tmp_path, threads,
+                                                                        layers):
     import json
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", FIT_CHECK_RUN, tiny_checkpoint, os.path.join(data_dir, "gsm8k"),
-                           str(tmp_path / "run"), str(threads)], cwd=root, capture_output=True, text=True, timeout=900)
+                           str(tmp_path / "run"), str(threads), layers], cwd=root, capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     fit_check, after = result["fit_check"], result["after"]
     intervals = [tuple(i) for i in result["intervals"]]
-    assert fit_check["select[build_batch]"] == 1 and fit_check["generate[prefill]"] == 2, fit_check
+    # The rollouts' and evaluation's sampling, the update, the batch builder, and in the
+    # unrolled layout the rollout weights' merge: 5 programs at most before the first step.
+    assert fit_check["select[build_batch]"] == 1 and fit_check["generate[sample]"] == 2, fit_check
+    assert fit_check.get("generate[rollout_weights]", 0) == (layers == "unrolled"), fit_check
     # (Eager conversions such as a key's fold_in compile too, in milliseconds: not counted.)
     assert {k: v for k, v in after.items() if k in PROGRAMS} == {
         k: v for k, v in fit_check.items() if k in PROGRAMS}

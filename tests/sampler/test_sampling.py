@@ -271,21 +271,20 @@ def test_second_call_with_new_prompts_does_not_recompile(tiny, generator_for):
     ids2, mask2 = left_padded_prompts(7)
     gen.generate(params, ids2, mask2, jax.random.key(1), **kwargs)
     assert gen.compiles == first
-    assert first["prefill"] <= before["prefill"] + 1 and first["decode"] <= before["decode"] + 1
+    assert first["sample"] <= before["sample"] + 1
 
 
 @pytest.mark.slow
-def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny, generator_for):
+def test_greedy_and_sampled_calls_of_one_shape_share_the_sampling_program(tiny, generator_for):
     _, model, params = tiny["qwen2_tied_gqa"]
     gen = generator_for(model)
     ids, mask = left_padded_prompts(6)  # 3 prompts
-    sampled = gen.generate(params, ids[:1], mask[:1], jax.random.key(0), num_samples=3, max_new_tokens=5,
-                           temperature=0.9, eos_token_ids=EOS)  # training: 1 prompt x 3 samples
+    sampled = gen.generate(params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=5,
+                           temperature=0.9, eos_token_ids=EOS)
     before = gen.compiles
     greedy = gen.generate(params, ids, mask, jax.random.key(0), num_samples=1, max_new_tokens=5,
-                          temperature=0.0, eos_token_ids=EOS)  # evaluation: 3 prompts x 1 greedy sample
-    assert gen.compiles["decode"] == before["decode"]  # one executable served both
-    assert gen.compiles["prefill"] == before["prefill"] + 1
+                          temperature=0.0, eos_token_ids=EOS)
+    assert gen.compiles == before  # one executable served both: the temperature is traced
     # ...and the traced temperature still decides: greedy rows follow the argmax.
     logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits_BLV)
     np.testing.assert_array_equal(np.asarray(greedy.tokens)[:, 0], logits[:, -1].argmax(-1))
@@ -295,22 +294,22 @@ def test_greedy_and_sampled_rows_of_one_shape_share_the_decode_program(tiny, gen
 
 def test_each_generator_owns_its_programs_and_compiles_each_signature_once(tiny):
     _, model, params = tiny["qwen2_tied_gqa"]
-    model = model.clone(rollout_layers="unrolled")  # all three stages: weights, prefill, decode
+    model = model.clone(rollout_layers="unrolled")  # both stages: weights, sample
     shapes = dict(prompt_len=8, max_new_tokens=4, eos_token_ids=(EOS,))
     first, other = sampling.Generator(model), sampling.Generator(model)
     compiled = first.compile(params, None, prompts=2, num_samples=2, **shapes)
     assert all(seconds > 0 for seconds in compiled["compile_s"].values()), compiled["compile_s"]
     again = first.compile(params, None, prompts=2, num_samples=2, **shapes)
-    assert again["compile_s"] == {"weights": 0.0, "prefill": 0.0, "decode": 0.0}
-    assert again["decode"] is compiled["decode"]
-    # A new prompt count compiles prefill and decode (this layout's cache holds each prompt once)
-    # and reuses the weights program, whose inputs are the same.
+    assert again["compile_s"] == {"weights": 0.0, "sample": 0.0}
+    assert again["sample"] is compiled["sample"]
+    # A new prompt count compiles sampling again and reuses the weights program, whose
+    # inputs are the same.
     first.compile(params, None, prompts=4, num_samples=1, **shapes)
-    assert first.compiles == {"weights": 1, "prefill": 2, "decode": 2}
+    assert first.compiles == {"weights": 1, "sample": 2}
     # Another generator of the same model compiles its own.
     own = other.compile(params, None, prompts=2, num_samples=2, **shapes)
-    assert own["decode"] is not compiled["decode"] and own["compile_s"]["decode"] > 0
-    assert other.compiles == {"weights": 1, "prefill": 1, "decode": 1}
+    assert own["sample"] is not compiled["sample"] and own["compile_s"]["sample"] > 0
+    assert other.compiles == {"weights": 1, "sample": 1}
     with pytest.raises(ValueError, match="max_programs must be >= 1"):
         sampling.Generator(model, max_programs=0)
 
