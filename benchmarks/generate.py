@@ -76,7 +76,11 @@ def run_generate(args) -> dict:
     import torch
 
     from podsjax.models import init_cache, prefill
+    from podsjax.sampler import decoding
     from podsjax.sampler.sampling import Generator
+
+    if args.steps_per_check is not None:  # read when the sampling program traces
+        decoding.MAX_STEPS_PER_CHECK = args.steps_per_check
 
     spec = args.spec
     # EOS off: no token id ends a transformers row early.
@@ -157,6 +161,7 @@ def run_generate(args) -> dict:
         num_params=num_params,
         attn_impl=hf_model.config._attn_implementation,
         first_call_s=first_call_s,
+        steps_per_check=decoding.steps_per_check(t_new),
         lp_diff=lp_diff,
         t_jax=t_jax,
         t_pt=t_pt,
@@ -311,11 +316,16 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=2, help="RewardPool worker processes")
     parser.add_argument("--reward-timeout", type=float, default=10.0, help="RewardPool per-item timeout_s")
     parser.add_argument("--skip-generate", action="store_true", help="only the reward benchmark")
+    parser.add_argument("--steps-per-check", type=int, default=None,
+                        help="podsjax decode steps between two checks whether every row stopped (default: the "
+                             "library's; 1 checks every token)")
     parser.add_argument("--profile", metavar="DIR",
                         help="trace one more podsjax generate into DIR (jax.profiler) and summarize its kernels")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("error: --repeats must be >= 1")
+    if args.steps_per_check is not None and args.steps_per_check < 1:
+        raise SystemExit("error: --steps-per-check must be >= 1")
     unknown = sorted(set(args.tasks) - set(TASK_DIRS))
     if unknown:
         raise SystemExit(f"error: unknown --tasks {unknown}; expected gsm8k and/or math")
@@ -333,8 +343,8 @@ def main(argv=None):
         print(
             f"model: {describe(args, r['num_params'])}; temperature 1, EOS off (all lengths checked == "
             f"{args.new_tokens}); transformers attention: {r['attn_impl']}, default dynamic cache; KV cache in "
-            f"{args.dtype}; "
-            f"podsjax first call (compile + run) {r['first_call_s']:.1f} s; "
+            f"{args.dtype}; podsjax decode steps between stop checks: "
+            f"{r['steps_per_check']}; podsjax first call (compile + run) {r['first_call_s']:.1f} s; "
             f"median of {args.repeats} interleaved runs after 1 warm-up"
         )
         print(format_generate_table(args, r))

@@ -15,6 +15,7 @@
 # the stages' time limits in seconds; STAGES picks stages (e.g. STAGES="decode cli"); XLA_FLAGS
 # passes through, to compare autotuning settings in a second call, e.g.
 #   STAGES="decode cli" XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bash benchmarks/gpu_check.sh
+# STEPS_PER_CHECK sets the decode stage's steps between two stop checks (1: a check every token, as before).
 # A dry run on a CPU, cut down: ATTENTION="--rows 8 --prompt-len 32 --slots 32 --filled 16 --head-dim 16
 # --sets 1 --iters 1 --dtype float32" MODEL="--layers 1 --hidden 64 --intermediate 128 --heads 4
 # --kv-heads 2 --vocab 1024" DTYPE=float32 ROWS=8 PL=32 NT=16 CLI="--n 8 --m 4
@@ -27,7 +28,8 @@ stage kernel "${T_KERNEL:-60}" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests
 stage attention "${T_ATTENTION:-90}" "$PY" -m benchmarks.decode_attention ${ATTENTION:-}
 model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
 stage decode "${T_DECODE:-190}" "$PY" -m benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
-  --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace"
+  --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace" \
+  ${STEPS_PER_CHECK:+--steps-per-check $STEPS_PER_CHECK}
 stage cli "${T_CLI:-340}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs 2 \
   ${CLI:+--cli-flags $CLI}
 stamp done
