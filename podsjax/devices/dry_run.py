@@ -326,17 +326,11 @@ def decode_step_cost(sample, chip: topology.Chip | None = None) -> hlo_cost.Cost
     return hlo_cost.data_loop_step(sample.as_text(), *_rates(chip))
 
 
-def prefill_cost(sample, chip: topology.Chip | None = None) -> hlo_cost.Cost:
-    """A compiled sampling program without its decode loop: the prefill (and the few
-    elementwise ops that finish the rollouts)."""
-    text = sample.as_text()
-    loop = sum((once for trips, once in hlo_cost.while_loops(text, *_rates(chip)) if trips is None), hlo_cost.Cost())
-    return hlo_cost.program_cost(text, *_rates(chip)) + loop * -1
-
-
 def _costs(gen: dict, update, chip: topology.Chip | None) -> dict[str, dict[str, float]]:
     """Flops, bytes, kernels and roofline seconds of prefill, one decode step and the update."""
-    programs = {"prefill": prefill_cost(gen["sample"], chip),
-                "decode_step": decode_step_cost(gen["sample"], chip),
+    # The prefill: the sampling program without its decode loop (and the few elementwise
+    # ops that finish the rollouts). One read of the program's text serves both.
+    prefill, decode_step = hlo_cost.sampling_costs(gen["sample"].as_text(), *_rates(chip))
+    programs = {"prefill": prefill, "decode_step": decode_step,
                 "update": hlo_cost.program_cost(update.as_text(), *_rates(chip))}
     return {name: dataclasses.asdict(cost) for name, cost in programs.items()}

@@ -16,8 +16,8 @@ backend:
   can reach a chip's peak; elementwise work is left out;
 - a ``while`` loop costs its body times its trip count when that is known (XLA:GPU's
   ``known_trip_count``, or a counter compared with a constant); otherwise once, and
-  :func:`while_loops` gives the cost of one iteration, and :func:`data_loop_step` one step
-  of a sampling loop, chunks of steps included;
+  :func:`while_loops` gives the cost of one iteration, and :func:`sampling_costs` one step
+  of a sampling loop (chunks of steps included) and the program without it;
 - a ``conditional`` costs its most expensive branch.
 
 Reading the text is ``hlo_text``'s part; this module is the cost model.
@@ -281,6 +281,11 @@ class _Module:
         start = constant_value(scope.get(init.operands[index])) if init is not None and init.opcode == "tuple" else None
         return max(limit - (start or 0), 0)
 
+    def iteration(self, instr: Instr) -> Cost:
+        """One iteration of a while loop: its body and its condition."""
+        parts = called_computations(instr.attrs, "body") + called_computations(instr.attrs, "condition")
+        return sum((self.cost(c) for c in parts), Cost())
+
     def cost(self, computation: str) -> Cost:
         if computation in self._memo:
             return self._memo[computation]
@@ -290,10 +295,7 @@ class _Module:
             if instr.opcode in _FREE or instr.opcode.endswith("-done"):
                 continue
             if instr.opcode == "while":
-                body = called_computations(instr.attrs, "body")
-                cond = called_computations(instr.attrs, "condition")
-                once = sum((self.cost(c) for c in body + cond), Cost())
-                total = total + once * (self.trip_count(instr, computation) or 1)
+                total = total + self.iteration(instr) * (self.trip_count(instr, computation) or 1)
             elif instr.opcode == "conditional":
                 branches = called_computations(instr.attrs, "branch_computations") or (
                     called_computations(instr.attrs, "true_computation")
@@ -323,30 +325,33 @@ def while_loops(hlo_text: str, bandwidth: float | None = None, peak_flops: float
                 ) -> list[tuple[int | None, Cost]]:
     """``(trip count or None, cost of one iteration)`` of each while loop the entry runs directly."""
     module = _Module(hlo_text, bandwidth, peak_flops)
-    loops = []
-    for instr in module.computations.get(module.entry, []):
-        if instr.opcode == "while":
-            parts = called_computations(instr.attrs, "body") + called_computations(instr.attrs, "condition")
-            once = sum((module.cost(c) for c in parts), Cost())
-            loops.append((module.trip_count(instr, module.entry), once))
-    return loops
+    return [(module.trip_count(instr, module.entry), module.iteration(instr))
+            for instr in module.computations.get(module.entry, []) if instr.opcode == "while"]
 
 
-def data_loop_step(hlo_text: str, bandwidth: float | None = None, peak_flops: float | None = None) -> Cost:
-    """One step of the costliest loop the entry runs whose length depends on data (a sampling
-    loop): its iteration, divided by the trip count of a fixed-count loop its body runs, where
-    the body runs its steps in chunks that way (one check of the condition a chunk)."""
+def sampling_costs(hlo_text: str, bandwidth: float | None = None, peak_flops: float | None = None
+                   ) -> tuple[Cost, Cost]:
+    """``(the rest, one step)`` of a sampling program: the program without the loops the entry
+    runs whose length depends on data (a prefill), and one step of the costliest such loop.
+    A step is the loop's iteration divided by the trip count of a fixed-count loop its body
+    runs, where the body runs its steps in chunks that way (one check of the condition a chunk)."""
     module = _Module(hlo_text, bandwidth, peak_flops)
-    steps = []
+    rest, steps = module.cost(module.entry), []
     for instr in module.computations.get(module.entry, []):
         if instr.opcode != "while" or module.trip_count(instr, module.entry) is not None:
             continue
+        once = module.iteration(instr)
         body = called_computations(instr.attrs, "body")
-        once = sum((module.cost(c) for c in body + called_computations(instr.attrs, "condition")), Cost())
         chunks = [module.trip_count(inner, c) for c in body for inner in module.computations.get(c, [])
                   if inner.opcode == "while"]
+        rest = rest + once * -1
         steps.append(once * (1 / chunks[0]) if len(chunks) == 1 and chunks[0] else once)
-    return max(steps, key=lambda c: c.bytes, default=Cost())
+    return rest, max(steps, key=lambda c: c.bytes, default=Cost())
+
+
+def data_loop_step(hlo_text: str, bandwidth: float | None = None, peak_flops: float | None = None) -> Cost:
+    """One step of a sampling program's loop (:func:`sampling_costs`), chunks of steps included."""
+    return sampling_costs(hlo_text, bandwidth, peak_flops)[1]
 
 
 def custom_call_targets(hlo_text: str) -> list[str]:

@@ -47,9 +47,8 @@ class Rollouts:
 class SamplingConfig:
     """Sampling settings; all but ``temperature`` are static (each distinct one compiles once).
 
-    Temperature is a traced input of the decode program, so greedy evaluation and
-    sampled rollouts of the same shape share one executable; ``num_samples`` only
-    shapes the prefill.
+    Temperature is a traced input of the sampling program, so greedy and sampled calls of
+    the same shape share one executable.
     """
 
     num_samples: int

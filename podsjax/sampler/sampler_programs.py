@@ -161,5 +161,6 @@ def stages(programs: Programs, model, cfg: decoding.SamplingConfig, params: Any,
         key = jax.eval_shape(lambda: jax.random.key(0))
         return fn.lower(weights, ids, ids, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
 
-    sample = programs.compiled(("sample",) + call[1:3] + (signature(weights, mesh), ids.shape), build_sample, timings)
+    sample = programs.compiled(("sample", model, cfg.program_key, signature(weights, mesh), ids.shape), build_sample,
+                               timings)
     return programs.remember(call, (weights_fn, sample, cache))

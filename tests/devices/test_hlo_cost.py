@@ -235,6 +235,10 @@ def test_a_sampling_loop_that_runs_its_steps_in_chunks_costs_one_step():
     x = jnp.ones((64, 256), jnp.float32)
     one, per_chunk = (hlo_cost.data_loop_step(jax.jit(f).lower(x).compile().as_text()) for f in (plain, chunked))
     assert one.flops == per_chunk.flops == 2 * 64 * 256 * 256
-    (_, whole_chunk), = hlo_cost.while_loops(jax.jit(chunked).lower(x).compile().as_text())
+    text = jax.jit(chunked).lower(x).compile().as_text()
+    (_, whole_chunk), = hlo_cost.while_loops(text)
     assert whole_chunk.flops == 4 * one.flops
+    # Without its sampling loop the program multiplies nothing (the loop counted once in the whole).
+    rest, step = hlo_cost.sampling_costs(text)
+    assert hlo_cost.program_cost(text).flops == 4 * one.flops and rest.flops == 0 and step == per_chunk
     assert per_chunk.bytes == pytest.approx(one.bytes, rel=0.25)
