@@ -16,7 +16,9 @@ The table gives, per run: the wall time from launch to the first finished step
 first, as a user's run does), that step's phases (compiles included), and the
 median steady step (steps 2..K) with its phases from ``time/generation``,
 ``time/scoring``, ``time/selection`` and ``time/update``. The CLI's own console
-lines about compiles are echoed; its whole output is in ``<run>.log``.
+lines about compiles are echoed, and when the params were loaded, the step-0
+evaluation printed and the first step finished, counted from the launch; its
+whole output is in ``<run>.log``.
 
 A random model almost never samples EOS, so every completion runs to the full
 length: the slowest case of each setting.
@@ -108,17 +110,24 @@ def cli_supports(flag: str) -> bool:
 
 
 def run_cli(command: list[str], out: str, env: dict) -> dict:
-    """Runs the CLI, timestamping each metrics.jsonl step line as it lands; returns the timings."""
+    """Runs the CLI, timestamping each metrics.jsonl step line and each console line as it
+    lands; returns the timings."""
     shutil.rmtree(out, ignore_errors=True)  # the CLI wants a fresh --out
     metrics, log_path = os.path.join(out, "metrics.jsonl"), out + ".log"
     seen: dict[int, float] = {}  # step -> seconds since launch when its line appeared
+    lines: list[tuple[float, str]] = []  # (seconds since launch, console line)
+    pending = ""
     start = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
+    with open(log_path, "w", encoding="utf-8") as log, open(log_path, encoding="utf-8") as reader:
         child = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         while True:
             done = child.poll() is not None
+            now = time.perf_counter() - start
             for record in steps_in(metrics):
-                seen.setdefault(record["step"], time.perf_counter() - start)
+                seen.setdefault(record["step"], now)
+            pending += reader.read()
+            *complete, pending = pending.split("\n")
+            lines.extend((now, line) for line in complete)
             if done:
                 break
             time.sleep(POLL_S)
@@ -130,7 +139,23 @@ def run_cli(command: list[str], out: str, env: dict) -> dict:
     steps = steps_in(metrics)
     if not steps:
         raise SystemExit(f"error: the CLI finished no step:\n{console[-4000:]}")
-    return dict(steps=steps, first_step_s=seen[steps[0]["step"]], wall_s=wall_s, console=console)
+    return dict(steps=steps, first_step_s=seen[steps[0]["step"]], wall_s=wall_s, console=console, lines=lines)
+
+
+# The console lines that mark a start's milestones, as the CLI prints them.
+MILESTONES = (("params loaded", re.compile(r"^loaded \S+ params in ")),
+              ("step-0 evaluation", re.compile(r"^eval at step 0\b")),
+              ("first step", re.compile(r"^first step done ")))
+
+
+def timeline(lines: list[tuple[float, str]]) -> str:
+    """Where a start's seconds went: when each milestone's console line appeared (within the
+    poll interval), e.g. ``params loaded 9.1 s, step-0 evaluation 21.0 s, first step 38.8 s``."""
+    marks = []
+    for name, pattern in MILESTONES:
+        at = next((t for t, line in lines if pattern.search(line)), None)
+        marks.append(f"{name} {at:.1f} s" if at is not None else f"{name} not seen")
+    return ", ".join(marks)
 
 
 def steps_in(path: str) -> list[dict]:
@@ -253,6 +278,7 @@ def main(argv=None):
             run = run_cli(command, out, env)
             for line in compile_lines(run["console"]):
                 print(f"  run {i + 1}: {line.strip()}")
+            print(f"  run {i + 1}: after launch: {timeline(run['lines'])}")
             summaries.append(summarize(run))
         print(format_table(summaries))
         if len(summaries) > 1:

@@ -2,10 +2,11 @@
 
 HF stores ``nn.Linear`` weights as ``[out, in]``, one tensor per layer; podsjax kernels
 are ``in_shape + out_shape`` with heads as their own axis, stacked over the layers. Every
-kernel is transposed and reshaped on the way in and back on the way out, and each layer's
-tensor is written into (or read from) its slot of the stacked param. Tensors are read
-from memory-mapped files and placed one at a time, so host memory peaks near the largest
-single tensor and device memory near the params plus one layer's tensor.
+kernel is transposed and reshaped on the way in (on the device, in the file's layout until
+then) and back on the way out, and each layer's tensor is written into (or read from) its
+slot of the stacked param. Tensors are read from memory-mapped files and placed one at a
+time, so host memory peaks near the largest single tensor and device memory near the
+params plus one layer's tensor.
 """
 
 from __future__ import annotations
@@ -204,9 +205,42 @@ def _zeros(shape: tuple[int, ...], dtype: Any, sharding) -> Any:
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_layer(stacked: jax.Array, layer: jax.Array, index: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_update_index_in_dim(stacked, layer, index, 0)
+def _kernel_perm(spec: TensorSpec) -> tuple[int, ...]:
+    """The axes that take a kernel from HF's ``out_shape + in_shape`` to the param's ``in_shape + out_shape``."""
+    n_out = len(spec.param_shape) - spec.n_in
+    return tuple(range(n_out, n_out + spec.n_in)) + tuple(range(n_out))
+
+
+def _hf_view(spec: TensorSpec, hf: np.ndarray) -> np.ndarray:
+    """A kernel's HF tensor as ``out_shape + in_shape`` (a free reshape of the file's bytes)."""
+    return hf.reshape(spec.param_shape[spec.n_in:] + spec.param_shape[:spec.n_in])
+
+
+def _hf_sharding(spec: TensorSpec, sharding):
+    """The param's sharding with its axes in the HF tensor's order: each device gets the
+    block that its shard of the param transposes from, so the transpose moves no data
+    between devices."""
+    if sharding is None:
+        return None
+    parts = tuple(sharding.spec) + (None,) * (len(spec.param_shape) - len(sharding.spec))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+        *(parts[spec.n_in:] + parts[:spec.n_in])))
+
+
+@functools.lru_cache(maxsize=None)
+def _transposer(perm: tuple[int, ...], dtype: Any, sharding) -> Any:
+    """A jitted transpose-and-cast of one HF kernel into its param, in the param's sharding."""
+    return jax.jit(lambda hf: jnp.transpose(hf, perm).astype(dtype), out_shardings=sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="perm")
+def _set_layer(stacked: jax.Array, layer: jax.Array, index: jax.Array, perm: tuple[int, ...] | None = None
+               ) -> jax.Array:
+    """Writes one layer's tensor into its slot; ``perm`` transposes an HF kernel there, and the
+    cast to the param's dtype happens there too."""
+    if perm is not None:
+        layer = jnp.transpose(layer, perm)
+    return jax.lax.dynamic_update_index_in_dim(stacked, layer.astype(stacked.dtype), index, 0)
 
 
 def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = None) -> dict[str, Any]:
@@ -233,25 +267,34 @@ def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = Non
     num_layers = model.config.num_layers
     params: dict[str, Any] = {}
     for spec in specs:
-        host = spec.to_param(files[spec.hf_name].get(spec.hf_name), dtype)
+        hf = files[spec.hf_name].get(spec.hf_name)
         sharding = None if mesh is None else mesh_lib.logical_sharding(mesh, spec.names, spec.param_shape)
         node = params
         for part in spec.path[:-1]:
             node = node.setdefault(part, {})
         leaf = spec.path[-1]
-        # Wait for each copy so the host tensor really dies here: async transfers would
-        # otherwise keep several converted tensors alive at once.
+        # A kernel goes to the device in the file's layout, and the device transposes and
+        # casts it (numpy transposes 16-bit tensors at well under 1 GB/s); other tensors, and
+        # f64 ones (jax would take them as f32 first), are copied out of the mapped file on
+        # the host, so no param ever aliases the file.
+        # Each copy is waited for, so no more than one tensor is in flight at a time.
+        perm = _kernel_perm(spec) if spec.kind == "kernel" and hf.dtype.itemsize <= 4 else None  # f64: exact on host
+        if perm is not None:
+            placed = _place(_hf_view(spec, hf), _hf_sharding(spec, sharding))
+        else:
+            placed = _place(spec.to_param(hf, dtype), sharding)
         if spec.layer is None:
-            node[leaf] = jax.block_until_ready(_place(host, sharding))
+            if perm is not None:
+                placed = _transposer(perm, dtype, sharding)(placed)
+            node[leaf] = jax.block_until_ready(placed)
         else:
             if leaf not in node:
                 shape = (num_layers,) + spec.param_shape
                 stacked_sharding = None if mesh is None else mesh_lib.logical_sharding(
                     mesh, ("layers",) + spec.names, shape)
                 node[leaf] = _zeros(shape, dtype, stacked_sharding)()
-            node[leaf] = jax.block_until_ready(
-                _set_layer(node[leaf], _place(host, sharding), np.int32(spec.layer)))
-        del host
+            node[leaf] = jax.block_until_ready(_set_layer(node[leaf], placed, np.int32(spec.layer), perm=perm))
+        del placed, hf
     _check_finite(path, specs, files, params, dtype)
     return params
 

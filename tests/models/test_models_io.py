@@ -129,6 +129,25 @@ def test_bf16_checkpoint_loads_and_exports_bit_exact(checkpoints, tmp_path):
                                   ref.T.reshape(64, 4, 16))
 
 
+def test_fp32_checkpoint_loads_into_bf16_params_rounded_as_numpy_rounds(checkpoints):
+    # Kernels are transposed and cast on the device, the other tensors on the host: both
+    # round to nearest even, as ml_dtypes does. The untied Llama has a layerless kernel (lm_head).
+    hf = hf_load(checkpoints["llama"])
+    _, params = pm.from_pretrained(checkpoints["llama"], dtype=jnp.bfloat16)
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    expected = {("layers", "mlp", "down", "kernel"): state["model.layers.1.mlp.down_proj.weight"].T,
+                ("lm_head", "kernel"): state["lm_head.weight"].T,
+                ("layers", "attn", "o", "kernel"): state["model.layers.1.self_attn.o_proj.weight"].T.reshape(4, 16, 64),
+                ("embed", "embedding"): state["model.embed_tokens.weight"]}
+    for path, want in expected.items():
+        got = params
+        for key in path:
+            got = got[key]
+        got = got[1] if path[0] == "layers" else got
+        assert got.dtype == jnp.bfloat16, path
+        np.testing.assert_array_equal(np.asarray(got), want.astype(jnp.bfloat16), err_msg=str(path))
+
+
 def test_export_refuses_non_finite_weights_and_writes_nothing(checkpoints, tmp_path):
     model, params = pm.from_pretrained(checkpoints["qwen2"])
     poisoned = jax.tree.map(lambda x: x, params)

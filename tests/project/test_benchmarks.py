@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -103,6 +104,10 @@ def test_cli_step_benchmark_times_a_cold_and_a_warm_run(data_dir):
                   "8", "--tokenizer-vocab", "512", "--data", data_dir,
                   "--cli-flags", "--n", "4", "--m", "2", "--max-completion-length", "8", timeout=240)
     assert "| 1: cold compile cache |" in printed and "| 2: warm compile cache |" in printed, printed
+    # Each run's start, milestone by milestone, in the order they happen.
+    starts = re.findall(r"after launch: params loaded ([0-9.]+) s, step-0 evaluation ([0-9.]+) s, "
+                        r"first step ([0-9.]+) s", printed)
+    assert len(starts) == 2 and all(0 < float(a) <= float(b) <= float(c) for a, b, c in starts), printed
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"])
