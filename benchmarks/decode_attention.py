@@ -4,7 +4,7 @@ Times :func:`podsjax.models.decode_kernel.grouped_decode_attention` alone at set
 shape (1 prompt x 64 samples, 2 kv heads, 6 query heads each, head 128, 512 prompt slots,
 512 completion slots of which ``--filled`` are written, bf16) under several splits of the
 work (the plan's constants varied: the programs each pass must reach, the longest walk, the
-block), beside the XLA form (``rollout.attend_grouped``), in one run. Each call reads a
+block; and the two passes in a launch each instead of one), beside the XLA form (``rollout.attend_grouped``), in one run. Each call reads a
 different one of ``--sets`` input sets, so that together they outgrow the GPU's L2 cache
 as a real step's 28 layers do. The floor is the call's bytes (the prompt's KV, the written
 completion slots' KV, the queries and the output) at the device's memory bandwidth.
@@ -34,6 +34,7 @@ VARIANTS = (
     ("fill 528 programs a pass", {"MIN_PROGRAMS": 528}),
     ("blocks of 32 slots", {"_BLOCK": 32}),
     ("blocks of 128 slots", {"_BLOCK": 128}),
+    ("a launch a pass", {"ONE_LAUNCH": False}),
 )
 
 

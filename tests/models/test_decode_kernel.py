@@ -54,10 +54,21 @@ SHAPES = [(2, 3, 2, 3, 37, 21, 16), (1, 4, 1, 6, 64, 130, 32), (3, 1, 2, 2, 80, 
           (1, 10, 1, 7, 300, 40, 16)]
 
 
+@pytest.fixture(params=[True, False], ids=["one launch", "a launch a pass"])
+def launch(request, monkeypatch):
+    """The kernel with both passes in one launch, and with a launch each."""
+    monkeypatch.setattr(decode_kernel, "ONE_LAUNCH", request.param)
+    jax.clear_caches()  # the form is read when the kernel is traced
+    yield request.param
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_kernel_matches_the_xla_grouped_attention_in_fp32(shape):
+def test_the_kernel_matches_the_xla_grouped_attention_in_fp32(shape, launch):
     case = grouped_case(*shape, jnp.float32)
     np.testing.assert_allclose(kernel_form(case), xla_form(case), atol=2e-6, rtol=2e-6)
+    calls = list(_pallas_calls(jax.make_jaxpr(kernel_form)(case).jaxpr))
+    assert len(calls) == (1 if launch else 2)
 
 
 def test_the_kernel_reads_a_bf16_cache_as_the_xla_form_does():
@@ -79,17 +90,17 @@ def test_a_prompt_chunk_that_holds_only_left_padding_adds_nothing():
 
 def test_at_setting_as_shape_the_attention_fills_an_h100_with_short_walks():
     # 64 rows of one prompt, 2 kv heads, 6 query heads each, 512 + 512 slots: at least two
-    # programs for each of 132 SMs, none walking more than 256 slots, and each pass (they
-    # run one after the other) fills the GPU alone or walks one block a program. Read from
-    # the launched grids, not only the plan.
+    # programs for each of 132 SMs, none walking more than 256 slots, and each pass fills
+    # the GPU alone or walks one block a program (so a launch a pass fills it too). Read
+    # from the launched grid, not only the plan.
     args = (jax.ShapeDtypeStruct((64, 2, 6, 128), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((1, 512), bool),
             jax.ShapeDtypeStruct((64, 2, 512, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 2, 128, 512), jnp.bfloat16),
             jax.ShapeDtypeStruct((64, 512), bool), jax.ShapeDtypeStruct((64,), jnp.int32))
     jaxpr = jax.make_jaxpr(decode_kernel.grouped_decode_attention)(*args)
     grids = [e.params["grid_mapping"].grid for e in _pallas_calls(jaxpr.jaxpr)]
-    assert len(grids) == 2
-    programs = sum(int(np.prod(g)) for g in grids)
+    assert len(grids) == 1 and decode_kernel.ONE_LAUNCH  # both passes in one launch
+    programs = int(np.prod(grids[0]))
     split = decode_kernel.plan(64, 1, 2, 6, 512, 512)
     assert programs == split.programs >= decode_kernel.MIN_PROGRAMS == 264
     for pass_programs, chunk in ((split.prefix_programs, split.prefix_chunk), (split.own_programs, split.own_chunk)):
@@ -115,10 +126,22 @@ def test_both_passes_read_one_layout_of_the_queries():
             *[jax.ShapeDtypeStruct((2, 2, 64, 32), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((2, 64), bool),
             jax.ShapeDtypeStruct((12, 2, 64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((12, 2, 32, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((12, 64), bool), jax.ShapeDtypeStruct((12,), jnp.int32))
-    jaxpr = jax.make_jaxpr(decode_kernel.grouped_decode_attention)(*args)
-    calls = list(_pallas_calls(jaxpr.jaxpr))
-    assert len(calls) == 2
-    assert calls[0].invars[0] is calls[1].invars[0]
+    for one_launch in (True, False):
+        jax.clear_caches()
+        jaxpr = jax.make_jaxpr(functools.partial(_with_launch, one_launch))(*args)
+        calls = list(_pallas_calls(jaxpr.jaxpr))
+        # the prefix pass's queries are its first input, the completion pass's the first after them
+        queries = [calls[0].invars[0], calls[0].invars[4]] if one_launch else [c.invars[0] for c in calls]
+        assert len(calls) == (1 if one_launch else 2) and queries[0] is queries[1]
+    jax.clear_caches()
+
+
+def _with_launch(one_launch, *args):
+    saved, decode_kernel.ONE_LAUNCH = decode_kernel.ONE_LAUNCH, one_launch
+    try:
+        return decode_kernel.grouped_decode_attention(*args)
+    finally:
+        decode_kernel.ONE_LAUNCH = saved
 
 
 def _pallas_calls(jaxpr):
@@ -182,7 +205,7 @@ def test_on_a_mesh_each_device_attends_its_own_rows_to_their_prompts(monkeypatch
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiles the Triton kernel: needs a GPU")
-def test_the_compiled_kernel_matches_the_xla_form_on_a_gpu():
+def test_the_compiled_kernel_matches_the_xla_form_on_a_gpu(launch):
     case = grouped_case(4, 16, 2, 6, 512, 512, 128, jnp.bfloat16, seed=5)
     out, ref = kernel_form(case, interpret=False).astype(jnp.float32), xla_form(case).astype(jnp.float32)
     np.testing.assert_allclose(out, ref, atol=1e-2, rtol=1e-2)
