@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from test_resume_killed import (ROOT, SHARED_WARMUP, TIMEOUT_S, cli_args, cli_env, records, run_cli, tail,
+from test_resume_killed import (ROOT, TIMEOUT_S, cli_args, cli_env, records, run_cli, tail,
                                 uninterrupted_run, without_timing)
 
 from podsjax.rewards import RewardPool, WeightedReward
@@ -177,11 +177,10 @@ def test_a_pool_closed_mid_reward_kills_its_busy_workers_at_once(tmp_path):
 
 
 def test_a_sigtermed_cli_run_relaunched_with_the_same_command_matches_a_run_never_stopped(tmp_path_factory, tmp_path):
-    warmup = str(tmp_path_factory.getbasetemp() / SHARED_WARMUP)
     env = cli_env(tmp_path)
     full = uninterrupted_run(tmp_path_factory, env)
     out = str(tmp_path / "preempted")
-    command = [*cli_args(out, warmup), "--resume", "auto"]  # one job-script line for the start and the requeue
+    command = [*cli_args(out), "--resume", "auto"]  # one job-script line for the start and the requeue
 
     # SIGTERM to the run's main process alone (as `kill` or a preemption notice handler sends
     # it) once its step-2 checkpoint is committed.

@@ -16,16 +16,16 @@ from safetensors.numpy import load_file
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# The tiny preset's warm-up, shared with test_experiments_cli (same seed and steps) so a
-# session builds it once; 30 steps teach enough of the format to give reward variance.
-SHARED_WARMUP = "tiny_warmup_seed0_steps30"
+# The tiny preset's warm-up of 30 steps (enough of the format to give reward variance) comes
+# from the session's warm-up cache (tests/conftest.py), which every test process shares: the
+# runs here and in test_experiments_cli (same seed and steps) train it once.
 MAX_STEPS = 5
 TIMEOUT_S = 300
 
 
-def cli_args(out, warmup):
+def cli_args(out):
     # Evaluation before every step: deterministic cadence, interleaved with training.
-    return ["--mesh", "8", "--seed", "0", "--warmup-dir", warmup, "--warmup-steps", "30",
+    return ["--mesh", "8", "--seed", "0", "--warmup-steps", "30",
             "--max-steps", str(MAX_STEPS), "--checkpoint-every-steps", "2", "--eval-every", "0", "--eval-limit", "4",
             "--n", "4", "--m", "2", "--prompts-per-step", "2", "--max-completion-length", "40",
             "--reward-workers", "1", "--no-progress", "--out", out]
@@ -79,12 +79,11 @@ def uninterrupted_run(tmp_path_factory, env):
     """The run of cli_args that never stops, run once per session for every test that stops one."""
     out = tmp_path_factory.getbasetemp() / "uninterrupted_run"
     if not (out / "final_model").is_dir():
-        run_cli([*cli_args(str(out), str(tmp_path_factory.getbasetemp() / SHARED_WARMUP)), "--overwrite"], env)
+        run_cli([*cli_args(str(out)), "--overwrite"], env)
     return str(out)
 
 
 def test_killed_run_resumes_to_the_same_params_and_metrics(tmp_path_factory, tmp_path):
-    warmup = str(tmp_path_factory.getbasetemp() / SHARED_WARMUP)
     env = cli_env(tmp_path)
     full, killed = uninterrupted_run(tmp_path_factory, env), str(tmp_path / "killed")
 
@@ -92,7 +91,7 @@ def test_killed_run_resumes_to_the_same_params_and_metrics(tmp_path_factory, tmp
     # the step-2 checkpoint is committed (orbax renames its tmp dir to "2") and step 3 is
     # logged, so the kill leaves records past the checkpoint that resume must not duplicate.
     with open(tmp_path / "killed.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "experiments.gsm8k", *cli_args(killed, warmup)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "experiments.gsm8k", *cli_args(killed)], cwd=ROOT,
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + TIMEOUT_S

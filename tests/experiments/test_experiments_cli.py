@@ -181,15 +181,13 @@ def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, data_d
 
 
 @pytest.mark.slow
-def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, tmp_path, capsys):
-    # One short warm-up, shared with test_resume_killed (same seed and steps); then a few
-    # steps of every method on 8 devices.
-    warmup = str(tmp_path_factory.getbasetemp() / "tiny_warmup_seed0_steps30")
+def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path, capsys):
+    # One short warm-up from the session's cache, shared with test_resume_killed (same seed
+    # and steps); then a few steps of every method on 8 devices.
     for method in ("grpo", "grpo-ga", "pods"):
         out = tmp_path / method
         code = cli.main("gsm8k", ["--method", method, "--mesh", "8", "--max-steps", "2", "--eval-limit", "8",
-                                  "--prompts-per-step", "8",
-                                  "--warmup-dir", warmup, "--warmup-steps", "30", "--no-progress",
+                                  "--prompts-per-step", "8", "--warmup-steps", "30", "--no-progress",
                                   "--reward-workers", "1", "--out", str(out)])
         printed = capsys.readouterr().out
         assert code == 0, printed[-2000:]
@@ -201,17 +199,14 @@ def test_each_method_runs_on_the_tiny_preset_through_the_cli(tmp_path_factory, t
 
 
 @pytest.mark.slow
-def test_the_grpo_toolbox_trains_on_the_tiny_preset_and_logs_to_every_backend(tmp_path_factory, tmp_path, capsys,
-                                                                              monkeypatch):
+def test_the_grpo_toolbox_trains_on_the_tiny_preset_and_logs_to_every_backend(tmp_path, capsys, monkeypatch):
     # GSPO with two mini-batches and two passes over each, TIS against the sampler, the
     # mismatch, dynamic sampling and pass@k/maj@k, together: the metrics reach jsonl,
     # TensorBoard and W&B alike.
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    warmup = str(tmp_path_factory.getbasetemp() / "tiny_warmup_seed0_steps30")
     code = cli.main("gsm8k", [
         "--method", "pods", "--mesh", "8", "--max-steps", "2", "--eval-limit", "8", "--prompts-per-step", "8",
-        "--warmup-dir", warmup,
         "--warmup-steps", "30", "--no-progress", "--reward-workers", "1", "--out", str(tmp_path),
         "--algorithm.loss_type", "gspo", "--algorithm.steps_per_generation", "2", "--algorithm.num_iterations", "2",
         "--algorithm.tis_cap", "3", "--algorithm.log_mismatch", "true", "--algorithm.dynamic_sampling", "true",
