@@ -205,26 +205,16 @@ def _zeros(shape: tuple[int, ...], dtype: Any, sharding) -> Any:
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
-def _kernel_perm(spec: TensorSpec) -> tuple[int, ...]:
-    """The axes that take a kernel from HF's ``out_shape + in_shape`` to the param's ``in_shape + out_shape``."""
-    n_out = len(spec.param_shape) - spec.n_in
-    return tuple(range(n_out, n_out + spec.n_in)) + tuple(range(n_out))
-
-
-def _hf_view(spec: TensorSpec, hf: np.ndarray) -> np.ndarray:
-    """A kernel's HF tensor as ``out_shape + in_shape`` (a free reshape of the file's bytes)."""
-    return hf.reshape(spec.param_shape[spec.n_in:] + spec.param_shape[:spec.n_in])
-
-
-def _hf_sharding(spec: TensorSpec, sharding):
-    """The param's sharding with its axes in the HF tensor's order: each device gets the
-    block that its shard of the param transposes from, so the transpose moves no data
-    between devices."""
-    if sharding is None:
-        return None
-    parts = tuple(sharding.spec) + (None,) * (len(spec.param_shape) - len(sharding.spec))
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
-        *(parts[spec.n_in:] + parts[:spec.n_in])))
+def _file_layout(spec: TensorSpec, hf: np.ndarray, sharding) -> tuple[np.ndarray, Any, tuple[int, ...]]:
+    """A kernel as the file holds it, ``out_shape + in_shape`` (a free reshape of the mapped
+    bytes); its sharding, the param's with the axes in that order, so that the transpose moves
+    nothing between devices; and the axes that take it to the param's ``in_shape + out_shape``."""
+    n_in, n_out = spec.n_in, len(spec.param_shape) - spec.n_in
+    view = hf.reshape(spec.param_shape[n_in:] + spec.param_shape[:n_in])
+    if sharding is not None:
+        parts = tuple(sharding.spec) + (None,) * (len(spec.param_shape) - len(sharding.spec))
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*parts[n_in:], *parts[:n_in]))
+    return view, sharding, tuple(range(n_out, n_out + n_in)) + tuple(range(n_out))
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,12 +224,9 @@ def _transposer(perm: tuple[int, ...], dtype: Any, sharding) -> Any:
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="perm")
-def _set_layer(stacked: jax.Array, layer: jax.Array, index: jax.Array, perm: tuple[int, ...] | None = None
-               ) -> jax.Array:
-    """Writes one layer's tensor into its slot; ``perm`` transposes an HF kernel there, and the
-    cast to the param's dtype happens there too."""
-    if perm is not None:
-        layer = jnp.transpose(layer, perm)
+def _set_layer(stacked: jax.Array, layer: jax.Array, index: jax.Array, perm: tuple[int, ...] | None) -> jax.Array:
+    """Writes one layer's tensor into its slot, cast, and transposed by ``perm`` (an HF kernel's)."""
+    layer = layer if perm is None else jnp.transpose(layer, perm)
     return jax.lax.dynamic_update_index_in_dim(stacked, layer.astype(stacked.dtype), index, 0)
 
 
@@ -273,16 +260,14 @@ def load_params(path: str | os.PathLike, model: Decoder, mesh: Mesh | None = Non
         for part in spec.path[:-1]:
             node = node.setdefault(part, {})
         leaf = spec.path[-1]
-        # A kernel goes to the device in the file's layout, and the device transposes and
-        # casts it (numpy transposes 16-bit tensors at well under 1 GB/s); other tensors, and
-        # f64 ones (jax would take them as f32 first), are copied out of the mapped file on
-        # the host, so no param ever aliases the file.
-        # Each copy is waited for, so no more than one tensor is in flight at a time.
-        perm = _kernel_perm(spec) if spec.kind == "kernel" and hf.dtype.itemsize <= 4 else None  # f64: exact on host
-        if perm is not None:
-            placed = _place(_hf_view(spec, hf), _hf_sharding(spec, sharding))
+        # A kernel goes to the device as the file holds it, to be transposed and cast there (numpy
+        # transposes 16-bit tensors at under 1 GB/s); other tensors and f64 ones (jax takes those as
+        # f32) are copied on the host: no param aliases the file. One tensor in flight at a time.
+        if spec.kind == "kernel" and hf.dtype.itemsize <= 4:
+            view, file_sharding, perm = _file_layout(spec, hf, sharding)
+            placed = _place(view, file_sharding)
         else:
-            placed = _place(spec.to_param(hf, dtype), sharding)
+            placed, perm = _place(spec.to_param(hf, dtype), sharding), None
         if spec.layer is None:
             if perm is not None:
                 placed = _transposer(perm, dtype, sharding)(placed)
