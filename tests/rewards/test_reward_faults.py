@@ -74,8 +74,12 @@ def test_a_hanging_reward_is_given_up_on_after_a_few_items_named_once_and_counte
         again = p.score([f"x {i}" for i in range(64)], [sleeps_forever, one])
     # Without giving up: 64 items x (2 x 0.5 s + 0.5 s) / 2 workers = 48 s. Given up after 4 in a row.
     assert first < 15, first
-    # The 4 items killed for hanging lose every function; the others skip it and score the rest.
-    np.testing.assert_array_equal(scores.per_function["one"], np.r_[np.zeros(4), np.ones(60)])
+    # The items killed for hanging lose every function; the others skip it and score the rest.
+    # The pool gives up at the 4th timeout in a row, but an item already handed to the other
+    # worker by then still runs, and is killed: 4 or 5 items with 2 workers, by scheduling.
+    killed = int(np.argmax(scores.per_function["one"] > 0))
+    assert 4 <= killed <= 4 + 2 - 1, scores.per_function["one"]
+    np.testing.assert_array_equal(scores.per_function["one"], np.r_[np.zeros(killed), np.ones(64 - killed)])
     np.testing.assert_array_equal(scores.per_function["sleeps_forever"], np.zeros(64))
     assert scores.metrics["reward/timeouts"] == 64 and again.metrics["reward/timeouts"] == 64
     gave_up = [w for w in WARNINGS if "'sleeps_forever' timed out on 4 items in a row" in w]
