@@ -47,6 +47,7 @@ _BLOCK = 64  # cache slots per loop iteration
 _QUERY_TILE = 64  # rows of the prefix pass's query matrix per program
 _NEG = 0.7 * float(jnp.finfo(jnp.float32).min)  # masked scores: exp underflows to 0, no inf - inf
 ONE_LAUNCH = True  # both passes in one kernel launch (False: a launch each, one after the other)
+_COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _next_pow2(n: int) -> int:
@@ -179,10 +180,6 @@ def _prefix_part(q_ref, k_ref, v_ref, mask_ref, o_ref, top_ref, total_ref, chunk
     total_ref[...] = total
 
 
-def _prefix_kernel(*refs, **kwargs):
-    _prefix_part(*refs, pl.program_id(3), **kwargs)
-
-
 def _own_part(q_ref, k_ref, v_ref, allowed_ref, length_ref, o_ref, top_ref, total_ref, row, chunk_index, *,
               samples: int, groups: int, slots: int, chunk: int, block: int, scale: float):
     """One row, kv head and completion chunk (``chunk_index``). Refs: q ``[Qp, E]`` (the group's
@@ -200,10 +197,6 @@ def _own_part(q_ref, k_ref, v_ref, allowed_ref, length_ref, o_ref, top_ref, tota
     plgpu.store(o_ref, o, mask=real_rows[:, None])
     plgpu.store(top_ref, top, mask=real_rows)
     plgpu.store(total_ref, total, mask=real_rows)
-
-
-def _own_kernel(*refs, **kwargs):
-    _own_part(*refs, pl.program_id(0), pl.program_id(2), **kwargs)
 
 
 def _part_shapes(rows: tuple[int, ...], e: int) -> list[jax.ShapeDtypeStruct]:
@@ -317,8 +310,8 @@ def _launch_apart(passes: tuple[_Pass, _Pass], inputs: tuple[list, list], interp
             one.kernel(*refs, *one.part_ids(tuple(pl.program_id(axis) for axis in range(len(one.grid)))))
 
         outs += pl.pallas_call(kernel, grid=one.grid, in_specs=one.in_specs, out_specs=one.out_specs,
-                               out_shape=one.out_shape, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-                               interpret=interpret, name=one.name)(*args)
+                               out_shape=one.out_shape, compiler_params=_COMPILER_PARAMS, interpret=interpret,
+                               name=one.name)(*args)
     return outs
 
 
@@ -343,14 +336,16 @@ def _launch_together(passes: tuple[_Pass, _Pass], inputs: tuple[list, list], int
         def _():
             own.kernel(*own_refs, *own.part_ids(_grid_ids(pid - first_own, own.grid)))
 
-    specs = lambda one, first, which: [_on_flat_grid(x, one.grid, first) for x in which(one)]  # noqa: E731
+    def flat(one: _Pass, first: int, specs: list) -> list:
+        return [_on_flat_grid(spec, one.grid, first) for spec in specs]
+
     return pl.pallas_call(
         kernel,
         grid=(first_own + math.prod(own.grid),),
-        in_specs=specs(prefix, 0, lambda x: x.in_specs) + specs(own, first_own, lambda x: x.in_specs),
-        out_specs=specs(prefix, 0, lambda x: x.out_specs) + specs(own, first_own, lambda x: x.out_specs),
+        in_specs=flat(prefix, 0, prefix.in_specs) + flat(own, first_own, own.in_specs),
+        out_specs=flat(prefix, 0, prefix.out_specs) + flat(own, first_own, own.out_specs),
         out_shape=prefix.out_shape + own.out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
         name="grouped_decode_attention",
     )(*inputs[0], *inputs[1])

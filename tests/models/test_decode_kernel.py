@@ -119,29 +119,17 @@ def test_the_prompt_pass_fills_the_gpu_with_query_tiles_before_it_splits_the_pro
     assert split.prefix_splits == 2
 
 
-def test_both_passes_read_one_layout_of_the_queries():
+def test_both_passes_read_one_layout_of_the_queries(launch):
     # One transpose of q a layer feeds the prompt pass's query matrix and every row's
     # queries in the completion pass; a second layout would be one more kernel a layer.
     args = (jax.ShapeDtypeStruct((12, 2, 6, 32), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((2, 2, 64, 32), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((2, 64), bool),
             jax.ShapeDtypeStruct((12, 2, 64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((12, 2, 32, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((12, 64), bool), jax.ShapeDtypeStruct((12,), jnp.int32))
-    for one_launch in (True, False):
-        jax.clear_caches()
-        jaxpr = jax.make_jaxpr(functools.partial(_with_launch, one_launch))(*args)
-        calls = list(_pallas_calls(jaxpr.jaxpr))
-        # the prefix pass's queries are its first input, the completion pass's the first after them
-        queries = [calls[0].invars[0], calls[0].invars[4]] if one_launch else [c.invars[0] for c in calls]
-        assert len(calls) == (1 if one_launch else 2) and queries[0] is queries[1]
-    jax.clear_caches()
-
-
-def _with_launch(one_launch, *args):
-    saved, decode_kernel.ONE_LAUNCH = decode_kernel.ONE_LAUNCH, one_launch
-    try:
-        return decode_kernel.grouped_decode_attention(*args)
-    finally:
-        decode_kernel.ONE_LAUNCH = saved
+    calls = list(_pallas_calls(jax.make_jaxpr(decode_kernel.grouped_decode_attention)(*args).jaxpr))
+    # the prefix pass's queries are its first input, the completion pass's the first after them
+    queries = [calls[0].invars[0], calls[0].invars[4]] if launch else [c.invars[0] for c in calls]
+    assert len(calls) == (1 if launch else 2) and queries[0] is queries[1]
 
 
 def _pallas_calls(jaxpr):
