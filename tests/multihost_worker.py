@@ -3,7 +3,7 @@
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -10,7 +10,7 @@ import os
 import sys
 
 if __name__ == "__main__":  # before jax is imported: 4 local devices, 2 processes -> 8
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -15,6 +15,7 @@ from experiments import cli, flags, runner
 from experiments.config import ModelSection
 from podsjax.devices import compilation
 from podsjax.devices import dry_run as dry_run_lib
+from child_env import child_env
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -187,8 +188,8 @@ def test_the_configs_remat_choices_are_the_decoders():
 def run_cli(args, tmp_path, env=None, task="gsm8k"):
     """The CLI in its own process (its own devices), caching compiles under ``tmp_path/cache``;
     ``env`` sets variables, or removes those it maps to None."""
-    changes = {"XLA_FLAGS": None, **(env or {})}
-    env = {k: v for k, v in os.environ.items() if k not in changes}
+    changes = env or {}
+    env = {k: v for k, v in child_env().items() if k not in changes}
     env.update({k: v for k, v in changes.items() if v is not None})
     env["PODSJAX_CACHE_DIR"] = str(tmp_path / "cache")
     return subprocess.run([sys.executable, "-m", f"experiments.{task}", *args], cwd=ROOT, env=env,

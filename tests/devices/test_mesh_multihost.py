@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from child_env import child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
 
@@ -22,9 +23,8 @@ def test_two_processes_build_one_global_batch():
     port = free_port()
     procs = []
     for pid in range(2):
-        env = {**os.environ, "PODSJAX_COORDINATOR": f"127.0.0.1:{port}", "PODSJAX_NUM_PROCESSES": "2",
-               "PODSJAX_PROCESS_ID": str(pid), "JAX_PLATFORMS": "cpu"}
-        env.pop("XLA_FLAGS", None)
+        env = child_env(PODSJAX_COORDINATOR=f"127.0.0.1:{port}", PODSJAX_NUM_PROCESSES="2",
+                        PODSJAX_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu")  # the worker adds its devices
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_worker.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []

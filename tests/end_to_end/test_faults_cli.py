@@ -14,6 +14,7 @@ from tiny_checkpoint import save_tiny_checkpoint
 from experiments import cli, runner
 from podsjax import rl
 from podsjax.run import checkpoint
+from child_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -117,7 +118,7 @@ def _mount_tmpfs(path, size_kb):
 
 
 def _run_cli(args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "experiments.gsm8k", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 

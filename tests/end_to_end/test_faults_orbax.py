@@ -24,13 +24,14 @@ from test_faults_cli import checkpointed_run
 
 from experiments import cli
 from podsjax.run import run_files
+from child_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(args, code="from experiments.cli import main; sys.exit(main('gsm8k'))"):
     """The CLI as a program (``main`` reading sys.argv), after ``code``'s own setup."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     script = f"import sys\nif __name__ == '__main__':\n{textwrap.indent(code, '    ')}\n"
     return subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env, capture_output=True,

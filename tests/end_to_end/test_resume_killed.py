@@ -12,6 +12,7 @@ import time
 
 import pytest
 from safetensors.numpy import load_file
+from child_env import child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
 
@@ -32,7 +33,7 @@ def cli_args(out):
 
 
 def cli_env(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI makes its own 8 devices
+    env = child_env()
     # The three processes compile the same programs; a shared cache compiles them once.
     env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     return env

@@ -13,6 +13,7 @@ from test_metrics import read_events
 from tiny_checkpoint import save_tiny_checkpoint
 
 from experiments import cli
+from child_env import child_env
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -61,7 +62,7 @@ def test_the_compile_cache_turned_on_after_a_compile_is_used(tmp_path):
 
 
 def run_cli(args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI must make its own devices
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "experiments.gsm8k", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from child_env import child_env
 from test_mesh_multihost import free_port
 from tiny_checkpoint import save_tiny_checkpoint
 
@@ -16,7 +17,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _env(cache):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("PODSJAX_")}
+    env = {k: v for k, v in child_env().items() if not k.startswith("PODSJAX_")}
     # user_rewards (this directory) is the reward module a user would pass.
     path = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p)
     return {**env, "PODSJAX_CACHE_DIR": cache, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}

@@ -11,6 +11,7 @@ import pytest
 from benchmarks import costs
 from benchmarks.machine import peaks_for
 from benchmarks.qwen_model import SHAPES, hf_config, podsjax_config
+from child_env import child_env
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,7 @@ TINY_MODEL = [*TINY_SHAPE, "--repeats", "1"]
 
 
 def run(module, *args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     out = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=timeout)
     assert out.returncode == 0, out.stderr[-2000:]

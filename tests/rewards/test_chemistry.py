@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from podsjax.data import datasets as data
 from podsjax.rewards import RewardPool, chemistry_accuracy, default_rewards, parse_quantity, score_rewards
 from podsjax.rewards.chemistry_grader import unit_scale
+from child_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = os.path.join(ROOT, "tests", "data", "chemistry", "rows.jsonl")
@@ -199,7 +200,7 @@ def test_chemistry_command_trains_and_evaluates_on_the_fixture(tmp_path):
 
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PODSJAX_CACHE_DIR"] = str(tmp_path / "cache")
     # The tiny tokenizer spells problems out character by character: up to 876 prompt tokens.
     done = subprocess.run(

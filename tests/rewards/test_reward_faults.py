@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from podsjax.rewards import RewardPool, RewardPoolError, WeightedReward
+from child_env import child_env
 
 # Module level so that worker processes can import them by name.
 
@@ -176,7 +177,7 @@ def test_the_cli_run_with_a_hanging_and_a_loud_reward_finishes_and_says_so_once(
         "import time\n"
         "def hang(completions, **_):\n    while True:\n        time.sleep(1)\n"
         "def loud(completions, **_):\n    print('x' * 4_000_000, flush=True)\n    return [0.0 for _ in completions]\n")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
     gsm8k = os.path.join(data_dir, "gsm8k")
     out = tmp_path / "run"

@@ -4,6 +4,7 @@ import pytest
 
 from experiments import cli, flags, run_setup
 from podsjax import rewards
+from child_env import child_env
 
 
 def _config(tmp_path, *given):
@@ -77,7 +78,7 @@ def test_the_cli_trains_on_your_dataset_with_your_reward_and_system_prompt(tmp_p
         (dataset / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     checkpoint = save_tiny_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)  # user_rewards lives here
     done = subprocess.run(
         [sys.executable, "-m", "experiments.gsm8k", "--model", checkpoint, "--dataset", str(dataset),
@@ -126,7 +127,7 @@ def _bounded_cli(args, setup, tmp_path, timeout=120):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), root, env.get("PYTHONPATH")) if p)
     code = f"import sys\n{setup}from experiments import cli\nsys.exit(cli.main('gsm8k', sys.argv[1:]))\n"
     return subprocess.run([sys.executable, "-c", code, *args], cwd=root, env=env, capture_output=True, text=True,

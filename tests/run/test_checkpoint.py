@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from podsjax.run.checkpoint import CheckpointConfig, Checkpointer
+from child_env import child_env
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -224,7 +225,7 @@ def test_crash_mid_save_leaves_no_valid_checkpoint(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     script = tmp_path / "crash.py"
     script.write_text(_CRASH_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, str(script), str(ckpt_dir)], env=env, capture_output=True,
                           text=True, timeout=120)

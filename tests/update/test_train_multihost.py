@@ -12,6 +12,7 @@ import pytest
 
 import train_multihost_worker as worker
 from podsjax.devices import mesh as mesh_lib
+from child_env import child_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.cpu_mesh]
 
@@ -30,9 +31,8 @@ def start_workers(tmp_path):
     port = free_port()
     procs = []
     for pid in range(2):
-        env = {**os.environ, "PODSJAX_COORDINATOR": f"127.0.0.1:{port}", "PODSJAX_NUM_PROCESSES": "2",
-               "PODSJAX_PROCESS_ID": str(pid), "JAX_PLATFORMS": "cpu"}
-        env.pop("XLA_FLAGS", None)  # the worker sets its own 4 devices
+        env = child_env(PODSJAX_COORDINATOR=f"127.0.0.1:{port}", PODSJAX_NUM_PROCESSES="2",
+                        PODSJAX_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu")  # the worker adds its devices
         with open(tmp_path / f"worker{pid}.log", "w") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, os.path.join(HERE, "train_multihost_worker.py"), str(tmp_path / "two_hosts.npz")],
