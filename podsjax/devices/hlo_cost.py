@@ -76,6 +76,24 @@ def _async_copy_bytes(instr: Instr, operand_type: str) -> float:
     return size * (int(from_hbm) + int(not on_chip(destination.group(3))))
 
 
+_TRITON = '"__gpu$xla.gpu.triton"'
+
+
+def _updated_in_place(instr: Instr) -> float:
+    """Bytes of a Triton (Pallas) kernel's outputs that alias its operands: buffers it updates
+    in place, read with its operands, of which it writes what it stores (the decode kernel
+    one cache slot a row), not the whole buffer. Other kernels' aliased outputs (a cuBLAS
+    epilogue's) are written whole."""
+    if instr.opcode != "custom-call" or _TRITON not in instr.attrs:
+        return 0.0
+    aliased = re.search(r"output_to_operand_aliasing=\{(.*?)\}(?:,|$)", instr.attrs)
+    if aliased is None:
+        return 0.0
+    outputs = arrays(instr.type)
+    return sum(type_bytes(f"{outputs[i][0]}[{','.join(map(str, outputs[i][1]))}]")
+               for i in map(int, re.findall(r"\{(\d+)\}:", aliased.group(1))) if i < len(outputs))
+
+
 def _declared_cost(instr: Instr) -> tuple[float, float] | None:
     """(flops, bytes) a TPU kernel declares (Pallas's ``cost_estimate``), else None. A kernel
     whose blocks read part of an operand (one layer of a stacked cache) moves that part, not
@@ -250,7 +268,8 @@ class _Module:
             flops, moved = declared
         else:
             scratch = instr.opcode == "custom-call"
-            moved = sum(type_bytes(types.get(o, "")) for o in instr.operands) + type_bytes(instr.type, scratch)
+            moved = (sum(type_bytes(types.get(o, "")) for o in instr.operands) + type_bytes(instr.type, scratch)
+                     - _updated_in_place(instr))
             flops = self._custom_call_flops(instr, types) if instr.opcode == "custom-call" else 0.0
             if instr.opcode in ("dot", "convolution"):
                 flops = _matmul_flops(instr, types)

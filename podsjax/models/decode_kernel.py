@@ -12,13 +12,14 @@ work is split the way flash decoding and cascade (shared-prefix) attention split
 - **completion pass**: per row and kv head, the row's own completion, split over
   programs of at most :data:`MAX_SLOTS_PER_PROGRAM` slots, each stopping at the row's
   write slot (a split past it reads nothing);
-- **merge**: every part keeps its running maximum and sum (an online softmax), and one
-  XLA fusion combines the parts by their log-sum-exp.
+- **merge**: every part keeps its running maximum and sum (an online softmax); XLA combines
+  the parts by their log-sum-exp.
 
 Both passes run in one launch (:data:`ONE_LAUNCH`), the prefix pass's programs first: each
 program is a few microseconds of latency-bound work, and a launch each paid two starts and
-two tails a layer.
-
+two tails a layer. Decoding hands the kernel the step's token as the qkv projection left it:
+the completion pass rotates the key (RoPE), attends to it and the value from registers and
+writes both into the cache, so no kernel before it slices, rotates or scatters them.
 :func:`plan` says how a shape splits; tests check that setting a's shape fills an H100
 (at least :data:`MIN_PROGRAMS` programs) without running on one.
 
@@ -139,9 +140,10 @@ def _weighted(p, values, slots_last: bool):
 
 
 def _attend_blocks(q, keys_ref, values_ref, real_ref, start, stop, count, *, block: int, scale: float,
-                   slots_last: bool):
+                   slots_last: bool, written=None):
     """Online softmax of ``q`` (unscaled) over slots ``[start, stop)`` of one cache part, ``count`` blocks.
 
+    ``written``: ``(slot, key [E], value [E])``, read at ``slot`` instead of the cache (not yet written).
     Returns the unnormalised output ``[Q, E]``, the running maximum and sum ``[Q]`` (fp32)."""
     offsets = jnp.arange(block)
 
@@ -151,12 +153,17 @@ def _attend_blocks(q, keys_ref, values_ref, real_ref, start, stop, count, *, blo
         inside = first + offsets < stop
         window = pl.ds(first, block)
         keys = plgpu.load(keys_ref.at[window, :], mask=inside[:, None], other=0)
+        if written is not None:
+            at_slot = first + offsets == written[0]
+            keys = jnp.where(at_slot[:, None], written[1][None, :], keys)
         real = plgpu.load(real_ref.at[window], mask=inside, other=0) != 0
         scores = jnp.where(real[None, :], _scores(q, keys) * scale, _NEG)
         if slots_last:
             values = plgpu.load(values_ref.at[:, window], mask=inside[None, :], other=0)
         else:
             values = plgpu.load(values_ref.at[window, :], mask=inside[:, None], other=0)
+        if written is not None:  # the values are slots last
+            values = jnp.where(at_slot[None, :], written[2][:, None], values)
         new_top = jnp.maximum(top, scores.max(axis=-1))
         correction = jnp.exp(top - new_top)
         p = jnp.exp(scores - new_top[:, None])
@@ -180,23 +187,49 @@ def _prefix_part(q_ref, k_ref, v_ref, mask_ref, o_ref, top_ref, total_ref, chunk
     total_ref[...] = total
 
 
-def _own_part(q_ref, k_ref, v_ref, allowed_ref, length_ref, o_ref, top_ref, total_ref, row, chunk_index, *,
-              samples: int, groups: int, slots: int, chunk: int, block: int, scale: float):
-    """One row, kv head and completion chunk (``chunk_index``). Refs: q ``[Qp, E]`` (the group's
-    query matrix; this row's G queries start at row ``sample * G``), k ``[T, E]``, v ``[E, T]``,
-    allowed ``[T]``, length ``[1]``; out o ``[GP, E]``, top/total ``[GP]`` (G real rows)."""
+def _own_part(*refs, samples: int, groups: int, slots: int, chunk: int, block: int, scale: float, write: bool):
+    """One row, kv head and completion chunk (refs, then the row and chunk). Refs: q ``[Qp, E]`` (the
+    group's query matrix; the row's G queries from row ``sample * G``), k ``[T, E]``, v ``[E, T]``,
+    allowed ``[T]``, length ``[1]``, [with ``write``: new key (before RoPE) and value, RoPE factors,
+    ``[E]`` each]; out o ``[GP, E]``, top/total ``[GP]``, [k and v, written at slot ``length - 1``]."""
+    *refs, row, chunk_index = refs
+    q_ref, k_ref, v_ref, allowed_ref, length_ref, *refs = refs
+    new_k_ref, new_v_ref, cos_ref, sin_ref, *refs = refs if write else (None,) * 4 + tuple(refs)
+    o_ref, top_ref, total_ref, *cache_out = refs
     gp = o_ref.shape[0]
     real_rows = jnp.arange(gp) < groups
     first = (row % samples) * groups
     q = plgpu.load(q_ref.at[pl.ds(first, gp), :], mask=real_rows[:, None], other=0)
     start = chunk_index * chunk
     stop = jnp.minimum(jnp.minimum(start + chunk, slots), length_ref[0])
+    slot = length_ref[0] - 1
+    written = (slot, _rotated(new_k_ref, cos_ref[...], sin_ref[...]), new_v_ref[...]) if write else None
     o, top, total = _attend_blocks(q, k_ref, v_ref, allowed_ref, start, stop,
                                    pl.cdiv(jnp.maximum(stop - start, 0), block), block=block, scale=scale,
-                                   slots_last=True)
+                                   slots_last=True, written=written)
+    if write:
+        @pl.when((start <= slot) & (slot < stop))
+        def _():
+            plgpu.store(cache_out[0].at[pl.ds(slot, 1), :], written[1][None, :])
+            plgpu.store(cache_out[1].at[:, pl.ds(slot, 1)], written[2][:, None])
+
     plgpu.store(o_ref, o, mask=real_rows[:, None])
     plgpu.store(top_ref, top, mask=real_rows)
     plgpu.store(total_ref, total, mask=real_rows)
+
+
+def _rotated(x_ref, cos, sin):
+    """RoPE's rotate-half of the vector ``x_ref [E]``: ``x * cos + partner(x) * sin``, ``partner``
+    swapping the halves (``cos``, ``sin``: :func:`rope_factors`), each product and the sum
+    rounded to ``x``'s dtype as XLA's elementwise ops round them."""
+    e = x_ref.shape[0]
+    x, partner = x_ref[...], x_ref[(jnp.arange(e) + e // 2) % e]
+    return ((x * cos).astype(x.dtype) + (partner * sin).astype(x.dtype)).astype(x.dtype)
+
+
+def rope_factors(cos_BF: jax.Array, sin_BF: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """RoPE's tables ``[B, E/2]`` as the factors ``[B, E]`` that :func:`_rotated` takes."""
+    return jnp.concatenate([cos_BF, cos_BF], -1), jnp.concatenate([-sin_BF, sin_BF], -1)  # once a step
 
 
 def _part_shapes(rows: tuple[int, ...], e: int) -> list[jax.ShapeDtypeStruct]:
@@ -233,6 +266,7 @@ class _Pass:
     out_specs: list
     out_shape: list
     name: str
+    aliases: dict = dataclasses.field(default_factory=dict)  # input -> output, the pass's own indices
 
 
 def _prefix_pass(q_PKQE, prompt_len: int, split: Plan, scale: float) -> _Pass:
@@ -259,30 +293,39 @@ def _prefix_pass(q_PKQE, prompt_len: int, split: Plan, scale: float) -> _Pass:
         name="grouped_decode_prefix")
 
 
-def _own_pass(q_PKQE, groups: int, rows: int, slots: int, split: Plan, scale: float) -> _Pass:
-    """The completion pass, writing ``(o [B, K, splits, G, E], top, total [B, K, splits, G])``. It
-    reads each row's queries from the prefix pass's query matrix, so one layout of q serves both."""
+def _own_pass(q_PKQE, groups: int, cache: tuple, split: Plan, scale: float, write: bool) -> _Pass:
+    """The completion pass, writing ``(o [B, K, splits, G, E], top, total [B, K, splits, G])``, and
+    with ``write`` the completions' ``cache`` (k, v), each row's token put in from the qkv heads
+    ``[B, H + 2K, E]``. Each row's queries come from the prefix pass's query matrix."""
     p, k, padded, e = q_PKQE.shape
-    n, gp = rows // p, _own_rows(groups)
+    rows, _, slots, _ = cache[0].shape
+    n, gp, heads = rows // p, _own_rows(groups), k * groups
+    keys = pl.BlockSpec((None, None, slots, e), lambda r, h, s: (r, h, 0, 0))
+    values = pl.BlockSpec((None, None, e, slots), lambda r, h, s: (r, h, 0, 0))
+    new = [pl.BlockSpec((None, None, e), lambda r, h, s: (r, heads + h, 0)),
+           pl.BlockSpec((None, None, e), lambda r, h, s: (r, heads + k + h, 0)),
+           *[pl.BlockSpec((None, e), lambda r, h, s: (r, 0))] * 2] if write else []
     return _Pass(
         kernel=functools.partial(_own_part, samples=n, groups=groups, slots=slots, chunk=split.own_chunk,
-                                 block=split.block, scale=scale),
+                                 block=split.block, scale=scale, write=write),
         part_ids=lambda ids: (ids[0], ids[2]),  # the row and its completion chunk
         grid=(rows, k, split.own_splits),
         in_specs=[
-            pl.BlockSpec((None, None, padded, e), lambda r, h, s: (r // n, h, 0, 0)),
-            pl.BlockSpec((None, None, slots, e), lambda r, h, s: (r, h, 0, 0)),
-            pl.BlockSpec((None, None, e, slots), lambda r, h, s: (r, h, 0, 0)),
+            pl.BlockSpec((None, None, padded, e), lambda r, h, s: (r // n, h, 0, 0)), keys, values,
             pl.BlockSpec((None, slots), lambda r, h, s: (r, 0)),
             pl.BlockSpec((None, 1), lambda r, h, s: (r, 0)),
+            *new,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, e), lambda r, h, s: (r, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, gp), lambda r, h, s: (r, h, s, 0)),
             pl.BlockSpec((None, None, None, gp), lambda r, h, s: (r, h, s, 0)),
+            *([keys, values] if write else []),
         ],
-        out_shape=_part_shapes((rows, k, split.own_splits, groups), e),
-        name="grouped_decode_completion")
+        out_shape=_part_shapes((rows, k, split.own_splits, groups), e)
+        + ([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in cache] if write else []),
+        name="grouped_decode_completion",
+        aliases={1: 3, 2: 4} if write else {})
 
 
 def _grid_ids(flat, grid: tuple[int, ...]) -> tuple:
@@ -310,8 +353,8 @@ def _launch_apart(passes: tuple[_Pass, _Pass], inputs: tuple[list, list], interp
             one.kernel(*refs, *one.part_ids(tuple(pl.program_id(axis) for axis in range(len(one.grid)))))
 
         outs += pl.pallas_call(kernel, grid=one.grid, in_specs=one.in_specs, out_specs=one.out_specs,
-                               out_shape=one.out_shape, compiler_params=_COMPILER_PARAMS, interpret=interpret,
-                               name=one.name)(*args)
+                               out_shape=one.out_shape, input_output_aliases=one.aliases,
+                               compiler_params=_COMPILER_PARAMS, interpret=interpret, name=one.name)(*args)
     return outs
 
 
@@ -345,6 +388,7 @@ def _launch_together(passes: tuple[_Pass, _Pass], inputs: tuple[list, list], int
         in_specs=flat(prefix, 0, prefix.in_specs) + flat(own, first_own, own.in_specs),
         out_specs=flat(prefix, 0, prefix.out_specs) + flat(own, first_own, own.out_specs),
         out_shape=prefix.out_shape + own.out_shape,
+        input_output_aliases={len(prefix.in_specs) + i: len(prefix.out_specs) + o for i, o in own.aliases.items()},
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
         name="grouped_decode_attention",
@@ -354,7 +398,8 @@ def _launch_together(passes: tuple[_Pass, _Pass], inputs: tuple[list, list], int
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def grouped_decode_attention(q_BKGE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_PKSE: jax.Array,
                              prompt_mask_PS: jax.Array, k_BKTE: jax.Array, v_BKET: jax.Array,
-                             allowed_BT: jax.Array, length_B: jax.Array, *, interpret: bool = False) -> jax.Array:
+                             allowed_BT: jax.Array, length_B: jax.Array, token: tuple | None = None, *,
+                             interpret: bool = False):
     """Softmax attention of one query per head and row over its prompt's KV and its own.
 
     Args:
@@ -364,21 +409,30 @@ def grouped_decode_attention(q_BKGE: jax.Array, prompt_k_PKSE: jax.Array, prompt
         k_BKTE, v_BKET: the rows' completions (values slots last), ``allowed_BT`` the slots
             each row attends to.
         length_B: completion slots to read per row; slots from it on must not be allowed.
+        token: ``(qkv_BNE, cos_BE, sin_BE)``: each row's heads from the qkv projection (q's
+            H, then K keys before RoPE, then K values) and its RoPE factors
+            (:func:`rope_factors`). The kernel rotates the keys, writes keys and values into
+            the completions' cache at slot ``length - 1`` and attends to them there: no
+            kernels before it slice, rotate or scatter them. None: the cache holds them.
         interpret: run Pallas's interpreter (any backend), for tests.
 
     Returns:
-        ``[B, K, G, E]`` in ``q_BKGE``'s dtype.
+        ``[B, K, G, E]`` in ``q_BKGE``'s dtype; with ``token``, ``(that, (k_BKTE, v_BKET))``,
+        the cache written in place (donate it).
     """
     b, k, g, e = q_BKGE.shape
     p, _, prompt_len, _ = prompt_k_PKSE.shape
     split = plan(b, p, k, g, prompt_len, k_BKTE.shape[2])
     scale = e ** -0.5
     q_PKQE = _query_matrix(q_BKGE, p, split)
-    passes = (_prefix_pass(q_PKQE, prompt_len, split, scale), _own_pass(q_PKQE, g, b, k_BKTE.shape[2], split, scale))
+    write = token is not None
+    passes = (_prefix_pass(q_PKQE, prompt_len, split, scale),
+              _own_pass(q_PKQE, g, (k_BKTE, v_BKET), split, scale, write))
     inputs = ([q_PKQE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS.astype(jnp.int32)],
-              [q_PKQE, k_BKTE, v_BKET, allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None]])
+              [q_PKQE, k_BKTE, v_BKET, allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None],
+               *([token[0].astype(k_BKTE.dtype)] * 2 + [x.astype(k_BKTE.dtype) for x in token[1:]] if write else [])])
     launch = _launch_together if ONE_LAUNCH else _launch_apart
-    o_pre, top_pre, total_pre, o_own, top_own, total_own = launch(passes, inputs, interpret)
+    o_pre, top_pre, total_pre, o_own, top_own, total_own, *cache = launch(passes, inputs, interpret)
     queries = b // p * g  # the prefix pass's real rows of its padded query matrix
     o_pre, top_pre, total_pre = o_pre[..., :queries, :], top_pre[..., :queries], total_pre[..., :queries]
 
@@ -392,4 +446,5 @@ def grouped_decode_attention(q_BKGE: jax.Array, prompt_k_PKSE: jax.Array, prompt
     w_pre, w_own = jnp.exp(top_pre - top), jnp.exp(top_own - top)
     total = jnp.sum(total_pre * w_pre, axis=2) + jnp.sum(total_own * w_own, axis=2)
     out = jnp.sum(o_pre * w_pre[..., None], axis=2) + jnp.sum(o_own * w_own[..., None], axis=2)
-    return (out / total[..., None]).astype(q_BKGE.dtype)
+    out = (out / total[..., None]).astype(q_BKGE.dtype)
+    return (out, tuple(cache)) if write else out

@@ -210,11 +210,12 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
             raise ValueError(f"a GroupedCache takes one decode token per row; got {length}")
         cache = grouped.rows
     slots = dec.cache_slots(cache, mask_BL)
-    rows_B1 = jnp.arange(b)[:, None]
     platform = mesh_lib.platform(mesh)
     implementation = dec.attention_implementation(model.attention, dt, e, platform)
     rope = dec.rope_tables(slots.positions_BL, dec.rope_inv_freq(cfg), dt)
     use_kernel = grouped is not None and decode_kernel_fits(implementation, e, cache.keys[0].dtype)
+    if use_kernel:  # the kernel rotates the step's keys itself
+        factors = decode_kernel.rope_factors(rope[0][:, 0], rope[1][:, 0])
 
     def rows(x):
         return mesh_lib.constrain(x, mesh, ("batch",) + (None,) * (x.ndim - 1))
@@ -229,20 +230,19 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
         q_BLHE = qkv[..., : h * e].reshape(b, length, h, e)
         k_BLKE = qkv[..., h * e: (h + k) * e].reshape(b, length, k, e)
         v_BLKE = qkv[..., (h + k) * e:].reshape(b, length, k, e)
-        q_BLHE, k_BLKE = dec.apply_rope(q_BLHE, rope), dec.apply_rope(k_BLKE, rope)
-        # In place in this layer's own buffer; out-of-range slots are dropped.
-        keys[y] = keys[y].at[rows_B1, :, slots.slots_BL].set(k_BLKE.astype(keys[y].dtype))
-        if grouped is not None:  # the completions' values are [B, K, E, T]
-            values[y] = values[y].at[rows_B1, :, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
-            layer_kv = (grouped.prompts.keys[y], grouped.prompts.values[y], grouped.prompts.mask_BS,
-                        keys[y], values[y], slots.allowed_BLS)
-            if use_kernel:
-                out_BLHE = attend_grouped_kernel(q_BLHE, *layer_kv, slots.slots_BL[:, 0] + 1, mesh)
-            else:
-                out_BLHE = attend_grouped(q_BLHE, *layer_kv)
+        if grouped is not None:
+            prompt_kv = (grouped.prompts.keys[y], grouped.prompts.values[y], grouped.prompts.mask_BS)
+        if use_kernel:  # the kernel rotates the token's key and writes it and its value into the cache
+            out_BLHE, (keys[y], values[y]) = attend_grouped_kernel(
+                dec.apply_rope(q_BLHE, rope), qkv.reshape(b, h + 2 * k, e), *factors, *prompt_kv, keys[y], values[y],
+                slots.allowed_BLS, slots.slots_BL[:, 0] + 1, mesh)
         else:
-            values[y] = values[y].at[rows_B1, :, slots.slots_BL].set(v_BLKE.astype(values[y].dtype))
-            if length == 1:
+            q_BLHE, k_BLKE = dec.apply_rope(q_BLHE, rope), dec.apply_rope(k_BLKE, rope)
+            keys[y], values[y] = write_kv(keys[y], values[y], k_BLKE, v_BLKE, slots.slots_BL,
+                                          values_slots_last=grouped is not None)
+            if grouped is not None:
+                out_BLHE = attend_grouped(q_BLHE, *prompt_kv, keys[y], values[y], slots.allowed_BLS)
+            elif length == 1:
                 out_BLHE = dec.attend_cached(q_BLHE, keys[y], values[y], slots.allowed_BLS, platform)
             else:
                 k_BSKE, v_BSKE = (c.transpose(0, 2, 1, 3).astype(dt) for c in (keys[y], values[y]))
@@ -260,6 +260,17 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
     if grouped is not None:
         cache = grouped.replace(rows=cache)
     return dec.lm_logits(x_BLD, head), cache
+
+
+def write_kv(keys: jax.Array, values: jax.Array, k_BLKE: jax.Array, v_BLKE: jax.Array, slots_BL: jax.Array,
+             values_slots_last: bool) -> tuple[jax.Array, jax.Array]:
+    """The tokens' keys and values written at ``slots_BL`` of one layer's cache, in place;
+    out-of-range slots are dropped. Values are ``[B, K, E, T]`` with ``values_slots_last``
+    (a grouped cache's completions), else ``[B, K, T, E]``."""
+    rows_B1 = jnp.arange(k_BLKE.shape[0])[:, None]
+    keys = keys.at[rows_B1, :, slots_BL].set(k_BLKE.astype(keys.dtype))
+    at = values.at[rows_B1, :, :, slots_BL] if values_slots_last else values.at[rows_B1, :, slots_BL]
+    return keys, at.set(v_BLKE.astype(values.dtype))
 
 
 def attend_grouped(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_PKSE: jax.Array, prompt_mask_PS: jax.Array,
@@ -302,12 +313,17 @@ def decode_kernel_fits(implementation: str, head_dim: int, cache_dtype) -> bool:
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
-def attend_grouped_kernel(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_PKSE: jax.Array,
-                          prompt_mask_PS: jax.Array, k_BKTE: jax.Array, v_BKET: jax.Array, allowed_B1T: jax.Array,
-                          length_B: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """:func:`attend_grouped` as one fused kernel per layer (:mod:`~podsjax.models.decode_kernel`).
+def attend_grouped_kernel(q_B1HE: jax.Array, qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Array,
+                          prompt_k_PKSE: jax.Array, prompt_v_PKSE: jax.Array, prompt_mask_PS: jax.Array,
+                          k_BKTE: jax.Array, v_BKET: jax.Array, allowed_B1T: jax.Array, length_B: jax.Array,
+                          mesh: Mesh | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """RoPE on the step's keys, :func:`write_kv` and :func:`attend_grouped` as one fused kernel
+    per layer (:mod:`~podsjax.models.decode_kernel`): returns the output and the completions' cache.
 
-    ``length_B``: the completion slots each row reads (its write slot + 1). On a mesh the
+    ``q_B1HE``: the rotated queries. ``qkv_BNE``: the qkv projection's heads (H queries, K keys
+    before RoPE, K values); ``cos_BE, sin_BE``: ``decode_kernel.rope_factors``. Each row's key
+    and value are written at its slot ``length_B - 1`` (``length_B``: the completion slots
+    each row reads). On a mesh the
     kernel runs per device on its rows (``shard_map``). Its prompts are local when the
     prompt count divides over the rows' axes, as :func:`cache_shardings` places them; when
     it does not, the prompts are whole on every device and a device whose rows all sample
@@ -317,12 +333,14 @@ def attend_grouped_kernel(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_
     p, k = prompt_k_PKSE.shape[:2]
     n = b // p
 
-    def call(q, pk, pv, pmask, keys, values, allowed, length):
-        out = decode_kernel.grouped_decode_attention(
-            q.reshape(q.shape[0], k, h // k, e).astype(keys.dtype), pk, pv, pmask, keys, values, allowed[:, 0], length)
-        return out.reshape(q.shape[0], 1, h, e).astype(q.dtype)
+    def call(q, qkv, cos, sin, pk, pv, pmask, keys, values, allowed, length):
+        out, cache = decode_kernel.grouped_decode_attention(
+            q.reshape(q.shape[0], k, h // k, e).astype(keys.dtype), pk, pv, pmask, keys, values, allowed[:, 0], length,
+            (qkv, cos, sin))
+        return out.reshape(q.shape[0], 1, h, e).astype(q.dtype), cache
 
-    args = (q_B1HE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, k_BKTE, v_BKET, allowed_B1T, length_B)
+    args = (q_B1HE, qkv_BNE, cos_BE, sin_BE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, k_BKTE, v_BKET,
+            allowed_B1T, length_B)
     if mesh is None or mesh.size == 1:
         return call(*args)
     rows = mesh_lib.logical_to_spec(("batch",), mesh, (b,))
@@ -330,17 +348,23 @@ def attend_grouped_kernel(q_B1HE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_
     shards = math.prod(mesh.shape[a] for a in mesh_lib.spec_axes(rows[0]))
     local_rows = b // shards
     if prompts != rows and n % local_rows != 0:
-        return attend_grouped(*args[:-1])
+        new_k = qkv_BNE[:, h:h + k]
+        new_k = (new_k * cos_BE[:, None]).astype(new_k.dtype) + (jnp.roll(new_k, e // 2, -1) * sin_BE[:, None]).astype(
+            new_k.dtype)  # decode_kernel's rotation
+        cache = write_kv(k_BKTE, v_BKET, new_k[:, None], qkv_BNE[:, None, h + k:], (length_B - 1)[:, None],
+                         values_slots_last=True)
+        return attend_grouped(q_B1HE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, *cache, allowed_B1T), cache
     row_spec = lambda x: PartitionSpec(*rows, *[None] * (x.ndim - 1))  # noqa: E731
     # Prompts split as their rows are stay local; otherwise each device takes them whole
     # (a small gather where they were split over fewer axes) and slices out its one prompt.
     prompt_spec = row_spec if prompts == rows else (lambda x: PartitionSpec())
-    specs = tuple(prompt_spec(x) if i in (1, 2, 3) else row_spec(x) for i, x in enumerate(args))
+    specs = tuple(prompt_spec(x) if i in (4, 5, 6) else row_spec(x) for i, x in enumerate(args))
 
-    def per_device(q, pk, pv, pmask, *rest):
+    def per_device(q, qkv, cos, sin, pk, pv, pmask, *rest):
         if prompts != rows:  # this device's rows all sample one prompt
             first = jax.lax.axis_index(mesh_lib.spec_axes(rows[0])) * local_rows // n
             pk, pv, pmask = (jax.lax.dynamic_slice_in_dim(x, first, 1, axis=0) for x in (pk, pv, pmask))
-        return call(q, pk, pv, pmask, *rest)
+        return call(q, qkv, cos, sin, pk, pv, pmask, *rest)
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+    out_specs = (specs[0], (specs[7], specs[8]))
+    return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from podsjax.devices import mesh as mesh_lib
-from podsjax.models import decode_kernel, rollout
+from podsjax.models import decode_kernel, decoder, rollout
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -37,14 +37,35 @@ def xla_form(case):
     return rollout.attend_grouped(*[v for k, v in case.items() if k != "length_B"])
 
 
-def kernel_form(case, interpret=True):
+def kernel_form(case, interpret=True, token=None):
     b, _, h, e = case["q_B1HE"].shape
     k = case["prompt_k_PKSE"].shape[1]
     out = decode_kernel.grouped_decode_attention(
         case["q_B1HE"].reshape(b, k, h // k, e), case["prompt_k_PKSE"], case["prompt_v_PKSE"],
         case["prompt_mask_PS"], case["k_BKTE"], case["v_BKET"], case["allowed_B1T"][:, 0], case["length_B"],
-        interpret=interpret)
+        token, interpret=interpret)
+    if token is not None:
+        return out[0].reshape(b, 1, h, e), out[1]
     return out.reshape(b, 1, h, e)
+
+
+def unwritten(case, seed=7):
+    """``case`` before each row's last token was written, and that token as the kernel takes
+    it: ``(case with NaN at the token's slot, (qkv heads [B, H + 2K, E], cos, sin [B, E]))``,
+    its key before RoPE, which turns it into the key ``case`` holds."""
+    rng = np.random.default_rng(seed)
+    b, k, _, e = case["k_BKTE"].shape
+    rows, slot, dtype = jnp.arange(b), case["length_B"] - 1, case["k_BKTE"].dtype
+    raw_k = jnp.asarray(rng.normal(size=(b, k, e)), dtype)
+    angles = jnp.asarray(rng.uniform(0, 100, size=(b, 1, e // 2)), jnp.float32)
+    rope = (jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype))
+    key = decoder.apply_rope(raw_k[:, None], rope)[:, 0]
+    value = case["v_BKET"][rows, :, :, slot]
+    qkv = jnp.concatenate([jnp.zeros((b, case["q_B1HE"].shape[2], e), dtype), raw_k, value], axis=1)
+    written = dict(case, k_BKTE=case["k_BKTE"].at[rows, :, slot].set(key))
+    stale = dict(case, k_BKTE=case["k_BKTE"].at[rows, :, slot].set(jnp.nan),
+                 v_BKET=case["v_BKET"].at[rows, :, :, slot].set(jnp.nan))
+    return written, stale, (qkv, *decode_kernel.rope_factors(rope[0][:, 0], rope[1][:, 0]))
 
 
 # (prompts, samples, kv heads, queries per kv head, prompt slots, completion slots, head_dim):
@@ -69,6 +90,14 @@ def test_the_kernel_matches_the_xla_grouped_attention_in_fp32(shape, launch):
     np.testing.assert_allclose(kernel_form(case), xla_form(case), atol=2e-6, rtol=2e-6)
     calls = list(_pallas_calls(jax.make_jaxpr(kernel_form)(case).jaxpr))
     assert len(calls) == (1 if launch else 2)
+    # Taking each row's token from the qkv projection as it attends: its key rotated as RoPE
+    # rotates it, read from the registers (its slot in memory is NaN until the write), and the
+    # cache written as the scatter writes it.
+    written, stale, token = unwritten(case)
+    out, (keys, values) = kernel_form(stale, token=token)
+    np.testing.assert_allclose(out, xla_form(written), atol=2e-6, rtol=2e-6)
+    np.testing.assert_array_equal(keys, written["k_BKTE"])
+    np.testing.assert_array_equal(values, written["v_BKET"])
 
 
 def test_the_kernel_reads_a_bf16_cache_as_the_xla_form_does():
@@ -184,12 +213,16 @@ def test_on_a_mesh_each_device_attends_its_own_rows_to_their_prompts(monkeypatch
                         functools.partial(decode_kernel.grouped_decode_attention, interpret=True))
     mesh = mesh_lib.make_mesh(spec)
     case = grouped_case(prompts, samples, 2, 2, 24, 16, 16, jnp.float32, seed=4)
-    names = ["q_B1HE", "prompt_k_PKSE", "prompt_v_PKSE", "prompt_mask_PS", "k_BKTE", "v_BKET", "allowed_B1T",
-             "length_B"]
+    written, stale, (qkv, cos, sin) = unwritten(case)
+    stale = dict(stale, qkv=qkv, cos=cos, sin=sin)
+    names = ["q_B1HE", "qkv", "cos", "sin", "prompt_k_PKSE", "prompt_v_PKSE", "prompt_mask_PS", "k_BKTE", "v_BKET",
+             "allowed_B1T", "length_B"]
     placed = {k: jax.device_put(v, mesh_lib.logical_sharding(mesh, ("batch",) + (None,) * (v.ndim - 1), v.shape))
-              for k, v in case.items()}
-    out = jax.jit(lambda *a: rollout.attend_grouped_kernel(*a, mesh))(*[placed[k] for k in names])
-    np.testing.assert_allclose(out, xla_form(case), atol=2e-6, rtol=2e-6)
+              for k, v in stale.items()}
+    out, (keys, values) = jax.jit(lambda *a: rollout.attend_grouped_kernel(*a, mesh))(*[placed[k] for k in names])
+    np.testing.assert_allclose(out, xla_form(written), atol=2e-6, rtol=2e-6)
+    np.testing.assert_array_equal(keys, written["k_BKTE"])
+    np.testing.assert_array_equal(values, written["v_BKET"])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiles the Triton kernel: needs a GPU")

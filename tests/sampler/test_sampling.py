@@ -1,5 +1,7 @@
 """The jit sampler: token-exact greedy parity with transformers, log-probs, EOS, sharding."""
 
+import functools
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -249,6 +251,25 @@ def test_unrolled_layers_sample_what_the_scanned_layers_sample_with_lora_and_on_
     # The adapters change what is sampled.
     base = scanned_gen.generate(params, ids[:2], mask[:2], jax.random.key(4), **{**kwargs, "lora": None})
     assert not np.array_equal(np.asarray(base.tokens), np.asarray(scanned.tokens))
+
+
+def test_the_decode_kernel_writes_and_reads_each_steps_keys_as_the_xla_form_does(tiny, generator_for, monkeypatch):
+    # On a GPU grouped decode runs podsjax.models.decode_kernel, which writes each step's key
+    # and value into the cache itself (no scatter); here in Pallas's interpreter, step after
+    # step, against the scatter and the XLA form.
+    from podsjax.models import decode_kernel, rollout
+
+    _, model, params = tiny["qwen2_tied_gqa"]
+    model = model.clone(rollout_layers="unrolled")
+    ids, mask = left_padded_prompts(9)
+    kwargs = dict(num_samples=4, max_new_tokens=6, temperature=0.8, eos_token_ids=EOS, return_logprobs=True)
+    want = generator_for(model).generate(params, ids[:2], mask[:2], jax.random.key(5), **kwargs)
+    monkeypatch.setattr(rollout, "decode_kernel_fits", lambda *_: True)
+    monkeypatch.setattr(decode_kernel, "grouped_decode_attention",
+                        functools.partial(decode_kernel.grouped_decode_attention, interpret=True))
+    got = sampling.Generator(model).generate(params, ids[:2], mask[:2], jax.random.key(5), **kwargs)
+    assert np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want.logprobs), atol=1e-5)
 
 
 def test_more_than_one_key_is_refused_in_one_line(tiny, generator_for):
