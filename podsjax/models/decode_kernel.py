@@ -220,11 +220,10 @@ def _own_part(*refs, samples: int, groups: int, slots: int, chunk: int, block: i
 
 def _rotated(x_ref, cos, sin):
     """RoPE's rotate-half of the vector ``x_ref [E]``: ``x * cos + partner(x) * sin``, ``partner``
-    swapping the halves (``cos``, ``sin``: :func:`rope_factors`), each product and the sum
-    rounded to ``x``'s dtype as XLA's elementwise ops round them."""
+    swapping the halves (``cos``, ``sin``: :func:`rope_factors`), in fp32, rounded once."""
     e = x_ref.shape[0]
-    x, partner = x_ref[...], x_ref[(jnp.arange(e) + e // 2) % e]
-    return ((x * cos).astype(x.dtype) + (partner * sin).astype(x.dtype)).astype(x.dtype)
+    x, partner = (v.astype(jnp.float32) for v in (x_ref[...], x_ref[(jnp.arange(e) + e // 2) % e]))
+    return (x * cos.astype(jnp.float32) + partner * sin.astype(jnp.float32)).astype(x_ref.dtype)
 
 
 def rope_factors(cos_BF: jax.Array, sin_BF: jax.Array) -> tuple[jax.Array, jax.Array]:

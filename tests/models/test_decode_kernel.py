@@ -106,6 +106,12 @@ def test_the_kernel_reads_a_bf16_cache_as_the_xla_form_does():
     # Both sum in fp32 and round once to bf16: at most one bf16 step apart.
     np.testing.assert_allclose(out, ref, atol=1e-2, rtol=1e-2)
     assert float(jnp.mean(out == ref)) > 0.9
+    # The step's key rotated in the kernel, in fp32 and rounded once, as XLA's RoPE rounds it.
+    written, stale, token = unwritten(case)
+    out, (keys, values) = kernel_form(stale, token=token)
+    np.testing.assert_allclose(out.astype(jnp.float32), xla_form(written).astype(jnp.float32), atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(keys.astype(jnp.float32), written["k_BKTE"].astype(jnp.float32), atol=1e-2, rtol=1e-2)
+    np.testing.assert_array_equal(values, written["v_BKET"])
 
 
 def test_a_prompt_chunk_that_holds_only_left_padding_adds_nothing():
@@ -230,3 +236,10 @@ def test_the_compiled_kernel_matches_the_xla_form_on_a_gpu(launch):
     case = grouped_case(4, 16, 2, 6, 512, 512, 128, jnp.bfloat16, seed=5)
     out, ref = kernel_form(case, interpret=False).astype(jnp.float32), xla_form(case).astype(jnp.float32)
     np.testing.assert_allclose(out, ref, atol=1e-2, rtol=1e-2)
+    # As decoding calls it: the step's token from the qkv heads, rotated and written by the kernel.
+    written, stale, token = unwritten(case)
+    out, (keys, values) = kernel_form(stale, interpret=False, token=token)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    np.testing.assert_allclose(f32(out), f32(xla_form(written)), atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(f32(keys), f32(written["k_BKTE"]), atol=1e-2, rtol=1e-2)  # RoPE: a bf16 step at most
+    np.testing.assert_array_equal(f32(values), f32(written["v_BKET"]))
