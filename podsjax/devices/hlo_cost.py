@@ -89,9 +89,9 @@ def _updated_in_place(instr: Instr) -> float:
     aliased = re.search(r"output_to_operand_aliasing=\{(.*?)\}(?:,|$)", instr.attrs)
     if aliased is None:
         return 0.0
-    outputs = arrays(instr.type)
-    return sum(type_bytes(f"{outputs[i][0]}[{','.join(map(str, outputs[i][1]))}]")
-               for i in map(int, re.findall(r"\{(\d+)\}:", aliased.group(1))) if i < len(outputs))
+    outputs = [m.group(0) for m in ARRAY_TYPE.finditer(instr.type)]
+    return sum(type_bytes(outputs[i]) for i in map(int, re.findall(r"\{(\d+)\}:", aliased.group(1)))
+               if i < len(outputs))
 
 
 def _declared_cost(instr: Instr) -> tuple[float, float] | None:

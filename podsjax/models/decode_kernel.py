@@ -189,9 +189,9 @@ def _prefix_part(q_ref, k_ref, v_ref, mask_ref, o_ref, top_ref, total_ref, chunk
 
 def _own_part(*refs, samples: int, groups: int, slots: int, chunk: int, block: int, scale: float, write: bool):
     """One row, kv head and completion chunk (refs, then the row and chunk). Refs: q ``[Qp, E]`` (the
-    group's query matrix; the row's G queries from row ``sample * G``), k ``[T, E]``, v ``[E, T]``,
-    allowed ``[T]``, length ``[1]``, [with ``write``: new key (before RoPE) and value, RoPE factors,
-    ``[E]`` each]; out o ``[GP, E]``, top/total ``[GP]``, [k and v, written at slot ``length - 1``]."""
+    group's query matrix, the row's G queries from row ``sample * G``), k ``[T, E]``, v ``[E, T]``, allowed
+    ``[T]``, length ``[1]``, [``write``: new key (before RoPE), value, RoPE factors, ``[E]`` each]; out o
+    ``[GP, E]``, top/total ``[GP]``, [k, v with the new ones at slot ``length - 1``]."""
     *refs, row, chunk_index = refs
     q_ref, k_ref, v_ref, allowed_ref, length_ref, *refs = refs
     new_k_ref, new_v_ref, cos_ref, sin_ref, *refs = refs if write else (None,) * 4 + tuple(refs)
@@ -203,7 +203,10 @@ def _own_part(*refs, samples: int, groups: int, slots: int, chunk: int, block: i
     start = chunk_index * chunk
     stop = jnp.minimum(jnp.minimum(start + chunk, slots), length_ref[0])
     slot = length_ref[0] - 1
-    written = (slot, _rotated(new_k_ref, cos_ref[...], sin_ref[...]), new_v_ref[...]) if write else None
+    written, e = None, q_ref.shape[1]
+    if write:  # the key with its halves swapped is a second load of it
+        key = rotate_half(new_k_ref[...], new_k_ref[(jnp.arange(e) + e // 2) % e], cos_ref[...], sin_ref[...])
+        written = (slot, key, new_v_ref[...])
     o, top, total = _attend_blocks(q, k_ref, v_ref, allowed_ref, start, stop,
                                    pl.cdiv(jnp.maximum(stop - start, 0), block), block=block, scale=scale,
                                    slots_last=True, written=written)
@@ -218,16 +221,14 @@ def _own_part(*refs, samples: int, groups: int, slots: int, chunk: int, block: i
     plgpu.store(total_ref, total, mask=real_rows)
 
 
-def _rotated(x_ref, cos, sin):
-    """RoPE's rotate-half of the vector ``x_ref [E]``: ``x * cos + partner(x) * sin``, ``partner``
-    swapping the halves (``cos``, ``sin``: :func:`rope_factors`), in fp32, rounded once."""
-    e = x_ref.shape[0]
-    x, partner = (v.astype(jnp.float32) for v in (x_ref[...], x_ref[(jnp.arange(e) + e // 2) % e]))
-    return (x * cos.astype(jnp.float32) + partner * sin.astype(jnp.float32)).astype(x_ref.dtype)
+def rotate_half(x, swapped, cos, sin):
+    """RoPE of ``x [.., E]``: ``x * cos + swapped * sin`` (:func:`rope_factors`) in fp32, rounded once."""
+    x32, swapped32, cos32, sin32 = (v.astype(jnp.float32) for v in (x, swapped, cos, sin))
+    return (x32 * cos32 + swapped32 * sin32).astype(x.dtype)
 
 
 def rope_factors(cos_BF: jax.Array, sin_BF: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """RoPE's tables ``[B, E/2]`` as the factors ``[B, E]`` that :func:`_rotated` takes."""
+    """RoPE's tables ``[B, E/2]`` as the factors ``[B, E]`` that :func:`rotate_half` takes."""
     return jnp.concatenate([cos_BF, cos_BF], -1), jnp.concatenate([-sin_BF, sin_BF], -1)  # once a step
 
 

@@ -348,8 +348,8 @@ def attend_grouped_kernel(q_B1HE: jax.Array, qkv_BNE: jax.Array, cos_BE: jax.Arr
     shards = math.prod(mesh.shape[a] for a in mesh_lib.spec_axes(rows[0]))
     local_rows = b // shards
     if prompts != rows and n % local_rows != 0:
-        raw = qkv_BNE[:, h:h + k].astype(jnp.float32)  # decode_kernel's rotation
-        new_k = (raw * cos_BE[:, None] + jnp.roll(raw, e // 2, -1) * sin_BE[:, None]).astype(qkv_BNE.dtype)
+        raw = qkv_BNE[:, h:h + k]
+        new_k = decode_kernel.rotate_half(raw, jnp.roll(raw, e // 2, -1), cos_BE[:, None], sin_BE[:, None])
         cache = write_kv(k_BKTE, v_BKET, new_k[:, None], qkv_BNE[:, None, h + k:], (length_B - 1)[:, None],
                          values_slots_last=True)
         return attend_grouped(q_B1HE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, *cache, allowed_B1T), cache
