@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 from jax import monitoring
+from jax._src import monitoring as _jax_monitoring  # its listener lists: jax.monitoring has no getters
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 # Event names in jax/_src/dispatch.py and jax/_src/compiler.py (jax 0.4.30 - 0.11).
@@ -92,8 +93,8 @@ def compile_cache_dir() -> str | None:
 # -- compile log ----------------------------------------------------------------------
 
 _local = threading.local()  # per thread: the label stack and whether the current compile hit the cache
-_installed = False
 _install_lock = threading.Lock()
+_registered: set = set()
 
 
 def _stack() -> list:
@@ -120,13 +121,17 @@ def _on_duration(event: str, seconds: float, **kwargs) -> None:
 
 
 def _install() -> None:
-    """Registers the JAX listeners once per process (JAX offers no public way to remove them)."""
-    global _installed
+    """Registers the JAX listeners, again when another library cleared them (tunix's metrics
+    logger calls ``jax.monitoring.clear_event_listeners()`` as it closes)."""
     with _install_lock:
-        if not _installed:
-            monitoring.register_event_listener(_on_event)
-            monitoring.register_event_duration_secs_listener(_on_duration)
-            _installed = True
+        for getter, register, callback in (
+                ("get_event_listeners", monitoring.register_event_listener, _on_event),
+                ("get_event_duration_listeners", monitoring.register_event_duration_secs_listener, _on_duration)):
+            get = getattr(_jax_monitoring, getter, None)  # jax.monitoring has no getters; a jax without them:
+            registered = get() if get is not None else _registered  # trust what this module registered
+            if callback not in registered:
+                register(callback)
+                _registered.add(callback)
 
 
 def program_name(fun_name: str) -> str:
@@ -164,6 +169,7 @@ class CompileLog:
     @contextlib.contextmanager
     def label(self, name: str, detail: str = "") -> Iterator[None]:
         """Attributes the compiles in the ``with`` body (this thread only) to ``name``."""
+        _install()
         stack = _stack()
         stack.append((self, name, detail))
         try:

@@ -192,6 +192,20 @@ def test_a_phase_s_compiles_are_counted_as_compiles_not_as_the_phase():
     assert timer.totals()["update"] < 0.02 and timer.totals()["selection"] >= 0
 
 
+def test_the_compile_log_counts_again_after_another_library_clears_jax_s_listeners():
+    import jax
+
+    from podsjax.devices.compilation import CompileLog
+
+    log, x = CompileLog(), jnp.ones(11)
+    with log.label("first"):
+        jax.jit(lambda x: jnp.sin(x) * 5.0 - 2.0)(x).block_until_ready()
+    jax.monitoring.clear_event_listeners()  # as tunix's metrics logger does when it closes
+    with log.label("second"):
+        jax.jit(lambda x: jnp.cos(x) * 7.0 + 3.0)(x).block_until_ready()
+    assert log.counts == {"first[<lambda>]": 1, "second[<lambda>]": 1}, log.counts
+
+
 def test_the_step_line_reports_compiles_apart_from_the_phases():
     from podsjax.rl import reporting
 
