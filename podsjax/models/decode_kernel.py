@@ -17,9 +17,11 @@ work is split the way flash decoding and cascade (shared-prefix) attention split
 
 Both passes run in one launch (:data:`ONE_LAUNCH`), the prefix pass's programs first: each
 program is a few microseconds of latency-bound work, and a launch each paid two starts and
-two tails a layer. Decoding hands the kernel the step's token as the qkv projection left it:
-the completion pass rotates the key (RoPE), attends to it and the value from registers and
-writes both into the cache, so no kernel before it slices, rotates or scatters them.
+two tails a layer (:mod:`~podsjax.models.decode_launch`). Decoding hands the kernel the
+step's token as the qkv projection left it: each pass gathers its queries from the heads
+and rotates them (RoPE), and the completion pass rotates the key, attends to it and the
+value from registers and writes both into the cache, so no kernel before it slices,
+rotates, lays out or scatters them.
 :func:`plan` says how a shape splits; tests check that setting a's shape fills an H100
 (at least :data:`MIN_PROGRAMS` programs) without running on one.
 
@@ -33,13 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from podsjax.models import decode_launch as launch
 
 MIN_PROGRAMS = 264  # two programs for each of an H100's (and H200's) 132 SMs
 MAX_SLOTS_PER_PROGRAM = 256  # the longest serial walk a program makes
@@ -48,7 +50,6 @@ _BLOCK = 64  # cache slots per loop iteration
 _QUERY_TILE = 64  # rows of the prefix pass's query matrix per program
 _NEG = 0.7 * float(jnp.finfo(jnp.float32).min)  # masked scores: exp underflows to 0, no inf - inf
 ONE_LAUNCH = True  # both passes in one kernel launch (False: a launch each, one after the other)
-_COMPILER_PARAMS = plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _next_pow2(n: int) -> int:
@@ -174,36 +175,68 @@ def _attend_blocks(q, keys_ref, values_ref, real_ref, start, stop, count, *, blo
     return jax.lax.fori_loop(0, count, step, carry)
 
 
-def _prefix_part(q_ref, k_ref, v_ref, mask_ref, o_ref, top_ref, total_ref, chunk_index, *, prompt_len: int,
-                 chunk: int, block: int, scale: float):
-    """One prompt, kv head, query tile and prompt chunk (``chunk_index``). Refs: q ``[Tq, E]``
-    (a tile of the group's rows x query heads), k/v ``[S, E]``, mask ``[S]``; out o ``[Tq, E]``,
-    top/total ``[Tq]``."""
+def _gathered(ref, rows, cols):
+    """``ref[rows[i], cols[j]]`` as ``[len(rows), len(cols)]``, from a 2-D ref: one load of
+    rows that a BlockSpec cannot pick (Triton computes each element's pointer)."""
+    shape = (rows.shape[0], cols.shape[0])
+    return ref[jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)]
+
+
+def _queries(heads_ref, index, valid, rope=None):
+    """Queries ``[Q, E]``: rows ``index`` of ``heads_ref [B * heads a row, E]`` (rows not
+    ``valid`` come out 0); ``rope``: RoPE factors ``[Q or 1, E]`` to rotate them by (:func:`rotate_half`)."""
+    e = heads_ref.shape[1]
+    index, cols = jnp.where(valid, index, 0), jnp.arange(e)
+    q = _gathered(heads_ref, index, cols)
+    if rope is not None:  # the halves swapped are a second load
+        q = rotate_half(q, _gathered(heads_ref, index, (cols + e // 2) % e), *rope)
+    return jnp.where(valid[:, None], q, 0).astype(q.dtype)
+
+
+def _prefix_part(*refs, samples: int, groups: int, per_row: int, rotate: bool, prompt_len: int, chunk: int,
+                 block: int, scale: float):
+    """One prompt, kv head, query tile and prompt chunk (refs, then those four). Refs: the
+    query heads ``[B * per_row, E]`` (row b's query head j at ``b * per_row + j``), [``rotate``:
+    RoPE factors ``[B, E]`` each], k/v ``[S, E]``, mask ``[S]``; out o ``[Tq, E]``, top/total
+    ``[Tq]``, for a tile of the group's n rows x G queries (row-major)."""
+    *refs, prompt, head, tile_index, chunk_index = refs
+    heads_ref, *refs = refs
+    cos_ref, sin_ref, *refs = refs if rotate else (None, None, *refs)
+    k_ref, v_ref, mask_ref, o_ref, top_ref, total_ref = refs
+    tile = o_ref.shape[0]
+    query = tile_index * tile + jnp.arange(tile)
+    valid = query < samples * groups
+    rows = jnp.where(valid, prompt * samples + query // groups, 0)
+    rope = None
+    if rotate:
+        cols = jnp.arange(cos_ref.shape[1])
+        rope = (_gathered(cos_ref, rows, cols), _gathered(sin_ref, rows, cols))
+    q = _queries(heads_ref, rows * per_row + head * groups + query % groups, valid, rope)
     start = chunk_index * chunk
-    o, top, total = _attend_blocks(q_ref[...], k_ref, v_ref, mask_ref, start, jnp.minimum(start + chunk, prompt_len),
+    o, top, total = _attend_blocks(q, k_ref, v_ref, mask_ref, start, jnp.minimum(start + chunk, prompt_len),
                                    pl.cdiv(chunk, block), block=block, scale=scale, slots_last=False)
     o_ref[...] = o
     top_ref[...] = top
     total_ref[...] = total
 
 
-def _own_part(*refs, samples: int, groups: int, slots: int, chunk: int, block: int, scale: float, write: bool):
-    """One row, kv head and completion chunk (refs, then the row and chunk). Refs: q ``[Qp, E]`` (the
-    group's query matrix, the row's G queries from row ``sample * G``), k ``[T, E]``, v ``[E, T]``, allowed
-    ``[T]``, length ``[1]``, [``write``: new key (before RoPE), value, RoPE factors, ``[E]`` each]; out o
+def _own_part(*refs, groups: int, per_row: int, slots: int, chunk: int, block: int, scale: float, write: bool):
+    """One row, kv head and completion chunk (refs, then those three). Refs: the query heads
+    ``[B * per_row, E]`` (before RoPE with ``write``), k ``[T, E]``, v ``[E, T]``, allowed ``[T]``,
+    length ``[1]``, [``write``: new key (before RoPE), value, RoPE factors, ``[E]`` each]; out o
     ``[GP, E]``, top/total ``[GP]``, [k, v with the new ones at slot ``length - 1``]."""
-    *refs, row, chunk_index = refs
-    q_ref, k_ref, v_ref, allowed_ref, length_ref, *refs = refs
+    *refs, row, head, chunk_index = refs
+    heads_ref, k_ref, v_ref, allowed_ref, length_ref, *refs = refs
     new_k_ref, new_v_ref, cos_ref, sin_ref, *refs = refs if write else (None,) * 4 + tuple(refs)
     o_ref, top_ref, total_ref, *cache_out = refs
     gp = o_ref.shape[0]
     real_rows = jnp.arange(gp) < groups
-    first = (row % samples) * groups
-    q = plgpu.load(q_ref.at[pl.ds(first, gp), :], mask=real_rows[:, None], other=0)
+    rope = (cos_ref[...][None, :], sin_ref[...][None, :]) if write else None
+    q = _queries(heads_ref, row * per_row + head * groups + jnp.arange(gp), real_rows, rope)
     start = chunk_index * chunk
     stop = jnp.minimum(jnp.minimum(start + chunk, slots), length_ref[0])
     slot = length_ref[0] - 1
-    written, e = None, q_ref.shape[1]
+    written, e = None, heads_ref.shape[1]
     if write:  # the key with its halves swapped is a second load of it
         key = rotate_half(new_k_ref[...], new_k_ref[(jnp.arange(e) + e // 2) % e], cos_ref[...], sin_ref[...])
         written = (slot, key, new_v_ref[...])
@@ -239,47 +272,39 @@ def _part_shapes(rows: tuple[int, ...], e: int) -> list[jax.ShapeDtypeStruct]:
             jax.ShapeDtypeStruct(rows, jnp.float32)]
 
 
-def _query_matrix(q_BKGE, prompts: int, split: Plan):
-    """``[P, K, Qp, E]``: per prompt and kv head, its n rows x G queries (row-major), padded to a
-    power of two (Triton's blocks) that holds the prefix pass's tiles and every row's window
-    of ``max(16, next pow2 of G)`` rows."""
-    b, k, g, e = q_BKGE.shape
-    n = b // prompts
-    padded = _next_pow2(max(split.query_tile * split.query_tiles, (n - 1) * g + _own_rows(g)))
-    q_PKQE = q_BKGE.reshape(prompts, n, k, g, e).transpose(0, 2, 1, 3, 4).reshape(prompts, k, n * g, e)
-    return jnp.pad(q_PKQE, ((0, 0), (0, 0), (0, padded - n * g), (0, 0)))
-
-
 def _own_rows(groups: int) -> int:
     return max(_MIN_DOT, _next_pow2(groups))
 
 
+def _whole(x) -> pl.BlockSpec:
+    """All of ``x`` for every program (its rows read by computed index)."""
+    return pl.BlockSpec(x.shape, lambda *ids: (0,) * x.ndim)
+
+
 @dataclasses.dataclass(frozen=True)
-class _Pass:
-    """One pass as Pallas launches it: its kernel, grid, specs and outputs. The kernel takes
-    its refs and then ``part_ids(its program's grid ids)``."""
+class _Queries:
+    """Where the passes read their queries: ``heads [B * per_row, E]``, row b's query head j
+    at ``b * per_row + j``; ``factors``: RoPE factors ``[B, E]`` to rotate them by, or None."""
 
-    kernel: Callable
-    part_ids: Callable[[tuple], tuple]
-    grid: tuple[int, ...]
-    in_specs: list
-    out_specs: list
-    out_shape: list
-    name: str
-    aliases: dict = dataclasses.field(default_factory=dict)  # input -> output, the pass's own indices
+    heads: jax.Array
+    per_row: int
+    groups: int
+    factors: tuple | None
 
 
-def _prefix_pass(q_PKQE, prompt_len: int, split: Plan, scale: float) -> _Pass:
-    """The prefix pass, writing ``(o [P, K, splits, Qp, E], top, total [P, K, splits, Qp])``."""
-    p, k, _, e = q_PKQE.shape
-    tile = split.query_tile
-    return _Pass(
-        kernel=functools.partial(_prefix_part, prompt_len=prompt_len, chunk=split.prefix_chunk, block=split.block,
-                                 scale=scale),
-        part_ids=lambda ids: (ids[3],),  # the prompt chunk
-        grid=(p, k, split.query_tiles, split.prefix_splits),
+def _prefix_pass(queries: _Queries, prompts: int, k: int, prompt_len: int, split: Plan, scale: float) -> launch.Pass:
+    """The prefix pass, writing ``(o [P, K, splits, Tq * tiles, E], top, total [P, K, splits, Tq * tiles])``."""
+    rows_per_prompt = queries.heads.shape[0] // queries.per_row // prompts
+    e, tile = queries.heads.shape[1], split.query_tile
+    rotate = queries.factors is not None
+    return launch.Pass(
+        kernel=functools.partial(_prefix_part, samples=rows_per_prompt, groups=queries.groups,
+                                 per_row=queries.per_row, rotate=rotate, prompt_len=prompt_len,
+                                 chunk=split.prefix_chunk, block=split.block, scale=scale),
+        part_ids=lambda ids: ids,  # the prompt, kv head, query tile and prompt chunk
+        grid=(prompts, k, split.query_tiles, split.prefix_splits),
         in_specs=[
-            pl.BlockSpec((None, None, tile, e), lambda i, h, t, s: (i, h, t, 0)),
+            _whole(queries.heads), *([_whole(x) for x in queries.factors] if rotate else []),
             pl.BlockSpec((None, None, prompt_len, e), lambda i, h, t, s: (i, h, 0, 0)),
             pl.BlockSpec((None, None, prompt_len, e), lambda i, h, t, s: (i, h, 0, 0)),
             pl.BlockSpec((None, prompt_len), lambda i, h, t, s: (i, 0)),
@@ -289,33 +314,29 @@ def _prefix_pass(q_PKQE, prompt_len: int, split: Plan, scale: float) -> _Pass:
             pl.BlockSpec((None, None, None, tile), lambda i, h, t, s: (i, h, s, t)),
             pl.BlockSpec((None, None, None, tile), lambda i, h, t, s: (i, h, s, t)),
         ],
-        out_shape=_part_shapes((p, k, split.prefix_splits, tile * split.query_tiles), e),
+        out_shape=_part_shapes((prompts, k, split.prefix_splits, tile * split.query_tiles), e),
         name="grouped_decode_prefix")
 
 
-def _own_pass(q_PKQE, groups: int, cache: tuple, split: Plan, scale: float, write: bool) -> _Pass:
-    """The completion pass, writing ``(o [B, K, splits, G, E], top, total [B, K, splits, G])``, and
-    with ``write`` the completions' ``cache`` (k, v), each row's token put in from the qkv heads
-    ``[B, H + 2K, E]``. Each row's queries come from the prefix pass's query matrix."""
-    p, k, padded, e = q_PKQE.shape
-    rows, _, slots, _ = cache[0].shape
-    n, gp, heads = rows // p, _own_rows(groups), k * groups
+def _own_pass(queries: _Queries, cache: tuple, split: Plan, scale: float, qkv_BNE) -> launch.Pass:
+    """The completion pass, writing ``(o [B, K, splits, G, E], top, total [B, K, splits, G])``,
+    and with the token's ``qkv_BNE`` the completions' ``cache`` (k, v), each row's token put in
+    from its heads ``[B, H + 2K, E]``."""
+    rows, k, slots, e = cache[0].shape
+    groups, write = queries.groups, qkv_BNE is not None
+    gp, heads = _own_rows(groups), k * groups
     keys = pl.BlockSpec((None, None, slots, e), lambda r, h, s: (r, h, 0, 0))
     values = pl.BlockSpec((None, None, e, slots), lambda r, h, s: (r, h, 0, 0))
     new = [pl.BlockSpec((None, None, e), lambda r, h, s: (r, heads + h, 0)),
            pl.BlockSpec((None, None, e), lambda r, h, s: (r, heads + k + h, 0)),
            *[pl.BlockSpec((None, e), lambda r, h, s: (r, 0))] * 2] if write else []
-    return _Pass(
-        kernel=functools.partial(_own_part, samples=n, groups=groups, slots=slots, chunk=split.own_chunk,
-                                 block=split.block, scale=scale, write=write),
-        part_ids=lambda ids: (ids[0], ids[2]),  # the row and its completion chunk
+    return launch.Pass(
+        kernel=functools.partial(_own_part, groups=groups, per_row=queries.per_row, slots=slots,
+                                 chunk=split.own_chunk, block=split.block, scale=scale, write=write),
+        part_ids=lambda ids: ids,  # the row, kv head and completion chunk
         grid=(rows, k, split.own_splits),
-        in_specs=[
-            pl.BlockSpec((None, None, padded, e), lambda r, h, s: (r // n, h, 0, 0)), keys, values,
-            pl.BlockSpec((None, slots), lambda r, h, s: (r, 0)),
-            pl.BlockSpec((None, 1), lambda r, h, s: (r, 0)),
-            *new,
-        ],
+        in_specs=[_whole(queries.heads), keys, values, pl.BlockSpec((None, slots), lambda r, h, s: (r, 0)),
+                  pl.BlockSpec((None, 1), lambda r, h, s: (r, 0)), *new],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, e), lambda r, h, s: (r, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, gp), lambda r, h, s: (r, h, s, 0)),
@@ -328,123 +349,74 @@ def _own_pass(q_PKQE, groups: int, cache: tuple, split: Plan, scale: float, writ
         aliases={1: 3, 2: 4} if write else {})
 
 
-def _grid_ids(flat, grid: tuple[int, ...]) -> tuple:
-    """A flat program id's position in ``grid`` (row-major)."""
-    ids = []
-    for size in reversed(grid):
-        ids.append(flat % size)
-        flat = flat // size
-    return tuple(reversed(ids))
-
-
-def _on_flat_grid(spec, grid: tuple[int, ...], first: int):
-    """``spec`` for programs ``first .. first + prod(grid) - 1`` of a flat grid; the other
-    programs get a block in range (clamped), which they do not touch."""
-    count = math.prod(grid)
-    return pl.BlockSpec(spec.block_shape,
-                        lambda pid: spec.index_map(*_grid_ids(jnp.clip(pid - first, 0, count - 1), grid)))
-
-
-def _launch_apart(passes: tuple[_Pass, _Pass], inputs: tuple[list, list], interpret: bool) -> list:
-    """Each pass its own launch, the prefix pass's programs before the completion pass's."""
-    outs = []
-    for one, args in zip(passes, inputs):
-        def kernel(*refs, one=one):
-            one.kernel(*refs, *one.part_ids(tuple(pl.program_id(axis) for axis in range(len(one.grid)))))
-
-        outs += pl.pallas_call(kernel, grid=one.grid, in_specs=one.in_specs, out_specs=one.out_specs,
-                               out_shape=one.out_shape, input_output_aliases=one.aliases,
-                               compiler_params=_COMPILER_PARAMS, interpret=interpret, name=one.name)(*args)
-    return outs
-
-
-def _launch_together(passes: tuple[_Pass, _Pass], inputs: tuple[list, list], interpret: bool) -> list:
-    """Both passes in one launch on a flat grid: the prefix pass's programs first, then the
-    completion pass's. Each pass's programs are a few us of latency-bound work; apart, each
-    launch paid its own start and tail (on an H200, 14.6 and 12.5 us a layer)."""
-    prefix, own = passes
-    first_own = math.prod(prefix.grid)
-
-    def kernel(*refs):
-        pid = pl.program_id(0)
-        n_in, m_in, n_out = len(prefix.in_specs), len(own.in_specs), len(prefix.out_specs)
-        prefix_refs = refs[:n_in] + refs[n_in + m_in:n_in + m_in + n_out]
-        own_refs = refs[n_in:n_in + m_in] + refs[n_in + m_in + n_out:]
-
-        @pl.when(pid < first_own)
-        def _():
-            prefix.kernel(*prefix_refs, *prefix.part_ids(_grid_ids(pid, prefix.grid)))
-
-        @pl.when(pid >= first_own)
-        def _():
-            own.kernel(*own_refs, *own.part_ids(_grid_ids(pid - first_own, own.grid)))
-
-    def flat(one: _Pass, first: int, specs: list) -> list:
-        return [_on_flat_grid(spec, one.grid, first) for spec in specs]
-
-    return pl.pallas_call(
-        kernel,
-        grid=(first_own + math.prod(own.grid),),
-        in_specs=flat(prefix, 0, prefix.in_specs) + flat(own, first_own, own.in_specs),
-        out_specs=flat(prefix, 0, prefix.out_specs) + flat(own, first_own, own.out_specs),
-        out_shape=prefix.out_shape + own.out_shape,
-        input_output_aliases={len(prefix.in_specs) + i: len(prefix.out_specs) + o for i, o in own.aliases.items()},
-        compiler_params=_COMPILER_PARAMS,
-        interpret=interpret,
-        name="grouped_decode_attention",
-    )(*inputs[0], *inputs[1])
-
-
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def grouped_decode_attention(q_BKGE: jax.Array, prompt_k_PKSE: jax.Array, prompt_v_PKSE: jax.Array,
+def grouped_decode_attention(q_BKGE: jax.Array | None, prompt_k_PKSE: jax.Array, prompt_v_PKSE: jax.Array,
                              prompt_mask_PS: jax.Array, k_BKTE: jax.Array, v_BKET: jax.Array,
                              allowed_BT: jax.Array, length_B: jax.Array, token: tuple | None = None, *,
                              interpret: bool = False):
     """Softmax attention of one query per head and row over its prompt's KV and its own.
 
     Args:
-        q_BKGE: the queries, G per kv head, in the cache's dtype.
+        q_BKGE: the queries, G per kv head, in the cache's dtype; None with ``token``, whose
+            qkv heads hold them before RoPE.
         prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS: the prompts' cache (row b reads prompt
             ``b // (B // P)``) and which of its slots hold tokens.
         k_BKTE, v_BKET: the rows' completions (values slots last), ``allowed_BT`` the slots
             each row attends to.
         length_B: completion slots to read per row; slots from it on must not be allowed.
-        token: ``(qkv_BNE, cos_BE, sin_BE)``: each row's heads from the qkv projection (q's
-            H, then K keys before RoPE, then K values) and its RoPE factors
-            (:func:`rope_factors`). The kernel rotates the keys, writes keys and values into
-            the completions' cache at slot ``length - 1`` and attends to them there: no
-            kernels before it slice, rotate or scatter them. None: the cache holds them.
+        token: ``(qkv_BNE, cos_BE, sin_BE)``: each row's heads from the qkv projection (H
+            queries and K keys before RoPE, then K values) and its RoPE factors
+            (:func:`rope_factors`). The kernel rotates queries and keys, writes keys and
+            values into the completions' cache at slot ``length - 1`` and attends to them
+            there: no kernels before it slice, rotate, lay out or scatter them. None: the
+            cache holds them.
         interpret: run Pallas's interpreter (any backend), for tests.
 
     Returns:
-        ``[B, K, G, E]`` in ``q_BKGE``'s dtype; with ``token``, ``(that, (k_BKTE, v_BKET))``,
+        ``[B, K, G, E]`` in the queries' dtype; with ``token``, ``(that, (k_BKTE, v_BKET))``,
         the cache written in place (donate it).
     """
-    b, k, g, e = q_BKGE.shape
-    p, _, prompt_len, _ = prompt_k_PKSE.shape
+    p, k, prompt_len, e = prompt_k_PKSE.shape
+    b, write = k_BKTE.shape[0], token is not None
+    if (q_BKGE is None) != write:
+        raise ValueError("grouped_decode_attention takes the queries or the token (whose qkv heads hold them), "
+                         f"one of the two; got {'both' if write else 'neither'}")
+    qkv_BNE = token[0].astype(k_BKTE.dtype) if write else None
+    if write:
+        per_row = qkv_BNE.shape[1]
+        queries = _Queries(qkv_BNE.reshape(b * per_row, e), per_row, (per_row - 2 * k) // k,
+                           tuple(x.astype(k_BKTE.dtype) for x in token[1:]))
+        out_dtype = token[0].dtype
+    else:
+        per_row = q_BKGE.shape[1] * q_BKGE.shape[2]
+        queries = _Queries(q_BKGE.reshape(b * per_row, e), per_row, q_BKGE.shape[2], None)
+        out_dtype = q_BKGE.dtype
+    g = queries.groups
     split = plan(b, p, k, g, prompt_len, k_BKTE.shape[2])
     scale = e ** -0.5
-    q_PKQE = _query_matrix(q_BKGE, p, split)
-    write = token is not None
-    passes = (_prefix_pass(q_PKQE, prompt_len, split, scale),
-              _own_pass(q_PKQE, g, (k_BKTE, v_BKET), split, scale, write))
-    inputs = ([q_PKQE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS.astype(jnp.int32)],
-              [q_PKQE, k_BKTE, v_BKET, allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None],
-               *([token[0].astype(k_BKTE.dtype)] * 2 + [x.astype(k_BKTE.dtype) for x in token[1:]] if write else [])])
-    launch = _launch_together if ONE_LAUNCH else _launch_apart
-    o_pre, top_pre, total_pre, o_own, top_own, total_own, *cache = launch(passes, inputs, interpret)
-    queries = b // p * g  # the prefix pass's real rows of its padded query matrix
-    o_pre, top_pre, total_pre = o_pre[..., :queries, :], top_pre[..., :queries], total_pre[..., :queries]
+    passes = (_prefix_pass(queries, p, k, prompt_len, split, scale),
+              _own_pass(queries, (k_BKTE, v_BKET), split, scale, qkv_BNE))
+    factors = list(queries.factors or ())
+    inputs = ([queries.heads, *factors, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS.astype(jnp.int32)],
+              [queries.heads, k_BKTE, v_BKET, allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None],
+               *([qkv_BNE] * 2 + [x.astype(k_BKTE.dtype) for x in token[1:]] if write else [])])
+    if ONE_LAUNCH:
+        parts = launch.launch_together(passes, inputs, interpret, "grouped_decode_attention")
+    else:
+        parts = launch.launch_apart(passes, inputs, interpret)
+    o_pre, top_pre, total_pre, o_own, top_own, total_own, *cache = parts
+    queries_per_prompt = b // p * g  # the prefix pass's real rows of its tiles
+    o_pre, top_pre, total_pre = (x[:, :, :, :queries_per_prompt] for x in (o_pre, top_pre, total_pre))
 
-    def per_row(x):  # [P, K, splits, n * G, ...] -> [B, K, splits, G, ...]
+    def per_row_of(x):  # [P, K, splits, n * G, ...] -> [B, K, splits, G, ...]
         x = x.reshape(p, k, x.shape[2], b // p, g, *x.shape[4:])
         return jnp.moveaxis(x, 3, 1).reshape(b, k, x.shape[2], g, *x.shape[5:])
 
     # The merge: each part weighs exp(its maximum - the row's); one reduction, no concatenation.
-    top_pre, total_pre, o_pre = per_row(top_pre), per_row(total_pre), per_row(o_pre)
+    top_pre, total_pre, o_pre = per_row_of(top_pre), per_row_of(total_pre), per_row_of(o_pre)
     top = jnp.maximum(top_pre.max(axis=2), top_own.max(axis=2))[:, :, None]
     w_pre, w_own = jnp.exp(top_pre - top), jnp.exp(top_own - top)
     total = jnp.sum(total_pre * w_pre, axis=2) + jnp.sum(total_own * w_own, axis=2)
     out = jnp.sum(o_pre * w_pre[..., None], axis=2) + jnp.sum(o_own * w_own[..., None], axis=2)
-    out = (out / total[..., None]).astype(q_BKGE.dtype)
+    out = (out / total[..., None]).astype(out_dtype)
     return (out, tuple(cache)) if write else out

@@ -214,7 +214,7 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
     implementation = dec.attention_implementation(model.attention, dt, e, platform)
     rope = dec.rope_tables(slots.positions_BL, dec.rope_inv_freq(cfg), dt)
     use_kernel = grouped is not None and decode_kernel_fits(implementation, e, cache.keys[0].dtype)
-    if use_kernel:  # the kernel rotates the step's keys itself
+    if use_kernel:  # the kernel rotates the step's queries and keys itself
         factors = decode_kernel.rope_factors(rope[0][:, 0], rope[1][:, 0])
 
     def rows(x):
@@ -232,10 +232,10 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
         v_BLKE = qkv[..., (h + k) * e:].reshape(b, length, k, e)
         if grouped is not None:
             prompt_kv = (grouped.prompts.keys[y], grouped.prompts.values[y], grouped.prompts.mask_BS)
-        if use_kernel:  # the kernel rotates the token's key and writes it and its value into the cache
+        if use_kernel:  # the kernel rotates the token's query and key, and writes key and value into the cache
             out_BLHE, (keys[y], values[y]) = attend_grouped_kernel(
-                dec.apply_rope(q_BLHE, rope), qkv.reshape(b, h + 2 * k, e), *factors, *prompt_kv, keys[y], values[y],
-                slots.allowed_BLS, slots.slots_BL[:, 0] + 1, mesh)
+                qkv.reshape(b, h + 2 * k, e), *factors, *prompt_kv, keys[y], values[y], slots.allowed_BLS,
+                slots.slots_BL[:, 0] + 1, mesh)
         else:
             q_BLHE, k_BLKE = dec.apply_rope(q_BLHE, rope), dec.apply_rope(k_BLKE, rope)
             keys[y], values[y] = write_kv(keys[y], values[y], k_BLKE, v_BLKE, slots.slots_BL,
@@ -313,34 +313,33 @@ def decode_kernel_fits(implementation: str, head_dim: int, cache_dtype) -> bool:
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
-def attend_grouped_kernel(q_B1HE: jax.Array, qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Array,
-                          prompt_k_PKSE: jax.Array, prompt_v_PKSE: jax.Array, prompt_mask_PS: jax.Array,
-                          k_BKTE: jax.Array, v_BKET: jax.Array, allowed_B1T: jax.Array, length_B: jax.Array,
+def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Array, prompt_k_PKSE: jax.Array,
+                          prompt_v_PKSE: jax.Array, prompt_mask_PS: jax.Array, k_BKTE: jax.Array, v_BKET: jax.Array,
+                          allowed_B1T: jax.Array, length_B: jax.Array,
                           mesh: Mesh | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """RoPE on the step's keys, :func:`write_kv` and :func:`attend_grouped` as one fused kernel
-    per layer (:mod:`~podsjax.models.decode_kernel`): returns the output and the completions' cache.
+    """RoPE on the step's queries and keys, :func:`write_kv` and :func:`attend_grouped` as one
+    fused kernel per layer (:mod:`~podsjax.models.decode_kernel`): returns the output
+    ``[B, 1, H, E]`` and the completions' cache.
 
-    ``q_B1HE``: the rotated queries. ``qkv_BNE``: the qkv projection's heads (H queries, K keys
-    before RoPE, K values); ``cos_BE, sin_BE``: ``decode_kernel.rope_factors``. Each row's key
-    and value are written at its slot ``length_B - 1`` (``length_B``: the completion slots
-    each row reads). On a mesh the
+    ``qkv_BNE``: the qkv projection's heads (H queries and K keys before RoPE, K values);
+    ``cos_BE, sin_BE``: ``decode_kernel.rope_factors``. Each row's key and value are written at
+    its slot ``length_B - 1`` (``length_B``: the completion slots each row reads). On a mesh the
     kernel runs per device on its rows (``shard_map``). Its prompts are local when the
     prompt count divides over the rows' axes, as :func:`cache_shardings` places them; when
     it does not, the prompts are whole on every device and a device whose rows all sample
     one prompt slices that prompt out; any other split takes :func:`attend_grouped`.
     """
-    b, _, h, e = q_B1HE.shape
+    b, heads, e = qkv_BNE.shape
     p, k = prompt_k_PKSE.shape[:2]
-    n = b // p
+    n, h = b // p, heads - 2 * k
 
-    def call(q, qkv, cos, sin, pk, pv, pmask, keys, values, allowed, length):
-        out, cache = decode_kernel.grouped_decode_attention(
-            q.reshape(q.shape[0], k, h // k, e).astype(keys.dtype), pk, pv, pmask, keys, values, allowed[:, 0], length,
-            (qkv, cos, sin))
-        return out.reshape(q.shape[0], 1, h, e).astype(q.dtype), cache
+    def call(qkv, cos, sin, pk, pv, pmask, keys, values, allowed, length):
+        out, cache = decode_kernel.grouped_decode_attention(None, pk, pv, pmask, keys, values, allowed[:, 0], length,
+                                                            (qkv, cos, sin))
+        return out.reshape(qkv.shape[0], 1, h, e).astype(qkv.dtype), cache
 
-    args = (q_B1HE, qkv_BNE, cos_BE, sin_BE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, k_BKTE, v_BKET,
-            allowed_B1T, length_B)
+    args = (qkv_BNE, cos_BE, sin_BE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, k_BKTE, v_BKET, allowed_B1T,
+            length_B)
     if mesh is None or mesh.size == 1:
         return call(*args)
     rows = mesh_lib.logical_to_spec(("batch",), mesh, (b,))
@@ -348,22 +347,23 @@ def attend_grouped_kernel(q_B1HE: jax.Array, qkv_BNE: jax.Array, cos_BE: jax.Arr
     shards = math.prod(mesh.shape[a] for a in mesh_lib.spec_axes(rows[0]))
     local_rows = b // shards
     if prompts != rows and n % local_rows != 0:
-        raw = qkv_BNE[:, h:h + k]
-        new_k = decode_kernel.rotate_half(raw, jnp.roll(raw, e // 2, -1), cos_BE[:, None], sin_BE[:, None])
-        cache = write_kv(k_BKTE, v_BKET, new_k[:, None], qkv_BNE[:, None, h + k:], (length_B - 1)[:, None],
+        raw = qkv_BNE[:, :h + k]
+        rotated = decode_kernel.rotate_half(raw, jnp.roll(raw, e // 2, -1), cos_BE[:, None], sin_BE[:, None])
+        cache = write_kv(k_BKTE, v_BKET, rotated[:, None, h:], qkv_BNE[:, None, h + k:], (length_B - 1)[:, None],
                          values_slots_last=True)
-        return attend_grouped(q_B1HE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, *cache, allowed_B1T), cache
+        out = attend_grouped(rotated[:, None, :h], prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, *cache, allowed_B1T)
+        return out, cache
     row_spec = lambda x: PartitionSpec(*rows, *[None] * (x.ndim - 1))  # noqa: E731
     # Prompts split as their rows are stay local; otherwise each device takes them whole
     # (a small gather where they were split over fewer axes) and slices out its one prompt.
     prompt_spec = row_spec if prompts == rows else (lambda x: PartitionSpec())
-    specs = tuple(prompt_spec(x) if i in (4, 5, 6) else row_spec(x) for i, x in enumerate(args))
+    specs = tuple(prompt_spec(x) if i in (3, 4, 5) else row_spec(x) for i, x in enumerate(args))
 
-    def per_device(q, qkv, cos, sin, pk, pv, pmask, *rest):
+    def per_device(qkv, cos, sin, pk, pv, pmask, *rest):
         if prompts != rows:  # this device's rows all sample one prompt
             first = jax.lax.axis_index(mesh_lib.spec_axes(rows[0])) * local_rows // n
             pk, pv, pmask = (jax.lax.dynamic_slice_in_dim(x, first, 1, axis=0) for x in (pk, pv, pmask))
-        return call(q, qkv, cos, sin, pk, pv, pmask, *rest)
+        return call(qkv, cos, sin, pk, pv, pmask, *rest)
 
-    out_specs = (specs[0], (specs[7], specs[8]))
+    out_specs = (PartitionSpec(*rows, None, None, None), (specs[6], specs[7]))
     return jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)

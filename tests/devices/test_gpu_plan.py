@@ -131,9 +131,10 @@ def test_an_h100_decode_step_of_qwen_1_5b_moves_at_most_1_3x_its_floor():
                         max_new_tokens=512, eos_token_ids=(151645,))
     assert plan.decode_step_bytes <= 1.3 * plan.decode_step_floor_bytes, (plan.decode_step_bytes,
                                                                            plan.decode_step_floor_bytes)
-    # 11 kernels a layer: the attention kernel takes the step's token as the qkv GEMM wrote it
-    # (383 a step when kernels before it rotated k, sliced v and scattered both into the cache).
-    assert plan.rollout_weights > 0 and plan.decode_step_kernels < 340, plan.decode_step_kernels
+    # 10 kernels a layer: the attention kernel takes the step's token as the qkv GEMM wrote it
+    # (383 a step when kernels before it rotated k, sliced v and scattered both into the cache;
+    # 328.5 while a kernel still rotated q and laid it out for the attention).
+    assert plan.rollout_weights > 0 and plan.decode_step_kernels < 310, plan.decode_step_kernels
 
 
 @needs_cuda_plugin

@@ -38,10 +38,12 @@ def xla_form(case):
 
 
 def kernel_form(case, interpret=True, token=None):
+    """The kernel on ``case``; with ``token`` (:func:`unwritten`) it reads the queries from the token's heads."""
     b, _, h, e = case["q_B1HE"].shape
     k = case["prompt_k_PKSE"].shape[1]
     out = decode_kernel.grouped_decode_attention(
-        case["q_B1HE"].reshape(b, k, h // k, e), case["prompt_k_PKSE"], case["prompt_v_PKSE"],
+        None if token is not None else case["q_B1HE"].reshape(b, k, h // k, e), case["prompt_k_PKSE"],
+        case["prompt_v_PKSE"],
         case["prompt_mask_PS"], case["k_BKTE"], case["v_BKET"], case["allowed_B1T"][:, 0], case["length_B"],
         token, interpret=interpret)
     if token is not None:
@@ -50,18 +52,20 @@ def kernel_form(case, interpret=True, token=None):
 
 
 def unwritten(case, seed=7):
-    """``case`` before each row's last token was written, and that token as the kernel takes
-    it: ``(case with NaN at the token's slot, (qkv heads [B, H + 2K, E], cos, sin [B, E]))``,
-    its key before RoPE, which turns it into the key ``case`` holds."""
+    """``case`` with new queries and each row's last token as RoPE rotated them, and that step
+    as the kernel takes it: ``(that case, it with NaN at the token's slot, (qkv heads
+    [B, H + 2K, E], cos, sin [B, E]))``, queries and key before RoPE."""
     rng = np.random.default_rng(seed)
     b, k, _, e = case["k_BKTE"].shape
+    h = case["q_B1HE"].shape[2]
     rows, slot, dtype = jnp.arange(b), case["length_B"] - 1, case["k_BKTE"].dtype
-    raw_k = jnp.asarray(rng.normal(size=(b, k, e)), dtype)
+    raw_q, raw_k = (jnp.asarray(rng.normal(size=(b, heads, e)), dtype) for heads in (h, k))
     angles = jnp.asarray(rng.uniform(0, 100, size=(b, 1, e // 2)), jnp.float32)
     rope = (jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype))
     key = decoder.apply_rope(raw_k[:, None], rope)[:, 0]
     value = case["v_BKET"][rows, :, :, slot]
-    qkv = jnp.concatenate([jnp.zeros((b, case["q_B1HE"].shape[2], e), dtype), raw_k, value], axis=1)
+    qkv = jnp.concatenate([raw_q, raw_k, value], axis=1)
+    case = dict(case, q_B1HE=decoder.apply_rope(raw_q[:, None], rope))
     written = dict(case, k_BKTE=case["k_BKTE"].at[rows, :, slot].set(key))
     stale = dict(case, k_BKTE=case["k_BKTE"].at[rows, :, slot].set(jnp.nan),
                  v_BKET=case["v_BKET"].at[rows, :, :, slot].set(jnp.nan))
@@ -154,17 +158,26 @@ def test_the_prompt_pass_fills_the_gpu_with_query_tiles_before_it_splits_the_pro
     assert split.prefix_splits == 2
 
 
-def test_both_passes_read_one_layout_of_the_queries(launch):
-    # One transpose of q a layer feeds the prompt pass's query matrix and every row's
-    # queries in the completion pass; a second layout would be one more kernel a layer.
-    args = (jax.ShapeDtypeStruct((12, 2, 6, 32), jnp.bfloat16),
+def test_both_passes_read_the_queries_from_the_qkv_heads_as_the_projection_wrote_them(launch):
+    # No kernel before the attention rotates the queries or lays them out (a kernel a layer):
+    # both passes take the qkv projection's heads through a reshape, which moves nothing.
+    args = (jax.ShapeDtypeStruct((12, 16, 32), jnp.bfloat16), *[jax.ShapeDtypeStruct((12, 32), jnp.bfloat16)] * 2,
             *[jax.ShapeDtypeStruct((2, 2, 64, 32), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((2, 64), bool),
             jax.ShapeDtypeStruct((12, 2, 64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((12, 2, 32, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((12, 64), bool), jax.ShapeDtypeStruct((12,), jnp.int32))
-    calls = list(_pallas_calls(jax.make_jaxpr(decode_kernel.grouped_decode_attention)(*args).jaxpr))
-    # the prefix pass's queries are its first input, the completion pass's the first after them
-    queries = [calls[0].invars[0], calls[0].invars[4]] if launch else [c.invars[0] for c in calls]
+
+    def decode(qkv, cos, sin, *cache):
+        return decode_kernel.grouped_decode_attention(None, *cache, token=(qkv, cos, sin))
+
+    inner = next(e.params["jaxpr"].jaxpr for e in jax.make_jaxpr(decode)(*args).jaxpr.eqns if e.primitive.name == "jit")
+    calls = list(_pallas_calls(inner))
+    # the prefix pass's queries are its first input (then the RoPE factors and the prompt's
+    # three), the completion pass's the first after them
+    queries = [calls[0].invars[0], calls[0].invars[6]] if launch else [c.invars[0] for c in calls]
     assert len(calls) == (1 if launch else 2) and queries[0] is queries[1]
+    [made] = [e for e in inner.eqns if queries[0] in e.outvars]
+    [qkv] = [v for v in inner.invars if v.aval.shape == (12, 16, 32)]
+    assert made.primitive.name == "reshape" and made.invars[0] is qkv
 
 
 def _pallas_calls(jaxpr):
@@ -221,7 +234,7 @@ def test_on_a_mesh_each_device_attends_its_own_rows_to_their_prompts(monkeypatch
     case = grouped_case(prompts, samples, 2, 2, 24, 16, 16, jnp.float32, seed=4)
     written, stale, (qkv, cos, sin) = unwritten(case)
     stale = dict(stale, qkv=qkv, cos=cos, sin=sin)
-    names = ["q_B1HE", "qkv", "cos", "sin", "prompt_k_PKSE", "prompt_v_PKSE", "prompt_mask_PS", "k_BKTE", "v_BKET",
+    names = ["qkv", "cos", "sin", "prompt_k_PKSE", "prompt_v_PKSE", "prompt_mask_PS", "k_BKTE", "v_BKET",
              "allowed_B1T", "length_B"]
     placed = {k: jax.device_put(v, mesh_lib.logical_sharding(mesh, ("batch",) + (None,) * (v.ndim - 1), v.shape))
               for k, v in stale.items()}
