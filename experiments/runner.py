@@ -55,7 +55,11 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     _check_rows(mesh, config.algorithm, config.run)
     check_reward_imports(config)
     make_rewards(config)
-    tasks = tokenizer = None
+    tasks = tokenizer = model_load = None
+    if tokenizer_load is not None and hosts.count() == 1:
+        # The weights load while transformers imports (one process: on several, loading
+        # gathers across processes, which must not race the checks' barriers).
+        model_load = _load_model_in_background(config, mesh)
     if tokenizer_load is not None:
         tasks = _load_tasks(config)
         tokenizer = tokenizer_load.result()
@@ -85,7 +89,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
         hosts.barrier("run directory ready")
         if dry_run:
             return _dry_run(config, out_dir, mesh, topology)
-        return _train_and_export(config, out_dir, mesh, started_at, tasks, tokenizer)
+        return _train_and_export(config, out_dir, mesh, started_at, tasks, tokenizer, model_load)
     except Exception:  # an error; an interrupt's line says to --resume, which starts it again
         failed = True
         raise
@@ -128,8 +132,22 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
+def _load_model_in_background(config: ExperimentConfig, mesh) -> compilation.InBackground:
+    """``(model, params, seconds)`` of the checkpoint, loading on a thread of its own from now."""
+    print(f"loading model from {config.model.path} ({jnp.dtype(_dtype(config)).name}, remat {config.model.remat}) "
+          "...", flush=True)
+
+    def load():
+        start = time.time()
+        model, params = pm.from_pretrained(config.model.path, dtype=_dtype(config), mesh=mesh,
+                                           remat=config.model.remat)
+        return model, params, time.time() - start
+
+    return compilation.InBackground(load, name="podsjax-load")
+
+
 def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: float | None, tasks,
-                      tokenizer=None) -> int:
+                      tokenizer=None, model_load: compilation.InBackground | None = None) -> int:
     if config.model.path is None:
         checkpoint, train_set, test_set = _tiny(config, out_dir)
     else:
@@ -141,13 +159,17 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
     # and the first programs load or compile; the first scoring waits for them.
     scorer = _reward_pool(config, out_dir).start(wait=False)
     try:
-        print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
-        load_start = time.time()
-        model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
-        if tokenizer is None:  # the tiny preset's, written by its warm-up
-            tokenizer = prompts.load_tokenizer(checkpoint)
-            prompts.check_vocab(tokenizer, model.config.vocab_size, checkpoint)
-        print(f"loaded {_millions(model.config.num_params)} params in {time.time() - load_start:.1f} s", flush=True)
+        if model_load is not None:
+            model, params, load_s = model_load.result()
+        else:
+            print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
+            load_start = time.time()
+            model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
+            if tokenizer is None:  # the tiny preset's, written by its warm-up
+                tokenizer = prompts.load_tokenizer(checkpoint)
+                prompts.check_vocab(tokenizer, model.config.vocab_size, checkpoint)
+            load_s = time.time() - load_start
+        print(f"loaded {_millions(model.config.num_params)} params in {load_s:.1f} s", flush=True)
         start = time.time()
         trainer = rl.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,
                              rewards=make_rewards(config), started_at=started_at, scorer=scorer)
