@@ -59,7 +59,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     if tokenizer_load is not None and hosts.count() == 1:
         # The weights load while transformers imports (one process: on several, loading
         # gathers across processes, which must not race the checks' barriers).
-        model_load = _load_model_in_background(config, mesh)
+        model_load = _load_model(config, config.model.path, mesh)
     if tokenizer_load is not None:
         tasks = _load_tasks(config)
         tokenizer = tokenizer_load.result()
@@ -132,15 +132,14 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
-def _load_model_in_background(config: ExperimentConfig, mesh) -> compilation.InBackground:
-    """``(model, params, seconds)`` of the checkpoint, loading on a thread of its own from now."""
-    print(f"loading model from {config.model.path} ({jnp.dtype(_dtype(config)).name}, remat {config.model.remat}) "
-          "...", flush=True)
+def _load_model(config: ExperimentConfig, checkpoint: str, mesh) -> compilation.InBackground:
+    """``(model, params, seconds)`` of ``checkpoint``, loading on a thread of its own from now."""
+    dtype, remat = _dtype(config), config.model.remat
+    print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
 
     def load():
         start = time.time()
-        model, params = pm.from_pretrained(config.model.path, dtype=_dtype(config), mesh=mesh,
-                                           remat=config.model.remat)
+        model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
         return model, params, time.time() - start
 
     return compilation.InBackground(load, name="podsjax-load")
@@ -154,21 +153,15 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
         checkpoint = config.model.path
         train_set, test_set = tasks
     algo, run_config, lora = config.algorithm, config.run, config.lora
-    dtype, remat = _dtype(config), config.model.remat
+    dtype = _dtype(config)
     # The reward workers start up (processes importing the rewards) while the model loads
     # and the first programs load or compile; the first scoring waits for them.
     scorer = _reward_pool(config, out_dir).start(wait=False)
     try:
-        if model_load is not None:
-            model, params, load_s = model_load.result()
-        else:
-            print(f"loading model from {checkpoint} ({jnp.dtype(dtype).name}, remat {remat}) ...", flush=True)
-            load_start = time.time()
-            model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
-            if tokenizer is None:  # the tiny preset's, written by its warm-up
-                tokenizer = prompts.load_tokenizer(checkpoint)
-                prompts.check_vocab(tokenizer, model.config.vocab_size, checkpoint)
-            load_s = time.time() - load_start
+        model, params, load_s = (model_load or _load_model(config, checkpoint, mesh)).result()
+        if tokenizer is None:  # the tiny preset's, written by its warm-up
+            tokenizer = prompts.load_tokenizer(checkpoint)
+            prompts.check_vocab(tokenizer, model.config.vocab_size, checkpoint)
         print(f"loaded {_millions(model.config.num_params)} params in {load_s:.1f} s", flush=True)
         start = time.time()
         trainer = rl.Trainer(model, params, tokenizer, train_set, test_set, algo, run_config, lora=lora,

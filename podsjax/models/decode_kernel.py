@@ -396,10 +396,10 @@ def grouped_decode_attention(q_BKGE: jax.Array | None, prompt_k_PKSE: jax.Array,
     scale = e ** -0.5
     passes = (_prefix_pass(queries, p, k, prompt_len, split, scale),
               _own_pass(queries, (k_BKTE, v_BKET), split, scale, qkv_BNE))
-    factors = list(queries.factors or ())
+    factors = list(queries.factors or ())  # the token's, with write
     inputs = ([queries.heads, *factors, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS.astype(jnp.int32)],
               [queries.heads, k_BKTE, v_BKET, allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None],
-               *([qkv_BNE] * 2 + [x.astype(k_BKTE.dtype) for x in token[1:]] if write else [])])
+               *([qkv_BNE] * 2 + factors if write else [])])
     if ONE_LAUNCH:
         parts = launch.launch_together(passes, inputs, interpret, "grouped_decode_attention")
     else:
