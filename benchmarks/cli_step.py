@@ -6,7 +6,8 @@ the accelerator stays free for the runs) is saved with a byte-level BPE tokenize
 trained here on GSM8K text under Qwen2's pre-tokenizer (ChatML template, so the
 prompts have realistic lengths), next to a small local GSM8K split taken from
 --data. Then the real CLI runs as a subprocess, --runs times (default 2: cold, then
-warm compile cache; both use one fresh cache directory)::
+warm compile cache; both use one fresh cache directory), and with --variant-xla-flags once
+more, cold, with those XLA flags added (to compare, e.g., GEMMs without Triton)::
 
     python -m experiments.gsm8k --model <ckpt> --data <dir> --eval-data <dir> --setting a --method pods \
         --max-steps K --eval-limit E --dtype <dtype> --out <run> [--compile-cache-dir <cache>] [CLI flags...]
@@ -192,28 +193,27 @@ def summarize(run: dict) -> dict:
     return out
 
 
-def format_table(summaries: list[dict]) -> str:
-    lines = [
-        "| run | start to first finished step | first step: generation / scoring / selection / update "
-        "| steady step (median) | generation | scoring | selection | update | plan's roofline | steady / roofline "
-        "| compiled before the first step | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for i, s in enumerate(summaries):
-        label = "cold compile cache" if i == 0 else "warm compile cache"
-        first = " / ".join(f"{s['first'][p]:.2f}" for p in PHASES)
-        if "steady" in s:
-            total = s["steady_total"]
-            steady = f"{total:.2f} s | " + " | ".join(
-                f"{s['steady'][p]:.2f} s ({s['steady'][p] / max(total, 1e-9):.0%})" for p in PHASES)
-        else:
-            steady = "n/a (one step) | | | |"
-        roof = s["roofline_s"]
-        ratio = f"{s['steady_total'] / roof:.1f}x" if roof and "steady" in s else "n/a"
-        roof = f"{roof:.2f} s" if roof else "not printed (no fit check)"
-        lines.append(f"| {i + 1}: {label} | {s['first_step_s']:.1f} s | {first} s | {steady} | {roof} | {ratio} "
-                     f"| {s['compiles']} | {s['wall_s']:.0f} s |")
-    return "\n".join(lines)
+TABLE_HEADER = (
+    "| run | start to first finished step | first step: generation / scoring / selection / update "
+    "| steady step (median) | generation | scoring | selection | update | plan's roofline | steady / roofline "
+    "| compiled before the first step | wall |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(label: str, s: dict) -> str:
+    """One run's row of the table under :data:`TABLE_HEADER`."""
+    first = " / ".join(f"{s['first'][p]:.2f}" for p in PHASES)
+    if "steady" in s:
+        total = s["steady_total"]
+        steady = f"{total:.2f} s | " + " | ".join(
+            f"{s['steady'][p]:.2f} s ({s['steady'][p] / max(total, 1e-9):.0%})" for p in PHASES)
+    else:
+        steady = "n/a (one step) | | | |"
+    roof = s["roofline_s"]
+    ratio = f"{s['steady_total'] / roof:.1f}x" if roof and "steady" in s else "n/a"
+    roof = f"{roof:.2f} s" if roof else "not printed (no fit check)"
+    return (f"| {label} | {s['first_step_s']:.1f} s | {first} s | {steady} | {roof} | {ratio} "
+            f"| {s['compiles']} | {s['wall_s']:.0f} s |")
 
 
 def compile_lines(console: str) -> list[str]:
@@ -235,6 +235,9 @@ def main(argv=None):
     parser.add_argument("--tokenizer-vocab", type=int, default=8192, help="BPE vocabulary (capped at the model's)")
     parser.add_argument("--data", default=DEFAULT_DATA, help="folder holding gsm8k/train.jsonl and test.jsonl")
     parser.add_argument("--work", help="keep checkpoint, data, cache and runs here (default: a temp dir, removed)")
+    parser.add_argument("--variant-xla-flags", metavar="FLAGS",
+                        help="then one more run, cold (a compile cache of its own), with these XLA_FLAGS added (with =, "
+                             "e.g. --variant-xla-flags=--xla_gpu_enable_triton_gemm=false)")
     parser.add_argument("--cli-flags", nargs=argparse.REMAINDER, default=[],
                         help="extra flags for the CLI, e.g. --n 8 --m 4 --max-completion-length 32 (must come last)")
     args = parser.parse_args(argv)
@@ -258,16 +261,22 @@ def main(argv=None):
         print(f"device for the CLI: {device_kind} ({backend}); checkpoint: {args.shape} shape, {num_params:,} params, "
               f"{args.dtype}, random weights, written in {time.perf_counter() - t0:.0f} s; data: "
               f"{args.train_examples} train / {args.eval_limit} test GSM8K lines")
-        cache = os.path.join(work, "compile_cache")
-        env = dict(os.environ)
-        cache_flags = []
-        if cli_supports("--compile-cache-dir"):
-            cache_flags = ["--compile-cache-dir", cache]
-        else:
-            env["JAX_COMPILATION_CACHE_DIR"] = cache
         remat = ["--remat", args.remat] if args.remat else []
+        runs = [(f"{i + 1}: {'cold' if i == 0 else 'warm'} compile cache", "compile_cache", "")
+                for i in range(args.runs)]
+        if args.variant_xla_flags:
+            runs.append((f"{args.runs + 1}: cold, XLA_FLAGS +{args.variant_xla_flags}", "compile_cache_variant",
+                         args.variant_xla_flags))
         summaries = []
-        for i in range(args.runs):
+        for i, (label, cache_name, xla_flags) in enumerate(runs):
+            cache, env = os.path.join(work, cache_name), dict(os.environ)
+            if xla_flags:
+                env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
+            cache_flags = []
+            if cli_supports("--compile-cache-dir"):
+                cache_flags = ["--compile-cache-dir", cache]
+            else:
+                env["JAX_COMPILATION_CACHE_DIR"] = cache
             out = os.path.join(work, f"run{i + 1}")
             command = [sys.executable, "-m", "experiments.gsm8k", "--model", ckpt, "--data", data, "--eval-data", data,
                        "--setting", args.setting, "--method", args.method, "--max-steps", str(args.max_steps),
@@ -280,7 +289,8 @@ def main(argv=None):
                 print(f"  run {i + 1}: {line.strip()}")
             print(f"  run {i + 1}: after launch: {timeline(run['lines'])}")
             summaries.append(summarize(run))
-        print(format_table(summaries))
+            # Each row as its run ends: a time limit that stops a later run keeps the earlier ones.
+            print((TABLE_HEADER + "\n" if i == 0 else "") + table_row(label, summaries[-1]), flush=True)
         if len(summaries) > 1:
             print(f"warm/cold start to first step: {summaries[1]['first_step_s'] / summaries[0]['first_step_s']:.2f}")
     finally:

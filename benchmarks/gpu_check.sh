@@ -12,6 +12,12 @@
 #   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
 #   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
 #
+# Or as two calls of at most 290 s each (the stages' limits):
+#   STAGES="kernel attention decode" T_KERNEL=45 T_ATTENTION=75 T_DECODE=170 bash benchmarks/gpu_check.sh
+#   STAGES=cli T_CLI=290 VARIANT=--xla_gpu_enable_triton_gemm=false bash benchmarks/gpu_check.sh
+# VARIANT adds a third CLI run, cold, with those XLA flags (each run's row prints as it ends,
+# so a limit that stops the third keeps the first two).
+#
 # Logs go to $OUT (default /tmp/podsjax-gpu-check), one file a stage. T_KERNEL, T_ATTENTION, T_DECODE and T_CLI are
 # the stages' time limits in seconds; STAGES picks stages (e.g. STAGES="decode cli"); XLA_FLAGS
 # passes through, to compare autotuning settings in a second call, e.g.
@@ -32,5 +38,5 @@ stage decode "${T_DECODE:-190}" "$PY" -m benchmarks.generate "${model[@]}" --row
   --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace" \
   ${STEPS_PER_CHECK:+--steps-per-check $STEPS_PER_CHECK}
 stage cli "${T_CLI:-340}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs 2 \
-  ${CLI:+--cli-flags $CLI}
+  ${VARIANT:+--variant-xla-flags=$VARIANT} ${CLI:+--cli-flags $CLI}
 stamp done

@@ -11,6 +11,11 @@ to the last one's end, and ``busy / span`` well under 1 means the device waited 
 host (launches, a loop's predicate copied back each iteration). ``--steps T`` divides the
 figures by the decode steps traced, so they read per step.
 
+Under the profiler XLA's GPU runtime turns its CUDA graphs off and launches each kernel
+alone (``--xla_enable_command_buffers_during_profiling`` would keep them, at CUPTI's risk),
+so a traced loop's gaps are its launches one by one: the kernels' times hold, but an untraced
+run, whose decode step is one graph (``podsjax.devices.gpu_thunks``), has fewer gaps.
+
 Run: python -m benchmarks.trace_summary <trace dir or .json.gz> [--steps T] [--top 15]
 """
 

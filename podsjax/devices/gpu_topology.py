@@ -58,6 +58,12 @@ def target_config(gpu: str) -> str:
     fields.update(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
                   block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535,
                   registers_per_core_limit=65536, registers_per_block_limit=65536)
+    # Without a driver's version XLA assumes none that can capture library calls (cuBLAS,
+    # custom calls) into CUDA graphs, and runs each kernel of a loop body as its own launch.
+    # The oldest driver that runs this CUDA runtime can; a real GPU host's is newer still.
+    version = ".".join(map(str, cuda + (0,)))
+    fields.update(driver_version=f'"{version}"', runtime_version=f'"{version}"',
+                  compile_time_toolkit_version=f'"{version}"')
     body = "\n".join(f"  {key}: {value}" for key, value in fields.items())
     return (f"gpu_device_info {{\n{body}\n  cuda_compute_capability {{ major: {info['major']} minor: {info['minor']} }}"
             f"\n}}\nplatform_name: \"CUDA\"\ndnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} "

@@ -36,17 +36,29 @@ class Programs:
             ``(weights, sample, cache)``, so the steady state traces nothing.
         compiles: programs compiled so far, per stage (evictions do not lower it).
         seconds: compile seconds per key, for a caller that waited on another thread's compile.
+        compiler_options: XLA's options each program compiles with (``jax.stages.Lowered.compile``), or None.
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, compiler_options: dict | None = None):
         if limit < 1:
             raise ValueError(f"max_programs must be >= 1; got {limit}")
         self.by_key: dict = {}
         self.limit = limit
+        self.compiler_options = dict(compiler_options) if compiler_options else None
         self.lock = threading.RLock()  # guards the dicts; never held while compiling
         self.compiles: collections.Counter = collections.Counter()
         self.seconds: dict = {}
         self._compiling: dict[tuple, concurrent.futures.Future] = {}
+
+    def compile(self, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+        """``lowered`` compiled with :attr:`compiler_options`; an option XLA refuses is a one-line ValueError."""
+        try:
+            return lowered.compile(self.compiler_options)
+        except jax.errors.JaxRuntimeError as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            if self.compiler_options and "option" in message:
+                raise ValueError(f"compiler_options {self.compiler_options}: {message}") from None
+            raise
 
     def remember(self, key: tuple, value):
         with self.lock:
@@ -142,7 +154,7 @@ def stages(programs: Programs, model, cfg: decoding.SamplingConfig, params: Any,
             weights = mesh_lib.with_shardings(weights, placed)
 
         def build_weights():
-            return jax.jit(merge, out_shardings=placed).lower(params, lora).compile()
+            return programs.compile(jax.jit(merge, out_shardings=placed).lower(params, lora))
 
         weights_fn = programs.compiled(("weights", model) + inputs, build_weights, timings)
         # As the merge places them (one device's arrays included), so sampling's results are
@@ -159,7 +171,7 @@ def stages(programs: Programs, model, cfg: decoding.SamplingConfig, params: Any,
         fn = jax.jit(functools.partial(decoding.sample, model, cfg.program_key),
                      in_shardings=(None, rows, rows, None, None))
         key = jax.eval_shape(lambda: jax.random.key(0))
-        return fn.lower(weights, ids, ids, key, jax.ShapeDtypeStruct((), jnp.float32)).compile()
+        return programs.compile(fn.lower(weights, ids, ids, key, jax.ShapeDtypeStruct((), jnp.float32)))
 
     sample = programs.compiled(("sample", model, cfg.program_key, signature(weights, mesh), ids.shape), build_sample,
                                timings)

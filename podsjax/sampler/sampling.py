@@ -35,14 +35,16 @@ class Generator:
     Each program (the unrolled layout's rollout weights, sampling) compiles once per
     signature of its inputs and is kept, the oldest dropped past ``max_programs``; a lock
     makes each compile happen once when several threads ask. Two generators share nothing.
+    ``compiler_options`` (XLA's debug options by name, e.g. ``{"xla_gpu_autotune_level": 0}``)
+    go to each of its compiles.
 
     Attributes:
         model: the :class:`podsjax.models.Decoder` sampled from (its ``mesh`` places the rows).
     """
 
-    def __init__(self, model, max_programs: int = 192):
+    def __init__(self, model, max_programs: int = 192, compiler_options: dict | None = None):
         self.model = model
-        self._programs = sampler_programs.Programs(max_programs)
+        self._programs = sampler_programs.Programs(max_programs, compiler_options)
 
     @property
     def compiles(self) -> dict[str, int]:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from podsjax import rl
-from podsjax.devices import dry_run, gpu_topology, hlo_cost, topology
+from podsjax.devices import dry_run, gpu_thunks, gpu_topology, hlo_cost, topology
 import podsjax.models as pm
 from experiments import paper_settings
 from podsjax.devices import mesh as mesh_lib
@@ -121,20 +121,25 @@ def test_the_h100_weights_merge_is_a_few_batched_gemms_of_few_shapes(shape, gemm
 
 @needs_cuda_plugin
 @pytest.mark.slow
-def test_an_h100_decode_step_of_qwen_1_5b_moves_at_most_1_3x_its_floor():
+def test_an_h100_decode_step_of_qwen_1_5b_moves_at_most_1_3x_its_floor_as_one_cuda_graph(tmp_path):
     # Setting a's rollouts: 64 rows of 512 + 512 tokens, bf16, LoRA r64 merged for sampling.
     mesh = mesh_lib.make_mesh("1", devices=topology.compile_only_devices("h100"))
     model = pm.Decoder(pm.checkpoint_shape("Qwen2.5-1.5B"), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, mesh=mesh)
     algo = paper_settings.method_config("pods")
     lora = pm.LoraConfig(rank=64, alpha=64.0)
+    generator = sampling.Generator(model, compiler_options=gpu_thunks.dump_options(tmp_path))
     plan = dry_run.plan(model, algo, lora, base_params=dry_run.abstract_base(model), prompts=1, prompt_len=512,
-                        max_new_tokens=512, eos_token_ids=(151645,))
+                        max_new_tokens=512, eos_token_ids=(151645,), generator=generator)
     assert plan.decode_step_bytes <= 1.3 * plan.decode_step_floor_bytes, (plan.decode_step_bytes,
                                                                            plan.decode_step_floor_bytes)
     # 10 kernels a layer: the attention kernel takes the step's token as the qkv GEMM wrote it
     # (383 a step when kernels before it rotated k, sliced v and scattered both into the cache;
     # 328.5 while a kernel still rotated q and laid it out for the attention).
     assert plan.rollout_weights > 0 and plan.decode_step_kernels < 310, plan.decode_step_kernels
+    # The step's kernels (all but the loop's own bookkeeping) run as one CUDA graph: nothing
+    # in it (a host callback, a library call the graph cannot hold) splits it into launches.
+    step = gpu_thunks.innermost_loop(gpu_thunks.read(tmp_path, "sample"))
+    assert step.graphs == 1 and step.alone == 0 and step.kernels_in_graphs > 0.95 * plan.decode_step_kernels, step
 
 
 @needs_cuda_plugin

@@ -100,15 +100,20 @@ def test_decode_attention_benchmark_checks_every_split_against_the_xla_form():
     assert all(last_column(r) < 1e-5 for r in rows[:-1]), printed
 
 
-def test_cli_step_benchmark_times_a_cold_and_a_warm_run(data_dir):
+def test_cli_step_benchmark_times_a_cold_and_a_warm_run_then_a_cold_one_with_other_xla_flags(data_dir):
     printed = run("benchmarks.cli_step", *TINY_SHAPE, "--max-steps", "2", "--eval-limit", "1", "--train-examples",
                   "8", "--tokenizer-vocab", "512", "--data", data_dir,
-                  "--cli-flags", "--n", "4", "--m", "2", "--max-completion-length", "8", timeout=240)
-    assert "| 1: cold compile cache |" in printed and "| 2: warm compile cache |" in printed, printed
+                  "--variant-xla-flags=--xla_backend_optimization_level=1",
+                  "--cli-flags", "--n", "4", "--m", "2", "--max-completion-length", "8", timeout=300)
+    rows = [line.split("|")[1].strip() for line in printed.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows == ["run", "1: cold compile cache", "2: warm compile cache",
+                    "3: cold, XLA_FLAGS +--xla_backend_optimization_level=1"], printed
+    compiled = [int(line.split("|")[-3]) for line in printed.splitlines() if line.startswith("| ") and "cold" in line]
+    assert len(compiled) == 2 and min(compiled) > 0, printed  # the variant had a compile cache of its own
     # Each run's start, milestone by milestone, in the order they happen.
     starts = re.findall(r"after launch: params loaded ([0-9.]+) s, step-0 evaluation ([0-9.]+) s, "
                         r"first step ([0-9.]+) s", printed)
-    assert len(starts) == 2 and all(0 < float(a) <= float(b) <= float(c) for a, b, c in starts), printed
+    assert len(starts) == 3 and all(0 < float(a) <= float(b) <= float(c) for a, b, c in starts), printed
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"])

@@ -335,6 +335,19 @@ def test_each_generator_owns_its_programs_and_compiles_each_signature_once(tiny)
         sampling.Generator(model, max_programs=0)
 
 
+def test_a_generator_compiles_each_program_with_its_compiler_options_and_refuses_a_bad_one_in_one_line(
+        tiny, tmp_path):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    model = model.clone(rollout_layers="unrolled")
+    shapes = dict(prompts=1, prompt_len=8, num_samples=2, max_new_tokens=4, eos_token_ids=(EOS,))
+    sampling.Generator(model, compiler_options={"xla_dump_to": str(tmp_path)}).compile(params, None, **shapes)
+    dumped = {name.split(".")[1] for name in (p.name for p in tmp_path.iterdir()) if name.startswith("module_")}
+    assert {"jit_rollout_weights", "jit_sample"} <= dumped, dumped
+    with pytest.raises(ValueError, match="compiler_options .*xla_no_such_option") as info:
+        sampling.Generator(model, compiler_options={"xla_no_such_option": 1}).compile(params, None, **shapes)
+    assert "\n" not in str(info.value)
+
+
 def test_place_rows_splits_rows_that_divide_over_the_batch_shards_and_replicates_others(tiny):
     _, model, _ = tiny["qwen2_tied_gqa"]
     mesh = mesh_lib.make_mesh("data=2,fsdp=4")
