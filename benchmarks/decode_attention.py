@@ -3,8 +3,8 @@
 Times :func:`podsjax.models.decode_kernel.grouped_decode_attention` alone at setting a's
 shape (1 prompt x 64 samples, 2 kv heads, 6 query heads each, head 128, 512 prompt slots,
 512 completion slots of which ``--filled`` are written, bf16) under several splits of the
-work (the plan's constants varied: the programs each pass must reach, the longest walk, the
-block; and the two passes in a launch each instead of one), beside the XLA form (``rollout.attend_grouped``), in one run. Each call reads a
+work (the plan's constants varied: the programs the launch must reach, the block; and the
+two passes in a launch each instead of one, each filling the GPU alone), beside the XLA form (``rollout.attend_grouped``), in one run. Each call reads a
 different one of ``--sets`` input sets, so that together they outgrow the GPU's L2 cache
 as a real step's 28 layers do. The floor is the call's bytes (the prompt's KV, the written
 completion slots' KV, the queries and the output) at the device's memory bandwidth.
@@ -30,8 +30,8 @@ from podsjax.models import decode_kernel, rollout
 # (name, the plan's constants it changes)
 VARIANTS = (
     ("the plan", {}),
-    ("fill 132 programs a pass", {"MIN_PROGRAMS": 132}),
-    ("fill 528 programs a pass", {"MIN_PROGRAMS": 528}),
+    ("fill 528 programs (shorter walks, more waves)", {"MIN_PROGRAMS": 528}),
+    ("fill 1056 programs", {"MIN_PROGRAMS": 1056}),
     ("blocks of 32 slots", {"_BLOCK": 32}),
     ("blocks of 128 slots", {"_BLOCK": 128}),
     ("a launch a pass", {"ONE_LAUNCH": False}),

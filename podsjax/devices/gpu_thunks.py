@@ -1,24 +1,35 @@
-"""What a GPU program launches, read from XLA's thunk sequence: kernels, and the CUDA graphs holding them.
+"""What a GPU program launches, read from what XLA dumps: kernels, the CUDA graphs holding
+them, and how many of a kernel's programs the GPU runs at once.
 
 XLA's GPU runtime runs a program as a sequence of thunks (kernels, library calls, loops).
 Runs of thunks that a CUDA graph can hold become one graph (a command buffer), launched at
 once; the rest launch one by one, each paying its own launch. Which it is for a decode
 step's ~300 kernels does not show in the optimized HLO. It shows in the thunk sequence,
 which XLA writes where :func:`dump_options` asks it to, also for a GPU it compiles for
-without one (:mod:`podsjax.devices.gpu_topology`).
+without one (:mod:`podsjax.devices.gpu_topology`), beside each kernel's PTX. A kernel's
+registers (ptxas, on that PTX) and shared memory say how many of its programs an SM holds,
+and so in how many waves its grid runs (:func:`occupancy`).
 
 Example:
     >>> gen = sampling.Generator(model, compiler_options=gpu_thunks.dump_options(tmp))
     >>> gen.compile(...)
     >>> gpu_thunks.innermost_loop(gpu_thunks.read(tmp, "sample"))   # the decode step
-    Launches(graphs=1, alone=0, kernels_in_graphs=288)
+    Launches(graphs=1, alone=0, kernels_in_graphs=298)
+    >>> gpu_thunks.occupancy(tmp, "sample", "grouped_decode_attention", "h100").waves
+    0.89
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import math
 import pathlib
 import re
+import shutil
+import subprocess
+
+from podsjax.devices import gpu_topology
 
 # Thunks that launch work on the GPU: kernels, library calls, copies.
 _LAUNCHING = frozenset({"kKernel", "kCustomKernel", "kGemm", "kCublasLtMatmul", "kCuDnn", "kCustomCall", "kCopy",
@@ -94,3 +105,75 @@ def _after(thunks: list, start: int, indent: int) -> list:
             break
         nested.append(t)
     return nested
+
+
+@dataclasses.dataclass(frozen=True)
+class Occupancy:
+    """One kernel's launch: its ``programs`` (thread blocks) of ``threads`` threads, the
+    ``registers`` a thread and ``shared_memory`` bytes a program take, and how many programs
+    an SM of the GPU holds at once (``per_sm``, the tightest of its limits) of ``sms``."""
+
+    kernel: str
+    programs: int
+    threads: int
+    registers: int
+    shared_memory: int
+    per_sm: int
+    sms: int
+
+    @property
+    def waves(self) -> float:
+        """Programs over what the GPU holds at once: up to 1.0 all run together."""
+        return self.programs / (self.per_sm * self.sms)
+
+
+_LAUNCH = r" grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+)"
+_REGISTERS_PER_SM = 65536
+_REGISTER_GRANULE = 256  # registers are given to a warp in units of 256
+_RESERVED_SHARED = 1024  # shared memory the runtime keeps per program
+
+
+def occupancy(directory, program: str, kernel: str, gpu: str) -> Occupancy:
+    """``kernel``'s launch in jitted function ``program``, dumped in ``directory``
+    (:func:`dump_options`), on ``gpu`` (a :data:`podsjax.devices.gpu_topology.GPUS` name).
+
+    Raises:
+        ValueError: one line, when the kernel is not in the dump or ptxas is not installed.
+    """
+    info = gpu_topology.GPUS[gpu]
+    launch = re.search(re.escape(kernel) + _LAUNCH, read(directory, program))
+    if launch is None:
+        raise ValueError(f"no launch of kernel {kernel!r} in jit_{program}'s thunk sequence in {directory}")
+    numbers = [int(x) for x in launch.groups()]
+    programs, threads, shared = math.prod(numbers[:3]), math.prod(numbers[3:6]), numbers[6]
+    entry = re.compile(r"\.entry " + re.escape(kernel) + r"\(")
+    ptx = next((p for p in sorted(pathlib.Path(directory).glob(f"module_*.jit_{program}.*.ptx"))
+                if entry.search(p.read_text())), None)
+    if ptx is None:
+        raise ValueError(f"no PTX of kernel {kernel!r} in {directory}")
+    arch = f"sm_{info['major']}{info['minor']}" + ("a" if info["major"] == 9 else "")
+    report = subprocess.run([_ptxas(), f"-arch={arch}", "-v", str(ptx), "-o", "/dev/null"], capture_output=True,
+                            text=True, check=True).stderr
+    ours = report[report.index(f"Compiling entry function '{kernel}'"):]
+    registers = int(re.search(r"Used (\d+) registers", ours).group(1))
+    static = re.search(r"(\d+) bytes smem", ours.split("Compiling entry function", 2)[1])
+    shared += int(static.group(1)) if static else 0
+    warps = math.ceil(threads / 32)
+    per_warp = math.ceil(registers * 32 / _REGISTER_GRANULE) * _REGISTER_GRANULE
+    per_sm = min(_REGISTERS_PER_SM // (per_warp * warps), info["threads_per_core_limit"] // (warps * 32),
+                 info["shared_memory_per_core"] // (shared + _RESERVED_SHARED), info["blocks_per_core_limit"])
+    return Occupancy(kernel=kernel, programs=programs, threads=threads, registers=registers, shared_memory=shared,
+                     per_sm=per_sm, sms=info["core_count"])
+
+
+def _ptxas() -> str:
+    """NVIDIA's PTX assembler: the one XLA compiles with (jax's CUDA plugin), else on PATH."""
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        found = pathlib.Path(folder, "bin", "ptxas")
+        if found.exists():
+            return str(found)
+    found = shutil.which("ptxas")
+    if found is None:
+        raise ValueError("reading a kernel's registers needs NVIDIA's ptxas: pip install 'podsjax[cuda]'")
+    return found

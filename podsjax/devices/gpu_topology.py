@@ -18,22 +18,25 @@ import importlib.util
 import re
 
 # What XLA needs to know of each GPU (its GpuDeviceInfoProto fields), from NVIDIA's
-# specifications. The device kind is what a real GPU of the kind reports.
+# specifications, and the most thread blocks an SM holds. The device kind is what a real GPU
+# of the kind reports.
 GPUS = {
     "h100": dict(kind="NVIDIA H100 80GB HBM3", major=9, minor=0, core_count=132, fpus_per_core=128,
                  clock_rate_ghz=1.98, memory_bandwidth=3_352_320_000_000, device_memory_size=84_929_347_584,
                  l2_cache_size=52_428_800, shared_memory_per_core=233_472, shared_memory_per_block_optin=232_448,
-                 threads_per_core_limit=2048),
+                 threads_per_core_limit=2048, blocks_per_core_limit=32),
     "h200": dict(kind="NVIDIA H200", major=9, minor=0, core_count=132, fpus_per_core=128, clock_rate_ghz=1.98,
                  memory_bandwidth=4_800_000_000_000, device_memory_size=150_754_820_096, l2_cache_size=52_428_800,
-                 shared_memory_per_core=233_472, shared_memory_per_block_optin=232_448, threads_per_core_limit=2048),
+                 shared_memory_per_core=233_472, shared_memory_per_block_optin=232_448, threads_per_core_limit=2048,
+                 blocks_per_core_limit=32),
     "a100": dict(kind="NVIDIA A100-SXM4-80GB", major=8, minor=0, core_count=108, fpus_per_core=64,
                  clock_rate_ghz=1.41, memory_bandwidth=2_039_000_000_000, device_memory_size=85_097_594_880,
                  l2_cache_size=41_943_040, shared_memory_per_core=167_936, shared_memory_per_block_optin=166_912,
-                 threads_per_core_limit=2048),
+                 threads_per_core_limit=2048, blocks_per_core_limit=32),
     "l40s": dict(kind="NVIDIA L40S", major=8, minor=9, core_count=142, fpus_per_core=128, clock_rate_ghz=2.52,
                  memory_bandwidth=864_000_000_000, device_memory_size=47_697_362_944, l2_cache_size=100_663_296,
-                 shared_memory_per_core=102_400, shared_memory_per_block_optin=101_376, threads_per_core_limit=1536),
+                 shared_memory_per_core=102_400, shared_memory_per_block_optin=101_376, threads_per_core_limit=1536,
+                 blocks_per_core_limit=24),
 }
 _NAME = re.compile(r"^([a-z0-9]+)(?::([1-9][0-9]*))?$")
 _MAX_PER_HOST = 8

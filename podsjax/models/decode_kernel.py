@@ -19,9 +19,9 @@ Both passes run in one launch (:data:`ONE_LAUNCH`), the prefix pass's programs f
 program is a few microseconds of latency-bound work, and a launch each paid two starts and
 two tails a layer (:mod:`~podsjax.models.decode_launch`). Decoding hands the kernel the
 step's token as the qkv projection left it: each pass gathers its queries from the heads
-and rotates them (RoPE), and the completion pass rotates the key, attends to it and the
-value from registers and writes both into the cache, so no kernel before it slices,
-rotates, lays out or scatters them.
+(adding the projection's bias) and rotates them (RoPE), and the completion pass rotates the
+key, attends to it and the value from registers and writes both into the cache, so no
+kernel before it adds a bias to them, slices, rotates, lays out or scatters them.
 :func:`plan` says how a shape splits; tests check that setting a's shape fills an H100
 (at least :data:`MIN_PROGRAMS` programs) without running on one.
 
@@ -93,36 +93,53 @@ class Plan:
 def plan(rows: int, prompts: int, kv_heads: int, groups: int, prompt_len: int, slots: int) -> Plan:
     """The split of :func:`grouped_decode_attention` for ``rows`` rows sampling ``prompts`` prompts.
 
-    The passes run one after the other, so each must fill the GPU by itself: until it has
-    :data:`MIN_PROGRAMS` programs, the completion pass halves its chunk (from
-    :data:`MAX_SLOTS_PER_PROGRAM`) down to one block, and the prefix pass first halves its
-    query tile down to 16 rows (free: the tiles re-read the prompt from L2) and then its
-    chunk, which costs bytes (every chunk writes an fp32 part as large as its query
-    matrix). On an H200 a prefix pass of 24 programs walking 4 blocks each took 14.6 us for
-    a 0.5 MB prompt.
+    In one launch (:data:`ONE_LAUNCH`) the passes fill the GPU together. Each starts from its
+    longest walk (:data:`MAX_SLOTS_PER_PROGRAM` slots), and the prefix pass's query tiles are
+    as tall as the completion pass's rows (16): one kernel takes the registers of its
+    hungriest program, and 64-row tiles took 252 a thread at setting a's shape against 168,
+    two programs an SM instead of three (ptxas, H100). Until the launch has
+    :data:`MIN_PROGRAMS` programs, the completion pass halves its chunk, then the prefix
+    pass, down to one block; each halving writes more fp32 parts for the merge. At setting
+    a that is 96 + 256 programs of four blocks, all on the GPU at once (three an SM: one
+    wave), where filling each pass alone made 896 programs of one or two blocks, 2.3 waves.
+
+    Launched apart, each pass must fill the GPU by itself: the completion pass halves its
+    chunk, and the prefix pass first halves its query tile down to 16 rows (free: the tiles
+    re-read the prompt from L2) and then its chunk. On an H200 a prefix pass of 24 programs
+    walking 4 blocks each took 14.6 us for a 0.5 MB prompt.
     """
     block = min(_BLOCK, max(_MIN_DOT, _next_pow2(max(prompt_len, slots))))
     own_chunk = max(block, min(MAX_SLOTS_PER_PROGRAM, _next_pow2(slots)))
-    while own_chunk > block and rows * kv_heads * pl.cdiv(slots, own_chunk) < MIN_PROGRAMS:
-        own_chunk //= 2
-    own_splits = pl.cdiv(slots, own_chunk)
+    prefix_chunk = max(block, min(MAX_SLOTS_PER_PROGRAM, _next_pow2(prompt_len)))
     queries = rows // prompts * groups
     query_tile = min(_QUERY_TILE, max(_MIN_DOT, _next_pow2(queries)))
-    prefix_chunk = max(block, min(MAX_SLOTS_PER_PROGRAM, _next_pow2(prompt_len)))
 
     def prefix_programs(tile: int, chunk: int) -> int:
         return prompts * kv_heads * pl.cdiv(queries, tile) * pl.cdiv(prompt_len, chunk)
 
-    while query_tile > _MIN_DOT and prefix_programs(query_tile, prefix_chunk) < MIN_PROGRAMS:
-        query_tile //= 2
-    while prefix_chunk > block and prefix_programs(query_tile, prefix_chunk) < MIN_PROGRAMS:
-        prefix_chunk //= 2
-    query_tiles = pl.cdiv(queries, query_tile)
-    prefix_splits = pl.cdiv(prompt_len, prefix_chunk)
-    return Plan(block=block, prefix_chunk=prefix_chunk, prefix_splits=prefix_splits, query_tile=query_tile,
-                query_tiles=query_tiles, own_chunk=own_chunk, own_splits=own_splits,
-                prefix_programs=prompts * kv_heads * query_tiles * prefix_splits,
-                own_programs=rows * kv_heads * own_splits)
+    def own_programs(chunk: int) -> int:
+        return rows * kv_heads * pl.cdiv(slots, chunk)
+
+    if ONE_LAUNCH:
+        query_tile = min(query_tile, _own_rows(groups))
+        while prefix_programs(query_tile, prefix_chunk) + own_programs(own_chunk) < MIN_PROGRAMS:
+            if own_chunk > block:
+                own_chunk //= 2
+            elif prefix_chunk > block:
+                prefix_chunk //= 2
+            else:
+                break
+    else:
+        while own_chunk > block and own_programs(own_chunk) < MIN_PROGRAMS:
+            own_chunk //= 2
+        while query_tile > _MIN_DOT and prefix_programs(query_tile, prefix_chunk) < MIN_PROGRAMS:
+            query_tile //= 2
+        while prefix_chunk > block and prefix_programs(query_tile, prefix_chunk) < MIN_PROGRAMS:
+            prefix_chunk //= 2
+    return Plan(block=block, prefix_chunk=prefix_chunk, prefix_splits=pl.cdiv(prompt_len, prefix_chunk),
+                query_tile=query_tile, query_tiles=pl.cdiv(queries, query_tile), own_chunk=own_chunk,
+                own_splits=pl.cdiv(slots, own_chunk), prefix_programs=prefix_programs(query_tile, prefix_chunk),
+                own_programs=own_programs(own_chunk))
 
 
 def _scores(q, keys):
@@ -182,26 +199,34 @@ def _gathered(ref, rows, cols):
     return ref[jnp.broadcast_to(rows[:, None], shape), jnp.broadcast_to(cols[None, :], shape)]
 
 
-def _queries(heads_ref, index, valid, rope=None):
+def _queries(heads_ref, index, valid, rope=None, bias_ref=None):
     """Queries ``[Q, E]``: rows ``index`` of ``heads_ref [B * heads a row, E]`` (rows not
-    ``valid`` come out 0); ``rope``: RoPE factors ``[Q or 1, E]`` to rotate them by (:func:`rotate_half`)."""
+    ``valid`` come out 0), plus rows ``index % heads a row`` of ``bias_ref [heads a row, E]``;
+    ``rope``: RoPE factors ``[Q or 1, E]`` to rotate them by (:func:`rotate_half`)."""
     e = heads_ref.shape[1]
     index, cols = jnp.where(valid, index, 0), jnp.arange(e)
-    q = _gathered(heads_ref, index, cols)
+
+    def load(cols):
+        q = _gathered(heads_ref, index, cols)
+        return q if bias_ref is None else q + _gathered(bias_ref, index % bias_ref.shape[0], cols)
+
+    q = load(cols)
     if rope is not None:  # the halves swapped are a second load
-        q = rotate_half(q, _gathered(heads_ref, index, (cols + e // 2) % e), *rope)
+        q = rotate_half(q, load((cols + e // 2) % e), *rope)
     return jnp.where(valid[:, None], q, 0).astype(q.dtype)
 
 
-def _prefix_part(*refs, samples: int, groups: int, per_row: int, rotate: bool, prompt_len: int, chunk: int,
-                 block: int, scale: float):
+def _prefix_part(*refs, samples: int, groups: int, per_row: int, rotate: bool, biased: bool, prompt_len: int,
+                 chunk: int, block: int, scale: float):
     """One prompt, kv head, query tile and prompt chunk (refs, then those four). Refs: the
     query heads ``[B * per_row, E]`` (row b's query head j at ``b * per_row + j``), [``rotate``:
-    RoPE factors ``[B, E]`` each], k/v ``[S, E]``, mask ``[S]``; out o ``[Tq, E]``, top/total
-    ``[Tq]``, for a tile of the group's n rows x G queries (row-major)."""
+    RoPE factors ``[B, E]`` each], [``biased``: the heads' bias ``[per_row, E]``], k/v ``[S, E]``,
+    mask ``[S]``; out o ``[Tq, E]``, top/total ``[Tq]``, for a tile of the group's n rows x G
+    queries (row-major)."""
     *refs, prompt, head, tile_index, chunk_index = refs
     heads_ref, *refs = refs
     cos_ref, sin_ref, *refs = refs if rotate else (None, None, *refs)
+    bias_ref, *refs = refs if biased else (None, *refs)
     k_ref, v_ref, mask_ref, o_ref, top_ref, total_ref = refs
     tile = o_ref.shape[0]
     query = tile_index * tile + jnp.arange(tile)
@@ -211,7 +236,7 @@ def _prefix_part(*refs, samples: int, groups: int, per_row: int, rotate: bool, p
     if rotate:
         cols = jnp.arange(cos_ref.shape[1])
         rope = (_gathered(cos_ref, rows, cols), _gathered(sin_ref, rows, cols))
-    q = _queries(heads_ref, rows * per_row + head * groups + query % groups, valid, rope)
+    q = _queries(heads_ref, rows * per_row + head * groups + query % groups, valid, rope, bias_ref)
     start = chunk_index * chunk
     o, top, total = _attend_blocks(q, k_ref, v_ref, mask_ref, start, jnp.minimum(start + chunk, prompt_len),
                                    pl.cdiv(chunk, block), block=block, scale=scale, slots_last=False)
@@ -220,26 +245,33 @@ def _prefix_part(*refs, samples: int, groups: int, per_row: int, rotate: bool, p
     total_ref[...] = total
 
 
-def _own_part(*refs, groups: int, per_row: int, slots: int, chunk: int, block: int, scale: float, write: bool):
+def _own_part(*refs, groups: int, per_row: int, slots: int, chunk: int, block: int, scale: float, write: bool,
+              biased: bool):
     """One row, kv head and completion chunk (refs, then those three). Refs: the query heads
     ``[B * per_row, E]`` (before RoPE with ``write``), k ``[T, E]``, v ``[E, T]``, allowed ``[T]``,
-    length ``[1]``, [``write``: new key (before RoPE), value, RoPE factors, ``[E]`` each]; out o
+    length ``[1]``, [``write``: new key (before RoPE), value, RoPE factors, ``[E]`` each],
+    [``biased``: the heads' bias ``[per_row, E]``, the new key's and value's ``[E]``]; out o
     ``[GP, E]``, top/total ``[GP]``, [k, v with the new ones at slot ``length - 1``]."""
     *refs, row, head, chunk_index = refs
     heads_ref, k_ref, v_ref, allowed_ref, length_ref, *refs = refs
     new_k_ref, new_v_ref, cos_ref, sin_ref, *refs = refs if write else (None,) * 4 + tuple(refs)
+    bias_ref, k_bias_ref, v_bias_ref, *refs = refs if biased else (None,) * 3 + tuple(refs)
     o_ref, top_ref, total_ref, *cache_out = refs
     gp = o_ref.shape[0]
     real_rows = jnp.arange(gp) < groups
     rope = (cos_ref[...][None, :], sin_ref[...][None, :]) if write else None
-    q = _queries(heads_ref, row * per_row + head * groups + jnp.arange(gp), real_rows, rope)
+    q = _queries(heads_ref, row * per_row + head * groups + jnp.arange(gp), real_rows, rope, bias_ref)
     start = chunk_index * chunk
     stop = jnp.minimum(jnp.minimum(start + chunk, slots), length_ref[0])
     slot = length_ref[0] - 1
     written, e = None, heads_ref.shape[1]
     if write:  # the key with its halves swapped is a second load of it
-        key = rotate_half(new_k_ref[...], new_k_ref[(jnp.arange(e) + e // 2) % e], cos_ref[...], sin_ref[...])
-        written = (slot, key, new_v_ref[...])
+        swapped = (jnp.arange(e) + e // 2) % e
+        raw_key, raw_swapped, value = new_k_ref[...], new_k_ref[swapped], new_v_ref[...]
+        if biased:
+            raw_key, raw_swapped = raw_key + k_bias_ref[...], raw_swapped + k_bias_ref[swapped]
+            value = value + v_bias_ref[...]
+        written = (slot, rotate_half(raw_key, raw_swapped, cos_ref[...], sin_ref[...]), value)
     o, top, total = _attend_blocks(q, k_ref, v_ref, allowed_ref, start, stop,
                                    pl.cdiv(jnp.maximum(stop - start, 0), block), block=block, scale=scale,
                                    slots_last=True, written=written)
@@ -284,27 +316,30 @@ def _whole(x) -> pl.BlockSpec:
 @dataclasses.dataclass(frozen=True)
 class _Queries:
     """Where the passes read their queries: ``heads [B * per_row, E]``, row b's query head j
-    at ``b * per_row + j``; ``factors``: RoPE factors ``[B, E]`` to rotate them by, or None."""
+    at ``b * per_row + j``; ``factors``: RoPE factors ``[B, E]`` to rotate them by, or None;
+    ``bias``: the heads' bias ``[per_row, E]``, added first, or None."""
 
     heads: jax.Array
     per_row: int
     groups: int
     factors: tuple | None
+    bias: jax.Array | None = None
 
 
 def _prefix_pass(queries: _Queries, prompts: int, k: int, prompt_len: int, split: Plan, scale: float) -> launch.Pass:
     """The prefix pass, writing ``(o [P, K, splits, Tq * tiles, E], top, total [P, K, splits, Tq * tiles])``."""
     rows_per_prompt = queries.heads.shape[0] // queries.per_row // prompts
     e, tile = queries.heads.shape[1], split.query_tile
-    rotate = queries.factors is not None
+    rotate, biased = queries.factors is not None, queries.bias is not None
     return launch.Pass(
         kernel=functools.partial(_prefix_part, samples=rows_per_prompt, groups=queries.groups,
-                                 per_row=queries.per_row, rotate=rotate, prompt_len=prompt_len,
+                                 per_row=queries.per_row, rotate=rotate, biased=biased, prompt_len=prompt_len,
                                  chunk=split.prefix_chunk, block=split.block, scale=scale),
         part_ids=lambda ids: ids,  # the prompt, kv head, query tile and prompt chunk
         grid=(prompts, k, split.query_tiles, split.prefix_splits),
         in_specs=[
             _whole(queries.heads), *([_whole(x) for x in queries.factors] if rotate else []),
+            *([_whole(queries.bias)] if biased else []),
             pl.BlockSpec((None, None, prompt_len, e), lambda i, h, t, s: (i, h, 0, 0)),
             pl.BlockSpec((None, None, prompt_len, e), lambda i, h, t, s: (i, h, 0, 0)),
             pl.BlockSpec((None, prompt_len), lambda i, h, t, s: (i, 0)),
@@ -323,20 +358,22 @@ def _own_pass(queries: _Queries, cache: tuple, split: Plan, scale: float, qkv_BN
     and with the token's ``qkv_BNE`` the completions' ``cache`` (k, v), each row's token put in
     from its heads ``[B, H + 2K, E]``."""
     rows, k, slots, e = cache[0].shape
-    groups, write = queries.groups, qkv_BNE is not None
+    groups, write, biased = queries.groups, qkv_BNE is not None, queries.bias is not None
     gp, heads = _own_rows(groups), k * groups
     keys = pl.BlockSpec((None, None, slots, e), lambda r, h, s: (r, h, 0, 0))
     values = pl.BlockSpec((None, None, e, slots), lambda r, h, s: (r, h, 0, 0))
     new = [pl.BlockSpec((None, None, e), lambda r, h, s: (r, heads + h, 0)),
            pl.BlockSpec((None, None, e), lambda r, h, s: (r, heads + k + h, 0)),
            *[pl.BlockSpec((None, e), lambda r, h, s: (r, 0))] * 2] if write else []
+    bias = [_whole(queries.bias), pl.BlockSpec((None, e), lambda r, h, s: (heads + h, 0)),
+            pl.BlockSpec((None, e), lambda r, h, s: (heads + k + h, 0))] if biased else []
     return launch.Pass(
         kernel=functools.partial(_own_part, groups=groups, per_row=queries.per_row, slots=slots,
-                                 chunk=split.own_chunk, block=split.block, scale=scale, write=write),
+                                 chunk=split.own_chunk, block=split.block, scale=scale, write=write, biased=biased),
         part_ids=lambda ids: ids,  # the row, kv head and completion chunk
         grid=(rows, k, split.own_splits),
         in_specs=[_whole(queries.heads), keys, values, pl.BlockSpec((None, slots), lambda r, h, s: (r, 0)),
-                  pl.BlockSpec((None, 1), lambda r, h, s: (r, 0)), *new],
+                  pl.BlockSpec((None, 1), lambda r, h, s: (r, 0)), *new, *bias],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, e), lambda r, h, s: (r, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, gp), lambda r, h, s: (r, h, s, 0)),
@@ -366,10 +403,11 @@ def grouped_decode_attention(q_BKGE: jax.Array | None, prompt_k_PKSE: jax.Array,
         length_B: completion slots to read per row; slots from it on must not be allowed.
         token: ``(qkv_BNE, cos_BE, sin_BE)``: each row's heads from the qkv projection (H
             queries and K keys before RoPE, then K values) and its RoPE factors
-            (:func:`rope_factors`). The kernel rotates queries and keys, writes keys and
-            values into the completions' cache at slot ``length - 1`` and attends to them
-            there: no kernels before it slice, rotate, lay out or scatter them. None: the
-            cache holds them.
+            (:func:`rope_factors`), and optionally the projection's bias ``bias_NE`` last,
+            not yet added. The kernel adds the bias, rotates queries and keys, writes keys
+            and values into the completions' cache at slot ``length - 1`` and attends to them
+            there: no kernels before it add, slice, rotate, lay out or scatter them. None:
+            the cache holds them.
         interpret: run Pallas's interpreter (any backend), for tests.
 
     Returns:
@@ -384,8 +422,10 @@ def grouped_decode_attention(q_BKGE: jax.Array | None, prompt_k_PKSE: jax.Array,
     qkv_BNE = token[0].astype(k_BKTE.dtype) if write else None
     if write:
         per_row = qkv_BNE.shape[1]
+        bias = token[3] if len(token) > 3 else None
         queries = _Queries(qkv_BNE.reshape(b * per_row, e), per_row, (per_row - 2 * k) // k,
-                           tuple(x.astype(k_BKTE.dtype) for x in token[1:]))
+                           tuple(x.astype(k_BKTE.dtype) for x in token[1:3]),
+                           None if bias is None else bias.reshape(per_row, e).astype(k_BKTE.dtype))
         out_dtype = token[0].dtype
     else:
         per_row = q_BKGE.shape[1] * q_BKGE.shape[2]
@@ -397,9 +437,10 @@ def grouped_decode_attention(q_BKGE: jax.Array | None, prompt_k_PKSE: jax.Array,
     passes = (_prefix_pass(queries, p, k, prompt_len, split, scale),
               _own_pass(queries, (k_BKTE, v_BKET), split, scale, qkv_BNE))
     factors = list(queries.factors or ())  # the token's, with write
-    inputs = ([queries.heads, *factors, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS.astype(jnp.int32)],
+    bias = [] if queries.bias is None else [queries.bias]
+    inputs = ([queries.heads, *factors, *bias, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS.astype(jnp.int32)],
               [queries.heads, k_BKTE, v_BKET, allowed_BT.astype(jnp.int32), length_B.astype(jnp.int32)[:, None],
-               *([qkv_BNE] * 2 + factors if write else [])])
+               *([qkv_BNE] * 2 + factors if write else []), *bias * 3])
     if ONE_LAUNCH:
         parts = launch.launch_together(passes, inputs, interpret, "grouped_decode_attention")
     else:

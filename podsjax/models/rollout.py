@@ -225,18 +225,19 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
     for y, layer in enumerate(weights.layers):
         hidden = _norm(x_BLD, layer.attn_norm, cfg.rms_norm_eps, dt)
         qkv = dec.matmul(hidden, layer.qkv, 1)
-        if layer.qkv_bias is not None:
-            qkv = qkv + layer.qkv_bias
-        q_BLHE = qkv[..., : h * e].reshape(b, length, h, e)
-        k_BLKE = qkv[..., h * e: (h + k) * e].reshape(b, length, k, e)
-        v_BLKE = qkv[..., (h + k) * e:].reshape(b, length, k, e)
         if grouped is not None:
             prompt_kv = (grouped.prompts.keys[y], grouped.prompts.values[y], grouped.prompts.mask_BS)
-        if use_kernel:  # the kernel rotates the token's query and key, and writes key and value into the cache
+        if use_kernel:  # the kernel adds the bias, rotates the token's query and key and writes key and value
+            # (a GEMM that XLA emits through Triton leaves the bias to a kernel of its own)
             out_BLHE, (keys[y], values[y]) = attend_grouped_kernel(
                 qkv.reshape(b, h + 2 * k, e), *factors, *prompt_kv, keys[y], values[y], slots.allowed_BLS,
-                slots.slots_BL[:, 0] + 1, mesh)
+                slots.slots_BL[:, 0] + 1, mesh, bias_N=layer.qkv_bias)
         else:
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            q_BLHE = qkv[..., : h * e].reshape(b, length, h, e)
+            k_BLKE = qkv[..., h * e: (h + k) * e].reshape(b, length, k, e)
+            v_BLKE = qkv[..., (h + k) * e:].reshape(b, length, k, e)
             q_BLHE, k_BLKE = dec.apply_rope(q_BLHE, rope), dec.apply_rope(k_BLKE, rope)
             keys[y], values[y] = write_kv(keys[y], values[y], k_BLKE, v_BLKE, slots.slots_BL,
                                           values_slots_last=grouped is not None)
@@ -315,13 +316,14 @@ def decode_kernel_fits(implementation: str, head_dim: int, cache_dtype) -> bool:
 
 def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Array, prompt_k_PKSE: jax.Array,
                           prompt_v_PKSE: jax.Array, prompt_mask_PS: jax.Array, k_BKTE: jax.Array, v_BKET: jax.Array,
-                          allowed_B1T: jax.Array, length_B: jax.Array,
-                          mesh: Mesh | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                          allowed_B1T: jax.Array, length_B: jax.Array, mesh: Mesh | None,
+                          bias_N: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """RoPE on the step's queries and keys, :func:`write_kv` and :func:`attend_grouped` as one
     fused kernel per layer (:mod:`~podsjax.models.decode_kernel`): returns the output
     ``[B, 1, H, E]`` and the completions' cache.
 
-    ``qkv_BNE``: the qkv projection's heads (H queries and K keys before RoPE, K values);
+    ``qkv_BNE``: the qkv projection's heads (H queries and K keys before RoPE, K values),
+    ``bias_N`` its bias (``[(H + 2K) * E]``, not yet added) or None;
     ``cos_BE, sin_BE``: ``decode_kernel.rope_factors``. Each row's key and value are written at
     its slot ``length_B - 1`` (``length_B``: the completion slots each row reads). On a mesh the
     kernel runs per device on its rows (``shard_map``). Its prompts are local when the
@@ -333,13 +335,13 @@ def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Arr
     p, k = prompt_k_PKSE.shape[:2]
     n, h = b // p, heads - 2 * k
 
-    def call(qkv, cos, sin, pk, pv, pmask, keys, values, allowed, length):
+    def call(qkv, cos, sin, pk, pv, pmask, keys, values, allowed, length, *bias):
         out, cache = decode_kernel.grouped_decode_attention(None, pk, pv, pmask, keys, values, allowed[:, 0], length,
-                                                            (qkv, cos, sin))
+                                                            (qkv, cos, sin, *bias))
         return out.reshape(qkv.shape[0], 1, h, e).astype(qkv.dtype), cache
 
     args = (qkv_BNE, cos_BE, sin_BE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, k_BKTE, v_BKET, allowed_B1T,
-            length_B)
+            length_B, *([] if bias_N is None else [bias_N]))
     if mesh is None or mesh.size == 1:
         return call(*args)
     rows = mesh_lib.logical_to_spec(("batch",), mesh, (b,))
@@ -347,6 +349,8 @@ def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Arr
     shards = math.prod(mesh.shape[a] for a in mesh_lib.spec_axes(rows[0]))
     local_rows = b // shards
     if prompts != rows and n % local_rows != 0:
+        if bias_N is not None:
+            qkv_BNE = qkv_BNE + bias_N.reshape(heads, e)
         raw = qkv_BNE[:, :h + k]
         rotated = decode_kernel.rotate_half(raw, jnp.roll(raw, e // 2, -1), cos_BE[:, None], sin_BE[:, None])
         cache = write_kv(k_BKTE, v_BKET, rotated[:, None, h:], qkv_BNE[:, None, h + k:], (length_B - 1)[:, None],
@@ -357,7 +361,8 @@ def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Arr
     # Prompts split as their rows are stay local; otherwise each device takes them whole
     # (a small gather where they were split over fewer axes) and slices out its one prompt.
     prompt_spec = row_spec if prompts == rows else (lambda x: PartitionSpec())
-    specs = tuple(prompt_spec(x) if i in (3, 4, 5) else row_spec(x) for i, x in enumerate(args))
+    specs = tuple(prompt_spec(x) if i in (3, 4, 5) else PartitionSpec() if i == 10 else row_spec(x)
+                  for i, x in enumerate(args))  # the bias (10th) whole on every device
 
     def per_device(qkv, cos, sin, pk, pv, pmask, *rest):
         if prompts != rows:  # this device's rows all sample one prompt

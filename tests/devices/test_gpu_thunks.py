@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from podsjax.devices import gpu_thunks, gpu_topology, topology
+from podsjax.models import decode_kernel
 
 needs_cuda_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
                                        reason="jax's CUDA plugin is not installed (pip install 'podsjax[cuda]')")
@@ -18,19 +19,19 @@ needs_cuda_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla
 NESTED = """001: kCopy  [source | next=002 (1)] kCopy
 002: kWhile [prev=001 (1) | sink]
 condition:
-    003: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    003: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1]
   body:
     004: kCopy         [source | next=005 (1)] kCopy
     005: kWhile        [prev=004 (1) | sink]
 condition:
-        006: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+        006: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
       body:
         000: kCommandBuffer  [source | next=010 (1)]
-            007: kCustomKernel [source | next=008 (1)] loop_add_fusion grid: [1, 1, 1] threads: [64, 1, 1]  shared_memory: 0 bytes
-            008: kCustomKernel [prev=007 (1) | next=009 (1)] fusion_1 grid: [64, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+            007: kCustomKernel [source | next=008 (1)] loop_add_fusion grid: [1, 1, 1]
+            008: kCustomKernel [prev=007 (1) | next=009 (1)] fusion_1 grid: [64, 1, 1] threads: [128, 1, 1]
             009: kCopy [prev=008 (1) | sink] kCopy
         010: kCublasLtMatmul [prev=000 (1) | next=011 (1)] kCublasLtMatmul
-        011: kCustomKernel   [prev=010 (1) | sink] attention grid: [896, 1, 1] threads: [128, 1, 1]  shared_memory: 41216 bytes
+        011: kCustomKernel   [prev=010 (1) | sink] attention grid: [896, 1, 1] threads: [128, 1, 1]
 """
 
 
@@ -79,3 +80,26 @@ def test_an_h100_loop_body_of_library_gemms_runs_as_one_cuda_graph(tmp_path):
                            if not line.strip().startswith(("driver_version", "compile_time_toolkit_version")))
     without = loop_body_launches(tmp_path / "b", driverless)
     assert without.graphs == 0 and without.alone == 13, without
+
+
+@needs_cuda_plugin
+def test_at_setting_as_shape_the_h100_holds_all_of_the_decode_attention_s_programs_at_once(tmp_path):
+    # 64 rows of one prompt, 2 kv heads of 6 queries, 512 + 512 slots, bf16, the token taken
+    # from the qkv heads with their bias: at least two programs an SM, and no more than the SMs hold at once
+    # (by the registers ptxas gives the kernel and its shared memory), so no program waits
+    # for another's to end. Filling each pass alone made 896 programs, 2.3 waves.
+    placed = SingleDeviceSharding(topology.compile_only_devices("h100")[0])
+    abstract = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=placed)  # noqa: E731
+    rows, kv, groups, e = 64, 2, 6, 128
+    cache = (abstract((1, kv, 512, e)), abstract((1, kv, 512, e)), abstract((1, 512), jnp.bool_),
+             abstract((rows, kv, 512, e)), abstract((rows, kv, e, 512)), abstract((rows, 512), jnp.bool_),
+             abstract((rows,), jnp.int32))
+    heads = kv * groups + 2 * kv
+    token = (abstract((rows, heads, e)), abstract((rows, e), jnp.float32), abstract((rows, e), jnp.float32),
+             abstract((heads * e,)))  # Qwen's qkv bias, added in the kernel
+    # At the suite's -O0 (child_env.SUITE_XLA_FLAGS) the kernel's PTX takes 242 registers.
+    options = {**gpu_thunks.dump_options(tmp_path), "xla_backend_optimization_level": 3}
+    decode_kernel.grouped_decode_attention.lower(None, *cache, token=token).compile(options)
+    launch = gpu_thunks.occupancy(tmp_path, "grouped_decode_attention", "grouped_decode_attention", "h100")
+    assert launch.programs >= 2 * launch.sms and launch.waves <= 1.0, (launch, launch.waves)
+    assert 0 < launch.registers <= 255 and launch.shared_memory > 0

@@ -104,6 +104,25 @@ def test_the_kernel_matches_the_xla_grouped_attention_in_fp32(shape, launch):
     np.testing.assert_array_equal(values, written["v_BKET"])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_kernel_adds_the_qkv_bias_as_the_projection_would_have(dtype, launch):
+    # Qwen's q, k and v have a bias. Handed to the kernel, it is added to each head as it is
+    # read (queries of both passes, the token's key and value): the same attention and cache
+    # as from heads that had it added before. In bf16 the sum may skip its rounding before
+    # RoPE (XLA's excess precision, as in the XLA form's fusions): one bf16 step at most.
+    case = grouped_case(1, 4, 2, 3, 40, 24, 16, dtype, seed=3)
+    _, stale, (qkv, cos, sin) = unwritten(case)
+    bias = jnp.asarray(np.random.default_rng(4).normal(size=qkv.shape[1:]), dtype)
+    biased, (keys, values) = kernel_form(stale, token=(qkv, cos, sin, bias.reshape(-1)))
+    added, (added_keys, added_values) = kernel_form(stale, token=(qkv + bias, cos, sin))
+    tolerance = dict(atol=0, rtol=0) if dtype == jnp.float32 else dict(atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(biased, np.float32), np.asarray(added, np.float32), **tolerance)
+    np.testing.assert_allclose(np.asarray(keys, np.float32), np.asarray(added_keys, np.float32), **tolerance)
+    np.testing.assert_array_equal(values, added_values)
+    unbiased, _ = kernel_form(stale, token=(qkv, cos, sin))
+    assert not np.allclose(unbiased, added)
+
+
 def test_the_kernel_reads_a_bf16_cache_as_the_xla_form_does():
     case = grouped_case(2, 4, 2, 6, 48, 40, 32, jnp.bfloat16, seed=1)
     out, ref = kernel_form(case).astype(jnp.float32), xla_form(case).astype(jnp.float32)
@@ -129,9 +148,10 @@ def test_a_prompt_chunk_that_holds_only_left_padding_adds_nothing():
 
 def test_at_setting_as_shape_the_attention_fills_an_h100_with_short_walks():
     # 64 rows of one prompt, 2 kv heads, 6 query heads each, 512 + 512 slots: at least two
-    # programs for each of 132 SMs, none walking more than 256 slots, and each pass fills
-    # the GPU alone or walks one block a program (so a launch a pass fills it too). Read
-    # from the launched grid, not only the plan.
+    # programs for each of 132 SMs in the one launch, none walking more than 256 slots, and
+    # no more parts for the merge than that takes: every program walks its longest, with
+    # query tiles as tall as a completion program's rows. Read from the launched grid, not
+    # only the plan.
     args = (jax.ShapeDtypeStruct((64, 2, 6, 128), jnp.bfloat16),
             *[jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)] * 2, jax.ShapeDtypeStruct((1, 512), bool),
             jax.ShapeDtypeStruct((64, 2, 512, 128), jnp.bfloat16), jax.ShapeDtypeStruct((64, 2, 128, 512), jnp.bfloat16),
@@ -142,9 +162,7 @@ def test_at_setting_as_shape_the_attention_fills_an_h100_with_short_walks():
     programs = int(np.prod(grids[0]))
     split = decode_kernel.plan(64, 1, 2, 6, 512, 512)
     assert programs == split.programs >= decode_kernel.MIN_PROGRAMS == 264
-    for pass_programs, chunk in ((split.prefix_programs, split.prefix_chunk), (split.own_programs, split.own_chunk)):
-        assert pass_programs >= decode_kernel.MIN_PROGRAMS or chunk == split.block
-    assert split.max_slots_per_program <= 256
+    assert split.own_chunk == split.prefix_chunk == split.max_slots_per_program == 256 and split.query_tile == 16
     assert split.own_chunk * split.own_splits >= 512 and split.prefix_chunk * split.prefix_splits >= 512
     # the prefix pass reads the group's prompt once: one prompt, per kv head, per query tile and chunk
     assert split.prefix_programs == 2 * split.query_tiles * split.prefix_splits
@@ -242,6 +260,13 @@ def test_on_a_mesh_each_device_attends_its_own_rows_to_their_prompts(monkeypatch
     np.testing.assert_allclose(out, xla_form(written), atol=2e-6, rtol=2e-6)
     np.testing.assert_array_equal(keys, written["k_BKTE"])
     np.testing.assert_array_equal(values, written["v_BKET"])
+    # With the projection's bias (whole on every device), as on one device.
+    bias = jnp.asarray(np.random.default_rng(5).normal(size=qkv.shape[1:]), jnp.float32).reshape(-1)
+    out, (keys, _) = jax.jit(lambda *a: rollout.attend_grouped_kernel(*a, mesh, bias))(*[placed[k] for k in names])
+    alone, (alone_keys, _) = rollout.attend_grouped_kernel(*[stale[k] for k in names], None, bias)
+    np.testing.assert_allclose(out, alone, atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(keys, alone_keys, atol=2e-6, rtol=2e-6)
+    assert not np.allclose(out, xla_form(written), atol=1e-3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiles the Triton kernel: needs a GPU")
@@ -256,3 +281,11 @@ def test_the_compiled_kernel_matches_the_xla_form_on_a_gpu(launch):
     np.testing.assert_allclose(f32(out), f32(xla_form(written)), atol=1e-2, rtol=1e-2)
     np.testing.assert_allclose(f32(keys), f32(written["k_BKTE"]), atol=1e-2, rtol=1e-2)  # RoPE: a bf16 step at most
     np.testing.assert_array_equal(f32(values), f32(written["v_BKET"]))
+    # With Qwen's qkv bias added in the kernel, as on heads that had it added before.
+    qkv, cos, sin = token
+    bias = jnp.asarray(np.random.default_rng(6).normal(size=qkv.shape[1:]), qkv.dtype)
+    biased, (keys, values) = kernel_form(stale, interpret=False, token=(qkv, cos, sin, bias.reshape(-1)))
+    added, (added_keys, added_values) = kernel_form(stale, interpret=False, token=(qkv + bias, cos, sin))
+    np.testing.assert_allclose(f32(biased), f32(added), atol=1e-2, rtol=1e-2)
+    np.testing.assert_allclose(f32(keys), f32(added_keys), atol=1e-2, rtol=1e-2)
+    np.testing.assert_array_equal(f32(values), f32(added_values))
