@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import pathlib
 import re
 import shutil
@@ -138,7 +139,7 @@ def occupancy(directory, program: str, kernel: str, gpu: str) -> Occupancy:
     (:func:`dump_options`), on ``gpu`` (a :data:`podsjax.devices.gpu_topology.GPUS` name).
 
     Raises:
-        ValueError: one line, when the kernel is not in the dump or ptxas is not installed.
+        ValueError: one line, when the kernel is not in the dump, or ptxas is missing or refuses its PTX.
     """
     info = gpu_topology.GPUS[gpu]
     launch = re.search(re.escape(kernel) + _LAUNCH, read(directory, program))
@@ -152,8 +153,10 @@ def occupancy(directory, program: str, kernel: str, gpu: str) -> Occupancy:
     if ptx is None:
         raise ValueError(f"no PTX of kernel {kernel!r} in {directory}")
     arch = f"sm_{info['major']}{info['minor']}" + ("a" if info["major"] == 9 else "")
-    report = subprocess.run([_ptxas(), f"-arch={arch}", "-v", str(ptx), "-o", "/dev/null"], capture_output=True,
-                            text=True, check=True).stderr
+    run = subprocess.run([_ptxas(), f"-arch={arch}", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True)
+    report = run.stderr
+    if run.returncode != 0:
+        raise ValueError(f"ptxas refused {ptx.name}: {(report.strip().splitlines() or ['no message'])[-1]}")
     ours = report[report.index(f"Compiling entry function '{kernel}'"):]
     registers = int(re.search(r"Used (\d+) registers", ours).group(1))
     static = re.search(r"(\d+) bytes smem", ours.split("Compiling entry function", 2)[1])
