@@ -1,10 +1,9 @@
 """Grouped decode attention as two passes of GPU programs (Pallas, lowered through Triton) and a merge.
 
-A decode step's attention reads each row's completion and its group's prompt. One
-program per row and kv head that walks both serially left an H200 mostly idle: at setting
-a's shape (64 rows, 2 kv heads, 512 + 512 slots) 128 programs for 132 SMs, each reading
-1024 slots one block after another, ran at 188 us a layer against 3.6 us of bytes. So the
-work is split the way flash decoding and cascade (shared-prefix) attention split it:
+A decode step's attention reads each row's completion and its group's prompt. One program
+per row and kv head walking both (128 programs at setting a's shape) ran at 188 us a layer
+on an H200 against 3.6 us of bytes, so the work is split as flash decoding and cascade
+(shared-prefix) attention split it:
 
 - **prefix pass**: per prompt and kv head, the group's n rows x G query heads form one
   query matrix against the prompt's keys and values, read once for the whole group, as
@@ -15,15 +14,12 @@ work is split the way flash decoding and cascade (shared-prefix) attention split
 - **merge**: every part keeps its running maximum and sum (an online softmax); XLA combines
   the parts by their log-sum-exp.
 
-Both passes run in one launch (:data:`ONE_LAUNCH`), the prefix pass's programs first: each
-program is a few microseconds of latency-bound work, and a launch each paid two starts and
-two tails a layer (:mod:`~podsjax.models.decode_launch`). Decoding hands the kernel the
-step's token as the qkv projection left it: each pass gathers its queries from the heads
-(adding the projection's bias) and rotates them (RoPE), and the completion pass rotates the
-key, attends to it and the value from registers and writes both into the cache, so no
-kernel before it adds a bias to them, slices, rotates, lays out or scatters them.
-:func:`plan` says how a shape splits; tests check that setting a's shape fills an H100
-(at least :data:`MIN_PROGRAMS` programs) without running on one.
+Both passes run in one launch (:data:`ONE_LAUNCH`, :mod:`~podsjax.models.decode_launch`),
+the prefix pass's programs first. Decoding hands the kernel the step's token as the qkv
+projection left it: the passes gather their queries from the heads, add the projection's
+bias and rotate them (RoPE); the completion pass does so for the key and value too, attends
+to them from registers and writes them into the cache. No kernel before it touches them.
+:func:`plan` says how a shape splits; tests check it fills an H100 in one wave.
 
 Numerics: scores and sums are fp32. A 16-bit cache's scores are bf16/fp16 products summed
 in fp32 (exact products, as the XLA form's upcast ones); the probabilities enter the
@@ -62,12 +58,9 @@ class Plan:
 
     Attributes:
         block: cache slots per loop iteration.
-        prefix_chunk, prefix_splits: prompt slots per prefix program, and programs per prompt
-            and kv head along the prompt.
-        query_tile, query_tiles: rows of the group's query matrix (n x G) per prefix program,
-            and how many such tiles.
-        own_chunk, own_splits: completion slots per completion program, and programs per row
-            and kv head along the completion.
+        prefix_chunk, prefix_splits: prompt slots per prefix program, and chunks a prompt.
+        query_tile, query_tiles: rows of a group's query matrix (n x G) per program, and tiles.
+        own_chunk, own_splits: completion slots per completion program, and chunks a row.
         prefix_programs, own_programs: the two grids' sizes.
     """
 
@@ -93,20 +86,13 @@ class Plan:
 def plan(rows: int, prompts: int, kv_heads: int, groups: int, prompt_len: int, slots: int) -> Plan:
     """The split of :func:`grouped_decode_attention` for ``rows`` rows sampling ``prompts`` prompts.
 
-    In one launch (:data:`ONE_LAUNCH`) the passes fill the GPU together. Each starts from its
-    longest walk (:data:`MAX_SLOTS_PER_PROGRAM` slots), and the prefix pass's query tiles are
-    as tall as the completion pass's rows (16): one kernel takes the registers of its
-    hungriest program, and 64-row tiles took 252 a thread at setting a's shape against 168,
-    two programs an SM instead of three (ptxas, H100). Until the launch has
-    :data:`MIN_PROGRAMS` programs, the completion pass halves its chunk, then the prefix
-    pass, down to one block; each halving writes more fp32 parts for the merge. At setting
-    a that is 96 + 256 programs of four blocks, all on the GPU at once (three an SM: one
-    wave), where filling each pass alone made 896 programs of one or two blocks, 2.3 waves.
-
-    Launched apart, each pass must fill the GPU by itself: the completion pass halves its
-    chunk, and the prefix pass first halves its query tile down to 16 rows (free: the tiles
-    re-read the prompt from L2) and then its chunk. On an H200 a prefix pass of 24 programs
-    walking 4 blocks each took 14.6 us for a 0.5 MB prompt.
+    In one launch (:data:`ONE_LAUNCH`) the passes fill the GPU together, in one wave: each
+    starts at its longest walk, with prefix query tiles as tall as a completion program's
+    rows (taller ones raise the one kernel's registers), and the chunks halve, the
+    completion's first, while the launch has under :data:`MIN_PROGRAMS` programs (setting a:
+    96 + 256 programs, 0.89 waves on an H100; docs/accelerators.md). Launched apart, each
+    pass fills the GPU alone, the prefix pass halving its query tile (down to 16) before its
+    chunk.
     """
     block = min(_BLOCK, max(_MIN_DOT, _next_pow2(max(prompt_len, slots))))
     own_chunk = max(block, min(MAX_SLOTS_PER_PROGRAM, _next_pow2(slots)))
