@@ -3,8 +3,9 @@
 Times :func:`podsjax.models.decode_kernel.grouped_decode_attention` alone at setting a's
 shape (1 prompt x 64 samples, 2 kv heads, 6 query heads each, head 128, 512 prompt slots,
 512 completion slots of which ``--filled`` are written, bf16) under several splits of the
-work (the plan's constants varied: the programs the launch must reach, the block; and the
-two passes in a launch each instead of one, each filling the GPU alone), beside the XLA form (``rollout.attend_grouped``), in one run. Each call reads a
+work (the plan's constants varied: the programs the launch must reach, the block; Triton's
+pipeline stages and warps; and the two passes in a launch each instead of one, each filling
+the GPU alone), beside the XLA form (``rollout.attend_grouped``), in one run. Each call reads a
 different one of ``--sets`` input sets, so that together they outgrow the GPU's L2 cache
 as a real step's 28 layers do. The floor is the call's bytes (the prompt's KV, the written
 completion slots' KV, the queries and the output) at the device's memory bandwidth.
@@ -23,19 +24,26 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import triton as plgpu
 
 from benchmarks.machine import device_peaks
-from podsjax.models import decode_kernel, rollout
+from podsjax.models import decode_kernel, decode_launch, rollout
 
-# (name, the plan's constants it changes)
+# (name, the constants it changes: decode_kernel's, and decode_launch's COMPILER_PARAMS)
 VARIANTS = (
     ("the plan", {}),
     ("fill 528 programs (shorter walks, more waves)", {"MIN_PROGRAMS": 528}),
     ("fill 1056 programs", {"MIN_PROGRAMS": 1056}),
     ("blocks of 32 slots", {"_BLOCK": 32}),
     ("blocks of 128 slots", {"_BLOCK": 128}),
+    ("3 pipeline stages", {"COMPILER_PARAMS": plgpu.CompilerParams(num_warps=4, num_stages=3)}),
+    ("8 warps a program", {"COMPILER_PARAMS": plgpu.CompilerParams(num_warps=8, num_stages=2)}),
     ("a launch a pass", {"ONE_LAUNCH": False}),
 )
+
+
+def _owner(constant: str):
+    return decode_launch if constant == "COMPILER_PARAMS" else decode_kernel
 
 
 def make_inputs(args, seed: int) -> dict:
@@ -111,10 +119,10 @@ def main(argv=None) -> None:
           + (f" at {peaks.bandwidth / 1e12:.2f} TB/s = {floor_s * 1e6:.2f} us ({peaks.source})" if floor_s else ""))
     print("| split | programs (prompt + completion) | longest walk (blocks) | us a call | x floor | XLA form / split | max abs diff |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    saved = {name: getattr(decode_kernel, name) for _, changes in VARIANTS for name in changes}
+    saved = {name: getattr(_owner(name), name) for _, changes in VARIANTS for name in changes}
     for name, changes in VARIANTS:
         for constant, value in changes.items():
-            setattr(decode_kernel, constant, value)
+            setattr(_owner(constant), constant, value)
         jax.clear_caches()
         split = decode_kernel.plan(args.rows, args.prompts, args.kv_heads, args.groups, args.prompt_len, args.slots)
         kernel = lambda **x: decode_kernel.grouped_decode_attention(**x, interpret=interpret)  # noqa: E731
@@ -125,7 +133,7 @@ def main(argv=None) -> None:
         print(f"| {name} | {split.prefix_programs} + {split.own_programs} | {walk} | {t * 1e6:.1f} | {ratio} |"
               f" {t_xla / t:.2f}x | {diff:.1e} |")
         for constant in changes:
-            setattr(decode_kernel, constant, saved[constant])
+            setattr(_owner(constant), constant, saved[constant])
     xla_ratio = f"{t_xla / floor_s:.1f}x" if floor_s else "n/a"
     print(f"| XLA form (rollout.attend_grouped) | - | - | {t_xla * 1e6:.1f} | {xla_ratio} | 1.00x | 0 |")
 
