@@ -228,7 +228,7 @@ def forward(model, weights: RolloutWeights, ids_BL: jax.Array, mask_BL: jax.Arra
         if grouped is not None:
             prompt_kv = (grouped.prompts.keys[y], grouped.prompts.values[y], grouped.prompts.mask_BS)
         if use_kernel:  # the kernel adds the bias, rotates the token's query and key and writes key and value
-            # (a GEMM that XLA emits through Triton leaves the bias to a kernel of its own)
+            # (a Triton GEMM without split-K left the bias add to a kernel of its own)
             out_BLHE, (keys[y], values[y]) = attend_grouped_kernel(
                 qkv.reshape(b, h + 2 * k, e), *factors, *prompt_kv, keys[y], values[y], slots.allowed_BLS,
                 slots.slots_BL[:, 0] + 1, mesh, bias_N=layer.qkv_bias)
