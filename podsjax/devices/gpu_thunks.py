@@ -14,7 +14,7 @@ Example:
     >>> gen = sampling.Generator(model, compiler_options=gpu_thunks.dump_options(tmp))
     >>> gen.compile(...)
     >>> gpu_thunks.innermost_loop(gpu_thunks.read(tmp, "sample"))   # the decode step
-    Launches(graphs=1, alone=0, kernels_in_graphs=298)
+    Launches(graphs=1, alone=0, kernels_in_graphs=270)
     >>> gpu_thunks.occupancy(tmp, "sample", "grouped_decode_attention", "h100").waves
     0.89
 """
