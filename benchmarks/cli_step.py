@@ -262,6 +262,7 @@ def main(argv=None):
               f"{args.dtype}, random weights, written in {time.perf_counter() - t0:.0f} s; data: "
               f"{args.train_examples} train / {args.eval_limit} test GSM8K lines")
         remat = ["--remat", args.remat] if args.remat else []
+        cache_flag = cli_supports("--compile-cache-dir")
         runs = [(f"{i + 1}: {'cold' if i == 0 else 'warm'} compile cache", "compile_cache", "")
                 for i in range(args.runs)]
         if args.variant_xla_flags:
@@ -273,7 +274,7 @@ def main(argv=None):
             if xla_flags:
                 env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
             cache_flags = []
-            if cli_supports("--compile-cache-dir"):
+            if cache_flag:
                 cache_flags = ["--compile-cache-dir", cache]
             else:
                 env["JAX_COMPILATION_CACHE_DIR"] = cache

@@ -129,7 +129,6 @@ class Occupancy:
 
 
 _LAUNCH = r" grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+)"
-_REGISTERS_PER_SM = 65536
 _REGISTER_GRANULE = 256  # registers are given to a warp in units of 256
 _RESERVED_SHARED = 1024  # shared memory the runtime keeps per program
 
@@ -157,13 +156,13 @@ def occupancy(directory, program: str, kernel: str, gpu: str) -> Occupancy:
     report = run.stderr
     if run.returncode != 0:
         raise ValueError(f"ptxas refused {ptx.name}: {(report.strip().splitlines() or ['no message'])[-1]}")
-    ours = report[report.index(f"Compiling entry function '{kernel}'"):]
+    ours = report[report.index(f"Compiling entry function '{kernel}'"):].split("Compiling entry function", 2)[1]
     registers = int(re.search(r"Used (\d+) registers", ours).group(1))
-    static = re.search(r"(\d+) bytes smem", ours.split("Compiling entry function", 2)[1])
+    static = re.search(r"(\d+) bytes smem", ours)
     shared += int(static.group(1)) if static else 0
     warps = math.ceil(threads / 32)
     per_warp = math.ceil(registers * 32 / _REGISTER_GRANULE) * _REGISTER_GRANULE
-    per_sm = min(_REGISTERS_PER_SM // (per_warp * warps), info["threads_per_core_limit"] // (warps * 32),
+    per_sm = min(gpu_topology.REGISTERS_PER_SM // (per_warp * warps), info["threads_per_core_limit"] // (warps * 32),
                  info["shared_memory_per_core"] // (shared + _RESERVED_SHARED), info["blocks_per_core_limit"])
     return Occupancy(kernel=kernel, programs=programs, threads=threads, registers=registers, shared_memory=shared,
                      per_sm=per_sm, sms=info["core_count"])

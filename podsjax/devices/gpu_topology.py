@@ -38,6 +38,7 @@ GPUS = {
                  shared_memory_per_core=102_400, shared_memory_per_block_optin=101_376, threads_per_core_limit=1536,
                  blocks_per_core_limit=24),
 }
+REGISTERS_PER_SM = 65536  # 32-bit registers an SM holds, on every GPU above
 _NAME = re.compile(r"^([a-z0-9]+)(?::([1-9][0-9]*))?$")
 _MAX_PER_HOST = 8
 # Without a GPU nothing autotunes GEMMs; as cuBLAS calls they are what a tuned run mostly gets.
@@ -60,7 +61,7 @@ def target_config(gpu: str) -> str:
                                          "shared_memory_per_block_optin", "threads_per_core_limit")}
     fields.update(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
                   block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535,
-                  registers_per_core_limit=65536, registers_per_block_limit=65536)
+                  registers_per_core_limit=REGISTERS_PER_SM, registers_per_block_limit=65536)
     # Without a driver's version XLA assumes none that can capture library calls (cuBLAS,
     # custom calls) into CUDA graphs, and runs each kernel of a loop body as its own launch.
     # The oldest driver that runs this CUDA runtime can; a real GPU host's is newer still.

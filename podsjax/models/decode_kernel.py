@@ -389,8 +389,8 @@ def grouped_decode_attention(q_BKGE: jax.Array | None, prompt_k_PKSE: jax.Array,
         length_B: completion slots to read per row; slots from it on must not be allowed.
         token: ``(qkv_BNE, cos_BE, sin_BE)``: each row's heads from the qkv projection (H
             queries and K keys before RoPE, then K values) and its RoPE factors
-            (:func:`rope_factors`), and optionally the projection's bias ``bias_NE`` last,
-            not yet added. The kernel adds the bias, rotates queries and keys, writes keys
+            (:func:`rope_factors`), and optionally the projection's bias last (``[N * E]``
+            or ``[N, E]``), not yet added. The kernel adds the bias, rotates queries and keys, writes keys
             and values into the completions' cache at slot ``length - 1`` and attends to them
             there: no kernels before it add, slice, rotate, lay out or scatter them. None:
             the cache holds them.
