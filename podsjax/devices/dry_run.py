@@ -100,9 +100,12 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        """Peak bytes per device: params and optimizer state stay; the KV cache lives only
-        while generating, the update batch only while updating."""
-        generating = self.rollout_weights + self.kv_cache + self.generate_temp
+        """Peak bytes per device: params and optimizer state stay; the rollout weights live
+        while generating, beside the weights merge's temporaries and then beside sampling's KV
+        cache and temporaries (one program after the other); the update batch only while updating."""
+        weights_temp = self.stage_temp.get("weights", 0)
+        sampling = self.kv_cache + self.stage_temp.get("sample", self.generate_temp)
+        generating = self.rollout_weights + max(weights_temp, sampling)
         updating = self.batch + self.update_temp
         return self.params + self.optimizer + max(generating, updating)
 

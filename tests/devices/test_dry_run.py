@@ -1,5 +1,6 @@
 """--dry-run, the fit check, --remat and the persistent compile cache, through the CLI."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -65,6 +66,8 @@ def test_dry_run_reports_every_figure_from_config_json_alone(tmp_path, capsys, r
     assert report["shapes"] == {"prompts": 2, "samples": 8, "update_rows": 8, "prompt_len": 64,
                                 "max_new_tokens": 16}
     resident = report["params"] + report["optimizer"]
+    # The scanned layout samples from the params themselves: no rollout weights, no merge.
+    assert report["rollout_weights"] == 0 and report["stage_temp"]["sample"] == report["generate_temp"]
     assert report["total"] == resident + max(report["kv_cache"] + report["generate_temp"],
                                              report["batch"] + report["update_temp"])
     assert sorted(os.listdir(out)) == ["config.json", "dry_run.json"]  # nothing trained
@@ -72,6 +75,19 @@ def test_dry_run_reports_every_figure_from_config_json_alone(tmp_path, capsys, r
     assert planned["model"]["remat"] == "dots" and planned["algorithm"]["n"] == 8 and planned["model"]["mesh"] == "8"
     for words in ("update temporaries", "KV cache", "compiled update", "compiled generate[sample]"):
         assert words in printed.out, printed.out
+
+
+def test_the_peak_holds_the_weights_merge_and_the_kv_cache_one_after_the_other():
+    # The merge's temporaries are gone before sampling allocates its KV cache: the peak while
+    # generating is the rollout weights beside the larger of the two, never both (GiB).
+    plan = dry_run_lib.MemoryPlan(params=3, optimizer=1, kv_cache=2, generate_temp=5, update_temp=4, batch=1,
+                                  compile_s={}, device_kind="cpu", devices=1, limit=None, rollout_weights=3,
+                                  stage_temp={"weights": 5, "sample": 1})
+    assert plan.total == 3 + 1 + 3 + 5
+    sampling_larger = dataclasses.replace(plan, stage_temp={"weights": 2, "sample": 4})
+    assert sampling_larger.total == 3 + 1 + 3 + 2 + 4
+    updating_larger = dataclasses.replace(plan, update_temp=20)
+    assert updating_larger.total == 3 + 1 + 1 + 20
 
 
 @pytest.mark.slow
