@@ -17,9 +17,10 @@ The table gives, per run: the wall time from launch to the first finished step
 first, as a user's run does), that step's phases (compiles included), and the
 median steady step (steps 2..K) with its phases from ``time/generation``,
 ``time/scoring``, ``time/selection`` and ``time/update``. The CLI's own console
-lines about compiles are echoed, and when the params were loaded, the step-0
-evaluation printed and the first step finished, counted from the launch; its
-whole output is in ``<run>.log``.
+lines about compiles are echoed, and when the params were loaded, the fit check
+started and ended (on a GPU or TPU: where the start lowers its programs and compiles or
+loads them), the step-0 evaluation printed and the first step finished, counted from
+the launch; its whole output is in ``<run>.log``.
 
 A random model almost never samples EOS, so every completion runs to the full
 length: the slowest case of each setting.
@@ -144,18 +145,27 @@ def run_cli(command: list[str], out: str, env: dict) -> dict:
 
 
 # The console lines that mark a start's milestones, as the CLI prints them.
-MILESTONES = (("params loaded", re.compile(r"^loaded \S+ params in ")),
-              ("step-0 evaluation", re.compile(r"^eval at step 0\b")),
-              ("first step", re.compile(r"^first step done ")))
+# (name, the console line that marks it, whether every run prints it): the fit check runs
+# only on a device that reports its memory (a GPU or TPU, not a CPU); between its two lines
+# the start lowers its programs and compiles them or loads them from the compile cache.
+MILESTONES = (("params loaded", re.compile(r"^loaded \S+ params in "), True),
+              ("fit check from", re.compile(r"^checking that the run fits"), False),
+              ("to", re.compile(r"^memory per device"), False),
+              ("step-0 evaluation", re.compile(r"^eval at step 0\b"), True),
+              ("first step", re.compile(r"^first step done "), True))
 
 
 def timeline(lines: list[tuple[float, str]]) -> str:
     """Where a start's seconds went: when each milestone's console line appeared (within the
-    poll interval), e.g. ``params loaded 9.1 s, step-0 evaluation 21.0 s, first step 38.8 s``."""
+    poll interval), e.g. ``params loaded 9.1 s, fit check from 11.0 s, to 19.5 s, step-0
+    evaluation 21.0 s, first step 38.8 s``; the fit check's are left out where it did not run."""
     marks = []
-    for name, pattern in MILESTONES:
+    for name, pattern, always in MILESTONES:
         at = next((t for t, line in lines if pattern.search(line)), None)
-        marks.append(f"{name} {at:.1f} s" if at is not None else f"{name} not seen")
+        if at is not None:
+            marks.append(f"{name} {at:.1f} s")
+        elif always:
+            marks.append(f"{name} not seen")
     return ", ".join(marks)
 
 

@@ -4,8 +4,9 @@
 #      bf16): the step's time against its memory floor, then the kernels of one traced call;
 #   2. the CLI on setting a (a random 1.5B checkpoint, PODS n 64 m 16, LoRA r64): start to
 #      the first finished step with a cold and then a warm compile cache (and when the params
-#      were loaded and the step-0 evaluation printed), the programs compiled before it, the
-#      steady step and its phases, and the plan's roofline beside them.
+#      were loaded, the fit check began and ended, and the step-0 evaluation printed), the
+#      programs compiled before it, the steady step and its phases, and the plan's roofline
+#      beside them.
 # First, the decode kernel compiled through Triton against the XLA form (tests/models/test_decode_kernel.py), and
 # one layer's decode attention under several splits against the XLA form and its floor.
 #

@@ -116,6 +116,18 @@ def test_cli_step_benchmark_times_a_cold_and_a_warm_run_then_a_cold_one_with_oth
     assert len(starts) == 3 and all(0 < float(a) <= float(b) <= float(c) for a, b, c in starts), printed
 
 
+def test_cli_step_s_timeline_splits_a_start_at_the_fit_check_where_one_ran():
+    from benchmarks.cli_step import timeline
+
+    gpu = [(3.0, "loaded 1544M params in 2.1 s"), (4.5, "checking that the run fits in device memory ..."),
+           (12.2, "memory per device (1 x NVIDIA H200, remat full):"), (15.0, "eval at step 0: accuracy 0.0%"),
+           (17.5, "first step done 17.4 s after start: step 1.6 s")]
+    assert timeline(gpu) == ("params loaded 3.0 s, fit check from 4.5 s, to 12.2 s, step-0 evaluation 15.0 s, "
+                             "first step 17.5 s")
+    cpu = [gpu[0], gpu[3]]  # no fit check on a CPU; a first step that never came
+    assert timeline(cpu) == "params loaded 3.0 s, step-0 evaluation 15.0 s, first step not seen"
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b"])
 def test_shape_param_counts_agree_across_transformers_podsjax_and_the_floors(name):
     import torch
