@@ -344,8 +344,10 @@ def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Arr
                                                             (qkv, cos, sin, *bias))
         return out.reshape(qkv.shape[0], 1, h, e).astype(qkv.dtype), cache
 
-    args = (qkv_BNE, cos_BE, sin_BE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, k_BKTE, v_BKET, allowed_B1T,
-            length_B, *([] if bias_N is None else [bias_N]))
+    by_rows = (qkv_BNE, cos_BE, sin_BE, prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, k_BKTE, v_BKET, allowed_B1T,
+              length_B)  # split with the rows (the prompts, 3-5, where they can)
+    bias = () if bias_N is None else (bias_N,)
+    args = by_rows + bias
     if mesh is None or mesh.size == 1:
         return call(*args)
     rows = mesh_lib.logical_to_spec(("batch",), mesh, (b,))
@@ -365,8 +367,8 @@ def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Arr
     # Prompts split as their rows are stay local; otherwise each device takes them whole
     # (a small gather where they were split over fewer axes) and slices out its one prompt.
     prompt_spec = row_spec if prompts == rows else (lambda x: PartitionSpec())
-    specs = tuple(prompt_spec(x) if i in (3, 4, 5) else PartitionSpec() if i == 10 else row_spec(x)
-                  for i, x in enumerate(args))  # the bias (10th) whole on every device
+    specs = tuple(prompt_spec(x) if i in (3, 4, 5) else row_spec(x) for i, x in enumerate(by_rows))
+    specs += (PartitionSpec(),) * len(bias)  # the bias, whole on every device
 
     def per_device(qkv, cos, sin, pk, pv, pmask, *rest):
         if prompts != rows:  # this device's rows all sample one prompt
