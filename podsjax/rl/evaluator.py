@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -24,15 +25,21 @@ from podsjax.rl.run_config import EVAL_METRICS, RunConfig
 EVAL_PARTS = tuple(dict.fromkeys(name for names in EVAL_METRICS.values() for name in names))
 # Beside them with eval_k: each completion's answer id (podsjax.rl.pass_at_k.answer_ids), for maj@k.
 ANSWERS = "answer_id"
+# Evaluation's rows come in multiples of this: XLA pads a bf16 GEMM's rows to it for a GPU's
+# tensor cores, a pad kernel around each GEMM (60 rows of Qwen2.5-1.5B: 440 kernels a decode
+# step for an H100, 80 rows: 300).
+ROW_ALIGN = 8
 
 
 class Evaluator:
     """The eval split's ``eval_metric``, averaged over ``eval_repeats`` passes at ``eval_temperature``
     and ``eval_top_k``.
 
-    Each pass decodes every example once. Every evaluation draws the same keys (one per pass
-    and chunk, from the run's seed): common random numbers, so two evaluations, or two
-    methods run with one seed, differ by their policies rather than their draws.
+    Each pass decodes every example once. An example's passes are samples of its prompt in one
+    call, so the prompt is prefilled once and its KV cache read once a step for all of them.
+    Every evaluation draws the same keys (one per chunk of examples, from the run's seed):
+    common random numbers, so two evaluations, or two methods run with one seed, differ by
+    their policies rather than their draws.
 
     Args:
         generator: the :class:`podsjax.sampler.sampling.Generator` the rollouts use.
@@ -40,9 +47,10 @@ class Evaluator:
         scorer: scores completions (``score(completions, rewards, **columns)``).
         examples: the eval split.
         run_config: the run's config (its eval_* fields, seed and max_new_tokens).
-        rows: rows per evaluation chunk: by default a step's rollout rows, so evaluation
-            decodes with the rollouts' compiled program (temperature is an input of it; an
-            ``eval_top_k`` other than the rollouts' ``top_k`` compiles one of its own).
+        rows: rows per evaluation chunk when ``eval_batch_size`` is unset (a step's rollout
+            rows): enough prompts for that many rows with their passes, rounded up to a
+            multiple of :data:`ROW_ALIGN` rows that splits over the mesh's batch shards. Temperature is an input of the
+            compiled program; evaluation's prompts x passes compile one program of their own.
         rewards: the run's reward specs; the strict format check is added at weight 0.
         eos_ids: the tokenizer's end-of-sequence ids.
         compile_log: reports generate's compiles.
@@ -61,9 +69,16 @@ class Evaluator:
         self.rewards = with_strict_format(rewards_lib.as_weighted(rewards))
         shards = mesh_lib.shard_count(generator.model.mesh, "batch")
         self.size = run_config.eval_batch_size or rows
-        # Every chunk has the same rows (a short last one or dropped prompts would be a new shape,
-        # so a new compile), split evenly over the mesh's batch shards.
-        self.rows = -(-self.size // shards) * shards
+        repeats = run_config.eval_repeats
+        # A chunk decodes each of its prompts' passes as samples of that prompt, so their prefill
+        # and prompt KV are shared: at least ``size`` rows, a multiple of ROW_ALIGN that splits
+        # evenly over the batch shards. Every chunk has the same rows (a short last one or dropped prompts would
+        # be a new shape, so a new compile).
+        align = math.lcm(shards, ROW_ALIGN)
+        step = align // math.gcd(align, repeats)
+        prompts_needed = -(-self.size // repeats)
+        self.prompts_per_chunk = -(-prompts_needed // step) * step
+        self.rows = self.prompts_per_chunk * repeats
         self.compile_log = compile_log or compilation.CompileLog()
         self.answer_key = None
         if run_config.eval_k:
@@ -76,14 +91,15 @@ class Evaluator:
         if not self.examples:
             return
         run_config = self.run_config
-        ids = jax.ShapeDtypeStruct((self.rows, prompt_len), np.int32)
-        with self.compile_log.label("generate", reporting.generate_shape(ids, 1, run_config.max_new_tokens)):
-            self.generator.compile(params, lora, prompts=self.rows, prompt_len=prompt_len,
+        ids = jax.ShapeDtypeStruct((self.prompts_per_chunk, prompt_len), np.int32)
+        with self.compile_log.label("generate", reporting.generate_shape(ids, run_config.eval_repeats,
+                                                                         run_config.max_new_tokens)):
+            self.generator.compile(params, lora, prompts=self.prompts_per_chunk, prompt_len=prompt_len,
                                    **self._generate_options(prompts_lib.pad_token_id(self.prompts.tokenizer)))
 
     def _generate_options(self, pad_token_id: int) -> dict[str, Any]:
         """The options an evaluation generates with, which key its programs (:meth:`compile`'s too)."""
-        return dict(num_samples=1, max_new_tokens=self.run_config.max_new_tokens, top_k=self.run_config.eval_top_k,
+        return dict(num_samples=self.run_config.eval_repeats, max_new_tokens=self.run_config.max_new_tokens, top_k=self.run_config.eval_top_k,
                     eos_token_ids=self.eos_ids, pad_token_id=pad_token_id)
 
     def __call__(self, params: Any, lora: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -105,8 +121,9 @@ class Evaluator:
         parts: dict[str, list[np.ndarray]] = {name: [] for name in kept}  # name -> chunks of [R, e]
         samples: list[dict[str, Any]] = []
         evaluated = 0
-        for index, start in enumerate(range(0, len(self.examples), self.size)):
-            chunk = self.examples[start : start + self.size]
+        repeats, per_chunk = run_config.eval_repeats, self.prompts_per_chunk
+        for index, start in enumerate(range(0, len(self.examples), per_chunk)):
+            chunk = self.examples[start : start + per_chunk]
             prompts = self.prompts.prepare(chunk)
             if self.buckets is not None:
                 prompts = self.buckets.fit(prompts, count=False)
@@ -115,33 +132,31 @@ class Evaluator:
             if not chunk:
                 continue
             # The last prompt repeats to fill the chunk; its copies' results are dropped.
-            ids, prompt_mask = (self.generator.place_rows(x) for x in prompts.padded_rows(self.rows))
-            padded = chunk + [chunk[-1]] * (self.rows - len(chunk))
-            breakdowns = []  # [R] of name -> [e]
-            for repeat in range(run_config.eval_repeats):
-                key = jax.random.fold_in(jax.random.fold_in(eval_key, repeat), index)
-                with self.compile_log.label("generate", reporting.generate_shape(ids, 1, run_config.max_new_tokens)):
-                    r = self.generator.generate(params, ids, prompt_mask, key, temperature=run_config.eval_temperature,
-                                                lora=lora, **self._generate_options(prompts.pad_id))
-                first, tokens = hosts.local_rows(r.tokens)
-                mask = hosts.local_rows(r.mask)[1]
-                mine = padded[first : first + len(tokens)]
-                texts = prompts_lib.decode_completions(self.prompts.tokenizer, tokens, mask)
-                scores = self.scorer.score(texts, self.rewards, **data_lib.reward_columns(mine, 1)).per_function
-                local = {name: np.asarray(scores[name], np.float64) for name in EVAL_PARTS}
-                if self.answer_key:
-                    local[ANSWERS] = pass_at_k_lib.answer_ids(texts, self.answer_key)
-                breakdowns.append({name: values[: len(chunk)]
-                                   for name, values in hosts.gather_rows(first, local, self.rows).items()})
-                if repeat == 0:  # this host's rows of the chunk (process 0's are the first)
-                    real = max(0, min(len(tokens), len(chunk) - first))
-                    samples.extend({"prompt": e.prompt, "completion": t, "answer": e.answer, "accuracy": float(a),
-                                    "format_correct": float(f)}
-                                   for e, t, a, f in zip(mine[:real], texts, scores["accuracy"],
-                                                         scores["strict_format"]))
+            ids, prompt_mask = (self.generator.place_rows(x) for x in prompts.padded_rows(per_chunk))
+            padded = chunk + [chunk[-1]] * (per_chunk - len(chunk))
+            key = jax.random.fold_in(eval_key, index)
+            with self.compile_log.label("generate", reporting.generate_shape(ids, repeats, run_config.max_new_tokens)):
+                r = self.generator.generate(params, ids, prompt_mask, key, temperature=run_config.eval_temperature,
+                                            lora=lora, **self._generate_options(prompts.pad_id))
+            # Row p * repeats + k is pass k of prompt p.
+            first, tokens = hosts.local_rows(r.tokens)
+            mask = hosts.local_rows(r.mask)[1]
+            mine = [padded[row // repeats] for row in range(first, first + len(tokens))]
+            texts = prompts_lib.decode_completions(self.prompts.tokenizer, tokens, mask)
+            scores = self.scorer.score(texts, self.rewards, **data_lib.reward_columns(mine, 1)).per_function
+            local = {name: np.asarray(scores[name], np.float64) for name in EVAL_PARTS}
+            if self.answer_key:
+                local[ANSWERS] = pass_at_k_lib.answer_ids(texts, self.answer_key)
+            whole = hosts.gather_rows(first, local, self.rows)
             for name in kept:
                 dtype = np.int64 if name == ANSWERS else np.float64
-                parts[name].append(np.stack([np.asarray(b[name], dtype) for b in breakdowns]))
+                parts[name].append(np.asarray(whole[name], dtype).reshape(per_chunk, repeats)[: len(chunk)].T)
+            # The first pass's completions of this host's rows (process 0's are the first).
+            samples.extend({"prompt": e.prompt, "completion": t, "answer": e.answer, "accuracy": float(a),
+                            "format_correct": float(f)}
+                           for row, e, t, a, f in zip(range(first, first + len(tokens)), mine, texts,
+                                                      scores["accuracy"], scores["strict_format"])
+                           if row % repeats == 0 and row // repeats < len(chunk))
         if self.examples and not evaluated:  # an accuracy of nothing would read as 0 %
             raise prompts_lib.PromptError(
                 f"no evaluation example fits in max_prompt_length {self.prompts.max_prompt_length} tokens: all "

@@ -48,7 +48,7 @@ class RunConfig:
     max_steps: int | None = None  # steps (with or instead of a time budget)
     eval_every_s: float | None = 120.0  # seconds of training clock between evaluations (null: never)
     eval_limit: int | None = None  # evaluate on the first N test examples (null: all)
-    eval_batch_size: int | None = None  # rows per evaluation chunk (null: a step's rollout rows)
+    eval_batch_size: int | None = None  # rows (prompts x eval_repeats) per evaluation chunk, at least; rounded up to whole prompts and a multiple of 8 (null: a step's rollout rows)
     eval_repeats: int = 1  # evaluation passes averaged (needs eval_temperature > 0 for more than 1)
     eval_temperature: float = 0.0  # evaluation sampling temperature (0: greedy)
     eval_top_k: int = 0  # evaluation samples among the k most likely tokens (0: off)

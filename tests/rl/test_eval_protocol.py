@@ -33,12 +33,12 @@ def setup(tmp_path_factory):
 shared_generator = functools.cache(sampling.Generator)
 
 
-def make_trainer(setup, out_dir, rewards=None, generator=None, scorer=None, **run_fields):
+def make_trainer(setup, out_dir, rewards=None, generator=None, scorer=None, eval_examples=None, **run_fields):
     model, params, tokenizer, examples = setup
     run = rl.RunConfig(out_dir=str(out_dir), max_steps=1, prompts_per_step=2, max_new_tokens=7,
                        reward_workers=1, progress=False, console=False, **run_fields)
     algo = paper_settings.method_config("pods", n=4, m=2)
-    return rl.Trainer(model, params, tokenizer, examples, examples, algo, run,
+    return rl.Trainer(model, params, tokenizer, examples, eval_examples or examples, algo, run,
                       lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards,
                       generator=generator or shared_generator(model), scorer=scorer)
 
@@ -107,7 +107,7 @@ def test_sampled_passes_draw_their_own_keys_and_evaluation_compiles_its_program_
     recorder = RecordingGenerator(model)
     calls = recorder.calls
     trainer = make_trainer((model, *setup[1:]), tmp_path / "run", generator=recorder, eval_repeats=3,
-                           eval_temperature=0.9)
+                           eval_temperature=0.9, eval_examples=setup[3] * 3)
     decodes = []
     try:
         first = trainer.evaluate()
@@ -118,20 +118,21 @@ def test_sampled_passes_draw_their_own_keys_and_evaluation_compiles_its_program_
         decodes.append(trainer.compile_counts.get("generate[sample]", 0))
     finally:
         trainer.close()
-    evals = [c for c in calls if c[2] == 1]
-    assert len(evals) == 6 and {c[1] for c in evals} == {0.9}
-    assert len({c[0] for c in evals[:3]}) == 3  # a key per pass
-    assert [c[0] for c in evals[:3]] == [c[0] for c in evals[3:]]  # the same keys at every evaluation
-    # 4 prompts in one chunk of prompts_per_step x n = 8 rows, as the step's 2 prompts x 4 samples.
-    assert {c[3] for c in evals} == {8} and [(c[3], c[1]) for c in calls if c[2] == 4] == [(2, 0.9)]
+    evals = [c for c in calls if c[2] == 3]  # an example's 3 passes are 3 samples of its prompt
+    # 8 rows / 3 passes, rounded up to prompts x 3 a multiple of 8 rows: chunks of 8 prompts x 3
+    # samples, so the 12 examples in 2 calls.
+    assert len(evals) == 4 and {c[1] for c in evals} == {0.9} and {c[3] for c in evals} == {8}
+    assert len({c[0] for c in evals[:2]}) == 2  # a key per chunk
+    assert [c[0] for c in evals[:2]] == [c[0] for c in evals[2:]]  # the same keys at every evaluation
+    assert [(c[3], c[1]) for c in calls if c[2] == 4] == [(2, 0.9)]  # the step's 2 prompts x 4 samples
     # At most one compile (none when an earlier test in this process built the same program),
-    # and the next evaluation compiles nothing. 8 prompts x 1 sample is another sampling
+    # and the next evaluation compiles nothing. 8 prompts x 3 samples is another sampling
     # program than the step's 2 prompts x 4: the step compiles its own, once.
     assert isinstance(decoding.layers_for(model), decoding.UnrolledLayers) == (layers == "unrolled")
     assert decodes[0] <= 1 and decodes[0] <= decodes[1] <= decodes[0] + 1, trainer.compile_counts
     assert decodes[2] == decodes[1], trainer.compile_counts
     for result in (first, second):
-        assert result["eval/examples"] == 4.0 and result["eval/accuracy_std"] >= 0.0
+        assert result["eval/examples"] == 12.0 and result["eval/accuracy_std"] >= 0.0
         assert {"eval/answer_accuracy", "eval/format_accuracy"} <= set(result)
 
 
@@ -158,14 +159,15 @@ class StubGenerator:
         return jnp.asarray(x)
 
     def generate(self, params, ids, mask, key, *, max_new_tokens, **kwargs):
-        self.calls.append({name: kwargs[name] for name in ("temperature", "top_k")})
-        empty = jnp.zeros((ids.shape[0], max_new_tokens), jnp.int32)
+        self.calls.append({name: kwargs[name] for name in ("temperature", "top_k", "num_samples")})
+        empty = jnp.zeros((ids.shape[0] * kwargs["num_samples"], max_new_tokens), jnp.int32)
         return types.SimpleNamespace(tokens=empty, mask=empty.astype(bool))
 
 
 @pytest.mark.parametrize("top_k", [0, 3])
 def test_evaluation_samples_among_the_protocols_top_k(setup, tmp_path, top_k):
-    # The evaluation protocol's top-k, not the rollouts' (0 here), reaches every pass.
+    # The evaluation protocol's top-k, not the rollouts' (0 here), reaches every pass: the 4
+    # examples' 2 passes in one call (8 rows // 2 passes = 4 prompts a chunk).
     stub = StubGenerator(setup[0])
     trainer = make_trainer(setup, tmp_path / "run", generator=stub, scorer=InProcessScorer(), eval_repeats=2,
                            eval_temperature=0.9, eval_top_k=top_k)
@@ -173,7 +175,7 @@ def test_evaluation_samples_among_the_protocols_top_k(setup, tmp_path, top_k):
         trainer.evaluate()
     finally:
         trainer.close()
-    assert stub.calls == [{"temperature": 0.9, "top_k": top_k}] * 2
+    assert stub.calls == [{"temperature": 0.9, "top_k": top_k, "num_samples": 2}]
 
 
 def by_position(pattern):
@@ -200,19 +202,16 @@ def test_accuracy_and_format_counts_an_answer_only_with_the_strict_format(setup,
 
 
 def test_sampled_accuracy_is_the_mean_over_passes_with_their_spread(setup, tmp_path):
-    passes = iter([1.0, 0.0, 1.0])  # one score call per pass: all right, all wrong, all right
-
-    def accuracy(completions, **_):
-        value = next(passes)
-        return [value] * len(completions)
-
-    trainer = make_trainer(setup, tmp_path / "run", rewards=[(accuracy, 1.0)], scorer=InProcessScorer(),
-                           eval_repeats=3, eval_temperature=0.9)
+    # One chunk of 8 prompts (4 examples, 4 copies) x 3 passes, prompt-major (row i is pass
+    # i % 3 of its prompt): every example right at passes 0 and 2, wrong at pass 1.
+    rewards = [rewards_lib.WeightedReward(by_position([1, 0, 1]), 1.0, "accuracy")]
+    trainer = make_trainer(setup, tmp_path / "run", rewards=rewards,
+                           scorer=InProcessScorer(), eval_repeats=3, eval_temperature=0.9)
     try:
         result = trainer.evaluate()
     finally:
         trainer.close()
-    assert result["eval/accuracy"] == pytest.approx(2 / 3)
+    assert result["eval/accuracy"] == pytest.approx(2 / 3) and result["eval/examples"] == 4.0
     assert result["eval/accuracy_std"] == pytest.approx(np.std([1, 0, 1], ddof=1))
 
 
@@ -235,17 +234,16 @@ ANSWERS_RE = [["a", None, "e", "g"],
 
 
 def test_pass_and_maj_at_k_come_from_the_passes_grades_and_answers(setup, tmp_path):
-    grades, answers = iter(CORRECT_RE), iter(ANSWERS_RE)
-    rows = []  # the answer key sees one pass's rows at a time, padding rows included
+    # 8 rows // 4 passes: chunks of 2 questions, each with its 4 passes as samples, prompt-major.
+    order = [(k, 2 * chunk + p) for chunk in range(2) for p in range(2) for k in range(4)]
+    questions = [q for q, _ in QUESTIONS]
+    answers = [ANSWERS_RE[k][e] for k, e in order]  # the answer key sees the rows in this order
 
-    def accuracy(completions, **_):  # one call per pass
-        grade = next(grades)
-        return [float(grade[i]) if i < len(grade) else 0.0 for i in range(len(completions))]
+    def accuracy(completions, prompt, **_):
+        return [float(CORRECT_RE[i % 4][questions.index(q)]) for i, q in enumerate(prompt)]
 
     def answer_key(text):
-        if not rows:
-            rows.extend(next(answers) + ["pad"] * (8 - len(QUESTIONS)))
-        return rows.pop(0)
+        return answers.pop(0)
 
     rewards = [rewards_lib.WeightedReward(accuracy, 1.0, "accuracy")]
     trainer = make_trainer(setup, tmp_path / "run", rewards=rewards, scorer=InProcessScorer(), eval_repeats=4,
@@ -254,9 +252,11 @@ def test_pass_and_maj_at_k_come_from_the_passes_grades_and_answers(setup, tmp_pa
         evaluator = rl.Evaluator(trainer.generator, trainer.prompts, InProcessScorer(), setup[3],
                                  trainer.run_config, rows=8, rewards=rewards, eos_ids=trainer.eos_ids,
                                  answer_key=answer_key)
-        result, _ = evaluator(*trainer.policy_params())
+        result, samples = evaluator(*trainer.policy_params())
     finally:
         trainer.close()
+    # The logged samples: the first pass of each question, in order.
+    assert [(x["prompt"], x["accuracy"]) for x in samples] == [(q, float(c)) for q, c in zip(questions, CORRECT_RE[0])]
     assert result["eval/accuracy"] == pytest.approx(7 / 16, abs=1e-12)
     assert result["eval/pass_at_1"] == pytest.approx(7 / 16, abs=1e-12)
     # Three questions right once in 4 (1 - C(3,2)/C(4,2) = 1/2), one right every time.
@@ -271,7 +271,8 @@ def test_pass_and_maj_at_k_come_from_the_passes_grades_and_answers(setup, tmp_pa
 
 
 def test_the_tasks_answer_key_votes_by_default_and_eval_k_off_logs_nothing_new(setup, tmp_path):
-    rewards = [rewards_lib.WeightedReward(by_position([1, 0, 1, 0]), 1.0, "accuracy")]
+    # One chunk of the 4 questions x 2 passes, prompt-major: questions 1 and 3 right at both passes.
+    rewards = [rewards_lib.WeightedReward(by_position([1, 1, 0, 0]), 1.0, "accuracy")]
     results = {}
     for eval_k in ((), (1, 2)):
         trainer = make_trainer(setup, tmp_path / str(len(eval_k)), rewards=rewards, scorer=InProcessScorer(),
