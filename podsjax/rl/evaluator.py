@@ -49,8 +49,9 @@ class Evaluator:
         run_config: the run's config (its eval_* fields, seed and max_new_tokens).
         rows: rows per evaluation chunk when ``eval_batch_size`` is unset (a step's rollout
             rows): enough prompts for that many rows with their passes, rounded up to a
-            multiple of :data:`ROW_ALIGN` rows that splits over the mesh's batch shards. Temperature is an input of the
-            compiled program; evaluation's prompts x passes compile one program of their own.
+            multiple of :data:`ROW_ALIGN` rows that splits over the mesh's batch shards.
+            Temperature is an input of the compiled program; evaluation's prompts x passes
+            compile one program of their own.
         rewards: the run's reward specs; the strict format check is added at weight 0.
         eos_ids: the tokenizer's end-of-sequence ids.
         compile_log: reports generate's compiles.
@@ -68,15 +69,14 @@ class Evaluator:
         self.run_config, self.eos_ids = run_config, eos_ids
         self.rewards = with_strict_format(rewards_lib.as_weighted(rewards))
         shards = mesh_lib.shard_count(generator.model.mesh, "batch")
-        self.size = run_config.eval_batch_size or rows
-        repeats = run_config.eval_repeats
+        size, repeats = run_config.eval_batch_size or rows, run_config.eval_repeats
         # A chunk decodes each of its prompts' passes as samples of that prompt, so their prefill
         # and prompt KV are shared: at least ``size`` rows, a multiple of ROW_ALIGN that splits
-        # evenly over the batch shards. Every chunk has the same rows (a short last one or dropped prompts would
-        # be a new shape, so a new compile).
+        # evenly over the batch shards. Every chunk has the same rows (a short last one or
+        # dropped prompts would be a new shape, so a new compile).
         align = math.lcm(shards, ROW_ALIGN)
         step = align // math.gcd(align, repeats)
-        prompts_needed = -(-self.size // repeats)
+        prompts_needed = -(-size // repeats)
         self.prompts_per_chunk = -(-prompts_needed // step) * step
         self.rows = self.prompts_per_chunk * repeats
         self.compile_log = compile_log or compilation.CompileLog()
@@ -99,8 +99,9 @@ class Evaluator:
 
     def _generate_options(self, pad_token_id: int) -> dict[str, Any]:
         """The options an evaluation generates with, which key its programs (:meth:`compile`'s too)."""
-        return dict(num_samples=self.run_config.eval_repeats, max_new_tokens=self.run_config.max_new_tokens, top_k=self.run_config.eval_top_k,
-                    eos_token_ids=self.eos_ids, pad_token_id=pad_token_id)
+        run_config = self.run_config
+        return dict(num_samples=run_config.eval_repeats, max_new_tokens=run_config.max_new_tokens,
+                    top_k=run_config.eval_top_k, eos_token_ids=self.eos_ids, pad_token_id=pad_token_id)
 
     def __call__(self, params: Any, lora: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """``(scalars, samples)`` of the policy ``(params, lora)``.
