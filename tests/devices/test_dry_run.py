@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 from tiny_tokenizer import save_tiny_tokenizer
@@ -225,6 +226,27 @@ def test_a_second_run_loads_its_programs_from_the_compile_cache(tmp_path):
     assert "compiled update" in cold and "from the compile cache" not in cold
     assert "loaded update" in warm and "from the compile cache" in warm, warm
     assert os.listdir(tmp_path / "cache")
+
+
+def test_a_cached_program_is_reported_where_its_compile_would_have_been(tmp_path, restore_jax_cache_config):
+    compilation.enable_compile_cache(tmp_path / "cache")  # every program is written, however small
+    x = jnp.arange(17.0)
+
+    def small(v):
+        return jnp.cumsum(jnp.tanh(v) * 3.0 + 1.0)
+
+    jax.jit(small)(x).block_until_ready()
+    printed = {}
+    for floor in (0.0, 1e3):
+        jax.clear_caches()  # in memory only: the next call reads the disk
+        lines = []
+        log = compilation.CompileLog(lines.append, min_report_s=floor)
+        with log.label("helper"):
+            jax.jit(small)(x).block_until_ready()
+        assert [hit for *_, hit in log.events] == [True], log.events  # counted either way
+        printed[floor] = lines
+    assert len(printed[0.0]) == 1 and printed[0.0][0].startswith("loaded helper[small] from the compile cache in ")
+    assert printed[1e3] == []  # a helper that compiled in less than the floor is not worth a line
 
 
 # The CPU proxy for "it fits by default": Qwen2.5-0.5B's shape, setting a (LoRA r64,
