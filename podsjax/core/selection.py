@@ -50,18 +50,26 @@ _RULES: dict[str, _RegisteredRule] = {}
 
 
 def _canonical_name(name: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"a selection rule is named by a string (e.g. 'max_variance'); got {type(name).__name__}")
     return name.strip().lower().replace("-", "_")
 
 
 def _validate(rewards, m) -> tuple[jax.Array, int]:
-    """Returns float rewards and N; raises one-line errors at trace time."""
+    """Returns rewards as float32 or wider, and N; raises one-line errors at trace time."""
     rewards = jnp.asarray(rewards)
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a last axis of rollouts [..., N]; got a scalar of shape {rewards.shape}")
-    if not jnp.issubdtype(rewards.dtype, jnp.floating):
+    if jnp.issubdtype(rewards.dtype, jnp.complexfloating):
+        raise TypeError(f"rewards must be real numbers; got dtype {rewards.dtype}")
+    # Scores square and sum the rewards: in float16 they overflow past 256, in bfloat16 they
+    # keep 8 bits, and either picks a worse subset. float32 holds every narrower value exactly.
+    if not jnp.issubdtype(rewards.dtype, jnp.floating) or jnp.finfo(rewards.dtype).bits < 32:
         rewards = rewards.astype(jnp.float32)
     n = rewards.shape[-1]
     try:
+        if isinstance(m, bool):
+            raise TypeError
         m = operator.index(m)
     except TypeError:
         raise TypeError(f"m must be a static Python int (mark it static under jit); got {type(m).__name__}") from None
@@ -113,7 +121,9 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     Ties: candidates are scored by M * sum(r^2) - sum(r)^2 (M^2 times the
     variance); among equal scores the smallest k (fewest top rewards) wins,
     so binary rewards with M odd keep floor(M/2) ones when both kinds are
-    plentiful. Within equal rewards the (reward, index) order applies: the
+    plentiful. Scores within rounding of the best (a few float32 ulps of
+    M * sum(r^2)) count as equal, so the rule holds for rewards such as 0.1
+    and 0.9 too, which float32 cannot hold exactly. Within equal rewards the (reward, index) order applies: the
     bottom block takes the lowest indices, the top block the highest.
 
     Numerics: rewards are shifted by the group's smallest finite reward
@@ -121,7 +131,8 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     costs no precision, and integer-valued rewards score exactly.
 
     Args:
-      rewards: [..., N] rewards (any float dtype; ints are cast to float32).
+      rewards: [..., N] real rewards (scored in float32, or float64 when given
+        it; narrower floats, ints and bools are cast to float32).
       m: static number of rollouts to keep, 1 <= m <= N.
       key: unused; accepted so all rules share one signature.
 
@@ -159,7 +170,11 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
         # can leave rounding residue; pin the documented tie rule (k=0).
         k = jnp.zeros_like(nv)
     else:
-        k = jnp.argmax(scores, axis=-1).astype(jnp.int32)[..., None]
+        # The score's rounding error is a few ulps of m * s2 (it cancels s1^2 against it):
+        # the smallest k within that of the best is a tie won by the smallest k.
+        slack = 16 * jnp.finfo(scores.dtype).eps * jnp.max(m * s2, axis=-1, keepdims=True)
+        near_best = scores >= jnp.max(scores, axis=-1, keepdims=True) - slack
+        k = jnp.argmax(near_best, axis=-1).astype(jnp.int32)[..., None]
 
     # Slot j holds rank j for the bottom block, then ranks nv-m+j for the top.
     ranks = jnp.where(ranks_M < m - k, ranks_M, nv - m + ranks_M)
@@ -277,6 +292,10 @@ def select(
     if rule_needs_key(rule) and key is None:
         raise ValueError(f"selection rule {rule!r} needs a PRNG key: pass key=jax.random.key(...)")
     indices = fn(rewards, m, key=key)
+    shape = (*jnp.shape(rewards)[:-1], m)
+    if jnp.shape(indices) != shape or not jnp.issubdtype(jnp.result_type(indices), jnp.integer):
+        raise ValueError(f"selection rule {rule!r} returned {jnp.result_type(indices)} {tuple(jnp.shape(indices))}; "
+                         f"a rule returns integer indices of shape {shape} ([..., M])")
     return jnp.sort(indices, axis=-1) if in_position_order else indices
 
 
@@ -352,15 +371,15 @@ def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
     """Boolean [..., N] mask that is True at the selected positions.
 
     Args:
-      indices: int [..., M] positions in [0, N).
+      indices: int [..., M] positions in [0, N); others mark nothing.
       n: static group size N.
     """
     n = _static_group_size(n)
     indices = jnp.asarray(indices)
     if indices.ndim < 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
         raise ValueError(f"indices must be an integer array [..., M]; got dtype {indices.dtype}, shape {indices.shape}")
-    positions_N = jnp.arange(n, dtype=indices.dtype)
-    return jnp.any(indices[..., :, None] == positions_N, axis=-2)
+    positions_N = jnp.arange(n, dtype=jnp.int32)  # not the indices' dtype: uint8 would wrap past 255
+    return jnp.any(indices[..., :, None].astype(jnp.int32) == positions_N, axis=-2)
 
 
 for _name, _fn, _needs_key in (

@@ -89,6 +89,26 @@ def test_theorem1_ties_pick_smallest_k_and_lowest_indices():
     assert np.asarray(MV(jnp.array([1.0, 1.0, 0.0, 0.0]), 3)).tolist() == [2, 3, 0]
 
 
+def test_ties_within_float32_rounding_pick_the_smallest_k_too():
+    # 0.1 and 0.9 are not float32 numbers: k=2 and k=3 tie exactly on paper, and their scores
+    # differ by rounding. The rule still keeps floor(M/2) of the high value.
+    rewards = np.array([0.1] * 6 + [0.9] * 6, np.float32)
+    assert int((rewards[np.asarray(MV(rewards, 5))] > 0.5).sum()) == 2
+    thirds = np.array([1 / 3] * 3 + [2 / 3] * 3, np.float32)
+    assert int((thirds[np.asarray(MV(thirds, 3))] > 0.5).sum()) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_narrow_float_rewards_select_as_their_float32_values(dtype):
+    # Scored in their own dtype, float16's squares overflowed past 256 and bfloat16's sums
+    # kept 8 bits: both picked worse subsets.
+    rng = np.random.default_rng(11)
+    rewards = jnp.asarray(rng.normal(0, 200, (64, 8)), dtype)
+    assert np.array_equal(np.asarray(MV(rewards, 3)), np.asarray(MV(rewards.astype(jnp.float32), 3)))
+    wide = jnp.asarray([0, 100, 200, 300, 400, 500], dtype)
+    assert sorted(np.asarray(MV(wide, 3)).tolist()) == [0, 1, 5]  # ties {0, 400, 500}: smallest k wins
+
+
 # --- Theorem 2 -----------------------------------------------------------------
 
 
@@ -324,6 +344,18 @@ def test_registry_dispatch_and_user_rules():
         selection.select("nope", rewards, 2)
     with pytest.raises(ValueError, match="needs a PRNG key"):
         selection.select("random", rewards, 2)
+    with pytest.raises(TypeError, match="named by a string.*got function"):
+        selection.select(selection.max_variance, rewards, 2)
+
+    def too_many(rewards, m, *, key=None):
+        return jnp.zeros((*rewards.shape[:-1], m + 1), jnp.float32)
+
+    selection.register_rule("test_too_many", too_many)
+    try:
+        with pytest.raises(ValueError, match=r"'test_too_many' returned float32 \(1, 3\); .* shape \(1, 2\)"):
+            selection.select("test_too_many", rewards, 2)
+    finally:
+        selection._RULES.pop("test_too_many")
 
 
 def test_indices_to_mask():
@@ -332,6 +364,8 @@ def test_indices_to_mask():
     assert mask.tolist() == [[True, False, False, True, False], [False, True, True, False, False]]
     with pytest.raises(ValueError, match="integer array"):
         selection.indices_to_mask(jnp.array([0.5]), 4)
+    # Positions past a narrow index dtype's range do not wrap onto small indices.
+    assert np.asarray(selection.indices_to_mask(jnp.array([[0, 1]], jnp.uint8), 300)).sum() == 2
 
 
 @pytest.mark.parametrize("m", [0, 5, -1])
@@ -345,6 +379,10 @@ def test_traced_m_and_scalar_rewards_raise_clear_errors():
         jax.jit(selection.max_variance)(jnp.zeros(4), 2)
     with pytest.raises(ValueError, match="last axis of rollouts"):
         selection.max_variance(jnp.float32(1.0), 1)
+    with pytest.raises(TypeError, match="m must be a static Python int.*got bool"):
+        selection.max_variance(jnp.zeros(4), True)
+    with pytest.raises(TypeError, match="rewards must be real numbers; got dtype complex64"):
+        selection.max_variance(jnp.zeros(4, jnp.complex64), 2)
 
 
 @pytest.mark.slow
