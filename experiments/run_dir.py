@@ -1,5 +1,7 @@
 """What ``--overwrite`` may delete (only a run directory that podsjax made, and never one that
-holds the run's own inputs), and what a run that fails before its first step leaves behind.
+holds the run's own inputs), when it deletes it (once the new run has finished a step: until
+then the old run waits in ``.replaced-*`` and comes back if the new one stops), and what a
+run that fails before its first step leaves behind.
 
 A run directory's marker is the ``config.json`` podsjax writes there first (a JSON object of
 the config's sections, ``run`` among them). A Hugging Face checkpoint's ``config.json`` is no
@@ -13,12 +15,14 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
 from podsjax.run.run_state import LOCK_FILE
 
 CHECKPOINTS_DIRNAME = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
+REPLACED_PREFIX = ".replaced-"
 
 _NAMES_SHOWN = 3
 
@@ -131,3 +135,44 @@ def remove_failed_start(directory: str, before: set[str], existed: bool) -> None
     if not existed:
         with contextlib.suppress(OSError):
             os.rmdir(directory)  # only when empty
+
+
+class ReplacedRun:
+    """The run that ``--overwrite`` replaces, moved aside into ``<out>/.replaced-*`` (a rename:
+    no copy, no deletion) until the new run has finished a step (:meth:`drop`), or back in
+    place when the new run stops before that (:meth:`put_back`).
+
+    Args:
+        out_dir: the run directory, locked by this process; its lock stays where it is.
+    """
+
+    def __init__(self, out_dir: str):
+        self.out_dir, self.path = out_dir, None
+        names = sorted(set(os.listdir(out_dir)) - {LOCK_FILE})
+        if names:
+            self.path = tempfile.mkdtemp(prefix=REPLACED_PREFIX, dir=out_dir)
+            for name in names:
+                os.rename(os.path.join(out_dir, name), os.path.join(self.path, name))
+
+    def drop(self) -> None:
+        """Deletes the old run: the new one has replaced it."""
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+    def put_back(self) -> None:
+        """Moves the old run back, once the new run's own files are gone (``remove_failed_start``):
+        a run log the new run wrote is appended to the old run's, which it explains."""
+        if self.path is None:
+            return
+        for name in sorted(os.listdir(self.path)):
+            old, new = os.path.join(self.path, name), os.path.join(self.out_dir, name)
+            if is_bookkeeping(name) and os.path.isfile(new) and os.path.isfile(old):
+                with open(old, "ab") as kept, open(new, "rb") as added:
+                    shutil.copyfileobj(added, kept)
+                os.unlink(new)
+            if not os.path.lexists(new):
+                os.rename(old, new)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.path)  # only when all went back; else what is left stays there
+        self.path = None

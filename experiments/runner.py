@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -70,15 +69,17 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     existed = os.path.isdir(out_dir)
     # A dry run records the config it planned only where the run may follow it: never over the
     # config.json of a model or of another run.
-    write_config = not resume and (not dry_run or overwrite or not existed or launch_checks.planned_only(out_dir))
+    # A dry run deletes nothing, --overwrite or not, and writes config.json only where it plans a run.
+    write_config = not resume and (not dry_run or not existed or launch_checks.planned_only(out_dir))
     lock = _lock(out_dir)
     before = None  # what out_dir held before this run wrote to it (process 0; a new run)
-    failed = False
+    replaced = None  # --overwrite's old run, aside until the new one finishes a step (process 0)
+    failed = stopped = False
     try:
         try:
             if hosts.is_primary():
-                if overwrite:
-                    _clear(out_dir)
+                if overwrite and not dry_run:
+                    replaced = run_dir.ReplacedRun(out_dir)
                 if not resume:
                     before = set(os.listdir(out_dir))
                 if write_config:
@@ -89,14 +90,25 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
         hosts.barrier("run directory ready")
         if dry_run:
             return _dry_run(config, out_dir, mesh, topology)
-        return _train_and_export(config, out_dir, mesh, started_at, tasks, tokenizer, model_load)
+        return _train_and_export(config, out_dir, mesh, started_at, tasks, tokenizer, model_load, replaced)
     except Exception:  # an error; an interrupt's line says to --resume, which starts it again
         failed = True
         raise
+    except BaseException:
+        stopped = True
+        raise
     finally:
+        if replaced is not None:  # under the lock: the old run goes, or comes back whole
+            if (failed or stopped) and not run_dir.made_progress(out_dir, before):
+                run_dir.remove_failed_start(out_dir, before, existed)
+                replaced.put_back()
+                print(f"--overwrite: the new run stopped before its first step; {out_dir} holds the run it was "
+                      "to replace, as it was", file=sys.stderr, flush=True)
+            else:
+                replaced.drop()
         if lock is not None:
             lock.release()
-        if failed and before is not None:  # a new run that failed before its first step leaves nothing
+        if failed and before is not None and replaced is None:  # a new run that failed before its first step leaves nothing
             run_dir.remove_failed_start(out_dir, before, existed)
 
 
@@ -116,16 +128,14 @@ def _lock(out_dir: str) -> run_state.RunLock | None:
     return lock
 
 
-def _clear(out_dir: str) -> None:
-    """--overwrite: empties the run directory but for its lock, which this run holds."""
-    for name in os.listdir(out_dir):
-        path = os.path.join(out_dir, name)
-        if name == run_state.LOCK_FILE:
-            continue
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
+class _DropReplacedRun(rl.Hook):
+    """Deletes the run that --overwrite replaces once the new run has finished its first step."""
+
+    def __init__(self, replaced: run_dir.ReplacedRun):
+        self.replaced = replaced
+
+    def on_step(self, step, result):
+        self.replaced.drop()
 
 
 def _millions(n: int) -> str:
@@ -146,7 +156,8 @@ def _load_model(config: ExperimentConfig, checkpoint: str, mesh) -> compilation.
 
 
 def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: float | None, tasks,
-                      tokenizer=None, model_load: compilation.InBackground | None = None) -> int:
+                      tokenizer=None, model_load: compilation.InBackground | None = None,
+                      replaced: run_dir.ReplacedRun | None = None) -> int:
     if config.model.path is None:
         checkpoint, train_set, test_set = _tiny(config, out_dir)
     else:
@@ -171,6 +182,8 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
         raise
     if lora is None:
         params = None  # the trainer holds the policy; a second copy of the weights would stay alive
+    if replaced is not None:
+        trainer.add_hook(_DropReplacedRun(replaced))
     try:
         _check_fits(trainer)
     except BaseException:

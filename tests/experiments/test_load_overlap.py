@@ -27,7 +27,7 @@ def test_the_weights_load_while_the_tokenizer_loads(tmp_path, data_dir, monkeypa
         assert weights_loading.wait(20), "the weights waited for the tokenizer"
         return load_tokenizer(path)
 
-    def train(config, out_dir, mesh, started_at, tasks, tokenizer, model_load):
+    def train(config, out_dir, mesh, started_at, tasks, tokenizer, model_load, replaced=None):
         loaded["model"], loaded["params"], loaded["seconds"] = model_load.result()
         loaded["tokenizer"] = tokenizer
         return 0

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from experiments import cli, config_decoding, flags, runner
+from experiments import cli, config_decoding, flags, run_dir, runner
 from podsjax.run.run_state import LOCK_FILE
 
 pytestmark = pytest.mark.cpu_mesh
@@ -110,14 +110,83 @@ def test_a_run_that_holds_its_own_model_or_config_file_is_not_deleted(tmp_path, 
     assert tree(out) == before
 
 
+def new_names(directory):
+    """What the new run sees: the old run waits aside in a .replaced-* folder."""
+    return sorted(n for n in os.listdir(directory) if n != LOCK_FILE and not n.startswith(run_dir.REPLACED_PREFIX))
+
+
 def test_a_podsjax_run_is_replaced(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     podsjax_run(out)
     write(out, {"metrics.jsonl": "{}\n", "checkpoints/1/x": "state"})
     seen = []
-    monkeypatch.setattr(runner, "_train_and_export", lambda config, out_dir, *a: seen.append(os.listdir(out_dir)) or 0)
+    monkeypatch.setattr(runner, "_train_and_export", lambda config, out_dir, *a: seen.append(new_names(out_dir)) or 0)
     assert cli.main("gsm8k", ["--out", str(out), "--overwrite", "--no-compile-cache", "--max-steps", "1"]) == 0
-    assert [sorted(set(names) - {LOCK_FILE}) for names in seen] == [["config.json"]]
+    assert seen == [["config.json"]]
+    assert sorted(tree(out)) == ["config.json"]  # the old run went once the new one ended
+
+
+def old_run(out):
+    podsjax_run(out)
+    write(out, {"metrics.jsonl": '{"step": 3}\n', "checkpoints/3/x": "state", "final_model/w": "weights",
+                "run.log": "old run's log\n"})
+    return tree(out)
+
+
+@pytest.mark.parametrize("stop", [cli.UsageError("bad weights"), KeyboardInterrupt()])
+def test_a_new_run_that_stops_before_its_first_step_puts_the_old_run_back(tmp_path, capsys, monkeypatch, stop):
+    # As a checkpoint that fails to load, or a Ctrl-C while the new run compiles.
+    out = tmp_path / "run"
+    before = old_run(out)
+
+    def starts_then_stops(config, out_dir, *args):
+        write(out_dir, {"metrics.jsonl": '{"step": 0}\n', "run.log": "new run's log\n", "samples.jsonl": "{}\n"})
+        raise stop
+
+    monkeypatch.setattr(runner, "_train_and_export", starts_then_stops)
+    code = cli.main("gsm8k", ["--out", str(out), "--overwrite", "--no-compile-cache", "--max-steps", "1"])
+    assert code == (2 if isinstance(stop, Exception) else 130)
+    err = capsys.readouterr().err
+    assert f"--overwrite: the new run stopped before its first step; {out} holds the run it was to replace" in err
+    after = tree(out)
+    assert after.pop("run.log") == b"old run's log\nnew run's log\n"  # the new log says why it stopped
+    assert after == {k: v for k, v in before.items() if k != "run.log"}
+
+
+def test_a_new_run_that_fails_after_a_step_has_replaced_the_old_one(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    old_run(out)
+
+    def steps_then_fails(config, out_dir, *args):
+        write(out_dir, {"metrics.jsonl": '{"step": 1}\n'})
+        raise cli.UsageError("a later error")
+
+    monkeypatch.setattr(runner, "_train_and_export", steps_then_fails)
+    assert cli.main("gsm8k", ["--out", str(out), "--overwrite", "--no-compile-cache", "--max-steps", "1"]) == 2
+    assert sorted(tree(out)) == ["config.json", "metrics.jsonl"]
+
+
+def test_the_old_run_goes_at_the_new_run_s_first_step(tmp_path):
+    out = tmp_path / "run"
+    old_run(out)
+    replaced = run_dir.ReplacedRun(str(out))
+    assert new_names(out) == [] and os.path.isdir(replaced.path)
+    runner._DropReplacedRun(replaced).on_step(1, None)
+    assert os.listdir(out) == [] and replaced.path is None
+
+
+def test_a_dry_run_with_overwrite_deletes_nothing(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    before = old_run(out)
+
+    def plans(config, out_dir, *args):
+        write(out_dir, {"dry_run.json": "{}"})
+        return 0
+
+    monkeypatch.setattr(runner, "_dry_run", plans)
+    assert cli.main("gsm8k", ["--out", str(out), "--overwrite", "--dry-run", "--no-compile-cache",
+                              "--max-steps", "2"]) == 0
+    assert tree(out) == {**before, "dry_run.json": b"{}"}  # its config.json too: the run it planned is not this one
 
 
 def test_the_runner_refuses_too(tmp_path, never_trains):
