@@ -6,7 +6,6 @@ Imports no JAX, so the CLI can check flags before JAX starts.
 from __future__ import annotations
 
 import math
-import os
 
 DRY_RUN_FILE = "dry_run.json"  # --dry-run's figures
 CONFIG_FILE = "config.json"  # a run's resolved config (a dry run writes it too)
