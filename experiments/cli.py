@@ -439,6 +439,8 @@ def main(task: str, argv=None) -> int:
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
+        if "podsjax.devices.compilation" in sys.modules:  # a run started: its weights may still be loading
+            sys.modules["podsjax.devices.compilation"].finish_background()
         library.print_note()
         if argv is not None:
             library.uninstall()

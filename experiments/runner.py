@@ -67,9 +67,8 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
             prompts.check_chat_template(tokenizer, tasks[0][0].prompt, system_prompt=config.run.system_prompt)
     hosts.barrier("run checked")  # every process has looked at out_dir before process 0 writes to it
     existed = os.path.isdir(out_dir)
-    # A dry run records the config it planned only where the run may follow it: never over the
-    # config.json of a model or of another run.
-    # A dry run deletes nothing, --overwrite or not, and writes config.json only where it plans a run.
+    # A dry run deletes nothing, --overwrite or not, and records the config it planned only where
+    # the run may follow it: never over the config.json of a model or of another run.
     write_config = not resume and (not dry_run or not existed or launch_checks.planned_only(out_dir))
     lock = _lock(out_dir)
     before = None  # what out_dir held before this run wrote to it (process 0; a new run)
@@ -152,7 +151,7 @@ def _load_model(config: ExperimentConfig, checkpoint: str, mesh) -> compilation.
         model, params = pm.from_pretrained(checkpoint, dtype=dtype, mesh=mesh, remat=remat)
         return model, params, time.time() - start
 
-    return compilation.InBackground(load, name="podsjax-load")
+    return compilation.InBackground(load, name="podsjax-load", finish_before_exit=True)
 
 
 def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: float | None, tasks,

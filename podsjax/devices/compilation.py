@@ -217,15 +217,20 @@ class CompileLog:
         return sum(self.counts.values())
 
 
+_FINISH_BEFORE_EXIT: set[threading.Thread] = set()
+
+
 class InBackground:
     """``fn()`` on a thread of its own, started at once; :meth:`result` waits and re-raises.
 
     For compiles that can overlap other work: XLA compiles without holding Python's lock, so
     a program compiles while another compiles or runs. The thread is a daemon: a process that
-    stops does not wait for a compile nobody will use.
+    stops does not wait for a compile nobody will use. With ``finish_before_exit``,
+    :func:`finish_background` waits for it (work that moves arrays onto the devices: a process
+    whose interpreter stops under it aborts, exit status 134).
     """
 
-    def __init__(self, fn: Callable[[], object], name: str = "podsjax-compile"):
+    def __init__(self, fn: Callable[[], object], name: str = "podsjax-compile", finish_before_exit: bool = False):
         self._value: object = None
         self._error: BaseException | None = None
 
@@ -236,6 +241,8 @@ class InBackground:
                 self._error = exc
 
         self._thread = threading.Thread(target=run, name=name, daemon=True)
+        if finish_before_exit:
+            _FINISH_BEFORE_EXIT.add(self._thread)
         self._thread.start()
 
     def result(self):
@@ -247,6 +254,14 @@ class InBackground:
     def wait(self) -> None:
         """Until ``fn`` has returned or raised; its error is dropped (the caller is failing already)."""
         self._thread.join()
+
+
+def finish_background() -> None:
+    """Waits for every :class:`InBackground` made with ``finish_before_exit`` (e.g. a checkpoint
+    still loading when a check fails), so that the process can exit cleanly."""
+    for thread in list(_FINISH_BEFORE_EXIT):
+        thread.join()
+        _FINISH_BEFORE_EXIT.discard(thread)
 
 
 class CompilePool:

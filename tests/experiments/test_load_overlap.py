@@ -40,3 +40,26 @@ def test_the_weights_load_while_the_tokenizer_loads(tmp_path, data_dir, monkeypa
                               "--eval-data", os.path.join(gsm8k, "test.jsonl"), "--out", str(tmp_path / "out"),
                               "--max-steps", "1", "--no-compile-cache", "--reward-workers", "1"]) == 0
     assert loaded["model"].config.num_layers >= 1 and loaded["seconds"] > 0 and loaded["tokenizer"] is not None
+
+
+def test_a_check_that_fails_while_the_weights_load_exits_after_the_load(tmp_path, data_dir, monkeypatch, capsys):
+    # The interpreter stopping while a thread moves arrays onto the devices can abort the
+    # process (exit status 134) instead of printing the error's one line and exiting with 2.
+    checkpoint = save_tiny_checkpoint(tmp_path / "model")
+    load_weights, finished = pm.from_pretrained, threading.Event()
+
+    def slow_weights(path, **kwargs):
+        loaded = load_weights(path, **kwargs)
+        threading.Event().wait(1.0)
+        finished.set()
+        return loaded
+
+    monkeypatch.setattr(pm, "from_pretrained", slow_weights)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": 5, "answer": "#### 1"}\n')
+    gsm8k = os.path.join(data_dir, "gsm8k")
+    assert cli.main("gsm8k", ["--model", str(checkpoint), "--data", str(bad), "--eval-data",
+                              os.path.join(gsm8k, "test.jsonl"), "--out", str(tmp_path / "out"), "--max-steps", "1",
+                              "--no-compile-cache", "--reward-workers", "1"]) == 2
+    assert "field 'question' is int, not text" in capsys.readouterr().err
+    assert finished.is_set(), "the error returned while the weights were still loading"
