@@ -81,6 +81,9 @@ def parse(argv):
         args.seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         raise UsageError(f"--seeds wants comma-separated integers; got {args.seeds!r}") from None
+    repeated = sorted({s for s in args.seeds if args.seeds.count(s) > 1})
+    if repeated:  # two runs of a seed would share one directory, and count twice in the statistics
+        raise UsageError(f"--seeds names seed {repeated[0]} twice; each seed is one run")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or set(methods) - set(METHODS):
         raise UsageError(f"--methods must name grpo, grpo-ga or pods; got {args.methods!r}")
@@ -100,6 +103,11 @@ def prepare(argv) -> Comparison:
     # PODS's config: --method is compare's to set, so the parser's default method applies.
     run_args, shared = flags_lib.parse(args.task, passthrough)
     launch_checks.check(run_args, shared)
+    for seed in args.seeds:  # a seed the run config refuses is one line before any run
+        try:
+            flags_lib.replace_run(shared, seed=seed)
+        except ValueError as exc:
+            raise UsageError(f"--seeds: {exc}") from None
     chosen = variants(args, passthrough, shared)
     baseline = args.baseline or ("grpo" if "grpo" in chosen else next(iter(chosen)))
     if baseline not in chosen:

@@ -108,6 +108,8 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
         if self.eval_repeats < 1:
             raise ValueError(f"RunConfig.eval_repeats must be >= 1; got {self.eval_repeats}")
+        if not 0 <= self.seed < 2**32:  # NumPy's generators refuse negative seeds
+            raise ValueError(f"RunConfig.seed must be an integer from 0 to 2**32 - 1; got {self.seed}")
         object.__setattr__(self, "eval_k", tuple(self.eval_k) if isinstance(self.eval_k, list) else self.eval_k)
         if not isinstance(self.eval_k, tuple):
             raise ValueError(f"RunConfig.eval_k must be a list of integers; got {self.eval_k!r}")

@@ -72,6 +72,8 @@ def test_a_setting_without_a_method_and_bad_lists_give_one_line_and_exit_2(tmp_p
         (["--methods", "grpo,pods", "--setting", "e", "--model", model_dir], "setting e has no method 'grpo'"),
         (["--methods", "grpo,ppo"], "--methods must name grpo, grpo-ga or pods"),
         (["--seeds", "0,x"], "--seeds wants comma-separated integers"),
+        (["--seeds", "0,1,0"], "--seeds names seed 0 twice"),
+        (["--seeds", "-1"], "RunConfig.seed must be an integer from 0"),
         (["--seed", "1"], "--seed is set by compare itself"),
         (["--baseline", "grpo-ga"], "--baseline 'grpo-ga' is not among"),
         (["--ablation", "m", "--lr", "inf"], "learning_rate must be finite"),
