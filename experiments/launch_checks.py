@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from experiments import run_dir
-from experiments.config import ExperimentConfig
+from experiments.config import DataSection, ExperimentConfig
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
 
 
@@ -20,6 +20,9 @@ def check(args, config: ExperimentConfig) -> None:
                          "with --dry-run")
     if config.run.task != args.task:
         raise UsageError(f"the config is a {config.run.task} run; run experiments.{config.run.task}")
+    if config.model.path is None and config.data != DataSection() and not args.resume:
+        raise UsageError("--data, --eval-data, --dataset and the other data.* settings need --model: the tiny preset "
+                         "trains and evaluates on problems it makes itself")
     for flag, path in (("--model", config.model.path), ("--data", config.data.train), ("--eval-data", config.data.test)):
         if path is not None and not os.path.exists(path):
             raise UsageError(f"{flag} {path}: no such file or directory")

@@ -78,10 +78,11 @@ def test_the_model_directory_is_not_deleted(tmp_path, data_dir, capsys, never_tr
 
 
 def test_the_dataset_directory_is_not_deleted(tmp_path, data_dir, capsys, never_trains):
-    dataset = tmp_path / "dataset"
+    dataset, model = tmp_path / "dataset", tmp_path / "model"
     shutil.copytree(os.path.join(data_dir, "gsm8k"), dataset)
+    write(model, {"config.json": json.dumps(HF_CONFIG)})
     before = tree(dataset)
-    err = refused(["--dataset", str(dataset), "--out", str(dataset)], capsys)
+    err = refused(["--model", str(model), "--dataset", str(dataset), "--out", str(dataset)], capsys)
     assert f"{dataset / 'train.jsonl'} inside it is the train data" in err and "test.jsonl, train.jsonl" in err
     assert tree(dataset) == before
 
