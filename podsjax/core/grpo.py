@@ -54,8 +54,10 @@ def group_advantages(
     """
     if std_scaling not in STD_SCALINGS:
         raise ValueError(f"std_scaling must be one of {STD_SCALINGS}; got {std_scaling!r}")
-    if eps < 0:
+    if not isinstance(eps, jax.core.Tracer) and not eps >= 0:  # a traced eps is the caller's to keep >= 0
         raise ValueError(f"eps must be >= 0; got {eps}")
+    if isinstance(ddof, bool) or not isinstance(ddof, int) or ddof < 0:
+        raise ValueError(f"ddof must be an integer >= 0; got {ddof!r}")
     rewards = jnp.asarray(rewards_PM, dtype=jnp.float32)
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
@@ -66,13 +68,22 @@ def group_advantages(
     if std_scaling == "none":
         return centered
     if std_scaling == "group":
-        size = rewards.shape[-1]
-        std = jnp.std(shifted, axis=-1, keepdims=True, ddof=ddof if size > ddof else 0)
+        std = _std(shifted, centered, axis=-1, ddof=ddof)
     else:
-        std = jnp.std(rewards, ddof=ddof if rewards.size > ddof else 0)
+        std = _std(rewards, rewards - jnp.mean(rewards), axis=None, ddof=ddof)
     scale = std + eps
     # 0 / 0 (equal rewards with eps = 0) is 0 here, not NaN.
     return centered / jnp.where(scale > 0, scale, 1.0)
+
+
+def _std(values: jax.Array, centered: jax.Array, axis: int | None, ddof: int) -> jax.Array:
+    """The std of ``values`` (``centered``: less their mean) with ``ddof``, or ddof 0 where the axis
+    holds no more than ``ddof`` values; 0 with gradient 0 (not NaN) where they are all equal."""
+    size = values.shape[-1] if axis is not None else values.size
+    keep = axis is not None
+    var = jnp.sum(centered * centered, axis=axis, keepdims=keep) / max(size - (ddof if size > ddof else 0), 1)
+    positive = var > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
 
 
 
@@ -117,6 +128,14 @@ class LossConfig:
     tis_level: TisLevel = "token"
 
     def __post_init__(self):
+        for name in ("epsilon", "epsilon_high", "beta", "tis_cap"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{name} must be a number; got {value!r}")
+        for name in ("norm_length", "group_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer; got {value!r}")
         if not self.epsilon >= 0:
             raise ValueError(f"epsilon must be >= 0; got {self.epsilon}")
         if self.epsilon_high is not None and not self.epsilon_high >= 0:
@@ -176,8 +195,8 @@ def _groups(rows: int, config: LossConfig) -> int:
 
 
 def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:
-    """The normalizer the aggregation mode divides by, for a batch's mask."""
-    mask = mask_BL.astype(jnp.float32)
+    """The normalizer the aggregation mode divides by, for a batch's mask (nonzero: a token counts)."""
+    mask = jnp.asarray(mask_BL).astype(bool).astype(jnp.float32)  # as the numerator weighs the tokens
     if config.aggregation == "token-mean":
         return jnp.maximum(jnp.sum(mask), 1.0)
     if config.aggregation == "group-token-mean":
@@ -297,7 +316,7 @@ def grpo_loss_terms(
       logprobs_BL: [B, L] log-probs of the completion tokens under the policy
         being trained (differentiate through these).
       advantages_B: [B] one advantage per sequence.
-      mask_BL: [B, L] 1 for completion tokens that count, 0 for padding.
+      mask_BL: [B, L] 1 (or any nonzero value) for completion tokens that count, 0 for padding.
       config: the loss hyperparameters.
       old_logprobs_BL: [B, L] log-probs of the policy that sampled; None means
         the current policy (one update per batch, ratio 1 with the gradient
@@ -309,8 +328,13 @@ def grpo_loss_terms(
 
     Returns:
       (LossTerms, LossMetrics). Masked positions get exactly zero gradient,
-      whatever values they hold.
+      whatever values they hold. ``old``, ``ref`` and ``sampler`` log-probs carry no
+      gradient (passing the current log-probs as ``old`` is the same as None).
     """
+    logprobs_BL, advantages_B, mask_BL = jnp.asarray(logprobs_BL), jnp.asarray(advantages_B), jnp.asarray(mask_BL)
+    old_logprobs_BL, ref_logprobs_BL, sampler_logprobs_BL = (
+        None if x is None else jax.lax.stop_gradient(jnp.asarray(x))
+        for x in (old_logprobs_BL, ref_logprobs_BL, sampler_logprobs_BL))
     if logprobs_BL.ndim != 2:
         raise ValueError(f"logprobs must be [B, L]; got shape {logprobs_BL.shape}")
     if mask_BL.shape != logprobs_BL.shape:

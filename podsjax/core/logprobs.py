@@ -11,7 +11,11 @@ import jax
 import jax.numpy as jnp
 
 
-def _check_temperature(temperature: float) -> None:
+def _check_temperature(temperature: float, *, static: bool = False) -> None:
+    if isinstance(temperature, jax.core.Tracer):
+        if static:
+            raise TypeError("head_logprobs takes temperature as a Python number (static under jit); got a traced value")
+        return  # a traced temperature: keeping it > 0 is the caller's
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (log-probs and entropies are of softmax(logits / T)); "
                          f"got {temperature}")
@@ -27,8 +31,8 @@ def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature:
     Args:
       logits_BLV: [..., L, V] logits of any float dtype.
       targets_BL: [..., L] int token ids.
-      temperature: > 0; the sampler's temperature, so the ratio compares the
-        same distribution the rollouts came from.
+      temperature: > 0 (a Python number or a traced scalar); the sampler's
+        temperature, so the ratio compares the same distribution the rollouts came from.
 
     Returns:
       [..., L] float32 log-probs.
@@ -85,13 +89,17 @@ def head_logprobs(
       hidden_BTD: final normed hidden states of the positions that predict ``targets``.
       head_VD: the LM head matrix (the embedding when tied).
       targets_BT: int token ids.
-      temperature: > 0, as in :func:`token_logprobs`.
+      temperature: > 0, a Python number (static: the backward pass is specialised to it).
       max_elements: logits elements per chunk.
 
     Returns:
       ``(logprobs_BT, entropy_BT)`` float32; the entropy carries no gradient.
     """
-    _check_temperature(temperature)
+    _check_temperature(temperature, static=True)
+    if hidden_BTD.ndim != 3 or head_VD.ndim != 2 or targets_BT.shape != hidden_BTD.shape[:2] \
+            or head_VD.shape[1] != hidden_BTD.shape[2]:
+        raise ValueError(f"head_logprobs wants hidden [B, T, D], head [V, D] and targets [B, T]; got hidden "
+                         f"{hidden_BTD.shape}, head {head_VD.shape}, targets {targets_BT.shape}")
     b, t, _ = hidden_BTD.shape
     chunk = logits_chunk(b, t, head_VD.shape[0], max_elements)
     return _chunked_head(hidden_BTD, head_VD, targets_BT, float(temperature), chunk)

@@ -304,6 +304,58 @@ def test_on_policy_ratio_is_one_with_the_policy_gradient():
     np.testing.assert_allclose(np.asarray(grad), [[-0.5, -0.5], [0.25, 0.25]], rtol=1e-6)
 
 
+def test_old_and_ref_log_probs_carry_no_gradient():
+    # TRL's one-step convention passes old = logp without a stop-gradient: the same loss as None.
+    logp = jnp.array([[-1.0, -2.0, -0.3], [-0.5, -0.1, -0.7]])
+    adv, mask = jnp.array([2.0, -1.0]), jnp.ones((2, 3))
+    config = LossConfig(beta=0.1)
+
+    def loss(lp, old_from_logp):
+        old = lp if old_from_logp else None
+        return grpo.grpo_loss(lp, adv, mask, config, old_logprobs_BL=old, ref_logprobs_BL=lp * 0.5)[0]
+
+    reference = jax.grad(lambda lp: grpo.grpo_loss(lp, adv, mask, config,
+                                                   ref_logprobs_BL=jax.lax.stop_gradient(lp * 0.5))[0])(logp)
+    for old_from_logp in (False, True):
+        np.testing.assert_allclose(np.asarray(jax.grad(loss)(logp, old_from_logp)), np.asarray(reference), rtol=1e-6)
+
+
+def test_a_mask_of_weights_other_than_one_counts_each_token_once():
+    logp = -jax.random.uniform(jax.random.key(3), (4, 3))
+    adv, mask = jnp.arange(4.0), jnp.ones((4, 3))
+    for aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        config = LossConfig(aggregation=aggregation)
+        assert float(grpo.grpo_loss(logp, adv, 0.5 * mask, config)[0]) == pytest.approx(
+            float(grpo.grpo_loss(logp, adv, mask, config)[0]), rel=1e-6), aggregation
+
+
+def test_equal_rewards_have_a_finite_advantage_gradient():
+    for rewards in (jnp.full((2, 4), 3.0), jnp.ones((3, 1))):
+        for scaling in ("group", "batch"):
+            grad = jax.grad(lambda r: jnp.sum(grpo.group_advantages(r, std_scaling=scaling) * jnp.arange(r.size)
+                                              .reshape(r.shape)))(rewards)
+            assert np.isfinite(np.asarray(grad)).all(), (rewards.shape, scaling)
+
+
+def test_traced_hyperparameters_work_where_they_can_and_say_so_where_not():
+    r = jnp.array([[1.0, 0.0, 2.0]])
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda r, e: grpo.group_advantages(r, eps=e))(r, 1e-4)),
+                               np.asarray(grpo.group_advantages(r, eps=1e-4)), rtol=1e-6)
+    logits, targets = jax.random.normal(jax.random.key(0), (2, 3, 5)), jnp.zeros((2, 3), jnp.int32)
+    traced = jax.jit(lambda lg, t: logprobs.token_logprobs(lg, targets, temperature=t))(logits, 0.7)
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(logprobs.token_logprobs(logits, targets, temperature=0.7)),
+                               rtol=1e-6)
+    hidden, head = jnp.ones((2, 3, 4)), jnp.ones((5, 4))
+    with pytest.raises(TypeError, match="head_logprobs takes temperature as a Python number"):
+        jax.jit(lambda t: logprobs.head_logprobs(hidden, head, targets, temperature=t))(0.7)
+
+
+def test_inputs_as_lists_give_the_arrays_loss():
+    logp, adv, mask = [[-1.0, -2.0], [-0.5, -0.1]], [2.0, -1.0], [[1, 1], [1, 0]]
+    assert float(grpo.grpo_loss(logp, adv, mask)[0]) == pytest.approx(
+        float(grpo.grpo_loss(jnp.asarray(logp), jnp.asarray(adv), jnp.asarray(mask))[0]))
+
+
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="aggregation must be one of"):
         LossConfig(aggregation="mean")
@@ -320,6 +372,17 @@ def test_bad_inputs_raise_clear_errors():
         grpo.grpo_loss(jnp.zeros((2, 3)), jnp.zeros(3), jnp.ones((2, 3)))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         logprobs.token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), jnp.int32), temperature=0.0)
+    with pytest.raises(ValueError, match="group_size must be an integer; got 2.0"):
+        LossConfig(aggregation="group-token-mean", group_size=2.0)
+    with pytest.raises(ValueError, match="epsilon must be a number; got '0.2'"):
+        LossConfig(epsilon="0.2")
+    with pytest.raises(ValueError, match="ddof must be an integer >= 0; got -1"):
+        grpo.group_advantages(jnp.zeros((1, 3)), ddof=-1)
+    hidden, head = jnp.ones((2, 6, 4)), jnp.ones((5, 4))
+    for h, w, t in ((hidden, head, jnp.zeros((2, 5), jnp.int32)), (hidden[0], head, jnp.zeros((2, 6), jnp.int32)),
+                    (hidden, jnp.ones((5, 3)), jnp.zeros((2, 6), jnp.int32))):
+        with pytest.raises(ValueError, match=r"head_logprobs wants hidden \[B, T, D\], head \[V, D\] and targets"):
+            logprobs.head_logprobs(h, w, t)
     assert math.isclose(LossConfig(epsilon=0.2).clip_high, 0.2)
 
 
