@@ -64,6 +64,8 @@ def check_out(args) -> None:
     """The run directory: a file is refused, and an existing run needs --resume or --overwrite
     (a dry run may look at any directory: it writes only its dry_run.json there)."""
     out = args.out
+    if not out.strip():
+        raise UsageError("--out is empty; name the run directory")
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} exists and is not a directory")
     if args.resume and not has_run(out):
@@ -73,4 +75,7 @@ def check_out(args) -> None:
         if getattr(args, "resume_auto", False):
             raise UsageError(f"--resume auto: {out} is not empty and holds no run (no config.json); start the run "
                              "in an empty or new directory")
+        if not run_dir.is_podsjax_run(out):  # neither flag would take it: say so, not "pass --resume"
+            raise UsageError(f"--out {out} is not empty and holds no podsjax run (no config.json of a run); "
+                             "choose a new or empty directory")
         raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")

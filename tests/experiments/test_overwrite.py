@@ -198,3 +198,17 @@ def test_the_runner_refuses_too(tmp_path, never_trains):
     with pytest.raises(cli.UsageError, match="thesis.txt.*no podsjax run directory"):
         runner.run_experiment(config, str(out), overwrite=True, resume=False)
     assert tree(out) == {"thesis.txt": b"four years of work"}
+
+
+def test_without_a_flag_a_folder_of_files_is_no_run_and_a_run_needs_resume_or_overwrite(tmp_path, capsys):
+    mine, run = tmp_path / "mine", tmp_path / "run"
+    write(mine, {"thesis.txt": "four years of work"})
+    podsjax_run(run)
+    lines = {}
+    for out in (mine, run, ""):
+        assert cli.main("gsm8k", ["--out", str(out), "--max-steps", "1", "--no-compile-cache"]) == 2
+        lines[str(out)] = capsys.readouterr().err
+    assert "holds no podsjax run" in lines[str(mine)] and "--resume" not in lines[str(mine)]
+    assert "pass --resume to continue it or --overwrite to replace it" in lines[str(run)]
+    assert lines[""] == "error: --out is empty; name the run directory\n"
+    assert tree(mine) == {"thesis.txt": b"four years of work"}
