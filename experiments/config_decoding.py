@@ -228,9 +228,12 @@ def read_run_config(out: str, flags: list[str] = ()) -> ExperimentConfig:
         raise UsageError(f"--resume: {path}: {wrong[0]!r} must be an object of fields, got "
                          f"{_kind(values[wrong[0]])}")
     unknown = [key for key in values if key not in SECTIONS]
-    if "run" not in values or unknown:
-        reason = f"{unknown[0]!r} is no section of it: an older layout" if unknown else "no 'run' section"
-        raise UsageError(f"--resume: {path} is not a podsjax run config of this version ({reason}); start a new run")
+    if "run" not in values:  # a model's config.json (model_type, architectures, ...), or another tool's
+        raise UsageError(f"--resume: {path} is no podsjax run's config (no 'run' section; it holds "
+                         f"{', '.join(repr(k) for k in list(values)[:3]) or 'nothing'}); --out names no run to resume")
+    if unknown:
+        raise UsageError(f"--resume: {path} is not a podsjax run config of this version ({unknown[0]!r} is no "
+                         "section of it: an older layout); start a new run")
     values = merge(values, {"run": {"out_dir": out}})
     return decode(values, flags, where=where)
 
