@@ -372,7 +372,7 @@ class Decoder(nn.Module):
         """Runs the decoder.
 
         Args:
-            input_ids_BL: int tokens [B, L].
+            input_ids_BL: int tokens [B, L], each in [0, vocab_size) (others embed as NaN).
             attention_mask: [B, L], 1 for real tokens, 0 for padding (left or right).
                 Defaults to all ones.
             positions_BL: RoPE positions; default derived from the mask so left-padded
@@ -395,6 +395,9 @@ class Decoder(nn.Module):
             ``head_VD`` [V, D] instead; ``cache`` is the updated cache when one was given.
         """
         cfg = self.config
+        if input_ids_BL.ndim != 2 or attention_mask is not None and attention_mask.shape != input_ids_BL.shape:
+            raise ValueError(f"input ids must be [B, L] and the attention mask of the same shape; got "
+                             f"{input_ids_BL.shape} and {None if attention_mask is None else attention_mask.shape}")
         b, length = input_ids_BL.shape
         mask_BL = jnp.ones((b, length), bool) if attention_mask is None else attention_mask.astype(bool)
         layer_cache = None

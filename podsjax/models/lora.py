@@ -50,8 +50,10 @@ class LoraConfig:
     targets: tuple[str, ...] = DEFAULT_TARGETS
 
     def __post_init__(self):
-        if self.rank <= 0:
-            raise ValueError(f"LoRA rank must be positive, got {self.rank}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < float("inf"):
+            raise ValueError(f"LoRA alpha must be a finite number > 0, got {self.alpha!r}")
         unknown = set(self.targets) - set(PROJECTION_LOGICAL_AXES)
         if unknown or not self.targets:
             raise ValueError(f"LoRA targets must be a non-empty subset of {DEFAULT_TARGETS}, got {self.targets}")

@@ -61,12 +61,16 @@ class SamplingConfig:
     return_logprobs: bool = False
 
     def __post_init__(self):
+        for name in ("num_samples", "max_new_tokens", "top_k", "pad_token_id"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer; got {value!r}")
         if self.num_samples < 1:
             raise ValueError(f"num_samples must be >= 1; got {self.num_samples}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1; got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy); got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
         if self.top_k < 0:

@@ -154,15 +154,19 @@ class Generator:
         except TypeError:
             raise TypeError(f"eos_token_ids must be ints; got {eos_token_ids!r}") from None
         cfg = SamplingConfig(
-            num_samples=num_samples,
-            max_new_tokens=max_new_tokens,
+            num_samples=_index(num_samples, "num_samples"),
+            max_new_tokens=_index(max_new_tokens, "max_new_tokens"),
             temperature=float(temperature),
             top_p=float(top_p),
-            top_k=int(top_k),
+            top_k=_index(top_k, "top_k"),
             eos_token_ids=eos,
-            pad_token_id=int(pad_token_id),
+            pad_token_id=_index(pad_token_id, "pad_token_id"),
             return_logprobs=bool(return_logprobs),
         )
+        vocab = self.model.config.vocab_size
+        outside = [t for t in (*eos, cfg.pad_token_id) if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"eos_token_ids and pad_token_id must be token ids in [0, {vocab}); got {outside[0]}")
         prompt_ids_BL = jnp.asarray(prompt_ids_BL)
         prompt_mask_BL = jnp.asarray(prompt_mask_BL)
         if prompt_ids_BL.ndim != 2 or prompt_mask_BL.shape != prompt_ids_BL.shape:
@@ -171,6 +175,11 @@ class Generator:
             )
         if not jnp.issubdtype(prompt_ids_BL.dtype, jnp.integer):
             raise ValueError(f"prompt ids must be integers; got dtype {prompt_ids_BL.dtype}")
+        if not (prompt_mask_BL.dtype == jnp.bool_ or jnp.issubdtype(prompt_mask_BL.dtype, jnp.integer)):
+            raise ValueError(f"the prompt mask must be bool or integer (1: a real token); got dtype {prompt_mask_BL.dtype}")
+        if 0 in prompt_ids_BL.shape:
+            raise ValueError(f"prompts must hold at least one row and one position; got shape {prompt_ids_BL.shape}")
+        _check_prompts(prompt_ids_BL, prompt_mask_BL, vocab)
         mesh: Mesh | None = self.model.mesh
         if mesh is not None:
             batch_shards = mesh_lib.shard_count(mesh, "batch")
@@ -180,6 +189,8 @@ class Generator:
                     f"prompts x num_samples = {rows} rows must divide evenly over the mesh's "
                     f"{batch_shards} batch shards (data x fsdp)"
                 )
+        if not isinstance(key, jax.Array):
+            raise TypeError(f"key must be a PRNG key (jax.random.key(seed)); got {type(key).__name__}")
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)  # a jax.random.PRNGKey
         if key.shape != ():
@@ -214,6 +225,34 @@ def _placed(tree: Any, shardings: Any) -> Any:
         return jax.device_put(x, sharding)
 
     return jax.tree.map(place, tree, shardings, is_leaf=lambda x: x is None)
+
+
+def _index(value, name: str) -> int:
+    """``value`` as an int; a float, string or bool is a one-line error naming ``name``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer; got {value!r}") from None
+
+
+def _check_prompts(ids_BL: jax.Array, mask_BL: jax.Array, vocab: int) -> None:
+    """Left padding and token ids in the vocabulary, checked on the host where the prompts are
+    at hand (not under a trace, nor when spread over several processes): a right-padded row
+    would continue from a pad slot, and an id past the vocabulary embeds as NaN."""
+    if any(isinstance(x, jax.core.Tracer) or not x.is_fully_addressable for x in (ids_BL, mask_BL)):
+        return
+    ids, mask = np.asarray(ids_BL), np.asarray(mask_BL) != 0
+    if not mask[:, -1].all():
+        row = int(np.argmin(mask[:, -1]))
+        raise ValueError(f"prompts must be left-padded, each row's last position a real token (mask 1); row {row} "
+                         f"ends in padding{' (it has no real token)' if not mask[row].any() else ''}")
+    bad = mask & ((ids < 0) | (ids >= vocab))
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary); row {row} holds "
+                         f"{int(ids[row, col])} at position {col}")
 
 
 def generate(model, params: Any, prompt_ids_BL: jax.Array, prompt_mask_BL: jax.Array, key: jax.Array,

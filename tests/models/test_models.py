@@ -551,3 +551,15 @@ def test_lora_config_validation():
         pm.LoraConfig(rank=0)
     with pytest.raises(ValueError, match="targets"):
         pm.LoraConfig(targets=("q", "w_in"))
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(rank=0), "LoRA rank must be a positive integer, got 0"),
+    (dict(rank=8.0), "LoRA rank must be a positive integer, got 8.0"),
+    (dict(alpha=-1.0), "LoRA alpha must be a finite number > 0, got -1.0"),
+    (dict(alpha=float("nan")), "LoRA alpha must be a finite number > 0"),
+    (dict(targets=("q", "lm_head")), "LoRA targets must be a non-empty subset"),
+])
+def test_a_bad_lora_config_is_one_line(fields, message):
+    with pytest.raises(ValueError, match=message):
+        pm.LoraConfig(**fields)

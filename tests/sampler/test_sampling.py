@@ -386,18 +386,58 @@ def test_bad_arguments_raise_one_line_errors(tiny):
     _, model, params = tiny["qwen2_tied_gqa"]
     ids, mask = left_padded_prompts()
     base = dict(num_samples=1, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
+    vocab = model.config.vocab_size
     cases = [
-        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(num_samples=0), "num_samples must be >= 1"),
+        (dict(num_samples=2.5), "num_samples must be an integer; got 2.5"),
+        (dict(num_samples="2"), "num_samples must be an integer; got '2'"),
         (dict(eos_token_ids=()), "eos_token_ids must name at least one token"),
         (dict(eos_token_ids=["</s>"]), "eos_token_ids must be ints"),
+        (dict(eos_token_ids=vocab), rf"eos_token_ids and pad_token_id must be token ids in \[0, {vocab}\); got {vocab}"),
+        (dict(pad_token_id=-1), "got -1"),
     ]
     for override, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
             sampling.generate(model, params, ids, mask, jax.random.key(0), **{**base, **override})
     with pytest.raises(ValueError, match=r"must both be \[B, L\]"):
         sampling.generate(model, params, ids, mask[:, :3], jax.random.key(0), **base)
+    with pytest.raises(TypeError, match="key must be a PRNG key"):
+        sampling.generate(model, params, ids, mask, 0, **base)
+    with pytest.raises(ValueError, match=r"at least one row and one position; got shape \(1, 0\)"):
+        sampling.generate(model, params, np.zeros((1, 0), np.int32), np.zeros((1, 0), np.int32), jax.random.key(0),
+                          **base)
+    with pytest.raises(ValueError, match="the prompt mask must be bool or integer"):
+        sampling.generate(model, params, ids, np.asarray(mask, np.float32), jax.random.key(0), **base)
+
+
+def test_prompts_that_would_sample_from_padding_or_outside_the_vocabulary_are_refused(tiny):
+    # Prefill continues from each row's last position: a right-padded row would continue from
+    # a pad slot, and an id past the vocabulary embeds as NaN; both sampled without a word.
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = (np.asarray(x) for x in left_padded_prompts())
+    base = dict(num_samples=1, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
+    short = int(np.argmin(mask.sum(axis=1)))
+    right = np.zeros_like(mask)
+    right[short, : mask[short].sum()] = 1
+    right[[r for r in range(len(mask)) if r != short]] = 1
+    with pytest.raises(ValueError, match=f"prompts must be left-padded.*row {short} ends in padding"):
+        sampling.generate(model, params, ids, right, jax.random.key(0), **base)
+    empty = mask.copy()
+    empty[short] = 0
+    with pytest.raises(ValueError, match="has no real token"):
+        sampling.generate(model, params, ids, empty, jax.random.key(0), **base)
+    far = ids.copy()
+    far[0, -1] = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"must be in \[0, {model.config.vocab_size}\).*row 0 holds"):
+        sampling.generate(model, params, far, mask, jax.random.key(0), **base)
+    far[0, -1] = -3
+    with pytest.raises(ValueError, match="row 0 holds -3"):
+        sampling.generate(model, params, far, mask, jax.random.key(0), **base)
+    with pytest.raises(ValueError, match=r"attention mask of the same shape; got \(1, 4\) and \(1, 3\)"):
+        model.apply({"params": params}, jnp.ones((1, 4), jnp.int32), attention_mask=jnp.ones((1, 3)))
 
 
 def first_token_distribution(model, params, ids, mask, temperature):
