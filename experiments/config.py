@@ -127,6 +127,11 @@ class DataSection:
     prompt_column: str | None = None  # your column holding the prompt (default: the task's own)
     answer_column: str | None = None  # your column holding the gold answer (default: answer)
 
+    def __post_init__(self):
+        if self.prompt_column is not None and self.prompt_column == self.answer_column:
+            raise ValueError(f"data.prompt_column and data.answer_column both name column {self.prompt_column!r}; "
+                             "the prompt and the gold answer come from two columns")
+
     def columns(self, task: str) -> dict[str, str]:
         """The task's fields read from your columns (``podsjax.data.datasets.load_task(columns=...)``)."""
         from podsjax.data.datasets import PROMPT_FIELD

@@ -35,13 +35,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from podsjax.data.data_files import MAX_ROW_CHARS, DataError, read_rows, split_file
 from podsjax.rewards.chemistry_grader import parse_reference
 from podsjax.rewards.gsm8k_grader import GSM8K_MARKER
 from podsjax.rewards.mathverify import math_gold, unreadable_gold
-from podsjax.rewards.text import find_numbers, normalize_number_text, parse_number
+from podsjax.rewards.text import ascii_minus, find_numbers, normalize_number_text, parse_number
 
 MATH_TRAIN_SUBJECTS = (
     "algebra",
@@ -144,6 +145,9 @@ def _text(row: Mapping[str, Any], field: str) -> str:
 
 def _gsm8k_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
     question = _text(row, "question")
+    answer = row.get("answer")
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool) and math.isfinite(answer):
+        row = {**row, "answer": str(answer)}  # a bare number, as JSON or parquet hold it
     solution = _text(row, "answer")
     marker = solution.rfind(GSM8K_MARKER)
     if marker >= 0:
@@ -152,11 +156,14 @@ def _gsm8k_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
         final = solution
     else:
         raise DataError("answer has no '####' final-answer marker and is not a bare number")
-    numbers = find_numbers(final)
-    if not numbers or parse_number(numbers[0]) is None:
-        raise DataError(f"no number after '####': {final.strip()[:40]!r}")
+    # One number, read whole: "1/2", "1e3" or "1 000" are several to the grader, which would
+    # never match the gold a first-number rule made of them.
+    numbers = find_numbers(re.sub(r"-\s+(?=[0-9.])", "-", ascii_minus(final).replace("$", "")))
+    if len(numbers) != 1 or parse_number(numbers[0]) is None:
+        raise DataError(f"the final answer {final.strip()[:40]!r} is not one decimal number (as 18, -3.5 or 1,000), "
+                        "the form the GSM8K grader reads")
     extra = {k: v for k, v in row.items() if k not in ("question", "answer")}
-    extra["solution"] = solution
+    extra.setdefault("solution", solution)  # a dataset's own solution column stays its own
     return question, normalize_number_text(numbers[0]), extra
 
 
@@ -348,6 +355,10 @@ def load_task(
         raise DataError(f"on_bad_row must be one of {_BAD_ROW_MODES}, got {on_bad_row!r}")
     if limit is not None and limit < 0:
         raise DataError(f"limit must be >= 0, got {limit}")
+    taken = [column for column in (columns or {}).values()]
+    shared = sorted({column for column in taken if taken.count(column) > 1})
+    if shared:  # a row's column can be moved onto one task field only
+        raise DataError(f"columns: {shared[0]!r} is named for two of the task's fields ({dict(columns)})")
     if path is None and hub is None and name in LOCAL_ONLY_TASKS:
         raise DataError(f"{name} has no Hub dataset here; pass a local .jsonl/.parquet file or directory, "
                         f"e.g. {LOCAL_ONLY_TASKS[name]}")

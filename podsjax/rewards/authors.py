@@ -30,8 +30,9 @@ from typing import Any, Callable, Sequence
 from podsjax.rewards.answer_grader import grade_answer
 from podsjax.rewards.format import format_score
 from podsjax.rewards.gsm8k_grader import GSM8K_MARKER
-from podsjax.rewards.mathverify import DEFAULT_MATH_VERIFY_TIMEOUT_S, math_gold, quiet_parse, quiet_verify, signal_timeout
-from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, check_lengths
+from podsjax.rewards.mathverify import (DEFAULT_MATH_VERIFY_TIMEOUT_S, MathVerifyTimeout, math_gold, quiet_parse,
+                                        quiet_verify, signal_timeout)
+from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, check_lengths, parse_number
 
 _RELEASE_FORMAT_SCALE = 0.1  # 0.1 - 0.001 per character outside: 0.1 x format_score
 _RELEASE_TAG = 0.025
@@ -143,26 +144,40 @@ def r1_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None,
                 timeout_s: int = DEFAULT_MATH_VERIFY_TIMEOUT_S, **_: Any) -> list[float]:
     """[B] open-r1's accuracy: the gold parsed as it comes, the completion's first LaTeX
     answer (a box first), equal under math-verify. A gold that does not parse scores 0, as
-    in the authors' trainer (open-r1 returns None, which it sums as NaN with nansum)."""
+    in the authors' trainer (open-r1 returns None, which it sums as NaN with nansum). A gold
+    that is no plain number is read as LaTeX math, ``$gold$``: MATH's bare answers
+    (``3\\sqrt{13}``, which math-verify reads as 3 without its ``$``; open-r1's datasets
+    hold them inside ``$...$``). An item on which math-verify times out scores 0; alone
+    (as ``RewardPool`` calls it) it raises :class:`~podsjax.rewards.mathverify.MathVerifyTimeout`."""
     if answer is None:
         raise ValueError("r1_accuracy needs an 'answer' column")
     check_lengths("r1_accuracy", len(completions), answer=answer)
     from math_verify import parse
+    from math_verify.errors import TimeoutException
 
     timeout = signal_timeout(timeout_s)
     config = _latex_extraction()
     out = []
     for text, gold in zip(completions, answer):
-        gold_parsed = quiet_parse(str(gold), timeout)
-        if not gold_parsed:
-            out.append(0.0)
-            continue
         try:
-            predicted = parse(text, extraction_config=config, extraction_mode="first_match",
-                              parsing_timeout=timeout, raise_on_error=True)
-        except Exception:  # noqa: BLE001 - no LaTeX answer in the completion
-            predicted = []
-        out.append(1.0 if predicted and quiet_verify(gold_parsed, predicted, timeout) else 0.0)
+            gold = str(gold)
+            latex = parse_number(gold) is None and "$" not in gold  # as plain text, a piece of it would parse
+            gold_parsed = quiet_parse(f"${gold}$" if latex else gold, timeout)
+            if not gold_parsed:
+                out.append(0.0)
+                continue
+            try:
+                predicted = parse(text, extraction_config=config, extraction_mode="first_match",
+                                  parsing_timeout=timeout, raise_on_error=True)
+            except TimeoutException:  # a BaseException: `except Exception` lets it through
+                raise MathVerifyTimeout(f"math-verify parse ran past {timeout} s") from None
+            except Exception:  # noqa: BLE001 - no LaTeX answer in the completion
+                predicted = []
+            out.append(1.0 if predicted and quiet_verify(gold_parsed, predicted, timeout) else 0.0)
+        except MathVerifyTimeout:
+            if len(completions) == 1:
+                raise
+            out.append(0.0)
     return out
 
 

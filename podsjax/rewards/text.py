@@ -22,8 +22,8 @@ THINK_CLOSE = "</think>"
 # model that answers in other scripts does not match the gold's notation.
 _NUMBER = re.compile(
     r"(?:(?<![0-9A-Za-z])-)?"
-    r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)"
-    r"(?:\.[0-9]+)?"
+    r"(?:(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?"
+    r"|(?<![0-9.])\.[0-9]+)"  # ".5", read whole: its "5" alone would match a gold of 5
 )
 # Longer tokens are not answers; capping them keeps Fraction() cheap and clear of
 # Python's int-from-str digit limit.

@@ -116,7 +116,11 @@ _BAD_ROWS = [
     ({"answer": "#### 4"}, "missing field 'question'"),
     ({"question": "Q?", "answer": "2 + 2 is four"}, "no '####'"),
     ({"question": "   ", "answer": "#### 4"}, "field 'question' is empty"),
-    ({"question": "Q?", "answer": "#### four"}, "no number after '####'"),
+    ({"question": "Q?", "answer": "#### four"}, "the final answer 'four' is not one decimal number"),
+    # A first-number rule made these 1, 1 and 1: golds no completion of the true value matches.
+    ({"question": "Q?", "answer": "#### 1/2"}, "the final answer '1/2' is not one decimal number"),
+    ({"question": "Q?", "answer": "1e3"}, "the final answer '1e3' is not one decimal number"),
+    ({"question": "Q?", "answer": "#### 1 000"}, "the final answer '1 000' is not one decimal number"),
     ({"question": 7, "answer": "#### 4"}, "field 'question' is int"),
     ('{"question": "unterminated', "invalid JSON"),
     ("[1, 2]", "not an object"),
@@ -260,3 +264,18 @@ def test_your_own_columns_and_bare_final_answers(tmp_path):
         load_task("gsm8k", "train", path, columns={"question": "question_text", "answer": "final"})
     math_task = load_task("math", "train", path, columns={"problem": "prompt", "answer": "final"})
     assert [e.answer for e in math_task] == ["2", "1.5"]
+    with pytest.raises(DataError, match="columns: 'prompt' is named for two of the task's fields"):
+        load_task("gsm8k", "train", path, columns={"question": "prompt", "answer": "prompt"})
+
+
+def test_gsm8k_final_answers_keep_their_sign_and_decimals_and_numbers_load_as_numbers(tmp_path):
+    answers = [".5", "#### -.5", "-$5", "#### - 7", 42, 3.5, "#### 1,234", "#### 18 dollars", "#### 18."]
+    path = _write_jsonl(tmp_path / "rows.jsonl", [{"question": "Q?", "answer": a} for a in answers])
+    assert [e.answer for e in load_task("gsm8k", "train", path)] == [
+        ".5", "-.5", "-5", "-7", "42", "3.5", "1234", "18", "18"]
+
+
+def test_a_gsm8k_dataset_s_own_solution_column_stays_its_own(tmp_path):
+    path = _write_jsonl(tmp_path / "rows.jsonl", [{"question": "Q?", "answer": "42", "solution": "6 * 7 = 42"},
+                                                  {"question": "Q?", "answer": "6 * 7 = 42\n#### 42"}])
+    assert [e.columns["solution"] for e in load_task("gsm8k", "train", path)] == ["6 * 7 = 42", "6 * 7 = 42\n#### 42"]

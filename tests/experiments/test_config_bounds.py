@@ -259,6 +259,8 @@ def test_a_boolean_where_a_number_belongs_is_one_line_naming_the_field(tmp_path,
     (["--seed", "-1"], "RunConfig.seed must be an integer from 0 to 2**32 - 1; got -1"),
     (["--max-steps", "2", "--data", "tests/data/gsm8k/train.jsonl"], "data.* settings need --model: the tiny preset"),
     (["--max-steps", "2", "--prompt-column", "q"], "data.* settings need --model"),
+    (["--max-steps", "2", "--prompt-column", "q", "--answer-column", "q"],
+     "data.prompt_column and data.answer_column both name column 'q'"),
 ])
 def test_a_flag_without_a_value_or_with_broken_yaml_is_one_line(tmp_path, one_line, argv, message):
     err = one_line(argv, tmp_path / "never")

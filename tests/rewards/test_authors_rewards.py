@@ -75,3 +75,33 @@ def test_each_commit_reads_the_last_number_with_its_own_extractor(text, gold, re
         setting = paper_settings.get_setting(name)
         scores = score_rewards([text], default_rewards(setting.task, **setting.rewards), answer=[gold])
         assert scores.per_function["accuracy"][0] == float(right), name
+
+
+def test_open_r1_accuracy_reads_a_latex_gold_as_math_and_a_number_as_it_comes():
+    # Without its "$", math-verify reads 3\sqrt{13} as 3 and \left( 3, \frac{\pi}{2} \right) as
+    # nothing: a boxed copy of the gold scored 0 on 108 of MATH-500's answers.
+    golds = ["3\\sqrt{13}", "\\left( 3, \\frac{\\pi}{2} \\right)", "6 - 5i", "p - q", "18", "1,000"]
+    right = [f"$\\boxed{{{g}}}$" for g in golds]
+    assert authors.r1_accuracy(right, answer=golds) == [1.0] * len(golds)
+    assert authors.r1_accuracy(["$\\boxed{3}$", "$\\boxed{17}$"], answer=["3\\sqrt{13}", "18"]) == [0.0, 0.0]
+
+
+def test_open_r1_accuracy_scores_a_timeout_0_and_alone_raises_it(monkeypatch):
+    # math-verify's TimeoutException is a BaseException: it went past `except Exception` and
+    # took the batch's other items with it.
+    import math_verify
+    from math_verify.errors import TimeoutException
+
+    from podsjax.rewards.mathverify import MathVerifyTimeout
+
+    parse = math_verify.parse
+
+    def slow_on_deep(text, *args, **kwargs):
+        if "deep" in text:
+            raise TimeoutException("parse ran too long")
+        return parse(text, *args, **kwargs)
+
+    monkeypatch.setattr(math_verify, "parse", slow_on_deep)
+    assert authors.r1_accuracy(["\\boxed{deep}", "$\\boxed{18}$"], answer=["18", "18"]) == [0.0, 1.0]
+    with pytest.raises(MathVerifyTimeout):
+        authors.r1_accuracy(["\\boxed{deep}"], answer=["18"])

@@ -127,6 +127,12 @@ def test_gsm8k_accuracy_numeric_compare_and_gold_forms():
     assert gsm8k_accuracy(completions, answer=answers, question=["q"] * 5) == [1.0, 1.0, 0.0, 1.0, 0.0]
 
 
+def test_a_leading_dot_decimal_is_read_whole():
+    # ".5" was read as 5: right against a gold of 5, wrong against a gold of .5.
+    completions = ["<answer>.5</answer>", "<answer>0.5</answer>", "<answer>-.5</answer>", "the answer is .5"]
+    assert gsm8k_accuracy(completions, answer=["5", ".5", "-0.5", "0.5"]) == [0.0, 1.0, 1.0, 1.0]
+
+
 def test_gsm8k_accuracy_errors():
     with pytest.raises(ValueError, match="2 completions but 1 answers"):
         gsm8k_accuracy(["a", "b"], answer=["1"])
