@@ -82,9 +82,24 @@ def _plain_number(text: str) -> float | None:
     return sign * value
 
 
+# Larger exponents are no quantity (and a tower such as 10^{10^{10}} keeps sympy's evalf
+# busy past any timeout: math-verify's covers its parse, not this).
+_MAX_EXPONENT = 1000
+
+
+def _huge_power(expr) -> bool:
+    from sympy import Pow
+
+    for power in expr.atoms(Pow):
+        exponent = power.exp
+        if exponent.has(Pow) or not exponent.is_number or abs(complex(exponent.evalf(15))) > _MAX_EXPONENT:
+            return True
+    return False
+
+
 def _sympy_number(text: str, timeout_s: int | None) -> float | None:
     for candidate in quiet_parse("$" + text + "$", timeout_s):
-        if isinstance(candidate, str):
+        if isinstance(candidate, str) or not hasattr(candidate, "atoms") or _huge_power(candidate):
             continue
         try:
             value = complex(candidate.evalf())

@@ -212,3 +212,18 @@ def test_chemistry_command_trains_and_evaluates_on_the_fixture(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.load(open(out / "config.json"))["run"]["task"] == "chemistry"
     assert "peak accuracy" in done.stdout and (out / "final_model" / "config.json").is_file()
+
+
+def test_a_tower_of_powers_is_no_number_and_does_not_hang():
+    # sympy's evalf of 10^{10^{10^{10}}} ran on past math-verify's timeout, which covers its parse only.
+    import threading
+
+    found = {}
+
+    def parse_all():
+        found["values"] = [parse_quantity(t, timeout_s=3) for t in ("10^{10^{10^{10}}}", "9^{9^{9^{9}}}", "2^{10}")]
+
+    worker = threading.Thread(target=parse_all, daemon=True)
+    worker.start()
+    worker.join(20)
+    assert found.get("values") == [None, None, 1024.0], "still evaluating after 20 s"
