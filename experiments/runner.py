@@ -107,7 +107,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
                 replaced.drop()
         if lock is not None:
             lock.release()
-        if failed and before is not None and replaced is None:  # a new run that failed before its first step leaves nothing
+        if failed and before is not None and replaced is None:  # a new run failed before its first step: nothing stays
             run_dir.remove_failed_start(out_dir, before, existed)
 
 

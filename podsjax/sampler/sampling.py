@@ -176,7 +176,8 @@ class Generator:
         if not jnp.issubdtype(prompt_ids_BL.dtype, jnp.integer):
             raise ValueError(f"prompt ids must be integers; got dtype {prompt_ids_BL.dtype}")
         if not (prompt_mask_BL.dtype == jnp.bool_ or jnp.issubdtype(prompt_mask_BL.dtype, jnp.integer)):
-            raise ValueError(f"the prompt mask must be bool or integer (1: a real token); got dtype {prompt_mask_BL.dtype}")
+            raise ValueError(f"the prompt mask must be bool or integer (1: a real token); "
+                             f"got dtype {prompt_mask_BL.dtype}")
         if 0 in prompt_ids_BL.shape:
             raise ValueError(f"prompts must hold at least one row and one position; got shape {prompt_ids_BL.shape}")
         _check_prompts(prompt_ids_BL, prompt_mask_BL, vocab)

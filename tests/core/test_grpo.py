@@ -343,8 +343,8 @@ def test_traced_hyperparameters_work_where_they_can_and_say_so_where_not():
                                np.asarray(grpo.group_advantages(r, eps=1e-4)), rtol=1e-6)
     logits, targets = jax.random.normal(jax.random.key(0), (2, 3, 5)), jnp.zeros((2, 3), jnp.int32)
     traced = jax.jit(lambda lg, t: logprobs.token_logprobs(lg, targets, temperature=t))(logits, 0.7)
-    np.testing.assert_allclose(np.asarray(traced), np.asarray(logprobs.token_logprobs(logits, targets, temperature=0.7)),
-                               rtol=1e-6)
+    eager = logprobs.token_logprobs(logits, targets, temperature=0.7)
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(eager), rtol=1e-6)
     hidden, head = jnp.ones((2, 3, 4)), jnp.ones((5, 4))
     with pytest.raises(TypeError, match="head_logprobs takes temperature as a Python number"):
         jax.jit(lambda t: logprobs.head_logprobs(hidden, head, targets, temperature=t))(0.7)
