@@ -138,7 +138,8 @@ class Generator:
           temperature: sampling temperature; 0 is greedy.
           top_p: nucleus mass kept (1 = off).
           top_k: keep the k most likely tokens (0 = off).
-          eos_token_ids: an int or ints that end a completion.
+          eos_token_ids: an int or ints that end a completion (an id outside the vocabulary never
+            does: EOS off).
           pad_token_id: fills positions after EOS.
           lora: optional LoRA params to sample from the adapted policy.
           return_logprobs: also return each sampled token's log-prob (``Rollouts.logprobs``;
@@ -164,9 +165,8 @@ class Generator:
             return_logprobs=bool(return_logprobs),
         )
         vocab = self.model.config.vocab_size
-        outside = [t for t in (*eos, cfg.pad_token_id) if not 0 <= t < vocab]
-        if outside:
-            raise ValueError(f"eos_token_ids and pad_token_id must be token ids in [0, {vocab}); got {outside[0]}")
+        if not 0 <= cfg.pad_token_id < vocab:  # it fills the rows' ends, which a tokenizer then decodes
+            raise ValueError(f"pad_token_id must be a token id in [0, {vocab}); got {cfg.pad_token_id}")
         prompt_ids_BL = jnp.asarray(prompt_ids_BL)
         prompt_mask_BL = jnp.asarray(prompt_mask_BL)
         if prompt_ids_BL.ndim != 2 or prompt_mask_BL.shape != prompt_ids_BL.shape:

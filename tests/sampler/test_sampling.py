@@ -396,7 +396,7 @@ def test_bad_arguments_raise_one_line_errors(tiny):
         (dict(num_samples="2"), "num_samples must be an integer; got '2'"),
         (dict(eos_token_ids=()), "eos_token_ids must name at least one token"),
         (dict(eos_token_ids=["</s>"]), "eos_token_ids must be ints"),
-        (dict(eos_token_ids=vocab), rf"pad_token_id must be token ids in \[0, {vocab}\); got {vocab}"),
+        (dict(pad_token_id=vocab), rf"pad_token_id must be a token id in \[0, {vocab}\); got {vocab}"),
         (dict(pad_token_id=-1), "got -1"),
     ]
     for override, message in cases:
