@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from experiments import run_dir
@@ -34,13 +35,28 @@ def check(args, config: ExperimentConfig) -> None:
     if hint and missing and config.data.hub is None and config.model.path is not None and not args.resume:
         raise UsageError(f"{config.task} has no Hub dataset: pass --dataset DIR (its train and test files), or "
                          f"{' and '.join(missing)}; e.g. --dataset {hint}")
-    if config.model.path is not None and not os.path.isfile(os.path.join(config.model.path, "config.json")):
-        raise UsageError(f"--model {config.model.path}: not a Hugging Face checkpoint directory (no config.json)")
+    if config.model.path is not None:
+        _check_model_config(config.model.path)
     if "wandb" in config.run.log:
         import importlib.util
 
         if importlib.util.find_spec("wandb") is None:
             raise UsageError("--log wandb needs the wandb package: pip install 'podsjax[wandb]'")
+
+
+def _check_model_config(path: str) -> None:
+    """--model names a directory whose config.json is a JSON object (the model loads it later;
+    the tokenizer, loading first, would report anything else as its own failure)."""
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise UsageError(f"--model {path}: not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"--model {path}: cannot read config.json ({str(exc).splitlines()[0][:120]})") from None
+    if not isinstance(values, dict):
+        raise UsageError(f"--model {path}: config.json holds a JSON {type(values).__name__}, not a model's config")
 
 
 def planned_only(out: str) -> bool:

@@ -275,3 +275,16 @@ def test_a_string_field_takes_the_flag_s_text(text):
     assert flags.parse("gsm8k", ["--system-prompt", text])[1].run.system_prompt == text
     assert flags.parse("gsm8k", ["--system-prompt", "'quoted'"])[1].run.system_prompt == "quoted"
     assert flags.parse("gsm8k", ["--system-prompt", "null"])[1].run.system_prompt is None
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[1, 2]", "config.json holds a JSON list, not a model's config"),
+    ('{"model_type": "qwen2", ', "cannot read config.json"),
+])
+def test_a_model_whose_config_json_is_no_object_is_one_line(tmp_path, one_line, text, message):
+    # The tokenizer loads first, and reported a list as its own TypeError.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(text)
+    err = one_line(["--model", str(model), "--max-steps", "2"], tmp_path / "never")
+    assert f"--model {model}: {message}" in err, err
