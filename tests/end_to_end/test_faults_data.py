@@ -180,7 +180,8 @@ _BAD_LINES = [
     ("gsm8k", b"[1, 2]", "row is a JSON array, not an object"),
     ("gsm8k", b'"just text"', "row is a JSON string, not an object"),
     ("gsm8k", b"null", "row is a JSON null, not an object"),
-    ("gsm8k", b'{"question": "Q?", "answer": 4}', "field 'answer' is int, not text"),
+    ("gsm8k", b'{"question": "Q?", "answer": true}', "field 'answer' is bool, not text"),  # 4 is a number: it loads
+    ("gsm8k", b'{"question": "Q?", "answer": NaN}', "field 'answer' is float, not text"),
     ("math", b'{"problem": 3, "answer": "3"}', "field 'problem' is int, not text"),
     ("math", b'{"problem": "P", "answer": NaN}', "field 'answer' is nan, not a finite number"),
     ("math", b'{"problem": "P", "answer": 1e999}', "field 'answer' is inf, not a finite number"),
