@@ -17,11 +17,12 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any
 
-from experiments import cli, completed, config_decoding, launch_checks
+from experiments import cli, completed, config_decoding, launch_checks, run_dir
 from experiments import flags as flags_lib
 from experiments.config import METHODS, ExperimentConfig, describe_setting
 from experiments.usage import UsageError
@@ -97,9 +98,22 @@ def parse(argv):
     return args, passthrough
 
 
+# What a comparison writes in --out: its runs (and the tiny preset's warm-ups), the plot, the summary.
+_OWN_ENTRY = re.compile(r"[\w.+-]+-seed\d+|accuracy_vs_time\.png|summary\.json")
+
+
+def _check_out(out: str) -> None:
+    """--out is new, empty, or an earlier comparison's: it never writes beside other files."""
+    others = sorted(n for n in os.listdir(out) if not _OWN_ENTRY.fullmatch(n)) if os.path.isdir(out) else []
+    if others:
+        raise UsageError(f"--out {out} holds what no comparison wrote ({run_dir.describe(others)}); "
+                         "choose a new or empty directory")
+
+
 def prepare(argv) -> Comparison:
     """Parses and checks the shared flags, and builds every variant's config before any run."""
     args, passthrough = parse(argv)
+    _check_out(args.out)
     # PODS's config: --method is compare's to set, so the parser's default method applies.
     run_args, shared = flags_lib.parse(args.task, passthrough)
     launch_checks.check(run_args, shared)
@@ -308,8 +322,8 @@ def step_figures(run_dirs: list[str]) -> dict[str, float]:
     """Means over every training step of the runs (each run's first, compiling step left out):
     the zero-variance fractions of ``STEP_FIGURES`` and each phase's share of a step's time."""
     steps = []
-    for run_dir in run_dirs:
-        path = os.path.join(run_dir, "metrics.jsonl")
+    for directory in run_dirs:
+        path = os.path.join(directory, "metrics.jsonl")
         if os.path.isfile(path):
             steps += [r for r in read_jsonl(path) if "train/loss" in r][1:]
     out: dict[str, float] = {"steps": float(len(steps))}

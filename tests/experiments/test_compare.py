@@ -247,3 +247,15 @@ def test_a_comparison_starts_its_runs_where_its_dry_run_left_only_figures(tmp_pa
     (out / "dry_run.json").write_text("{}")
     compare.run_one(config)
     assert calls == [False]
+
+
+def test_an_out_that_holds_other_files_is_refused_and_an_earlier_comparison_is_not(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    (out / "pods-seed0").mkdir(parents=True)
+    (out / "summary.json").write_text("{}")
+    prepare(tmp_path)  # an earlier comparison's directory: it goes on there
+    (out / "thesis.txt").write_text("four years of work")
+    assert compare.main(["--out", str(out), "--methods", "grpo,pods", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds what no comparison wrote (thesis.txt)" in err, err
+    assert sorted(os.listdir(out)) == ["pods-seed0", "summary.json", "thesis.txt"]
