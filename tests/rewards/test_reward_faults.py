@@ -145,12 +145,27 @@ def test_a_reward_that_keeps_killing_the_forkserver_stops_in_one_line_naming_it(
     assert "\n" not in message and "reward 'kills_its_parent' killed the reward pool's process server" in message
 
 
-def test_a_worker_prints_to_the_console_up_to_a_budget_and_the_rest_to_the_log(tmp_path, capfd):
+_PRINTING_POOL = """
+import sys
+sys.path[:0] = sys.argv[2:]
+from test_reward_faults import pool, prints_megabytes
+with pool(output_budget_bytes=1000, output_log=sys.argv[1]) as p:
+    p.score(["a", "b", "c"], prints_megabytes)
+"""
+
+
+def test_a_worker_prints_to_the_console_up_to_a_budget_and_the_rest_to_the_log(tmp_path):
+    # In a process of its own: workers fork from a server that keeps the console of the
+    # process's first pool, which in a test process is an earlier test's captured output.
+    import subprocess
+    import sys
+
     log = tmp_path / "run.log"
-    with pool(output_budget_bytes=1000, output_log=str(log)) as p:
-        p.score(["a", "b", "c"], prints_megabytes)
-    printed = capfd.readouterr()
-    shown = printed.out + printed.err
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", _PRINTING_POOL, str(log), here, os.path.dirname(here)],
+                          capture_output=True, text=True, timeout=120, env=child_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = done.stdout + done.stderr
     assert len(shown) < 2 * 1000 + 500, len(shown)  # two workers' budgets and their notes
     assert f"output past 1000 bytes goes to {log}" in shown
     assert log.stat().st_size >= 3 * 2_000_000 - 2 * 1000
