@@ -85,7 +85,11 @@ def test_wandb_offline_run_holds_scalars_histograms_and_samples(tmp_path, monkey
         w.write_samples(2, SAMPLES)
     with MetricsWriter(out, backends=("jsonl", "wandb"), resume_step=1) as w:  # a resume: a second W&B run
         w.write(2, {"train": {"loss": 0.75}})
-    first, second = sorted(glob.glob(str(out / "wandb" / "offline-run-*")), key=os.path.getmtime)
+    def resumed(run_dir):  # the resumed run names itself; mtimes are no order (W&B's service writes late)
+        return open(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0], "rb").read().count(b"run-a-resumed-at-1") >= 1
+
+    first, second = sorted(glob.glob(str(out / "wandb" / "offline-run-*")), key=resumed)
+    assert not resumed(first) and resumed(second)
     history = wandb_history(first)
     assert [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h] == [(1, 0.25), (2, 0.5)]
     step2 = [h for h in history if h["_step"] == 2]
@@ -94,4 +98,3 @@ def test_wandb_offline_run_holds_scalars_histograms_and_samples(tmp_path, monkey
     (table,) = glob.glob(os.path.join(first, "files", "media", "table", "samples_*.table.json"))
     assert json.load(open(table))["data"][1][1] == "line one\nline two"
     assert [(h["_step"], h["train/loss"]) for h in wandb_history(second) if "train/loss" in h] == [(2, 0.75)]
-    assert open(glob.glob(os.path.join(second, "run-*.wandb"))[0], "rb").read().count(b"run-a-resumed-at-1") >= 1
