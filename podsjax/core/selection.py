@@ -123,8 +123,9 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     so binary rewards with M odd keep floor(M/2) ones when both kinds are
     plentiful. Scores within rounding of the best (a few float32 ulps of
     M * sum(r^2)) count as equal, so the rule holds for rewards such as 0.1
-    and 0.9 too, which float32 cannot hold exactly. Within equal rewards the (reward, index) order applies: the
-    bottom block takes the lowest indices, the top block the highest.
+    and 0.9 too, which float32 cannot hold exactly. Within equal rewards the
+    (reward, index) order applies: the bottom block takes the lowest indices,
+    the top block the highest.
 
     Numerics: rewards are shifted by the group's smallest finite reward
     before squaring, so a large common offset (1e6 + small differences)
