@@ -248,6 +248,8 @@ def main(argv=None):
     parser.add_argument("--variant-xla-flags", metavar="FLAGS",
                         help="then one more run, cold (a compile cache of its own), with these XLA_FLAGS added (with =, "
                              "e.g. --variant-xla-flags=--xla_gpu_enable_triton_gemm=false)")
+    parser.add_argument("--kernel-variant", metavar="NAME",
+                        help="run the CLI under this decode-attention variant (benchmarks.kernel_variants)")
     parser.add_argument("--cli-flags", nargs=argparse.REMAINDER, default=[],
                         help="extra flags for the CLI, e.g. --n 8 --m 4 --max-completion-length 32 (must come last)")
     args = parser.parse_args(argv)
@@ -258,6 +260,11 @@ def main(argv=None):
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # this process only writes the checkpoint; the CLI gets the device
+    from benchmarks import kernel_variants
+
+    if args.kernel_variant is not None and args.kernel_variant not in kernel_variants.VARIANTS:
+        raise SystemExit(f"error: unknown --kernel-variant {args.kernel_variant!r}; expected one of "
+                         f"{sorted(kernel_variants.VARIANTS)}")
     if args.dtype is None:
         args.dtype = "float32" if backend == "cpu" else "bfloat16"
     resolve(args)
@@ -272,6 +279,7 @@ def main(argv=None):
               f"{args.dtype}, random weights, written in {time.perf_counter() - t0:.0f} s; data: "
               f"{args.train_examples} train / {args.eval_limit} test GSM8K lines")
         remat = ["--remat", args.remat] if args.remat else []
+        variant = ["benchmarks.kernel_variants", args.kernel_variant] if args.kernel_variant else []
         cache_flag = cli_supports("--compile-cache-dir")
         runs = [(f"{i + 1}: {'cold' if i == 0 else 'warm'} compile cache", "compile_cache", "")
                 for i in range(args.runs)]
@@ -289,7 +297,7 @@ def main(argv=None):
             else:
                 env["JAX_COMPILATION_CACHE_DIR"] = cache
             out = os.path.join(work, f"run{i + 1}")
-            command = [sys.executable, "-m", "experiments.gsm8k", "--model", ckpt, "--data", data, "--eval-data", data,
+            command = [sys.executable, "-m", *variant, "experiments.gsm8k", "--model", ckpt, "--data", data, "--eval-data", data,
                        "--setting", args.setting, "--method", args.method, "--max-steps", str(args.max_steps),
                        "--eval-limit", str(args.eval_limit), "--dtype", args.dtype, "--out", out, "--no-progress",
                        *cache_flags, *remat, *args.cli_flags]

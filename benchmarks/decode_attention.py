@@ -5,12 +5,13 @@ shape (1 prompt x 64 samples, 2 kv heads, 6 query heads each, head 128, 512 prom
 512 completion slots of which ``--filled`` are written, bf16) under several splits of the
 work (the plan's constants varied: the programs the launch must reach, the block; Triton's
 pipeline stages and warps; and the two passes in a launch each instead of one, each filling
-the GPU alone), beside the XLA form (``rollout.attend_grouped``), in one run. Each call reads a
-different one of ``--sets`` input sets, so that together they outgrow the GPU's L2 cache
-as a real step's 28 layers do. The floor is the call's bytes (the prompt's KV, the written
+the GPU alone; ``benchmarks.kernel_variants``), beside the XLA form (``rollout.attend_grouped``),
+in one run. One compiled program makes ``--sets`` calls, each on its own input set, so that
+together they outgrow the GPU's L2 cache as a real step's 28 layers do and no call waits on
+the host's dispatch (a call dispatched op by op from Python timed 2.5x its in-model time). The floor is the call's bytes (the prompt's KV, the written
 completion slots' KV, the queries and the output) at the device's memory bandwidth.
 
-    python -m benchmarks.decode_attention                     # on a GPU
+    python -m benchmarks.decode_attention [--best-to FILE]    # on a GPU; FILE gets the fastest variant's name
     python -m benchmarks.decode_attention --rows 8 --prompt-len 32 --slots 32 --filled 16 \\
         --head-dim 16 --sets 2 --iters 2 --dtype float32         # a dry run on a CPU (interpreter)
 """
@@ -24,26 +25,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import triton as plgpu
-
 from benchmarks.machine import device_peaks
-from podsjax.models import decode_kernel, decode_launch, rollout
+from benchmarks import kernel_variants
+from podsjax.models import decode_kernel, rollout
 
-# (name, the constants it changes: decode_kernel's, and decode_launch's COMPILER_PARAMS)
-VARIANTS = (
-    ("the plan", {}),
-    ("fill 528 programs (shorter walks, more waves)", {"MIN_PROGRAMS": 528}),
-    ("fill 1056 programs", {"MIN_PROGRAMS": 1056}),
-    ("blocks of 32 slots", {"_BLOCK": 32}),
-    ("blocks of 128 slots", {"_BLOCK": 128}),
-    ("3 pipeline stages", {"COMPILER_PARAMS": plgpu.CompilerParams(num_warps=4, num_stages=3)}),
-    ("8 warps a program", {"COMPILER_PARAMS": plgpu.CompilerParams(num_warps=8, num_stages=2)}),
-    ("a launch a pass", {"ONE_LAUNCH": False}),
-)
-
-
-def _owner(constant: str):
-    return decode_launch if constant == "COMPILER_PARAMS" else decode_kernel
 
 
 def make_inputs(args, seed: int) -> dict:
@@ -74,16 +59,17 @@ def floor_bytes(args) -> int:
 
 
 def time_calls(fn, sets: list[dict], iters: int, repeats: int = 5) -> float:
-    """Median seconds a call, each call on the next input set."""
-    for x in sets:
-        fn(**x).block_until_ready()
+    """Median seconds a call: one program calls ``fn`` on every set; it runs ``iters / len(sets)`` times a repeat."""
+    program = jax.jit(lambda sets: [fn(**x) for x in sets])
+    jax.block_until_ready(program(sets))  # compiles
+    runs = max(1, iters // len(sets))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for i in range(iters):
-            out = fn(**sets[i % len(sets)])
-        out.block_until_ready()
-        times.append((time.perf_counter() - start) / iters)
+        for _ in range(runs):
+            out = program(sets)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / (runs * len(sets)))
     return statistics.median(times)
 
 
@@ -99,7 +85,8 @@ def main(argv=None) -> None:
     parser.add_argument("--filled", type=int, default=256, help="completion slots written (mid-generation)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--sets", type=int, default=8, help="input sets the calls rotate through (outgrow L2)")
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--iters", type=int, default=200, help="calls a repeat (a program makes --sets of them)")
+    parser.add_argument("--best-to", metavar="FILE", help="write the fastest variant's name to FILE")
     args = parser.parse_args(argv)
     if not 1 <= args.filled <= args.slots:
         parser.error(f"--filled must be between 1 and --slots ({args.slots}); got {args.filled}")
@@ -108,7 +95,7 @@ def main(argv=None) -> None:
     peaks = device_peaks()
     sets = [make_inputs(args, seed) for seed in range(args.sets)]
     reference = jax.jit(xla_form)
-    t_xla = time_calls(lambda **x: reference(x), sets, args.iters)
+    t_xla = time_calls(lambda **x: xla_form(x), sets, args.iters)
     expected = np.asarray(reference(sets[0]), np.float32)
     floor_s = floor_bytes(args) / peaks.bandwidth if peaks.bandwidth else None
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}{', Pallas interpreter' if interpret else ''}),"
@@ -119,23 +106,33 @@ def main(argv=None) -> None:
           + (f" at {peaks.bandwidth / 1e12:.2f} TB/s = {floor_s * 1e6:.2f} us ({peaks.source})" if floor_s else ""))
     print("| split | programs (prompt + completion) | longest walk (blocks) | us a call | x floor | XLA form / split | max abs diff |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    saved = {name: getattr(_owner(name), name) for _, changes in VARIANTS for name in changes}
-    for name, changes in VARIANTS:
-        for constant, value in changes.items():
-            setattr(_owner(constant), constant, value)
+    timed = {}
+    for name in kernel_variants.VARIANTS:
+        saved = kernel_variants.apply(name)
         jax.clear_caches()
         split = decode_kernel.plan(args.rows, args.prompts, args.kv_heads, args.groups, args.prompt_len, args.slots)
         kernel = lambda **x: decode_kernel.grouped_decode_attention(**x, interpret=interpret)  # noqa: E731
-        t = time_calls(kernel, sets, args.iters)
-        diff = float(np.max(np.abs(np.asarray(kernel(**sets[0]), np.float32) - expected)))
+        try:
+            t = time_calls(kernel, sets, args.iters)
+            diff = float(np.max(np.abs(np.asarray(jax.jit(kernel)(**sets[0]), np.float32) - expected)))
+        except Exception as e:  # noqa: BLE001 - a split the compiler refuses (registers, shared memory) is a row too
+            print(f"| {name} | {split.prefix_programs} + {split.own_programs} | - | failed: "
+                  f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
+            kernel_variants.restore(saved)
+            continue
+        timed[name] = t
         walk = split.max_slots_per_program // split.block
         ratio = f"{t / floor_s:.1f}x" if floor_s else "n/a"
         print(f"| {name} | {split.prefix_programs} + {split.own_programs} | {walk} | {t * 1e6:.1f} | {ratio} |"
-              f" {t_xla / t:.2f}x | {diff:.1e} |")
-        for constant in changes:
-            setattr(_owner(constant), constant, saved[constant])
+              f" {t_xla / t:.2f}x | {diff:.1e} |", flush=True)
+        kernel_variants.restore(saved)
     xla_ratio = f"{t_xla / floor_s:.1f}x" if floor_s else "n/a"
     print(f"| XLA form (rollout.attend_grouped) | - | - | {t_xla * 1e6:.1f} | {xla_ratio} | 1.00x | 0 |")
+    best = min(timed, key=timed.get)
+    print(f"fastest: {best} ({timed[best] * 1e6:.1f} us, the plan {timed[kernel_variants.DEFAULT] * 1e6:.1f} us)")
+    if args.best_to:
+        with open(args.best_to, "w") as f:
+            f.write(best + "\n")
 
 
 if __name__ == "__main__":

@@ -133,20 +133,21 @@ def run_generate(args) -> dict:
     if not (lengths == t_new).all():
         raise SystemExit(f"error: podsjax rows ended early (lengths {sorted(set(lengths.tolist()))}); EOS must be off")
     del rollouts
-    checked = podsjax_generate(return_logprobs=True)  # untimed: the sampled tokens' log-probs against torch's
-    lp_diff = logprob_diff(hf_model, ids_pt, np.asarray(checked.tokens, np.int64), np.asarray(checked.logprobs))
-    del checked
+    lp_diff = None
+    if args.reference:
+        checked = podsjax_generate(return_logprobs=True)  # untimed: the sampled tokens' log-probs against torch's
+        lp_diff = logprob_diff(hf_model, ids_pt, np.asarray(checked.tokens, np.int64), np.asarray(checked.logprobs))
+        del checked
+        out = torch_generate()
+        if tuple(out.shape) != (p, length + t_new):
+            raise SystemExit(f"error: transformers returned {tuple(out.shape)}, expected {(p, length + t_new)}")
+        del out
 
-    out = torch_generate()
-    if tuple(out.shape) != (p, length + t_new):
-        raise SystemExit(f"error: transformers returned {tuple(out.shape)}, expected {(p, length + t_new)}")
-    del out
-
-    timed = interleaved_medians(
-        [podsjax_generate, torch_synced(torch, torch_generate),
-         lambda: jax.block_until_ready(prefill_fn(params, ids, mask)), torch_synced(torch, torch_prefill)],
-        args.repeats)
-    (t_jax, times_jax), (t_pt, times_pt), (prefill_jax, _), (prefill_pt, _) = timed
+    contenders = [podsjax_generate, lambda: jax.block_until_ready(prefill_fn(params, ids, mask))]
+    if args.reference:
+        contenders += [torch_synced(torch, torch_generate), torch_synced(torch, torch_prefill)]
+    timed = interleaved_medians(contenders, args.repeats) + [(None, None)] * (4 - len(contenders))
+    (t_jax, times_jax), (prefill_jax, _), (t_pt, times_pt), (prefill_pt, _) = timed
     profile = None
     if args.profile:  # one more podsjax call under the profiler, after the timed ones
         from benchmarks import trace_summary
@@ -209,7 +210,11 @@ def decode_floor_s(args) -> float | None:
 
 def format_generate_table(args, r) -> str:
     tokens = args.rows * args.new_tokens
-    tps_jax, tps_pt = tokens / r["t_jax"], tokens / r["t_pt"]
+    tps_jax = tokens / r["t_jax"]
+    if r["t_pt"] is None:
+        return (f"podsjax generate, {args.shape} {r['num_params'] / 1e6:.1f}M, {args.dtype}, {args.rows} x "
+                f"({args.prompt_len} + {args.new_tokens}): {tps_jax:,.0f} tok/s ({r['t_jax']:.2f} s); no reference")
+    tps_pt = tokens / r["t_pt"]
     return "\n".join([
         "| model | P x (prompt + new) | (a) podsjax generate | (b) transformers generate | a/b speed-up "
         "| max abs logprob diff |",
@@ -228,6 +233,8 @@ def format_decode_table(args, r) -> str:
     ]
     for name, total, pre in (("(a) podsjax", r["t_jax"], r["prefill_jax"]),
                              ("(b) transformers", r["t_pt"], r["prefill_pt"])):
+        if total is None:
+            continue
         step = (total - pre) / args.new_tokens
         if step <= 0:  # a tiny model's prefill is noise-sized
             lines.append(f"| {name} | {pre * 1e3:.1f} ms | n/a (prefill timed >= generate) | | |")
@@ -319,6 +326,8 @@ def main(argv=None):
     parser.add_argument("--steps-per-check", type=int, default=None,
                         help="podsjax decode steps between two checks whether every row stopped (default: the "
                              "library's; 1 checks every token)")
+    parser.add_argument("--no-reference", dest="reference", action="store_false",
+                        help="time podsjax alone (no transformers generate, no log-prob check)")
     parser.add_argument("--profile", metavar="DIR",
                         help="trace one more podsjax generate into DIR (jax.profiler) and summarize its kernels")
     args = parser.parse_args(argv)
@@ -349,7 +358,8 @@ def main(argv=None):
         )
         print(format_generate_table(args, r))
         print(format_decode_table(args, r))
-        print_runs({"podsjax": r["times_jax"], "transformers": r["times_pt"]}, busy_during, bool(warning),
+        runs = {"podsjax": r["times_jax"], **({"transformers": r["times_pt"]} if r["times_pt"] else {})}
+        print_runs(runs, busy_during, bool(warning),
                    during="during generation")
         if r["profile"]:
             print(f"podsjax generate traced (prefill + {args.new_tokens} decode steps, figures per step), "

@@ -8,7 +8,8 @@
 #      programs compiled before it, the steady step and its phases, and the plan's roofline
 #      beside them.
 # First, the decode kernel compiled through Triton against the XLA form (tests/models/test_decode_kernel.py), and
-# one layer's decode attention under several splits against the XLA form and its floor.
+# one layer's decode attention under several splits (benchmarks/kernel_variants.py) against the XLA form and its
+# floor; the decode and CLI stages then run under the fastest split (or $KERNEL_VARIANT).
 #
 #   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
 #   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
@@ -23,6 +24,7 @@
 # the stages' time limits in seconds; STAGES picks stages (e.g. STAGES="decode cli"); XLA_FLAGS
 # passes through, to compare autotuning settings in a second call, e.g.
 #   STAGES="decode cli" XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bash benchmarks/gpu_check.sh
+# DECODE adds flags to the decode stage (e.g. DECODE=--no-reference: podsjax alone, no transformers).
 # STEPS_PER_CHECK sets the decode stage's steps between two stop checks (1: a check every token, as before).
 # A dry run on a CPU, cut down: ATTENTION="--rows 8 --prompt-len 32 --slots 32 --filled 16 --head-dim 16
 # --sets 1 --iters 1 --dtype float32" MODEL="--layers 1 --hidden 64 --intermediate 128 --heads 4
@@ -33,11 +35,14 @@ OUT=${OUT:-/tmp/podsjax-gpu-check}
 source "$(dirname "$0")/gpu_stages.sh"
 stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null); XLA_FLAGS=${XLA_FLAGS:-}"
 stage kernel "${T_KERNEL:-60}" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/models/test_decode_kernel.py -k on_a_gpu
-stage attention "${T_ATTENTION:-90}" "$PY" -m benchmarks.decode_attention ${ATTENTION:-}
+stage attention "${T_ATTENTION:-90}" "$PY" -m benchmarks.decode_attention --best-to "$OUT/fastest_variant.txt" ${ATTENTION:-}
+# The decode and CLI stages run under $KERNEL_VARIANT, else the attention stage's fastest, else the plan.
+variant=${KERNEL_VARIANT:-$(cat "$OUT/fastest_variant.txt" 2>/dev/null || echo "the plan")}
+stamp "kernel variant: $variant"
 model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
-stage decode "${T_DECODE:-190}" "$PY" -m benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
-  --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace" \
+stage decode "${T_DECODE:-190}" "$PY" -m benchmarks.kernel_variants "$variant" benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
+  --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace" ${DECODE:-} \
   ${STEPS_PER_CHECK:+--steps-per-check $STEPS_PER_CHECK}
 stage cli "${T_CLI:-340}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs 2 \
-  ${VARIANT:+--variant-xla-flags=$VARIANT} ${CLI:+--cli-flags $CLI}
+  --kernel-variant "$variant" ${VARIANT:+--variant-xla-flags=$VARIANT} ${CLI:+--cli-flags $CLI}
 stamp done
