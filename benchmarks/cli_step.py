@@ -16,8 +16,8 @@ The table gives, per run: the wall time from launch to the first finished step
 (seen when its line lands in ``<run>/metrics.jsonl``; the CLI evaluates at step 0
 first, as a user's run does), that step's phases (compiles included), and the
 median steady step (steps 2..K) with its phases from ``time/generation``,
-``time/scoring``, ``time/selection`` and ``time/update``. The CLI's own console
-lines about compiles are echoed, and when the params were loaded, the fit check
+``time/scoring``, ``time/selection`` and ``time/update``. The CLI's console lines are
+echoed as they land, each with its time since the launch, and when the params were loaded, the fit check
 started and ended (on a GPU or TPU: where the start lowers its programs and compiles or
 loads them), the step-0 evaluation printed and the first step finished, counted from
 the launch; its whole output is in ``<run>.log``.
@@ -111,9 +111,10 @@ def cli_supports(flag: str) -> bool:
     return flag in build_parser("gsm8k")._option_string_actions
 
 
-def run_cli(command: list[str], out: str, env: dict) -> dict:
+def run_cli(command: list[str], out: str, env: dict, tag: str) -> dict:
     """Runs the CLI, timestamping each metrics.jsonl step line and each console line as it
-    lands; returns the timings."""
+    lands, and echoing the console lines as they land (so a run stopped by a time limit
+    still shows where its time went); returns the timings."""
     shutil.rmtree(out, ignore_errors=True)  # the CLI wants a fresh --out
     metrics, log_path = os.path.join(out, "metrics.jsonl"), out + ".log"
     seen: dict[int, float] = {}  # step -> seconds since launch when its line appeared
@@ -130,6 +131,8 @@ def run_cli(command: list[str], out: str, env: dict) -> dict:
             pending += reader.read()
             *complete, pending = pending.split("\n")
             lines.extend((now, line) for line in complete)
+            for line in complete:
+                print(f"  {tag} [{now:.1f} s] {line.rstrip()}", flush=True)
             if done:
                 break
             time.sleep(POLL_S)
@@ -226,10 +229,6 @@ def table_row(label: str, s: dict) -> str:
             f"| {s['compiles']} | {s['wall_s']:.0f} s |")
 
 
-def compile_lines(console: str) -> list[str]:
-    return [line for line in console.splitlines() if "compil" in line.lower()]
-
-
 def main(argv=None):
     # No abbreviations: --cli-flags passes the CLI's own --n / --m through.
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -303,9 +302,7 @@ def main(argv=None):
                        *cache_flags, *remat, *args.cli_flags]
             if i == 0:
                 print("command: " + " ".join(command))
-            run = run_cli(command, out, env)
-            for line in compile_lines(run["console"]):
-                print(f"  run {i + 1}: {line.strip()}")
+            run = run_cli(command, out, env, f"run {i + 1}")
             print(f"  run {i + 1}: after launch: {timeline(run['lines'])}")
             summaries.append(summarize(run))
             # Each row as its run ends: a time limit that stops a later run keeps the earlier ones.

@@ -1,15 +1,17 @@
 """One layer's grouped decode attention on a GPU: the kernels' split against the XLA form and the byte floor.
 
-Times :func:`podsjax.models.decode_kernel.grouped_decode_attention` alone at setting a's
-shape (1 prompt x 64 samples, 2 kv heads, 6 query heads each, head 128, 512 prompt slots,
-512 completion slots of which ``--filled`` are written, bf16) under several splits of the
-work (the plan's constants varied: the programs the launch must reach, the block; Triton's
-pipeline stages and warps; and the two passes in a launch each instead of one, each filling
-the GPU alone; ``benchmarks.kernel_variants``), beside the XLA form (``rollout.attend_grouped``),
-in one run. One compiled program makes ``--sets`` calls, each on its own input set, so that
-together they outgrow the GPU's L2 cache as a real step's 28 layers do and no call waits on
-the host's dispatch (a call dispatched op by op from Python timed 2.5x its in-model time). The floor is the call's bytes (the prompt's KV, the written
-completion slots' KV, the queries and the output) at the device's memory bandwidth.
+Times the call decoding makes, :func:`podsjax.models.rollout.attend_grouped_kernel` (the
+kernel adds the qkv projection's bias, rotates the step's query and key, writes key and value
+into the cache and attends), alone at setting a's shape (1 prompt x 64 samples, 2 kv heads,
+6 query heads each, head 128, 512 prompt slots, 512 completion slots of which ``--filled``
+are written, bf16), under several splits of the work (``benchmarks.kernel_variants``: the
+programs the launch must reach, the block, Triton's pipeline stages and warps, a launch a
+pass), beside the same work in XLA ops (``rollout.attend_grouped_token``), in one run. One
+compiled program makes ``--sets`` calls, each on its own input set, so that together they
+outgrow the GPU's L2 cache as a real step's 28 layers do and no call waits on the host's
+dispatch; the caches are donated and carried from call to call, as decoding does. The
+floor is the call's bytes (the prompt's KV, the written completion slots' KV, the qkv heads
+and the output) at the device's memory bandwidth.
 
     python -m benchmarks.decode_attention [--best-to FILE]    # on a GPU; FILE gets the fastest variant's name
     python -m benchmarks.decode_attention --rows 8 --prompt-len 32 --slots 32 --filled 16 \\
@@ -19,56 +21,76 @@ completion slots' KV, the queries and the output) at the device's memory bandwid
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from benchmarks.machine import device_peaks
+
 from benchmarks import kernel_variants
+from benchmarks.machine import device_peaks
 from podsjax.models import decode_kernel, rollout
 
+CACHE = ("k_BKTE", "v_BKET")  # the inputs a call writes, donated and carried to the next call
 
 
 def make_inputs(args, seed: int) -> dict:
-    """One set of kernel inputs: every row has written ``filled`` completion slots, all attended."""
+    """One set of inputs: every row has written ``filled`` completion slots, the step's token last."""
     rng = np.random.default_rng(seed)
     dt = jnp.dtype(args.dtype)
     b, p, k, g, e = args.rows, args.prompts, args.kv_heads, args.groups, args.head_dim
+    heads = k * g + 2 * k
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dt)  # noqa: E731
-    allowed = jnp.broadcast_to(jnp.arange(args.slots) < args.filled, (b, args.slots))
-    return dict(q_BKGE=normal(b, k, g, e), prompt_k_PKSE=normal(p, k, args.prompt_len, e),
+    angles = rng.uniform(0, 2 * np.pi, (b, e // 2))
+    cos, sin = decode_kernel.rope_factors(jnp.asarray(np.cos(angles), dt), jnp.asarray(np.sin(angles), dt))
+    allowed = jnp.broadcast_to(jnp.arange(args.slots) < args.filled, (b, 1, args.slots))
+    return dict(qkv_BNE=normal(b, heads, e), cos_BE=cos, sin_BE=sin, prompt_k_PKSE=normal(p, k, args.prompt_len, e),
                 prompt_v_PKSE=normal(p, k, args.prompt_len, e), prompt_mask_PS=jnp.ones((p, args.prompt_len), bool),
-                k_BKTE=normal(b, k, args.slots, e), v_BKET=normal(b, k, e, args.slots), allowed_BT=allowed,
-                length_B=jnp.full((b,), args.filled, jnp.int32))
+                k_BKTE=normal(b, k, args.slots, e), v_BKET=normal(b, k, e, args.slots), allowed_B1T=allowed,
+                length_B=jnp.full((b,), args.filled, jnp.int32), bias_N=normal(heads * e))
 
 
-def xla_form(x: dict) -> jax.Array:
-    b, k, g, e = x["q_BKGE"].shape
-    out = rollout.attend_grouped(x["q_BKGE"].reshape(b, 1, k * g, e), x["prompt_k_PKSE"], x["prompt_v_PKSE"],
-                                 x["prompt_mask_PS"], x["k_BKTE"], x["v_BKET"], x["allowed_BT"][:, None])
-    return out.reshape(b, k, g, e)
+def kernel_form(x: dict):
+    return rollout.attend_grouped_kernel(**x, mesh=None)
+
+
+def xla_form(x: dict):
+    return rollout.attend_grouped_token(**x)
 
 
 def floor_bytes(args) -> int:
     item = jnp.dtype(args.dtype).itemsize
     kv = 2 * args.kv_heads * args.head_dim * item  # K and V of one slot
-    queries = args.rows * args.kv_heads * args.groups * args.head_dim * item
-    return kv * (args.prompts * args.prompt_len + args.rows * args.filled) + 2 * queries  # + the output
+    qkv = args.rows * (args.kv_heads * args.groups + 2 * args.kv_heads) * args.head_dim * item
+    out = args.rows * args.kv_heads * args.groups * args.head_dim * item
+    return kv * (args.prompts * args.prompt_len + args.rows * args.filled) + qkv + out
+
+
+def max_abs_diff(got, expected) -> float:
+    """Over the output and the written cache."""
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(expected))
+    return max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))) for a, b in pairs)
 
 
 def time_calls(fn, sets: list[dict], iters: int, repeats: int = 5) -> float:
-    """Median seconds a call: one program calls ``fn`` on every set; it runs ``iters / len(sets)`` times a repeat."""
-    program = jax.jit(lambda sets: [fn(**x) for x in sets])
-    jax.block_until_ready(program(sets))  # compiles
+    """Median seconds a call: one program calls ``fn`` on every set (its cache donated and
+    carried on); it runs ``iters / len(sets)`` times a repeat."""
+    def calls(rest, caches):
+        return [fn(dict(x, **dict(zip(CACHE, cache))))[1] for x, cache in zip(rest, caches)]
+
+    program = jax.jit(calls, donate_argnums=1)
+    rest = [{name: v for name, v in x.items() if name not in CACHE} for x in sets]
+    caches = [tuple(jnp.array(x[name], copy=True) for name in CACHE) for x in sets]
+    caches = jax.block_until_ready(program(rest, caches))  # compiles
     runs = max(1, iters // len(sets))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(runs):
-            out = program(sets)
-        jax.block_until_ready(out)
+            caches = program(rest, caches)
+        jax.block_until_ready(caches)
         times.append((time.perf_counter() - start) / (runs * len(sets)))
     return statistics.median(times)
 
@@ -92,11 +114,13 @@ def main(argv=None) -> None:
         parser.error(f"--filled must be between 1 and --slots ({args.slots}); got {args.filled}")
 
     interpret = jax.default_backend() != "gpu"
+    if interpret:  # the kernel through Pallas's interpreter, where decoding calls it
+        decode_kernel.grouped_decode_attention = functools.partial(decode_kernel.grouped_decode_attention,
+                                                                   interpret=True)
     peaks = device_peaks()
     sets = [make_inputs(args, seed) for seed in range(args.sets)]
-    reference = jax.jit(xla_form)
-    t_xla = time_calls(lambda **x: xla_form(x), sets, args.iters)
-    expected = np.asarray(reference(sets[0]), np.float32)
+    t_xla = time_calls(xla_form, sets, args.iters)
+    expected = jax.jit(xla_form)(sets[0])
     floor_s = floor_bytes(args) / peaks.bandwidth if peaks.bandwidth else None
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}{', Pallas interpreter' if interpret else ''}),"
           f" jax {jax.__version__}; {args.prompts} prompt(s) x {args.rows // args.prompts} samples, {args.kv_heads} kv"
@@ -111,10 +135,9 @@ def main(argv=None) -> None:
         saved = kernel_variants.apply(name)
         jax.clear_caches()
         split = decode_kernel.plan(args.rows, args.prompts, args.kv_heads, args.groups, args.prompt_len, args.slots)
-        kernel = lambda **x: decode_kernel.grouped_decode_attention(**x, interpret=interpret)  # noqa: E731
         try:
-            t = time_calls(kernel, sets, args.iters)
-            diff = float(np.max(np.abs(np.asarray(jax.jit(kernel)(**sets[0]), np.float32) - expected)))
+            t = time_calls(kernel_form, sets, args.iters)
+            diff = max_abs_diff(jax.jit(kernel_form)(sets[0]), expected)
         except Exception as e:  # noqa: BLE001 - a split the compiler refuses (registers, shared memory) is a row too
             print(f"| {name} | {split.prefix_programs} + {split.own_programs} | - | failed: "
                   f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
@@ -127,7 +150,7 @@ def main(argv=None) -> None:
               f" {t_xla / t:.2f}x | {diff:.1e} |", flush=True)
         kernel_variants.restore(saved)
     xla_ratio = f"{t_xla / floor_s:.1f}x" if floor_s else "n/a"
-    print(f"| XLA form (rollout.attend_grouped) | - | - | {t_xla * 1e6:.1f} | {xla_ratio} | 1.00x | 0 |")
+    print(f"| XLA form (rollout.attend_grouped_token) | - | - | {t_xla * 1e6:.1f} | {xla_ratio} | 1.00x | 0 |")
     best = min(timed, key=timed.get)
     print(f"fastest: {best} ({timed[best] * 1e6:.1f} us, the plan {timed[kernel_variants.DEFAULT] * 1e6:.1f} us)")
     if args.best_to:

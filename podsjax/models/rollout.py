@@ -318,6 +318,24 @@ def decode_kernel_fits(implementation: str, head_dim: int, cache_dtype) -> bool:
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
+def attend_grouped_token(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Array, prompt_k_PKSE: jax.Array,
+                         prompt_v_PKSE: jax.Array, prompt_mask_PS: jax.Array, k_BKTE: jax.Array, v_BKET: jax.Array,
+                         allowed_B1T: jax.Array, length_B: jax.Array,
+                         bias_N: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """:func:`attend_grouped_kernel`'s work in XLA ops: bias, RoPE, :func:`write_kv`, :func:`attend_grouped`."""
+    b, heads, e = qkv_BNE.shape
+    k = prompt_k_PKSE.shape[1]
+    h = heads - 2 * k
+    if bias_N is not None:
+        qkv_BNE = qkv_BNE + bias_N.reshape(heads, e)
+    raw = qkv_BNE[:, :h + k]
+    rotated = decode_kernel.rotate_half(raw, jnp.roll(raw, e // 2, -1), cos_BE[:, None], sin_BE[:, None])
+    cache = write_kv(k_BKTE, v_BKET, rotated[:, None, h:], qkv_BNE[:, None, h + k:], (length_B - 1)[:, None],
+                     values_slots_last=True)
+    out = attend_grouped(rotated[:, None, :h], prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, *cache, allowed_B1T)
+    return out, cache
+
+
 def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Array, prompt_k_PKSE: jax.Array,
                           prompt_v_PKSE: jax.Array, prompt_mask_PS: jax.Array, k_BKTE: jax.Array, v_BKET: jax.Array,
                           allowed_B1T: jax.Array, length_B: jax.Array, mesh: Mesh | None,
@@ -355,14 +373,7 @@ def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Arr
     shards = math.prod(mesh.shape[a] for a in mesh_lib.spec_axes(rows[0]))
     local_rows = b // shards
     if prompts != rows and n % local_rows != 0:
-        if bias_N is not None:
-            qkv_BNE = qkv_BNE + bias_N.reshape(heads, e)
-        raw = qkv_BNE[:, :h + k]
-        rotated = decode_kernel.rotate_half(raw, jnp.roll(raw, e // 2, -1), cos_BE[:, None], sin_BE[:, None])
-        cache = write_kv(k_BKTE, v_BKET, rotated[:, None, h:], qkv_BNE[:, None, h + k:], (length_B - 1)[:, None],
-                         values_slots_last=True)
-        out = attend_grouped(rotated[:, None, :h], prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, *cache, allowed_B1T)
-        return out, cache
+        return attend_grouped_token(*args)
     row_spec = lambda x: PartitionSpec(*rows, *[None] * (x.ndim - 1))  # noqa: E731
     # Prompts split as their rows are stay local; otherwise each device takes them whole
     # (a small gather where they were split over fewer axes) and slices out its one prompt.

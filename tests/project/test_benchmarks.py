@@ -91,19 +91,32 @@ def test_shared_prefix_benchmark_checks_both_forms_and_prints_ratios():
         assert "x update tokens/s" in printed and "1.50x fewer positions" in printed, printed
 
 
-def test_decode_attention_benchmark_checks_every_split_against_the_xla_form():
+def test_decode_attention_benchmark_checks_every_split_against_the_xla_form(tmp_path):
+    from benchmarks.kernel_variants import VARIANTS
+
+    best = tmp_path / "fastest.txt"
     printed = run("benchmarks.decode_attention", "--rows", "8", "--prompt-len", "32", "--slots", "32", "--filled",
-                  "16", "--head-dim", "16", "--sets", "1", "--iters", "1", "--dtype", "float32")
+                  "16", "--head-dim", "16", "--sets", "2", "--iters", "2", "--dtype", "float32", "--best-to", str(best))
     rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [r.split("|")[1].strip() for r in rows][:2] == ["the plan", "fill 528 programs (shorter walks, more waves)"], printed
+    assert [r.split("|")[1].strip() for r in rows[:-1]] == list(VARIANTS), printed
     assert rows[-1].startswith("| XLA form"), printed
+    # Each split's output and written cache against the XLA form's.
     assert all(last_column(r) < 1e-5 for r in rows[:-1]), printed
+    fastest = best.read_text().strip()
+    assert fastest in VARIANTS and f"fastest: {fastest} (" in printed, printed
+
+
+def test_generate_benchmark_times_podsjax_alone_without_a_reference():
+    printed = run("benchmarks.generate", "--rows", "2", "--prompt-len", "8", "--new-tokens", "4", *TINY_MODEL,
+                  "--tasks", "", "--no-reference")
+    assert "no reference" in printed and "| (a) podsjax |" in printed, printed
+    assert "transformers generate" not in printed and "(b) transformers" not in printed, printed
 
 
 def test_cli_step_benchmark_times_a_cold_and_a_warm_run_then_a_cold_one_with_other_xla_flags(data_dir):
     printed = run("benchmarks.cli_step", *TINY_SHAPE, "--max-steps", "2", "--eval-limit", "1", "--train-examples",
                   "8", "--tokenizer-vocab", "512", "--data", data_dir,
-                  "--variant-xla-flags=--xla_backend_optimization_level=1",
+                  "--variant-xla-flags=--xla_backend_optimization_level=1", "--kernel-variant", "a launch a pass",
                   "--cli-flags", "--n", "4", "--m", "2", "--max-completion-length", "8", timeout=300)
     rows = [line.split("|")[1].strip() for line in printed.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows == ["run", "1: cold compile cache", "2: warm compile cache",
@@ -114,6 +127,9 @@ def test_cli_step_benchmark_times_a_cold_and_a_warm_run_then_a_cold_one_with_oth
     starts = re.findall(r"after launch: params loaded ([0-9.]+) s, step-0 evaluation ([0-9.]+) s, "
                         r"first step ([0-9.]+) s", printed)
     assert len(starts) == 3 and all(0 < float(a) <= float(b) <= float(c) for a, b, c in starts), printed
+    # The console echoed as it lands, each line with its time since the launch, under the variant's wrapper.
+    assert "benchmarks.kernel_variants a launch a pass experiments.gsm8k" in printed, printed
+    assert re.search(r"^  run 2 \[[0-9.]+ s\] loaded \S+ params in ", printed, re.M), printed
 
 
 def test_cli_step_s_timeline_splits_a_start_at_the_fit_check_where_one_ran():
