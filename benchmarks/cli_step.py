@@ -39,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -123,19 +124,28 @@ def run_cli(command: list[str], out: str, env: dict, tag: str) -> dict:
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log, open(log_path, encoding="utf-8") as reader:
         child = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        while True:
-            done = child.poll() is not None
-            now = time.perf_counter() - start
-            for record in steps_in(metrics):
-                seen.setdefault(record["step"], now)
-            pending += reader.read()
-            *complete, pending = pending.split("\n")
-            lines.extend((now, line) for line in complete)
-            for line in complete:
-                print(f"  {tag} [{now:.1f} s] {line.rstrip()}", flush=True)
-            if done:
-                break
-            time.sleep(POLL_S)
+        try:
+            while True:
+                done = child.poll() is not None
+                now = time.perf_counter() - start
+                for record in steps_in(metrics):
+                    seen.setdefault(record["step"], now)
+                pending += reader.read()
+                *complete, pending = pending.split("\n")
+                lines.extend((now, line) for line in complete)
+                for line in complete:
+                    print(f"  {tag} [{now:.1f} s] {line.rstrip()}", flush=True)
+                if done:
+                    break
+                time.sleep(POLL_S)
+        finally:  # stopped (a time limit's SIGTERM): the CLI goes too, and leaves the device to what runs next
+            if child.poll() is None:
+                print(f"  {tag} [{time.perf_counter() - start:.1f} s] stopped before the CLI ended", flush=True)
+                child.terminate()
+                try:
+                    child.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    child.kill()
     wall_s = time.perf_counter() - start
     with open(log_path, encoding="utf-8") as f:
         console = f.read()
@@ -255,6 +265,8 @@ def main(argv=None):
     if args.max_steps < 1 or args.runs < 1 or args.eval_limit < 1:
         raise SystemExit("error: --max-steps, --runs and --eval-limit must be >= 1")
 
+    # A time limit's SIGTERM unwinds like an error, so run_cli stops the CLI it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     backend, device_kind = accelerator_backend()
     import jax
 

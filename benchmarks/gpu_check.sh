@@ -14,11 +14,17 @@
 #   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
 #   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
 #
-# Or as two calls of at most 290 s each (the stages' limits):
-#   STAGES="kernel attention decode" T_KERNEL=45 T_ATTENTION=75 T_DECODE=170 bash benchmarks/gpu_check.sh
-#   STAGES=cli T_CLI=290 VARIANT=--xla_gpu_enable_triton_gemm=false bash benchmarks/gpu_check.sh
-# VARIANT adds a third CLI run, cold, with those XLA flags (each run's row prints as it ends,
-# so a limit that stops the third keeps the first two).
+# Or as two calls of at most 290 s each (the stages' limits). The cold CLI start took over 300 s
+# on an H200 with the default flags, so the first call starts the CLI with Triton's GEMMs off
+# (cuBLAS picks its own algorithms: no Triton autotuning), cold then warm; the second times the
+# attention splits and decode, then starts the CLI with the default flags, cold, for what is left
+# (its console, echoed with times as it lands, shows each program's compile even if the limit
+# stops the run; the stopped CLI is ended with it):
+#   STAGES=cli T_CLI=290 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bash benchmarks/gpu_check.sh
+#   STAGES="attention decode cli" T_ATTENTION=60 T_DECODE=110 T_CLI=120 DECODE=--no-reference \
+#     bash benchmarks/gpu_check.sh
+# VARIANT adds a further CLI run, cold, with those XLA flags (each run's row prints as it ends,
+# so a limit that stops the last keeps the earlier ones).
 #
 # Logs go to $OUT (default /tmp/podsjax-gpu-check), one file a stage. T_KERNEL, T_ATTENTION, T_DECODE and T_CLI are
 # the stages' time limits in seconds; STAGES picks stages (e.g. STAGES="decode cli"); XLA_FLAGS

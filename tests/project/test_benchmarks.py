@@ -132,6 +132,32 @@ def test_cli_step_benchmark_times_a_cold_and_a_warm_run_then_a_cold_one_with_oth
     assert re.search(r"^  run 2 \[[0-9.]+ s\] loaded \S+ params in ", printed, re.M), printed
 
 
+def test_cli_step_stops_the_cli_it_started_when_a_time_limit_stops_it(tmp_path, capsys):
+    import signal
+
+    from benchmarks.cli_step import run_cli
+
+    pid_file = tmp_path / "pid"
+    child = (f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('started', flush=True); "
+             "time.sleep(120)")
+
+    def time_limit(*_):
+        raise SystemExit(143)  # what cli_step's SIGTERM handler raises
+
+    previous = signal.signal(signal.SIGALRM, time_limit)
+    signal.alarm(3)
+    try:
+        with pytest.raises(SystemExit):
+            run_cli([sys.executable, "-c", child], str(tmp_path / "run1"), child_env(), "run 1")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    printed = capsys.readouterr().out
+    assert re.search(r"run 1 \[[0-9.]+ s\] started", printed) and "stopped before the CLI ended" in printed, printed
+    with pytest.raises(ProcessLookupError):  # ended and reaped
+        os.kill(int(pid_file.read_text()), 0)
+
+
 def test_cli_step_s_timeline_splits_a_start_at_the_fit_check_where_one_ran():
     from benchmarks.cli_step import timeline
 
