@@ -70,7 +70,7 @@ class RewardSection:
     accuracy: float = 1.0  # weight of the task's answer check (0 keeps it as a metric only)
     format: float = 1.0  # weight of the <think>/<answer> format reward
     tag_count: float = 1.0  # weight of the tag-count reward (0.25 per tag)
-    # the reward family: exact, score, authors-release, authors-llama or open-r1 (podsjax.rewards.FORMAT_STYLES)
+    # the reward family: exact, score, authors-release, authors-llama or open-r1 (podsjax.rewards.combine.FORMAT_STYLES)
     format_style: str = "exact"
     # your rewards, each "name" or "name=weight": a registered name or package.module:function
     extra: tuple[str, ...] = ()

@@ -121,7 +121,7 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     p.add_argument("--no-compile-cache", action="store_true", help="do not use JAX's persistent compilation cache")
     p.add_argument("--compile-cache-dir",
                    help="persistent compilation cache (default: $PODSJAX_CACHE_DIR, else $JAX_COMPILATION_CACHE_DIR, "
-                        "else ~/.cache/podsjax/jax)")
+                        "else $XDG_CACHE_HOME/podsjax/jax, else ~/.cache/podsjax/jax)")
     shortcuts = p.add_argument_group("shortcuts", "each sets one field of the config tree")
     for flag, field in SHORTCUTS.items():
         shortcuts.add_argument(flag, dest=_dest(flag), metavar="VALUE", help=f"= --{field}")

@@ -22,16 +22,19 @@ _HELP_FLAGS = ("-h", "--help")
 
 
 def resolved_config(task: str, argv: list[str] | None):
-    """The config a run of ``argv`` (``--help`` left out) would use; on flags that give none
-    (``--resume``, a bad value) the plain command's."""
+    """``(config, error)``: the config a run of ``argv`` (``--help`` left out) would use, and
+    None; on flags that give none (``--resume``, a bad value, no budget) the plain command's,
+    and why the flags gave none."""
     rest = [token for token in argv or () if token not in _HELP_FLAGS]
+    error = None
     for attempt in (rest, []):
         try:
             _, config = flags.parse(task, attempt)
-        except UsageError:
+        except UsageError as e:
+            error = str(e).splitlines()[0] if str(e) else type(e).__name__
             continue
         if config is not None:
-            return config
+            return config, (error if attempt is not rest else None)
     raise UsageError(f"experiments.{task}: no config to describe")  # not reached: the plain command has one
 
 
@@ -79,7 +82,7 @@ def _kind(tp: Any) -> str:
 
 def help_text(task: str, argv: list[str] | None = None) -> str:
     """The launch flags and shortcuts, then every field of the config tree, each with one default."""
-    config = resolved_config(task, argv)
+    config, error = resolved_config(task, argv)
     values, comments = _tree_values(config), _comments()
     parser = flags.build_parser(task)
     for action in parser._actions:
@@ -89,7 +92,10 @@ def help_text(task: str, argv: list[str] | None = None) -> str:
             action.help = f"= --{field} ({own.group(0).strip()[1:-1] if own else f'default: {show(values[field])}'})"
         elif action.help and "(default" not in action.help and action.dest != "help":
             action.help += f" (default: {'off' if action.nargs == 0 else 'none'})"
-    return parser.format_help() + "\n" + _tree_help(task, values, comments)
+    note = "" if error is None else (
+        f"note: these flags give no run ({error}); the defaults below are the plain command's "
+        f"(python -m experiments.{task}, the tiny preset), not theirs\n\n")
+    return note + parser.format_help() + "\n" + _tree_help(task, values, comments)
 
 
 def _comments() -> dict[str, str]:

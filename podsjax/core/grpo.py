@@ -130,7 +130,8 @@ class LossConfig:
     def __post_init__(self):
         for name in ("epsilon", "epsilon_high", "beta", "tis_cap"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            optional = name in ("epsilon_high", "tis_cap")  # None: off
+            if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise ValueError(f"{name} must be a number; got {value!r}")
         for name in ("norm_length", "group_size"):
             value = getattr(self, name)

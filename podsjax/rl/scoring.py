@@ -25,7 +25,7 @@ def score_rollouts(tokenizer, scorer, rewards, examples, n: int, start: int, tok
             "truncated": np.asarray(truncated, np.float32),
             **{f"reward/{k}": np.asarray(v, np.float32) for k, v in scores.per_function.items()}}
     scored = hosts.gather_rows(start, rows, len(examples) * n)
-    counts = {k: v for k, v in scores.metrics.items() if k.endswith(("timeouts", "crashes", "errors"))}
+    counts = {k: v for k, v in scores.metrics.items() if k.endswith(("timeouts", "crashes", "errors", "restarts"))}
     return Scored(scored.pop("total"), scored.pop("length"), scored.pop("truncated"), per_function=scored,
                   failures={k: float(v) for k, v in hosts.sum_over_processes(counts).items()})
 

@@ -376,6 +376,10 @@ def test_bad_inputs_raise_clear_errors():
         LossConfig(aggregation="group-token-mean", group_size=2.0)
     with pytest.raises(ValueError, match="epsilon must be a number; got '0.2'"):
         LossConfig(epsilon="0.2")
+    for name in ("epsilon", "beta"):  # None is "off" only for the optional ones
+        with pytest.raises(ValueError, match=f"{name} must be a number; got None"):
+            LossConfig(**{name: None})
+    assert LossConfig(epsilon_high=None, tis_cap=None).clip_high == 0.2
     with pytest.raises(ValueError, match="ddof must be an integer >= 0; got -1"):
         grpo.group_advantages(jnp.zeros((1, 3)), ddof=-1)
     hidden, head = jnp.ones((2, 6, 4)), jnp.ones((5, 4))

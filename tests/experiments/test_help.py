@@ -54,6 +54,19 @@ def test_the_method_given_with_help_shows_its_own_defaults():
     assert grpo["--n"].endswith(f"(default: {config.algorithm.n})") and config.algorithm.n == config.algorithm.m
 
 
+def test_flags_that_give_no_run_say_so_before_the_plain_command_s_defaults(tmp_path):
+    # --model alone has no budget: the help says so, and whose defaults it then shows.
+    model_only = helptext.help_text("gsm8k", ["--model", str(tmp_path), "--help"])
+    assert model_only.startswith("note: these flags give no run (RunConfig needs a budget"), model_only[:300]
+    assert "the defaults below are the plain command's" in model_only.splitlines()[0]
+    # With a budget the same flags give a run: its own defaults (setting-free --model: n 64), no note.
+    budgeted = helptext.help_text("gsm8k", ["--model", str(tmp_path), "--time-budget", "100", "--help"])
+    _, config = flags.parse("gsm8k", ["--model", str(tmp_path), "--time-budget", "100"])
+    assert not budgeted.startswith("note:") and config.algorithm.n == 64
+    assert entries(budgeted)["--n"].endswith("(default: 64)")
+    assert not helptext.help_text("gsm8k", ["--help"]).startswith("note:")
+
+
 @pytest.mark.parametrize("argv, suggested", [
     (["--methd", "pods"], "--method"),
     (["--time-budgt", "60"], "--time-budget"),

@@ -97,3 +97,24 @@ def test_the_eval_line_adds_pass_and_maj_at_k():
     assert reporting.eval_line(evaluation, run) == (
         "eval at step 3: accuracy 25.0% (mean of 4 passes at temperature 0.9, std 1.0%) on 8 examples; "
         "pass@1 25.0%, maj@1 25.0%; pass@4 50.0%, maj@4 37.5%")
+
+
+def test_a_step_logs_every_failure_count_the_scorer_reports_restarts_too(monkeypatch):
+    from podsjax.data import prompts as prompts_lib
+    from podsjax.data.datasets import Example
+    from podsjax.rewards.combine import RewardScores
+
+    monkeypatch.setattr(prompts_lib, "decode_completions", lambda tokenizer, tokens, mask: ["x"] * len(tokens))
+    counts = {"reward/timeouts": 1, "reward/crashes": 0, "reward/memory_errors": 2, "reward/errors": 0,
+              "reward/restarts": 3, "reward/seconds": 0.5}
+
+    class Scorer:
+        def score(self, completions, rewards, **columns):
+            ones = np.ones(len(completions), np.float32)
+            return RewardScores(ones, {"accuracy": ones}, np.zeros(len(completions), bool), dict(counts))
+
+    examples = [Example("q", "1", {}, "here")]
+    scored = scoring.score_rollouts(None, Scorer(), [], examples, 2, 0, np.zeros((2, 3), np.int32),
+                                    np.ones((2, 3), np.int32), np.zeros(2, bool))
+    # Counts of what went wrong (restarts of dead or stuck workers among them), not timings.
+    assert scored.failures == {k: float(v) for k, v in counts.items() if k != "reward/seconds"}
