@@ -114,22 +114,30 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     """The size-M subset of each group with the largest population variance.
 
     By Theorem 1 of the PODS paper the best subset is the k highest plus the
-    M-k lowest rewards for some k in [0, M]. One sort, prefix sums of r and
-    r^2 from both ends, and all M+1 candidates scored at once: O(N log N) for
-    the sort of (reward, index) pairs, O(M) after it.
+    M-k lowest rewards for some k in [0, M]. One sort of (reward, index) pairs,
+    O(N log N), then O(M): rung k+1 swaps rung k's highest bottom reward b_k for
+    the next top reward t_k, which changes M^2 times the variance by
 
-    Ties: candidates are scored by M * sum(r^2) - sum(r)^2 (M^2 times the
-    variance); among equal scores the smallest k (fewest top rewards) wins,
-    so binary rewards with M odd keep floor(M/2) ones when both kinds are
-    plentiful. Scores within rounding of the best (a few float32 ulps of
-    M * sum(r^2)) count as equal, so the rule holds for rewards such as 0.1
-    and 0.9 too, which float32 cannot hold exactly. Within equal rewards the
-    (reward, index) order applies: the bottom block takes the lowest indices,
-    the top block the highest.
+        (t_k - b_k) * ((M-1) t_k + (M+1) b_k - 2 * sum(rung k)),
 
-    Numerics: rewards are shifted by the group's smallest finite reward
-    before squaring, so a large common offset (1e6 + small differences)
-    costs no precision, and integer-valued rewards score exactly.
+    and the second factor falls as k grows, so the variance rises while it is
+    positive, then falls: the best rung is the first whose factor is not
+    positive. Each swap's sign comes from this factor, linear in the rewards,
+    not from subtracting two scores of M * sum(r^2) - sum(r)^2, whose rounding
+    can swamp the difference between two rungs.
+
+    Ties: among rungs of equal variance the smallest k (fewest top rewards)
+    wins, so binary rewards with M odd keep floor(M/2) ones when both kinds are
+    plentiful. A factor within its rounding error of 0 counts as 0, so the
+    rule holds for rewards such as 0.1 and 0.9 too, which float32 cannot hold
+    exactly; where float32 holds every factor exactly (integer rewards whose
+    sums stay under 2^24), none is rounded and every tie is exact. Within equal
+    rewards the (reward, index) order applies: the bottom block takes the
+    lowest indices, the top block the highest.
+
+    Numerics: rewards are shifted by the group's smallest finite reward, so a
+    large common offset (1e6 + small differences) costs no precision; nothing
+    is squared, so no finite spread overflows.
 
     Args:
       rewards: [..., N] real rewards (scored in float32, or float64 when given
@@ -152,30 +160,29 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     bottom_M = sorted_vals[..., :m] - center
     # The j-th highest finite reward sits at rank nv-1-j.
     top_M = jnp.take_along_axis(sorted_vals, jnp.clip(nv - 1 - ranks_M, 0, None), axis=-1) - center
-    # Rows with fewer than M finite rewards never use these scores; zero them
-    # so inf never meets the arithmetic below.
+    # Rows with fewer than M finite rewards never use these; zero them so inf meets no arithmetic.
     bottom_M = jnp.where(enough, bottom_M, 0)
     top_M = jnp.where(enough, top_M, 0)
 
-    def prefix(x):
-        zero = jnp.zeros_like(x[..., :1])
-        return jnp.concatenate([zero, jnp.cumsum(x, axis=-1)], axis=-1)
-
-    top_s1, top_s2 = prefix(top_M), prefix(top_M * top_M)  # [..., M+1], index k
-    bot_s1, bot_s2 = prefix(bottom_M), prefix(bottom_M * bottom_M)  # index m-k
-    s1 = top_s1 + bot_s1[..., ::-1]
-    s2 = top_s2 + bot_s2[..., ::-1]
-    scores = m * s2 - s1 * s1
-    if m == 1:
-        # Every candidate scores 0 in exact arithmetic, but an FMA in the score
-        # can leave rounding residue; pin the documented tie rule (k=0).
-        k = jnp.zeros_like(nv)
-    else:
-        # The score's rounding error is a few ulps of m * s2 (it cancels s1^2 against it):
-        # the smallest k within that of the best is a tie won by the smallest k.
-        slack = 16 * jnp.finfo(scores.dtype).eps * jnp.max(m * s2, axis=-1, keepdims=True)
-        near_best = scores >= jnp.max(scores, axis=-1, keepdims=True) - slack
-        k = jnp.argmax(near_best, axis=-1).astype(jnp.int32)[..., None]
+    zero = jnp.zeros_like(top_M[..., :1])
+    # sum(rung k) for k < M: the k highest plus the M-k lowest.
+    rung_sum = (jnp.concatenate([zero, jnp.cumsum(top_M, axis=-1)[..., :-1]], axis=-1)
+                + jnp.cumsum(bottom_M, axis=-1)[..., ::-1])
+    t, b = top_M, bottom_M[..., ::-1]  # t_k, b_k: the rewards swapped from rung k to k+1 (t_k >= b_k)
+    factor = (m - 1) * t + (m + 1) * b - 2 * rung_sum
+    magnitude = (m - 1) * t + (m + 1) * b + 2 * rung_sum  # every term is >= 0 after the shift
+    dtype = factor.dtype
+    # Exact where every reward is an integer and every sum stays within the mantissa.
+    exact = jnp.all((top_M == jnp.round(top_M)) & (bottom_M == jnp.round(bottom_M))
+                    & (magnitude < 2.0 ** (jnp.finfo(dtype).nmant + 1)), axis=-1, keepdims=True)
+    # Else each factor's error is a few ulps of its terms, plus the sums' (M terms each).
+    slack = jnp.where(exact, 0, (m + 4) * jnp.finfo(dtype).eps * magnitude)
+    rises = factor > slack
+    first_fall = jnp.where(jnp.any(~rises, axis=-1, keepdims=True),
+                           jnp.argmax(~rises, axis=-1)[..., None], m).astype(jnp.int32)
+    # Swaps of equal rewards (t_k == b_k) just before it change nothing: the smallest k ties.
+    moves = (ranks_M < first_fall) & (t > b)
+    k = jnp.max(jnp.where(moves, ranks_M + 1, 0), axis=-1, keepdims=True)
 
     # Slot j holds rank j for the bottom block, then ranks nv-m+j for the top.
     ranks = jnp.where(ranks_M < m - k, ranks_M, nv - m + ranks_M)
