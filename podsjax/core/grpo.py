@@ -7,6 +7,7 @@ loss takes come from ``podsjax.core.logprobs``.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal, NamedTuple
 
 import flax.struct
@@ -54,10 +55,14 @@ def group_advantages(
     """
     if std_scaling not in STD_SCALINGS:
         raise ValueError(f"std_scaling must be one of {STD_SCALINGS}; got {std_scaling!r}")
-    if not isinstance(eps, jax.core.Tracer) and not eps >= 0:  # a traced eps is the caller's to keep >= 0
-        raise ValueError(f"eps must be >= 0; got {eps}")
-    if isinstance(ddof, bool) or not isinstance(ddof, int) or ddof < 0:
+    if not isinstance(eps, jax.core.Tracer):  # a traced eps is the caller's to keep >= 0
+        if jnp.ndim(eps) != 0:
+            raise ValueError(f"eps must be a scalar; got shape {jnp.shape(eps)}")
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0; got {eps}")
+    if isinstance(ddof, bool) or not isinstance(ddof, numbers.Integral) or ddof < 0:
         raise ValueError(f"ddof must be an integer >= 0; got {ddof!r}")
+    ddof = int(ddof)
     rewards = jnp.asarray(rewards_PM, dtype=jnp.float32)
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
@@ -69,8 +74,9 @@ def group_advantages(
         return centered
     if std_scaling == "group":
         std = _std(shifted, centered, axis=-1, ddof=ddof)
-    else:
-        std = _std(rewards, rewards - jnp.mean(rewards), axis=None, ddof=ddof)
+    else:  # shifted by one reward of the batch, for the same reason
+        batch = rewards - (rewards.reshape(-1)[0] if rewards.size else 0.0)
+        std = _std(batch, batch - jnp.mean(batch), axis=None, ddof=ddof)
     scale = std + eps
     # 0 / 0 (equal rewards with eps = 0) is 0 here, not NaN.
     return centered / jnp.where(scale > 0, scale, 1.0)
@@ -131,12 +137,17 @@ class LossConfig:
         for name in ("epsilon", "epsilon_high", "beta", "tis_cap"):
             value = getattr(self, name)
             optional = name in ("epsilon_high", "tis_cap")  # None: off
-            if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{name} must be a number; got {value!r}")
+            object.__setattr__(self, name, float(value))  # NumPy scalars too, as hashable Python floats
         for name in ("norm_length", "group_size"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise ValueError(f"{name} must be an integer; got {value!r}")
+            if value is not None:
+                object.__setattr__(self, name, int(value))
         if not self.epsilon >= 0:
             raise ValueError(f"epsilon must be >= 0; got {self.epsilon}")
         if self.epsilon_high is not None and not self.epsilon_high >= 0:
@@ -200,12 +211,13 @@ def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:
     mask = jnp.asarray(mask_BL).astype(bool).astype(jnp.float32)  # as the numerator weighs the tokens
     if config.aggregation == "token-mean":
         return jnp.maximum(jnp.sum(mask), 1.0)
+    # At least 1 in every mode, so an empty batch's loss is 0, not 0 / 0.
     if config.aggregation == "group-token-mean":
-        return jnp.asarray(_groups(mask.shape[0], config), jnp.float32)
-    num_seqs = jnp.asarray(mask.shape[0] if mask.ndim > 1 else 1, jnp.float32)
+        return jnp.asarray(max(_groups(mask.shape[0], config), 1), jnp.float32)
+    num_seqs = jnp.asarray(max(mask.shape[0], 1) if mask.ndim > 1 else 1, jnp.float32)
     if config.aggregation == "seq-mean-token-mean":
         return num_seqs
-    length = config.norm_length or mask.shape[-1]
+    length = config.norm_length or max(mask.shape[-1], 1)
     return num_seqs * length
 
 

@@ -228,10 +228,13 @@ def percentile(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> j
 
 
 def random(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
-    """A uniformly random size-M subset of each group (rewards are ignored).
+    """A uniformly random size-M subset of each group's finite rewards.
+
+    The rewards' values are otherwise ignored. As for every rule, non-finite rewards are
+    used only when fewer than M are finite; they are then drawn at random too.
 
     Args:
-      rewards: [..., N]; only the shape is used.
+      rewards: [..., N]; only the shape and which rewards are finite are used.
       m: static subset size.
       key: a PRNG key (required).
 
@@ -243,6 +246,7 @@ def random(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.A
         raise ValueError("selection rule 'random' needs a PRNG key: pass key=jax.random.key(...)")
     # The ranks of i.i.d. uniforms form a uniform random permutation.
     noise = jax.random.uniform(key, rewards.shape, dtype=jnp.float32)
+    noise = jnp.where(jnp.isfinite(rewards), noise, noise - 2)  # non-finite below every finite one
     _, idx = lax.top_k(noise, m)
     return idx.astype(jnp.int32)
 
@@ -322,7 +326,8 @@ def flat_rows(indices: jax.Array, n: int, *, in_position_order: bool = False) ->
 
     Args:
       indices: int [..., P, M] positions in [0, N) within each group, as a
-        rule returns them for rewards [..., P, N].
+        rule returns them for rewards [..., P, N] (checked when called eagerly;
+        under jit a position past N would name a row of the next group).
       n: static group size N.
       in_position_order: sort each group's indices ascending first, so the
         rows keep the flat layout's order.
@@ -336,6 +341,10 @@ def flat_rows(indices: jax.Array, n: int, *, in_position_order: bool = False) ->
         raise ValueError(
             f"indices must be an integer array [..., P, M]; got dtype {indices.dtype}, shape {indices.shape}"
         )
+    if not isinstance(indices, jax.core.Tracer) and indices.is_fully_addressable and indices.size:
+        low, high = int(jnp.min(indices)), int(jnp.max(indices))  # eager calls only: a traced one cannot raise
+        if low < 0 or high >= n:
+            raise ValueError(f"indices must be positions in [0, N={n}) of each group; got values from {low} to {high}")
     if in_position_order:
         indices = jnp.sort(indices, axis=-1)
     groups_P1 = lax.broadcasted_iota(jnp.int32, (*indices.shape[:-1], 1), indices.ndim - 2)

@@ -452,3 +452,31 @@ def test_a_bf16_head_gradient_is_summed_over_its_chunks_in_fp32():
     assert got.dtype == jnp.bfloat16
     error = np.abs(np.asarray(got, np.float32) - reference).max() / np.abs(reference).max()
     assert error < 0.01, error  # one bf16 rounding is 2^-8 = 0.4 %
+
+
+def test_batch_scaling_keeps_its_precision_under_a_large_common_offset():
+    small = np.array([[0.0, 0.25], [0.5, 0.125]])
+    for offset in (0.0, 1e4, 1e6):
+        got = np.asarray(grpo.group_advantages(jnp.asarray(small + offset, jnp.float32), std_scaling="batch"))
+        centered = small - small.mean(-1, keepdims=True)
+        expected = centered / (np.std(small, ddof=1) + 1e-4)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, err_msg=f"offset {offset}")
+
+
+@pytest.mark.parametrize("aggregation", grpo.AGGREGATIONS)
+def test_an_empty_batch_has_loss_zero_in_every_aggregation(aggregation):
+    config = LossConfig(aggregation=aggregation, group_size=2 if aggregation == "group-token-mean" else None)
+    loss, _ = grpo.grpo_loss(jnp.zeros((0, 3)), jnp.zeros(0), jnp.zeros((0, 3)), config)
+    assert float(loss) == 0.0
+
+
+def test_numpy_numbers_are_numbers_and_array_arguments_get_one_line_errors():
+    config = LossConfig(epsilon=np.float32(0.25), beta=np.float64(0.1), aggregation="group-token-mean",
+                        group_size=np.int64(2))
+    assert (config.epsilon, config.beta, config.group_size) == (0.25, pytest.approx(0.1), 2)
+    assert type(config.epsilon) is float and type(config.group_size) is int
+    hash(config)  # still a static jit argument
+    rewards = jnp.array([[0.0, 1.0, 3.0]])
+    np.testing.assert_allclose(grpo.group_advantages(rewards, ddof=np.int64(1)), grpo.group_advantages(rewards))
+    with pytest.raises(ValueError, match=r"eps must be a scalar; got shape \(2,\)"):
+        grpo.group_advantages(rewards, eps=jnp.array([1e-4, 1e-4]))

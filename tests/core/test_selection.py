@@ -72,9 +72,9 @@ def rung_of(rewards, idx, m) -> int:
 # copies, as a sampled group of near-identical scores (a length penalty, a format bonus) gives.
 clustered = st.builds(
     lambda base, gaps, outliers: np.asarray([base + g for g in gaps] + outliers, np.float32),
-    st.floats(-100, 100, width=32), st.lists(st.sampled_from([0.0, 1e-3, 7e-3, -5e-3, 0.011, 2e-4]), min_size=1,
-                                             max_size=9),
-    st.lists(st.floats(-100, 100, width=32), max_size=2))
+    st.floats(-100, 100, allow_subnormal=False, width=32),
+    st.lists(st.sampled_from([0.0, 1e-3, 7e-3, -5e-3, 0.011, 2e-4]), min_size=1, max_size=9),
+    st.lists(st.floats(-100, 100, allow_subnormal=False, width=32), max_size=2))  # XLA flushes subnormals
 
 
 @st.composite
@@ -322,6 +322,20 @@ def test_random_is_uniform_and_deterministic_per_key():
     assert np.array_equal(np.asarray(RANDOM(jnp.zeros(n), m, key=key)), np.asarray(RANDOM(jnp.zeros(n), m, key=key)))
 
 
+def test_random_draws_from_the_finite_rewards_uniformly_and_from_the_rest_only_when_short():
+    keys = jax.random.split(jax.random.key(3), 2000)
+    rewards = jnp.array([jnp.nan, jnp.inf, 0.0, 1.0, 0.0, 1.0, 1.0, -jnp.inf])  # five finite
+    idx = np.asarray(jax.vmap(lambda k: selection.random(rewards, 4, key=k))(keys))
+    assert np.isfinite(np.asarray(rewards)[idx]).all()
+    counts = np.bincount(idx.ravel(), minlength=8)[[2, 3, 4, 5, 6]]
+    assert np.all(np.abs(counts - 2000 * 4 / 5) < 5 * np.sqrt(2000 * 0.8 * 0.2)), counts
+    # Two finite rewards for M = 4: both, then two of the three others, at random.
+    short = jnp.array([jnp.nan, 2.0, jnp.inf, jnp.nan, 5.0])
+    idx = np.asarray(jax.vmap(lambda k: selection.random(short, 4, key=k))(keys))
+    assert all({1, 4} <= set(row.tolist()) for row in idx)
+    assert set(np.unique(idx).tolist()) == {0, 1, 2, 3, 4}
+
+
 # --- Transforms and sharding ---------------------------------------------------
 
 
@@ -452,3 +466,11 @@ def test_theorem1_holds_on_every_row_of_a_large_batch():
             got = np.var(np.take_along_axis(rewards, idx, 1).astype(np.float64), axis=1)
             np.testing.assert_allclose(got, best, rtol=1e-5, atol=1e-7)
             assert all(len(set(row)) == m for row in idx.tolist())
+
+
+def test_flat_rows_refuses_a_position_past_the_group_when_called_eagerly():
+    assert selection.flat_rows(jnp.array([[0, 3], [1, 2]]), 4).tolist() == [0, 3, 5, 6]
+    with pytest.raises(ValueError, match=r"indices must be positions in \[0, N=4\) of each group; got values from 0 to 5"):
+        selection.flat_rows(jnp.array([[0, 5]]), 4)
+    with pytest.raises(ValueError, match="from -1 to 1"):
+        selection.flat_rows(jnp.array([[-1, 1]]), 4)
