@@ -189,7 +189,7 @@ integer_rewards = st.integers(-20, 20).map(float)
 @PROPERTY
 @given(group_and_m(values=integer_rewards), st.integers(-1000, 1000), st.integers(1, 16))
 def test_shift_and_positive_scale_keep_the_subset(case, shift, scale):
-    # Integer data keeps every score exact, so equality is bit-for-bit, ties included.
+    # Integer data keeps every swap factor exact, so equality is bit-for-bit, ties included.
     rewards, m = case
     base = np.asarray(MV(rewards, m))
     assert np.array_equal(np.asarray(MV(rewards + np.float32(shift), m)), base)
