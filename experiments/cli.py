@@ -23,7 +23,7 @@ import time
 import traceback
 import warnings
 
-from experiments import completed, flags, helptext, launch_checks, run_dir
+from experiments import completed, config_decoding, flags, helptext, launch_checks, run_dir
 from experiments.config import describe_setting
 from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_device_count
 
@@ -372,15 +372,32 @@ def _sigterm_as_interrupt(number, frame):
     raise KeyboardInterrupt("SIGTERM")
 
 
-def interrupted_line(exc: KeyboardInterrupt, task: str, out: str | None) -> str:
-    """What a stopped run prints: where it stopped (``run_state.StopRequested`` says) and how to go on."""
+def _extension_flags(config, out: str) -> str:
+    """`` --time-budget X`` / `` --max-steps N`` where ``config`` raises the budget the run in
+    ``out`` was started with (a resume that trains it further): the resume must say them again."""
+    try:
+        started = config_decoding.read_run_config(out).run
+    except Exception:  # noqa: BLE001 - the line is advice; without the stored config it names no flags
+        return ""
+    flags_ = ""
+    for field, flag in (("time_budget_s", "--time-budget"), ("max_steps", "--max-steps")):
+        wanted, before = getattr(config.run, field), getattr(started, field)
+        if wanted is not None and (before is None or wanted > before):
+            flags_ += f" {flag} {wanted:g}"
+    return flags_
+
+
+def interrupted_line(exc: KeyboardInterrupt, task: str, out: str | None, config=None) -> str:
+    """What a stopped run prints: where it stopped (``run_state.StopRequested`` says) and how to go on
+    (with the budget flags of a resume that raised the run's budget)."""
     if type(exc).__name__ == "StopRequested":
         what = str(exc)
     else:
         what = f"interrupted by {exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else "interrupted"
     if out is None or not os.path.isfile(os.path.join(out, CONFIG_FILE)):
         return f"{what}; no run was written yet"
-    return f"{what}; to continue: python -m experiments.{task} --out {shlex.quote(out)} --resume"
+    extension = "" if config is None else _extension_flags(config, out)
+    return f"{what}; to continue: python -m experiments.{task} --out {shlex.quote(out)} --resume{extension}"
 
 
 def main(task: str, argv=None) -> int:
@@ -391,6 +408,7 @@ def main(task: str, argv=None) -> int:
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt) if in_main else None
     library = LibraryOutput().install()
+    config = None
     try:
         args, config = flags.parse(task, argv)
         if args.help:
@@ -422,7 +440,7 @@ def main(task: str, argv=None) -> int:
                                      dry_run=args.dry_run, topology=args.topology, started_at=started_at)
     except KeyboardInterrupt as exc:
         library.print_note()
-        print(interrupted_line(exc, task, getattr(args, "out", None)), file=sys.stderr, flush=True)
+        print(interrupted_line(exc, task, getattr(args, "out", None), config), file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
         line = user_error_line(exc, getattr(args, "out", None))

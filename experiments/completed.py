@@ -41,6 +41,15 @@ def extends(config: ExperimentConfig, out: str) -> bool:
     return False
 
 
+def _past(budget, done):
+    """Twice ``budget``, doubled again until it is past ``done`` (a resume that raised the budget
+    trained past it), so the suggested command always trains further."""
+    more = 2 * budget
+    while more <= done:
+        more *= 2
+    return more
+
+
 def complete_line(config: ExperimentConfig, out: str) -> str:
     """What ``--resume`` of a complete run prints: where it ended, and the command that trains it further."""
     last, run = _last_step(out), config.run
@@ -48,10 +57,10 @@ def complete_line(config: ExperimentConfig, out: str) -> str:
     done += f"{last.get('time/elapsed_train_s', 0.0):.0f} s of training clock)" if last else "no steps logged)"
     by_steps = run.max_steps is not None and (run.time_budget_s is None or last.get("step", 0) >= run.max_steps)
     if by_steps:
-        flag, more = "--max-steps", str(2 * run.max_steps)
+        flag, more = "--max-steps", str(_past(run.max_steps, last.get("step", 0)))
         budget = f"its --max-steps {run.max_steps}"
     else:
-        flag, more = "--time-budget", f"{2 * run.time_budget_s:g}"
+        flag, more = "--time-budget", f"{_past(run.time_budget_s, last.get('time/elapsed_train_s', 0.0)):g}"
         budget = f"its --time-budget {run.time_budget_s:g}"
     command = f"python -m experiments.{run.task} --out {shlex.quote(out)} --resume {flag} {more}"
     return (f"{done}: {budget} is spent, so there is nothing to resume and nothing was changed; to train it "

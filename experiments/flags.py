@@ -251,8 +251,10 @@ def _goes_on(args) -> bool:
         raise UsageError("--resume needs --out, the run directory to continue")
     args.resume = has_run(args.out)
     if not args.resume and not args.resume_auto:
-        raise UsageError(f"--resume: {args.out} holds no run to resume (no config.json of a run); "
-                         "--resume auto starts it there when it has none")
+        empty = not os.path.exists(args.out) or (os.path.isdir(args.out) and not os.listdir(args.out))
+        hint = ("--resume auto starts it there when it has none" if empty else
+                "it is not empty either: start a run in a new or empty directory")
+        raise UsageError(f"--resume: {args.out} holds no run to resume (no config.json of a run); {hint}")
     return args.resume
 
 

@@ -97,7 +97,11 @@ def compile_only_devices(name: str) -> list:
     count = int(match.group(2) or 1)
     if count > _MAX_PER_HOST:
         raise ValueError(f"GPU topology {name!r}: at most {_MAX_PER_HOST} GPUs on one host")
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    try:
+        plugin = importlib.util.find_spec("jax_plugins.xla_cuda12")
+    except ModuleNotFoundError:  # no plugin at all: no jax_plugins package to look in
+        plugin = None
+    if plugin is None:
         raise ValueError(f"compiling for a GPU needs jax's CUDA plugin on this host: {INSTALL}")
     from jax.experimental import topologies
 

@@ -33,10 +33,18 @@ def test_a_bad_gpu_topology_is_refused_in_one_line(name):
     assert "\n" not in str(info.value)
 
 
-def test_without_the_cuda_plugin_the_error_says_what_to_install(monkeypatch):
+@pytest.mark.parametrize("missing", ["the plugin", "every plugin"])
+def test_without_the_cuda_plugin_the_error_says_what_to_install(monkeypatch, missing):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.startswith("jax_plugins") else real(name, *a))
+
+    def find_spec(name, *a):
+        if not name.startswith("jax_plugins"):
+            return real(name, *a)
+        if missing == "every plugin":  # no jax_plugins package: find_spec of a submodule raises
+            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+        return None
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(ValueError, match=r"needs jax's CUDA plugin on this host: pip install 'podsjax\[cuda\]'"):
         topology.compile_only_devices("h100")
 

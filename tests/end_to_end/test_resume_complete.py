@@ -53,3 +53,22 @@ def test_a_larger_budget_resumes_a_complete_run(tmp_path, monkeypatch, capsys):
     assert not started and "--max-steps 208" in capsys.readouterr().out
     assert cli.main("gsm8k", ["--out", str(out), "--resume", "--max-steps", "200"]) == 0
     assert [config.run.max_steps for config in started] == [200]
+
+
+def test_the_suggested_budget_is_past_what_a_raised_budget_already_trained(tmp_path, monkeypatch, capsys):
+    # Started with 240 s, then resumed with --time-budget 480 to 481 s: 480 would train nothing.
+    out = _complete_run(tmp_path / "run")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 200, "time/elapsed_train_s": 481.0}) + "\n")
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **k: pytest.fail("a complete run was started again"))
+    assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 0
+    assert "--time-budget 960" in capsys.readouterr().out
+
+
+def test_a_stopped_resume_that_raised_the_budget_says_the_budget_again(tmp_path):
+    out = _complete_run(tmp_path / "run")
+    _, raised = flags.parse("gsm8k", ["--out", str(out), "--time-budget", "480", "--max-steps", "900"])
+    line = cli.interrupted_line(KeyboardInterrupt("SIGTERM"), "gsm8k", str(out), raised)
+    assert line.endswith(f"--out {out} --resume --time-budget 480 --max-steps 900"), line
+    _, same = flags.parse("gsm8k", ["--out", str(out)])
+    assert cli.interrupted_line(KeyboardInterrupt(), "gsm8k", str(out), same).endswith("--resume"), line

@@ -7,6 +7,7 @@ relaunches it), and ``--resume auto`` starts the run the first time and continue
 """
 
 import json
+import os
 import signal
 import tempfile
 import time
@@ -123,6 +124,14 @@ def test_resume_auto_starts_the_run_then_continues_it(tmp_path, one_line):
     # Plain --resume still wants a run to continue.
     err = one_line(["--resume"], tmp_path / "empty")
     assert "holds no run to resume" in err and "--resume auto" in err
+    # A folder of the user's own files: --resume auto would refuse it too, so no hint to it.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError) as refused:
+        flags.parse("gsm8k", ["--resume", "--out", str(tmp_path / "mine")])
+    err = str(refused.value)
+    assert "holds no run to resume" in err and "--resume auto" not in err and "new or empty directory" in err
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]
 
 
 def test_a_directory_holding_only_a_lock_counts_as_empty(tmp_path):
