@@ -13,9 +13,9 @@ Orbax's reports from its background threads go to ``<out>/run.log`` (:class:`Lib
 from __future__ import annotations
 
 import errno
+import importlib.util
 import logging
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -23,9 +23,9 @@ import time
 import traceback
 import warnings
 
-from experiments import completed, config_decoding, flags, helptext, launch_checks, run_dir
+from experiments import completed, flags, helptext, launch_checks, run_dir
 from experiments.config import describe_setting
-from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_device_count
+from experiments.usage import UsageError, has_accelerator, mesh_device_count
 
 # The library's errors about what the user gave it (module, class): one line, status 2.
 # Looked up in sys.modules so that this module never imports JAX itself.
@@ -372,36 +372,17 @@ def _sigterm_as_interrupt(number, frame):
     raise KeyboardInterrupt("SIGTERM")
 
 
-def _extension_flags(config, out: str) -> str:
-    """`` --time-budget X`` / `` --max-steps N`` where ``config`` raises the budget the run in
-    ``out`` was started with (a resume that trains it further): the resume must say them again."""
-    try:
-        started = config_decoding.read_run_config(out).run
-    except Exception:  # noqa: BLE001 - the line is advice; without the stored config it names no flags
-        return ""
-    flags_ = ""
-    for field, flag in (("time_budget_s", "--time-budget"), ("max_steps", "--max-steps")):
-        wanted, before = getattr(config.run, field), getattr(started, field)
-        if wanted is not None and (before is None or wanted > before):
-            flags_ += f" {flag} {wanted:g}"
-    return flags_
-
-
-def interrupted_line(exc: KeyboardInterrupt, task: str, out: str | None, config=None) -> str:
-    """What a stopped run prints: where it stopped (``run_state.StopRequested`` says) and how to go on
-    (with the budget flags of a resume that raised the run's budget)."""
-    if type(exc).__name__ == "StopRequested":
-        what = str(exc)
-    else:
-        what = f"interrupted by {exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else "interrupted"
-    if out is None or not os.path.isfile(os.path.join(out, CONFIG_FILE)):
-        return f"{what}; no run was written yet"
-    extension = "" if config is None else _extension_flags(config, out)
-    return f"{what}; to continue: python -m experiments.{task} --out {shlex.quote(out)} --resume{extension}"
+def quiet_transformers() -> None:
+    """Without PyTorch, importing transformers advises that its models are unavailable: podsjax
+    needs only its tokenizers (``[run]`` installs no torch), so the line would read as a broken
+    install. Only that advice level is silenced."""
+    if importlib.util.find_spec("torch") is None:
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def main(task: str, argv=None) -> int:
     started_at = time.time()
+    quiet_transformers()
     args = None
     # SIGTERM (SLURM, spot-VM preemption, `kill`) takes Ctrl-C's way out: the trainer's own
     # handler checkpoints the last whole step, and everything else unwinds (the lock, workers).
@@ -431,6 +412,7 @@ def main(task: str, argv=None) -> int:
         launch_checks.check(args, config)
         if args.overwrite:
             run_dir.check_overwrite(args.out, config, args.config)
+        print(f"run directory: {args.out}", flush=True)  # named now: the summary names it only at the end
         start(args, config)
         if args.setting:
             print(describe_setting(args.setting, args.method, config, getattr(args, "origins", None)), flush=True)
@@ -440,7 +422,7 @@ def main(task: str, argv=None) -> int:
                                      dry_run=args.dry_run, topology=args.topology, started_at=started_at)
     except KeyboardInterrupt as exc:
         library.print_note()
-        print(interrupted_line(exc, task, getattr(args, "out", None), config), file=sys.stderr, flush=True)
+        print(completed.interrupted_line(exc, task, getattr(args, "out", None), config), file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
         line = user_error_line(exc, getattr(args, "out", None))

@@ -1,6 +1,7 @@
-"""A complete run: one that exported its model and whose budget a resume does not raise.
+"""A complete run: one that exported its model and whose budget a resume does not raise; and
+the line a stopped run prints to continue it.
 
-``--resume`` of such a run has nothing to do: it says so and how to train further, and
+``--resume`` of a complete run has nothing to do: it says so and how to train further, and
 leaves the directory as it is. Imports no JAX.
 """
 
@@ -11,6 +12,7 @@ import shlex
 
 from experiments import config_decoding
 from experiments.config import ExperimentConfig
+from experiments.usage import CONFIG_FILE
 
 FINAL_MODEL = "final_model"
 
@@ -65,3 +67,31 @@ def complete_line(config: ExperimentConfig, out: str) -> str:
     command = f"python -m experiments.{run.task} --out {shlex.quote(out)} --resume {flag} {more}"
     return (f"{done}: {budget} is spent, so there is nothing to resume and nothing was changed; to train it "
             f"further, resume with a larger --time-budget or --max-steps, e.g. {command}")
+
+
+def _extension_flags(config, out: str) -> str:
+    """`` --time-budget X`` / `` --max-steps N`` where ``config`` raises the budget the run in
+    ``out`` was started with (a resume that trains it further): the resume must say them again."""
+    try:
+        started = config_decoding.read_run_config(out).run
+    except Exception:  # noqa: BLE001 - the line is advice; without the stored config it names no flags
+        return ""
+    flags_ = ""
+    for field, flag in (("time_budget_s", "--time-budget"), ("max_steps", "--max-steps")):
+        wanted, before = getattr(config.run, field), getattr(started, field)
+        if wanted is not None and (before is None or wanted > before):
+            flags_ += f" {flag} {wanted:g}"
+    return flags_
+
+
+def interrupted_line(exc: KeyboardInterrupt, task: str, out: str | None, config=None) -> str:
+    """What a stopped run prints: where it stopped (``run_state.StopRequested`` says) and how to go on
+    (with the budget flags of a resume that raised the run's budget)."""
+    if type(exc).__name__ == "StopRequested":
+        what = str(exc)
+    else:
+        what = f"interrupted by {exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else "interrupted"
+    if out is None or not os.path.isfile(os.path.join(out, CONFIG_FILE)):
+        return f"{what}; no run was written yet"
+    extension = "" if config is None else _extension_flags(config, out)
+    return f"{what}; to continue: python -m experiments.{task} --out {shlex.quote(out)} --resume{extension}"

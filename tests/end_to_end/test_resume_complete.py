@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from experiments import cli, config_decoding, flags, runner
+from experiments import cli, completed, config_decoding, flags, runner
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -68,7 +68,7 @@ def test_the_suggested_budget_is_past_what_a_raised_budget_already_trained(tmp_p
 def test_a_stopped_resume_that_raised_the_budget_says_the_budget_again(tmp_path):
     out = _complete_run(tmp_path / "run")
     _, raised = flags.parse("gsm8k", ["--out", str(out), "--time-budget", "480", "--max-steps", "900"])
-    line = cli.interrupted_line(KeyboardInterrupt("SIGTERM"), "gsm8k", str(out), raised)
+    line = completed.interrupted_line(KeyboardInterrupt("SIGTERM"), "gsm8k", str(out), raised)
     assert line.endswith(f"--out {out} --resume --time-budget 480 --max-steps 900"), line
     _, same = flags.parse("gsm8k", ["--out", str(out)])
-    assert cli.interrupted_line(KeyboardInterrupt(), "gsm8k", str(out), same).endswith("--resume"), line
+    assert completed.interrupted_line(KeyboardInterrupt(), "gsm8k", str(out), same).endswith("--resume"), line

@@ -1,5 +1,6 @@
 """--help shows each flag with one default, the one a run of that command would use; a misspelling gets a suggestion."""
 
+import os
 import re
 
 import pytest
@@ -81,3 +82,19 @@ def test_a_flag_like_none_gets_no_suggestion():
     with pytest.raises(UsageError) as caught:
         flags.parse("gsm8k", ["--zzz", "1"])
     assert "did you mean" not in str(caught.value)
+
+
+def test_without_torch_the_cli_silences_transformers_advice_only(monkeypatch):
+    import importlib.util
+
+    from experiments import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.delenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: real(name, *a) if name != "torch" else None)
+    cli.quiet_transformers()
+    assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "1"
+    monkeypatch.delenv("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    monkeypatch.setattr(importlib.util, "find_spec", real)  # torch installed (the test extra): advice stays
+    cli.quiet_transformers()
+    assert "TRANSFORMERS_NO_ADVISORY_WARNINGS" not in os.environ
