@@ -141,14 +141,14 @@ def main(argv=None) -> None:
         except Exception as e:  # noqa: BLE001 - a split the compiler refuses (registers, shared memory) is a row too
             print(f"| {name} | {split.prefix_programs} + {split.own_programs} | - | failed: "
                   f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
-            kernel_variants.restore(saved)
             continue
+        finally:
+            kernel_variants.restore(saved)
         timed[name] = t
         walk = split.max_slots_per_program // split.block
         ratio = f"{t / floor_s:.1f}x" if floor_s else "n/a"
         print(f"| {name} | {split.prefix_programs} + {split.own_programs} | {walk} | {t * 1e6:.1f} | {ratio} |"
               f" {t_xla / t:.2f}x | {diff:.1e} |", flush=True)
-        kernel_variants.restore(saved)
     xla_ratio = f"{t_xla / floor_s:.1f}x" if floor_s else "n/a"
     print(f"| XLA form (rollout.attend_grouped_token) | - | - | {t_xla * 1e6:.1f} | {xla_ratio} | 1.00x | 0 |")
     best = min(timed, key=timed.get)

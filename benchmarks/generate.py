@@ -146,8 +146,9 @@ def run_generate(args) -> dict:
     contenders = [podsjax_generate, lambda: jax.block_until_ready(prefill_fn(params, ids, mask))]
     if args.reference:
         contenders += [torch_synced(torch, torch_generate), torch_synced(torch, torch_prefill)]
-    timed = interleaved_medians(contenders, args.repeats) + [(None, None)] * (4 - len(contenders))
-    (t_jax, times_jax), (prefill_jax, _), (t_pt, times_pt), (prefill_pt, _) = timed
+    timed = interleaved_medians(contenders, args.repeats)
+    (t_jax, times_jax), (prefill_jax, _) = timed[:2]
+    (t_pt, times_pt), (prefill_pt, _) = timed[2:] or [(None, None)] * 2
     profile = None
     if args.profile:  # one more podsjax call under the profiler, after the timed ones
         from benchmarks import trace_summary

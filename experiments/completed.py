@@ -15,6 +15,8 @@ from experiments.config import ExperimentConfig
 from experiments.usage import CONFIG_FILE
 
 FINAL_MODEL = "final_model"
+# A run's budgets: (RunConfig field, its flag, the metrics.jsonl key that counts it down).
+_BUDGETS = (("time_budget_s", "--time-budget", "time/elapsed_train_s"), ("max_steps", "--max-steps", "step"))
 
 
 def is_complete(config: ExperimentConfig, out: str) -> bool:
@@ -36,7 +38,7 @@ def extends(config: ExperimentConfig, out: str) -> bool:
     --max-steps than the run was started with, which its last training step has not reached."""
     last = _last_step(out)
     started = config_decoding.read_run_config(out).run
-    for field, key in (("time_budget_s", "time/elapsed_train_s"), ("max_steps", "step")):
+    for field, _, key in _BUDGETS:
         wanted, before = getattr(config.run, field), getattr(started, field)
         if wanted is not None and before is not None and wanted > before and last.get(key, 0) < wanted:
             return True
@@ -77,7 +79,7 @@ def _extension_flags(config, out: str) -> str:
     except Exception:  # noqa: BLE001 - the line is advice; without the stored config it names no flags
         return ""
     flags_ = ""
-    for field, flag in (("time_budget_s", "--time-budget"), ("max_steps", "--max-steps")):
+    for field, flag, _ in _BUDGETS:
         wanted, before = getattr(config.run, field), getattr(started, field)
         if wanted is not None and (before is None or wanted > before):
             flags_ += f" {flag} {wanted:g}"

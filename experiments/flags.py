@@ -38,7 +38,7 @@ from experiments.config_decoding import (
     read_run_config,
 )
 from experiments.config_documents import show_value
-from experiments.launch_checks import has_run
+from experiments.launch_checks import has_run, planned_only
 from experiments.usage import UsageError
 from experiments import paper_settings
 
@@ -251,8 +251,9 @@ def _goes_on(args) -> bool:
         raise UsageError("--resume needs --out, the run directory to continue")
     args.resume = has_run(args.out)
     if not args.resume and not args.resume_auto:
-        empty = not os.path.exists(args.out) or (os.path.isdir(args.out) and not os.listdir(args.out))
-        hint = ("--resume auto starts it there when it has none" if empty else
+        # What --resume auto would take: a new directory, or one holding no more than a dry run's files.
+        takes = not os.path.exists(args.out) or planned_only(args.out)
+        hint = ("--resume auto starts it there when it has none" if takes else
                 "it is not empty either: start a run in a new or empty directory")
         raise UsageError(f"--resume: {args.out} holds no run to resume (no config.json of a run); {hint}")
     return args.resume

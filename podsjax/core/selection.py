@@ -177,11 +177,9 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
                     & (magnitude < 2.0 ** (jnp.finfo(dtype).nmant + 1)), axis=-1, keepdims=True)
     # Else each factor's error is a few ulps of its terms, plus the sums' (M terms each).
     slack = jnp.where(exact, 0, (m + 4) * jnp.finfo(dtype).eps * magnitude)
-    rises = factor > slack
-    first_fall = jnp.where(jnp.any(~rises, axis=-1, keepdims=True),
-                           jnp.argmax(~rises, axis=-1)[..., None], m).astype(jnp.int32)
+    before_fall = jnp.cumprod(factor > slack, axis=-1, dtype=jnp.int32) > 0  # the swaps up to the first fall
     # Swaps of equal rewards (t_k == b_k) just before it change nothing: the smallest k ties.
-    moves = (ranks_M < first_fall) & (t > b)
+    moves = before_fall & (t > b)
     k = jnp.max(jnp.where(moves, ranks_M + 1, 0), axis=-1, keepdims=True)
 
     # Slot j holds rank j for the bottom block, then ranks nv-m+j for the top.

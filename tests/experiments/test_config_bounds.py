@@ -15,7 +15,7 @@ import tracemalloc
 
 import pytest
 
-from experiments import cli, config_decoding, flags, launch_checks, runner
+from experiments import cli, config_decoding, flags, launch_checks, run_dir, runner
 from experiments.usage import UsageError
 
 
@@ -132,6 +132,11 @@ def test_resume_auto_starts_the_run_then_continues_it(tmp_path, one_line):
     err = str(refused.value)
     assert "holds no run to resume" in err and "--resume auto" not in err and "new or empty directory" in err
     assert os.listdir(tmp_path / "mine") == ["notes.txt"]
+    # A folder holding only a stale lock is one --resume auto takes: the hint says so.
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "locked" / run_dir.LOCK_FILE).write_text("")
+    with pytest.raises(UsageError, match="--resume auto starts it there"):
+        flags.parse("gsm8k", ["--resume", "--out", str(tmp_path / "locked")])
 
 
 def test_a_directory_holding_only_a_lock_counts_as_empty(tmp_path):
