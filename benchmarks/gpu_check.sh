@@ -14,22 +14,23 @@
 #   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
 #   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
 #
-# Or as two calls of at most 290 s each (the stages' limits). The cold CLI start took over 300 s
-# on an H200 with the default flags, so the first call starts the CLI with Triton's GEMMs off
-# (cuBLAS picks its own algorithms: no Triton autotuning), cold then warm; the second times the
-# attention splits and decode, then starts the CLI with the default flags, cold, for what is left
-# (its console, echoed with times as it lands, shows each program's compile even if the limit
-# stops the run; the stopped CLI is ended with it):
-#   STAGES=cli T_CLI=290 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bash benchmarks/gpu_check.sh
-#   STAGES="attention decode cli" T_ATTENTION=60 T_DECODE=110 T_CLI=120 DECODE=--no-reference \
-#     bash benchmarks/gpu_check.sh
+# Or as two calls of at most 290 s each (the stages' limits): first with the main job's own
+# XLA flags (GEMMs as cuBLAS calls: podsjax.devices.accelerators.GPU_XLA_FLAGS), decode and
+# the CLI cold then warm; then with XLA's Triton GEMMs, autotuned, as before that default,
+# decode and the CLI cold (the earlier cold starts with them took 212 s and more than 310 s):
+#   STAGES="decode cli" T_DECODE=100 T_CLI=185 DECODE=--no-reference bash benchmarks/gpu_check.sh
+#   STAGES="decode cli" T_DECODE=100 T_CLI=185 DECODE=--no-reference RUNS=1 \
+#     XLA_FLAGS=--xla_gpu_enable_triton_gemm=true bash benchmarks/gpu_check.sh
+# The CLI's console is echoed with times as it lands, so a limit that stops a run still shows
+# each program's compile; the stopped CLI is ended with it.
 # VARIANT adds a further CLI run, cold, with those XLA flags (each run's row prints as it ends,
 # so a limit that stops the last keeps the earlier ones).
 #
 # Logs go to $OUT (default /tmp/podsjax-gpu-check), one file a stage. T_KERNEL, T_ATTENTION, T_DECODE and T_CLI are
 # the stages' time limits in seconds; STAGES picks stages (e.g. STAGES="decode cli"); XLA_FLAGS
 # passes through, to compare autotuning settings in a second call, e.g.
-#   STAGES="decode cli" XLA_FLAGS=--xla_gpu_enable_triton_gemm=false bash benchmarks/gpu_check.sh
+#   STAGES="decode cli" XLA_FLAGS=--xla_gpu_enable_triton_gemm=true bash benchmarks/gpu_check.sh
+# RUNS sets the CLI stage's runs on one compile cache (default 2: cold, then warm).
 # DECODE adds flags to the decode stage (e.g. DECODE=--no-reference: podsjax alone, no transformers).
 # STEPS_PER_CHECK sets the decode stage's steps between two stop checks (1: a check every token, as before).
 # A dry run on a CPU, cut down: ATTENTION="--rows 8 --prompt-len 32 --slots 32 --filled 16 --head-dim 16
@@ -49,6 +50,6 @@ model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
 stage decode "${T_DECODE:-190}" "$PY" -m benchmarks.kernel_variants "$variant" benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
   --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace" ${DECODE:-} \
   ${STEPS_PER_CHECK:+--steps-per-check $STEPS_PER_CHECK}
-stage cli "${T_CLI:-340}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs 2 \
+stage cli "${T_CLI:-340}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs "${RUNS:-2}" \
   --kernel-variant "$variant" ${VARIANT:+--variant-xla-flags=$VARIANT} ${CLI:+--cli-flags $CLI}
 stamp done

@@ -257,11 +257,11 @@ def prepare_devices(spec: str | None, processes: int = 1, topology: str | None =
         if "jax" in sys.modules:  # the config tree imported it, and it read the variable then
             sys.modules["jax"].config.update("jax_platforms", "cpu")
     flags = host_device_flags(count // processes, os.environ.get("XLA_FLAGS", ""))
-    from podsjax.devices.gpu_topology import DEVICELESS_XLA_FLAGS, is_gpu_name  # no JAX
+    from podsjax.devices.accelerators import has_nvidia_gpu, with_gpu_flags  # no JAX
+    from podsjax.devices.gpu_topology import is_gpu_name
 
-    if topology is not None and is_gpu_name(topology) and DEVICELESS_XLA_FLAGS not in flags:
-        flags = f"{flags} {DEVICELESS_XLA_FLAGS}".strip()
-    os.environ["XLA_FLAGS"] = flags
+    for_gpus = is_gpu_name(topology) if topology is not None else has_nvidia_gpu()
+    os.environ["XLA_FLAGS"] = with_gpu_flags(flags) if for_gpus else flags
 
 
 def _jax_started() -> bool:

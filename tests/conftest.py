@@ -19,16 +19,17 @@ for _folder in sorted(pathlib.Path(__file__).parent.iterdir()):
 
 from experiments.cli import host_device_flags  # noqa: E402
 from experiments.usage import has_accelerator  # noqa: E402 - imports no JAX
-from podsjax.devices.gpu_topology import DEVICELESS_XLA_FLAGS  # noqa: E402 - imports no JAX
+from podsjax.devices.accelerators import has_nvidia_gpu, with_gpu_flags  # noqa: E402 - imports no JAX
 from child_env import SUITE_XLA_FLAGS  # noqa: E402
 
 os.environ["XLA_FLAGS"] = host_device_flags(8, os.environ.get("XLA_FLAGS", ""))
+if not has_accelerator() or has_nvidia_gpu():  # programs for GPUs are compiled as the CLI's are
+    os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ["XLA_FLAGS"])
 if not has_accelerator():
-    # No accelerator plugin probes for a device that is not there (pages of warnings), the
-    # programs compiled for GPUs from here use cuBLAS GEMMs, as the CLI's do, and the CPU's
-    # programs compile at -O0 (``child_env.SUITE_XLA_FLAGS``).
+    # No accelerator plugin probes for a device that is not there (pages of warnings), and
+    # the CPU's programs compile at -O0 (``child_env.SUITE_XLA_FLAGS``).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] += f" {DEVICELESS_XLA_FLAGS} {SUITE_XLA_FLAGS}"
+    os.environ["XLA_FLAGS"] += f" {SUITE_XLA_FLAGS}"
 # Under pytest-xdist several test processes share one accelerator: each allocates what it
 # uses instead of most of the device up front.
 if has_accelerator():

@@ -9,6 +9,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _check_temperature(temperature: float, *, static: bool = False) -> None:
@@ -21,6 +22,22 @@ def _check_temperature(temperature: float, *, static: bool = False) -> None:
                          f"got {temperature}")
 
 
+def _check_targets(targets, vocab: int) -> None:
+    """Integer ids in [0, vocab): out of range, the gather would give a NaN or another token's
+    log-prob without a word. Checked on concrete values only; under jit, the caller's."""
+    if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
+        raise ValueError(f"targets must be integer token ids; got dtype {jnp.result_type(targets)}")
+    if isinstance(targets, jax.core.Tracer) or not np.size(targets):
+        return
+    if isinstance(targets, jax.Array) and not targets.is_fully_addressable:
+        return  # another host holds part of it
+    ids = np.asarray(targets)  # on the host: under a trace, jnp would stage the check into the program
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f"target token id {bad} is outside the vocabulary [0, {vocab})")
+
+
 def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature: float = 1.0) -> jax.Array:
     """Log-probability of each target token under softmax(logits / temperature).
 
@@ -30,7 +47,7 @@ def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature:
 
     Args:
       logits_BLV: [..., L, V] logits of any float dtype.
-      targets_BL: [..., L] int token ids.
+      targets_BL: [..., L] int token ids in [0, V) (checked unless traced).
       temperature: > 0 (a Python number or a traced scalar); the sampler's
         temperature, so the ratio compares the same distribution the rollouts came from.
 
@@ -40,6 +57,7 @@ def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature:
     _check_temperature(temperature)
     if logits_BLV.shape[:-1] != targets_BL.shape:
         raise ValueError(f"logits {logits_BLV.shape} and targets {targets_BL.shape} disagree on the leading axes")
+    _check_targets(targets_BL, logits_BLV.shape[-1])
     scaled = logits_BLV.astype(jnp.float32) / temperature
     picked = jnp.take_along_axis(scaled, targets_BL[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(scaled, axis=-1)
@@ -100,6 +118,7 @@ def head_logprobs(
             or head_VD.shape[1] != hidden_BTD.shape[2]:
         raise ValueError(f"head_logprobs wants hidden [B, T, D], head [V, D] and targets [B, T]; got hidden "
                          f"{hidden_BTD.shape}, head {head_VD.shape}, targets {targets_BT.shape}")
+    _check_targets(targets_BT, head_VD.shape[0])
     b, t, _ = hidden_BTD.shape
     chunk = logits_chunk(b, t, head_VD.shape[0], max_elements)
     return _chunked_head(hidden_BTD, head_VD, targets_BT, float(temperature), chunk)

@@ -23,12 +23,35 @@ import sys
 ACCELERATOR_NODES = ("nvidiactl", "nvidia0", "dxg", "kfd", "accel0", "accel", "vfio", "neuron0")
 # A loaded NVIDIA driver, whose device nodes a headless host may make only at the first CUDA call.
 DRIVER_FILES = ("/proc/driver/nvidia",)
+NVIDIA_NODES = ("nvidiactl", "nvidia0", "dxg")
+# XLA flags the main job and the benchmarks compile for NVIDIA GPUs with, each unless XLA_FLAGS
+# sets it. GEMMs as cuBLAS calls, not Triton fusions: XLA's H100 plan of setting a's decode
+# step launches 272 kernels and moves 4.20 GiB with cuBLAS, 328 and 4.91 GiB with Triton's
+# (split-K partials in fp32, a reduction kernel each, residual adds left out of the GEMM);
+# an H200's trace counted 330. Autotuning Triton's GEMMs was most of the GPU's compile time
+# (the update: 74 s there, 4-6 s compiled for an H100 here). docs/accelerators.md, "GEMMs".
+GPU_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 
 
 def has_accelerator(dev: str = "/dev", drivers: tuple[str, ...] = DRIVER_FILES) -> bool:
     """Whether this host has a GPU or TPU device node or driver (so JAX's plugins may find one)."""
     return (any(os.path.exists(os.path.join(dev, node)) for node in ACCELERATOR_NODES)
             or any(os.path.exists(path) for path in drivers))
+
+
+def has_nvidia_gpu(dev: str = "/dev", drivers: tuple[str, ...] = DRIVER_FILES) -> bool:
+    """Whether this host has an NVIDIA GPU's device node or driver."""
+    return (any(os.path.exists(os.path.join(dev, node)) for node in NVIDIA_NODES)
+            or any(os.path.exists(path) for path in drivers))
+
+
+def with_gpu_flags(flags: str) -> str:
+    """An XLA_FLAGS value with :data:`GPU_XLA_FLAGS` added, each unless ``flags`` sets it already
+    (either way: the user's choice stands)."""
+    for flag in GPU_XLA_FLAGS:
+        if flag.split("=")[0] not in flags:
+            flags = f"{flags} {flag}".strip()
+    return flags
 
 
 def cpu_alone_without_accelerator() -> bool:

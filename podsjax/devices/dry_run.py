@@ -133,7 +133,9 @@ class MemoryPlan:
             out.append(f"  decode step moves {ratio:.2f}x its floor ({human_bytes(int(self.decode_step_floor_bytes))}: "
                        "the weights and the KV cache, read once)")
         if self.step_roofline_s is not None:
-            out.append(f"one PODS step at the {self.device_kind}'s roofline: {self.step_roofline_s:.2f} s "
+            step = (f"{self.step_roofline_s:.2f} s" if self.step_roofline_s >= 0.1
+                    else f"{self.step_roofline_s * 1e3:.3g} ms")  # a tiny model's step: not "0.00 s"
+            out.append(f"one PODS step at the {self.device_kind}'s roofline: {step} "
                        "(prefill, every decode step, the update; kernel launches not counted)")
         return out
 

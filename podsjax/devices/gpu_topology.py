@@ -41,8 +41,6 @@ GPUS = {
 REGISTERS_PER_SM = 65536  # 32-bit registers an SM holds, on every GPU above
 _NAME = re.compile(r"^([a-z0-9]+)(?::([1-9][0-9]*))?$")
 _MAX_PER_HOST = 8
-# Without a GPU nothing autotunes GEMMs; as cuBLAS calls they are what a tuned run mostly gets.
-DEVICELESS_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false"
 INSTALL = "pip install 'podsjax[cuda]'"
 
 

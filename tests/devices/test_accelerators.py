@@ -79,3 +79,21 @@ def test_a_platform_chosen_in_jax_config_stands(monkeypatch):
         assert jax.config.jax_platforms == "cuda,cpu" and "JAX_PLATFORMS" not in os.environ
     finally:
         jax.config.update("jax_platforms", before)
+
+
+def test_only_nvidia_nodes_or_driver_tell_an_nvidia_gpu(tmp_path):
+    for node in ("kfd", "accel0", "vfio", "neuron0"):
+        (tmp_path / node).touch()
+    assert not accelerators.has_nvidia_gpu(str(tmp_path), drivers=())
+    (tmp_path / "nvidia0").touch()
+    assert accelerators.has_nvidia_gpu(str(tmp_path), drivers=())
+    assert accelerators.has_nvidia_gpu(str(tmp_path / "none"), drivers=(str(tmp_path / "nvidia0"),))
+
+
+def test_gpu_flags_are_added_unless_the_user_set_them():
+    assert accelerators.with_gpu_flags("") == "--xla_gpu_enable_triton_gemm=false"
+    assert accelerators.with_gpu_flags("--xla_dump_to=/x") == "--xla_dump_to=/x --xla_gpu_enable_triton_gemm=false"
+    mine = "--xla_gpu_enable_triton_gemm=true"
+    assert accelerators.with_gpu_flags(mine) == mine  # the user's choice stands, either way
+    flags = accelerators.with_gpu_flags("")
+    assert accelerators.with_gpu_flags(flags) == flags  # added once

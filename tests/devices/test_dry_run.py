@@ -91,6 +91,16 @@ def test_the_peak_holds_the_weights_merge_and_the_kv_cache_one_after_the_other()
     assert updating_larger.total == 3 + 1 + 1 + 20
 
 
+@pytest.mark.parametrize("seconds, printed", [(0.86, "0.86 s"), (0.1, "0.10 s"), (0.0042, "4.2 ms"),
+                                              (3.1e-5, "0.031 ms")])
+def test_the_step_roofline_reads_in_milliseconds_below_a_tenth_of_a_second(seconds, printed):
+    # A tiny model's step had printed as "0.00 s".
+    plan = dry_run_lib.MemoryPlan(params=1, optimizer=1, kv_cache=1, generate_temp=1, update_temp=1, batch=1,
+                                  compile_s={}, device_kind="TPU v5 lite", devices=1, limit=None,
+                                  step_roofline_s=seconds)
+    assert f"one PODS step at the TPU v5 lite's roofline: {printed} (" in "\n".join(plan.lines())
+
+
 @pytest.mark.slow
 def test_kv_cache_and_params_follow_the_shapes(tmp_path, capsys, restore_jax_cache_config):
     # One device, float32: exact figures that do not depend on XLA.

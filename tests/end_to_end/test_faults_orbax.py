@@ -23,6 +23,7 @@ import pytest
 from test_faults_cli import checkpointed_run
 
 from experiments import cli
+from podsjax.devices import accelerators
 from podsjax.run import run_files
 from child_env import child_env
 
@@ -224,3 +225,16 @@ def test_an_explicit_jax_platforms_is_obeyed(monkeypatch):
     monkeypatch.delenv("JAX_PLATFORMS")
     cli.prepare_devices(None)
     assert os.environ["JAX_PLATFORMS"] == "cpu" and updates == [("jax_platforms", "cpu")]
+
+
+@pytest.mark.parametrize("nvidia, topology, added", [(True, None, True), (False, None, False), (False, "h100", True),
+                                                     (True, "v5e:2x4", False)])
+def test_runs_for_nvidia_gpus_compile_their_gemms_as_cublas_calls(monkeypatch, nvidia, topology, added):
+    # On a host with an NVIDIA GPU, or compiling for one; not for a TPU, where the flag means nothing.
+    monkeypatch.setattr(cli, "_jax_started", lambda: False)
+    monkeypatch.setattr(cli, "has_accelerator", lambda: True)
+    monkeypatch.setattr(accelerators, "has_nvidia_gpu", lambda: nvidia)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/x")
+    cli.prepare_devices(None, topology=topology)
+    assert ("--xla_gpu_enable_triton_gemm=false" in os.environ["XLA_FLAGS"]) == added, os.environ["XLA_FLAGS"]
+    assert os.environ["XLA_FLAGS"].startswith("--xla_dump_to=/x")
