@@ -38,7 +38,8 @@ from podsjax.sampler import sampling  # noqa: E402
 import podsjax.models as pm  # noqa: E402
 
 PROMPT, COMPLETION, LORA_RANK = 512, 512, 64  # setting a's shapes
-GEMMS = {"cublas": {}, "triton": {"xla_gpu_enable_triton_gemm": True, "xla_gpu_autotune_level": 0}}
+GEMMS = {"cublas": {"xla_gpu_enable_triton_gemm": False},
+         "triton": {"xla_gpu_enable_triton_gemm": True, "xla_gpu_autotune_level": 0}}
 
 
 def decode_step(gpu: str, shape: str, rows: int, layers: str, gemms: str = "cublas") -> dict:

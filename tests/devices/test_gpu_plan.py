@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from podsjax import rl
-from podsjax.devices import dry_run, gpu_thunks, gpu_topology, hlo_cost, topology
+from podsjax.devices import accelerators, dry_run, gpu_thunks, gpu_topology, hlo_cost, topology
 import podsjax.models as pm
 from experiments import paper_settings
 from podsjax.devices import mesh as mesh_lib
@@ -226,14 +226,14 @@ def test_the_paper_settings_fit_their_h100s(tmp_path, setting, task, shape, gpus
 def test_an_h100_decode_step_launches_fewer_kernels_and_moves_fewer_bytes_with_the_default_cublas_gemms():
     # Why GPU_XLA_FLAGS turns Triton's GEMMs off: at 64 rows XLA splits the small GEMMs over K
     # into fp32 partials, each summed by a kernel of its own, and leaves the residual adds out.
-    assert "--xla_gpu_enable_triton_gemm=false" in os.environ["XLA_FLAGS"]  # as the CLI compiles for a GPU
+    assert "--xla_gpu_enable_triton_gemm=false" in accelerators.GPU_XLA_FLAGS  # what the CLI compiles with
     mesh = mesh_lib.make_mesh("1", devices=topology.compile_only_devices("h100"))
     model = pm.Decoder(pm.checkpoint_shape("Qwen2.5-0.5B"), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, mesh=mesh)
     lora = jax.eval_shape(lambda k: pm.init_lora(k, model, pm.LoraConfig(rank=64, alpha=64.0)), jax.random.key(0))
     chip = topology.chip(H100)
     steps = {}
-    for name, options in [("cublas", {}), ("triton", {"xla_gpu_enable_triton_gemm": True,
-                                                      "xla_gpu_autotune_level": 0})]:
+    triton = {"xla_gpu_enable_triton_gemm": True, "xla_gpu_autotune_level": 0}  # untuned: nothing to tune on here
+    for name, options in [("cublas", {"xla_gpu_enable_triton_gemm": False}), ("triton", triton)]:
         gen = sampling.Generator(model, compiler_options=options).compile(
             dry_run.abstract_base(model), lora, prompts=1, prompt_len=512, num_samples=64, max_new_tokens=512,
             eos_token_ids=(151645,))
