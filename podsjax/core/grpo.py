@@ -13,6 +13,7 @@ from typing import Literal, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 StdScaling = Literal["group", "batch", "none"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "group-token-mean"]
@@ -52,6 +53,11 @@ def group_advantages(
       A group of one (M = 1) therefore also gets 0, where the authors' code
       gets NaN from its ddof-1 std of one value: a lone rollout carries no
       group-relative signal, and 0 keeps the update finite.
+
+    Raises:
+      ValueError: a reward that is NaN or infinite (checked unless traced; traced, it makes
+        its group's advantages NaN, every group's with ``std_scaling="batch"``, which the
+        update then skips as non-finite).
     """
     if std_scaling not in STD_SCALINGS:
         raise ValueError(f"std_scaling must be one of {STD_SCALINGS}; got {std_scaling!r}")
@@ -66,6 +72,11 @@ def group_advantages(
     rewards = jnp.asarray(rewards_PM, dtype=jnp.float32)
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
+    if not isinstance(rewards, jax.core.Tracer) and getattr(rewards, "is_fully_addressable", True):
+        finite = np.isfinite(np.asarray(rewards))
+        if not finite.all():
+            where = tuple(int(i) for i in np.argwhere(~finite)[0])
+            raise ValueError(f"rewards must be finite; got {float(np.asarray(rewards)[where])} at {list(where)}")
     # Mean and std are shift-invariant; shifting by one member makes equal rewards
     # exactly 0 before any averaging (mean([7.0] * 7) is not exactly 7.0 in float32).
     shifted = rewards - rewards[..., :1]
@@ -77,9 +88,12 @@ def group_advantages(
     else:  # shifted by one reward of the batch, for the same reason
         batch = rewards - (rewards.reshape(-1)[0] if rewards.size else 0.0)
         std = _std(batch, batch - jnp.mean(batch), axis=None, ddof=ddof)
+        # A traced non-finite reward makes the batch's std NaN, not the 0 of a NaN variance,
+        # which had divided the other groups by eps alone (finite, and 1/eps too large).
+        std = jnp.where(jnp.all(jnp.isfinite(rewards)), std, jnp.nan)
     scale = std + eps
     # 0 / 0 (equal rewards with eps = 0) is 0 here, not NaN.
-    return centered / jnp.where(scale > 0, scale, 1.0)
+    return centered / jnp.where(scale > 0, scale, jnp.where(scale == 0, 1.0, jnp.nan))  # NaN stays NaN
 
 
 def _std(values: jax.Array, centered: jax.Array, axis: int | None, ddof: int) -> jax.Array:

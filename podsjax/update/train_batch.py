@@ -50,6 +50,32 @@ class TrainBatch:
         return self.completion_mask.shape[1]
 
 
+def _checked(prompt_ids_PL, prompt_mask_PL, tokens_PNT, mask_PNT, rewards_PN, logprobs_PNT):
+    """The inputs as arrays, their shapes agreeing ([P, Lp] prompts, [P, N, T] completions,
+    [P, N] rewards) and the ids integers: else the gathers below fill, broadcast or truncate
+    without a word."""
+    arrays = [jnp.asarray(x) for x in (prompt_ids_PL, prompt_mask_PL, tokens_PNT, mask_PNT, rewards_PN)]
+    prompt_ids_PL, prompt_mask_PL, tokens_PNT, mask_PNT, rewards_PN = arrays
+    if rewards_PN.ndim != 2:
+        raise ValueError(f"rewards must be [P, N] (prompts, rollouts); got shape {rewards_PN.shape}")
+    p, n = rewards_PN.shape
+    if tokens_PNT.ndim != 3 or tokens_PNT.shape[:2] != (p, n):
+        raise ValueError(f"completion tokens must be [P, N, T] = [{p}, {n}, T] as the rewards are; "
+                         f"got shape {tokens_PNT.shape}")
+    expected = {"completion mask": (mask_PNT, tokens_PNT.shape), "prompt mask": (prompt_mask_PL, prompt_ids_PL.shape)}
+    if logprobs_PNT is not None:
+        expected["sampler log-probs"] = (jnp.asarray(logprobs_PNT), tokens_PNT.shape)
+    if prompt_ids_PL.ndim != 2 or prompt_ids_PL.shape[0] != p:
+        raise ValueError(f"prompt ids must be [P, Lp] with P = {p} as the rewards; got shape {prompt_ids_PL.shape}")
+    for name, (x, shape) in expected.items():
+        if x.shape != shape:
+            raise ValueError(f"the {name} must have shape {shape}; got {x.shape}")
+    for name, x in (("prompt ids", prompt_ids_PL), ("completion tokens", tokens_PNT)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer token ids; got dtype {x.dtype}")
+    return arrays
+
+
 def build_batch(
     prompt_ids_PL: jax.Array,
     prompt_mask_PL: jax.Array,
@@ -75,6 +101,8 @@ def build_batch(
       (TrainBatch with P * M rows, prompt-major, and the selected indices [P, M]
       into the N rollouts; GRPO and GRPO-GA keep all of them, as M = N).
     """
+    prompt_ids_PL, prompt_mask_PL, tokens_PNT, mask_PNT, rewards_PN = _checked(
+        prompt_ids_PL, prompt_mask_PL, tokens_PNT, mask_PNT, rewards_PN, logprobs_PNT)
     p, n = rewards_PN.shape
     if n != config.n:
         raise ValueError(f"rewards have {n} rollouts per prompt but the config says n={config.n}")

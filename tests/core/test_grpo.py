@@ -61,7 +61,7 @@ def test_equal_rewards_give_exactly_zero_advantages(values, m, eps, ddof):
 
 
 @pytest.mark.parametrize("value,m", [(-2.5, 3), (7.0, 7)])
-def test_issue_cases_of_equal_rewards_are_exactly_zero(value, m):
+def test_equal_rewards_get_exactly_zero(value, m):
     adv = jax.jit(grpo.group_advantages)(jnp.full((2, m), value))
     assert np.all(np.asarray(adv) == 0.0)
 
@@ -71,6 +71,20 @@ def test_a_group_of_one_gets_zero_advantage_not_nan():
     for eps in (0.0, 1e-4):
         adv = np.asarray(grpo.group_advantages(jnp.array([[3.0], [-1.0]]), eps=eps))
         assert adv.tolist() == [[0.0], [0.0]]
+
+
+def test_a_non_finite_reward_is_refused_eagerly_and_never_rescales_the_other_groups():
+    rewards = jnp.array([[1.0, jnp.nan, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0]])
+    for bad, text in ((jnp.nan, "nan"), (jnp.inf, "inf"), (-jnp.inf, "-inf")):
+        with pytest.raises(ValueError, match=rf"rewards must be finite; got {text} at \[0, 1\]"):
+            grpo.group_advantages(rewards.at[0, 1].set(bad))
+    # Traced, the batch's std is NaN and so is every advantage: it had been taken as 0, and
+    # the clean group divided by eps alone (+-5000).
+    batch = np.asarray(jax.jit(lambda r: grpo.group_advantages(r, std_scaling="batch"))(rewards))
+    assert np.isnan(batch).all()
+    group = np.asarray(jax.jit(grpo.group_advantages)(rewards))
+    assert np.isnan(group[0]).all()
+    np.testing.assert_allclose(group[1], np.asarray(grpo.group_advantages(rewards[1:]))[0])
 
 
 # --- token log-probs -----------------------------------------------------------

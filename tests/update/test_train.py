@@ -201,6 +201,28 @@ def test_build_batch_selects_and_normalizes_over_the_subset():
         np.testing.assert_array_equal(np.asarray(batch.completion_mask[rows]), mask[p, idx[p]].astype(np.float32))
 
 
+def test_build_batch_refuses_inputs_whose_shapes_disagree_in_one_line():
+    # Too short completions had filled rows with int32's minimum; too few prompts had been
+    # broadcast over every prompt's rewards; float ids had been truncated.
+    config = algorithms.AlgorithmConfig(n=4, m=2, algorithm="pods")
+    ids, tokens = jnp.ones((2, 2), jnp.int32), jnp.arange(24, dtype=jnp.int32).reshape(2, 4, 3)
+    mask, rewards = jnp.ones((2, 4, 3), bool), jnp.array([[1.0, 0, 1, 0], [0, 0, 1, 1]])
+    cases = [((ids, ids, tokens[:, :2], mask[:, :2], rewards), r"completion tokens must be \[P, N, T\] = \[2, 4, T\]"),
+             ((ids, ids, tokens[:1], mask[:1], rewards), r"got shape \(1, 4, 3\)"),
+             ((ids, ids, tokens + 0.5, mask, rewards), "completion tokens must be integer token ids; got dtype float32"),
+             ((ids, ids, tokens, mask[..., :2], rewards), r"the completion mask must have shape \(2, 4, 3\)"),
+             ((ids[:1], ids[:1], tokens, mask, rewards), r"prompt ids must be \[P, Lp\] with P = 2"),
+             ((ids, ids[:, :1], tokens, mask, rewards), r"the prompt mask must have shape \(2, 2\)"),
+             ((ids, ids, tokens, mask, rewards[0]), r"rewards must be \[P, N\]")]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            train_step.build_batch(*args, config)
+    with pytest.raises(ValueError, match=r"the sampler log-probs must have shape \(2, 4, 3\)"):
+        train_step.build_batch(ids, ids, tokens, mask, rewards, config, logprobs_PNT=jnp.zeros((2, 4, 2)))
+    batch, idx = train_step.build_batch(ids, ids, tokens, mask, rewards.tolist(), config)  # lists are arrays
+    assert batch.input_ids.shape == (4, 5) and idx.shape == (2, 2) and int(batch.input_ids.min()) >= 0
+
+
 def test_config_validation_errors():
     cases = [
         (dict(algorithm="grpo", n=8, m=4), "m must equal n"),
