@@ -70,10 +70,14 @@ def token_entropy(logits_BLV: jax.Array, *, temperature: float = 1.0) -> jax.Arr
     shifted by its maximum first: the two terms then stay small and cancel less.
     """
     _check_temperature(temperature)
-    scaled = logits_BLV.astype(jnp.float32) / temperature
+    scaled = jnp.asarray(logits_BLV).astype(jnp.float32) / temperature
     scaled = scaled - jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))
     lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
-    return lse[..., 0] - jnp.sum(jnp.exp(scaled - lse) * scaled, axis=-1)
+    # A -inf logit (top-k / top-p filtered) has probability 0 and adds 0, not 0 * -inf = NaN;
+    # the inner where keeps its gradient finite too.
+    kept = scaled > -jnp.inf
+    safe = jnp.where(kept, scaled, 0.0)
+    return lse[..., 0] - jnp.sum(jnp.where(kept, jnp.exp(safe - lse) * safe, 0.0), axis=-1)
 
 
 # Largest fp32 logits block [B, chunk, V] the chunked head materialises at once (512 MB).

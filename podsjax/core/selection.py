@@ -65,7 +65,8 @@ def _validate(rewards, m) -> tuple[jax.Array, int]:
     # Scores square and sum the rewards: in float16 they overflow past 256, in bfloat16 they
     # keep 8 bits, and either picks a worse subset. float32 holds every narrower value exactly.
     if not jnp.issubdtype(rewards.dtype, jnp.floating) or jnp.finfo(rewards.dtype).bits < 32:
-        rewards = rewards.astype(jnp.float32)
+        wide = jnp.issubdtype(rewards.dtype, jnp.integer) and rewards.dtype.itemsize == 8  # int64 under x64
+        rewards = rewards.astype(jnp.float64 if wide and jax.config.jax_enable_x64 else jnp.float32)
     n = rewards.shape[-1]
     try:
         if isinstance(m, bool):
@@ -110,6 +111,15 @@ def _sorted_valid(rewards):
     return sorted_vals, sorted_idx, jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
+def _within_range(rewards: jax.Array) -> jax.Array:
+    """Each group scaled by a power of two (exact: order, ties and integers kept) where its
+    largest finite magnitude reaches the square root of the dtype's range, so that neither the
+    shift by the minimum nor a sum of M swaps overflows (3e38 - (-3e38) is inf in float32)."""
+    half = jnp.finfo(rewards.dtype).maxexp // 2  # 64 in float32
+    largest = jnp.max(jnp.where(jnp.isfinite(rewards), jnp.abs(rewards), 0), axis=-1, keepdims=True)
+    return jnp.where(largest >= 2.0 ** half, rewards * 2.0 ** -half, rewards).astype(rewards.dtype)
+
+
 def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
     """The size-M subset of each group with the largest population variance.
 
@@ -137,11 +147,13 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
 
     Numerics: rewards are shifted by the group's smallest finite reward, so a
     large common offset (1e6 + small differences) costs no precision; nothing
-    is squared, so no finite spread overflows.
+    is squared, and a group whose rewards reach 2^64 in float32 (2^512 in
+    float64) is first scaled by a power of two, so no finite spread overflows.
 
     Args:
       rewards: [..., N] real rewards (scored in float32, or float64 when given
-        it; narrower floats, ints and bools are cast to float32).
+        it or int64 under x64; narrower floats, other ints and bools are cast to
+        float32).
       m: static number of rollouts to keep, 1 <= m <= N.
       key: unused; accepted so all rules share one signature.
 
@@ -151,7 +163,7 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     """
     del key
     rewards, m = _validate(rewards, m)
-    sorted_vals, sorted_idx, num_valid = _sorted_valid(rewards)
+    sorted_vals, sorted_idx, num_valid = _sorted_valid(_within_range(rewards))
     nv = num_valid[..., None]
     enough = nv >= m
     center = jnp.where(nv > 0, sorted_vals[..., :1], jnp.zeros_like(sorted_vals[..., :1]))

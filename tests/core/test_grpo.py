@@ -113,6 +113,16 @@ def test_token_logprobs_and_entropy_match_float64_numpy():
     assert got_bf16.dtype == jnp.float32
 
 
+def test_entropy_of_filtered_logits_is_the_kept_tokens_entropy_with_finite_gradients():
+    # top-k / top-p filtering (decoding.filter_logits) leaves -inf logits: 0 * -inf had given NaN.
+    kept = jnp.array([[2.0, 1.0, 0.5]])
+    filtered = jnp.concatenate([kept, jnp.full((1, 2), -jnp.inf)], axis=-1)
+    np.testing.assert_allclose(logprobs.token_entropy(filtered), logprobs.token_entropy(kept), rtol=1e-6)
+    grad = jax.grad(lambda x: logprobs.token_entropy(x).sum())(filtered)
+    np.testing.assert_allclose(grad[:, :3], jax.grad(lambda x: logprobs.token_entropy(x).sum())(kept), rtol=1e-5)
+    assert np.all(np.asarray(grad[:, 3:]) == 0.0)
+
+
 def test_token_logprobs_does_not_materialize_a_log_softmax():
     b, l, v = 4, 64, 8192
     logits_bytes = b * l * v * 4

@@ -227,6 +227,36 @@ def test_permutation_permutes_the_indices(case, rnd):
         assert sorted(rewards[list(chosen_after)]) == sorted(rewards[list(chosen)])
 
 
+@pytest.mark.slow
+@PROPERTY
+@given(group_and_m(values=st.integers(-1000, 1000).map(float)), st.sampled_from([60, 100, 116]))
+def test_rewards_near_float32s_range_keep_the_subset_of_their_scaled_down_copy(case, power):
+    """A power of two scales every variance alike and keeps floats exact: the subset must not
+    change. Up to 1000 * 2^116 (8e37), the shift by the minimum and the swaps' sums had
+    overflowed to inf and picked the M lowest."""
+    rewards, m = case
+    big = rewards * np.float32(2.0 ** power)
+    assert np.isfinite(big).all()
+    assert np.array_equal(np.asarray(MV(big, m)), np.asarray(MV(rewards, m))), (rewards, m, power)
+
+
+def test_a_spread_past_float32s_range_still_finds_the_best_subset():
+    rewards = np.array([0.0, 1e38, 2e38, 3e38, 0.5e38, 1.5e38, 2.5e38, 3e38], np.float32)
+    idx = np.asarray(MV(rewards, 4))
+    assert np.var(rewards[idx].astype(np.float64)) == pytest.approx(brute_force_max_variance(rewards, 4))
+    symmetric = np.array([-3e38, 3e38, 0.0, 1e38, -1e38], np.float32)  # 6e38 apart: past float32
+    assert sorted(np.asarray(MV(symmetric, 3)).tolist()) == [0, 1, 4]  # ties [0, 1, 3]: the smaller k
+
+
+def test_int64_rewards_under_x64_are_scored_in_float64():
+    rewards = np.array([[2**40, 2**40 + 1, 2**40, 2**40 + 3]], np.int64)  # float32 cannot tell them apart
+    jax.config.update("jax_enable_x64", True)
+    try:
+        assert np.asarray(selection.max_variance(jnp.asarray(rewards), 2)).tolist() == [[0, 3]]
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
 def test_large_common_offset_is_stable():
     rng = np.random.default_rng(0)
     small = rng.permutation(np.arange(-32, 32, dtype=np.float32) * 0.25).reshape(4, 16)
