@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from podsjax.devices import mesh as mesh_lib
-from podsjax.models import tpu_decode_kernel
+from podsjax.models import token_ids, tpu_decode_kernel
 from podsjax.models.attention import (
     LayerCache,
     attend,
@@ -372,7 +372,8 @@ class Decoder(nn.Module):
         """Runs the decoder.
 
         Args:
-            input_ids_BL: int tokens [B, L], each in [0, vocab_size) (others embed as NaN).
+            input_ids_BL: int tokens [B, L], each in [0, vocab_size) (checked unless traced;
+                traced, others embed as NaN).
             attention_mask: [B, L], 1 for real tokens, 0 for padding (left or right).
                 Defaults to all ones.
             positions_BL: RoPE positions; default derived from the mask so left-padded
@@ -395,9 +396,14 @@ class Decoder(nn.Module):
             ``head_VD`` [V, D] instead; ``cache`` is the updated cache when one was given.
         """
         cfg = self.config
+        input_ids_BL = jnp.asarray(input_ids_BL)
+        attention_mask = None if attention_mask is None else jnp.asarray(attention_mask)
         if input_ids_BL.ndim != 2 or attention_mask is not None and attention_mask.shape != input_ids_BL.shape:
             raise ValueError(f"input ids must be [B, L] and the attention mask of the same shape; got "
                              f"{input_ids_BL.shape} and {None if attention_mask is None else attention_mask.shape}")
+        if not jnp.issubdtype(input_ids_BL.dtype, jnp.integer):
+            raise ValueError(f"input ids must be integer token ids; got dtype {input_ids_BL.dtype}")
+        token_ids.check_in_vocab(input_ids_BL, cfg.vocab_size, "input")  # pads too: a NaN there reaches the values
         b, length = input_ids_BL.shape
         mask_BL = jnp.ones((b, length), bool) if attention_mask is None else attention_mask.astype(bool)
         layer_cache = None

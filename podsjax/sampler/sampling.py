@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from podsjax.devices import mesh as mesh_lib
+from podsjax.models import token_ids
 from podsjax.sampler import sampler_programs
 from podsjax.sampler.decoding import Rollouts, SamplingConfig
 
@@ -242,18 +243,14 @@ def _check_prompts(ids_BL: jax.Array, mask_BL: jax.Array, vocab: int) -> None:
     """Left padding and token ids in the vocabulary, checked on the host where the prompts are
     at hand (not under a trace, nor when spread over several processes): a right-padded row
     would continue from a pad slot, and an id past the vocabulary embeds as NaN."""
-    if any(isinstance(x, jax.core.Tracer) or not x.is_fully_addressable for x in (ids_BL, mask_BL)):
+    if not token_ids.concrete(ids_BL, mask_BL):
         return
-    ids, mask = np.asarray(ids_BL), np.asarray(mask_BL) != 0
+    mask = np.asarray(mask_BL) != 0
     if not mask[:, -1].all():
         row = int(np.argmin(mask[:, -1]))
         raise ValueError(f"prompts must be left-padded, each row's last position a real token (mask 1); row {row} "
                          f"ends in padding{' (it has no real token)' if not mask[row].any() else ''}")
-    bad = mask & ((ids < 0) | (ids >= vocab))
-    if bad.any():
-        row, col = (int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary); row {row} holds "
-                         f"{int(ids[row, col])} at position {col}")
+    token_ids.check_in_vocab(ids_BL, vocab, "prompt", mask_BL=mask)
 
 
 def generate(model, params: Any, prompt_ids_BL: jax.Array, prompt_mask_BL: jax.Array, key: jax.Array,

@@ -438,6 +438,16 @@ def test_prompts_that_would_sample_from_padding_or_outside_the_vocabulary_are_re
         sampling.generate(model, params, far, mask, jax.random.key(0), **base)
     with pytest.raises(ValueError, match=r"attention mask of the same shape; got \(1, 4\) and \(1, 3\)"):
         model.apply({"params": params}, jnp.ones((1, 4), jnp.int32), attention_mask=jnp.ones((1, 3)))
+    # The decoder itself, called eagerly: an id past the vocabulary had given NaN logits and a
+    # negative one the table's last row, both without a word; pads count (NaN reaches the values).
+    vocab = model.config.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=rf"input token ids must be in \[0, {vocab}\).*row 1 holds {bad} at position 2"):
+            model.apply({"params": params}, jnp.zeros((2, 4), jnp.int32).at[1, 2].set(bad),
+                        attention_mask=jnp.ones((2, 4)).at[1, 2].set(0))
+    with pytest.raises(ValueError, match="input ids must be integer token ids; got dtype float32"):
+        model.apply({"params": params}, jnp.ones((1, 4), jnp.float32))
+    assert model.apply({"params": params}, [[1, 2, 3]]).logits_BLV.shape == (1, 3, vocab)  # a list is an array
 
 
 def first_token_distribution(model, params, ids, mask, temperature):
