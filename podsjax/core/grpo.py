@@ -428,7 +428,7 @@ def grpo_loss_terms(
         clip_frac_low=token_mean(policy.clipped_low.astype(jnp.float32)),
         clip_frac_high=token_mean(policy.clipped_high.astype(jnp.float32)),
         kl_mean=token_mean(kl),
-        advantage_mean=jnp.mean(advantages_B.astype(jnp.float32)),
+        advantage_mean=jnp.sum(advantages_B.astype(jnp.float32)) / max(advantages_B.size, 1),  # 0 when empty
         ratio_mean=token_mean(policy.ratio),
         num_tokens=num_tokens,
         tis_weight_mean=token_mean(tis),

@@ -318,6 +318,7 @@ def select(
     if jnp.shape(indices) != shape or not jnp.issubdtype(jnp.result_type(indices), jnp.integer):
         raise ValueError(f"selection rule {rule!r} returned {jnp.result_type(indices)} {tuple(jnp.shape(indices))}; "
                          f"a rule returns integer indices of shape {shape} ([..., M])")
+    _check_positions(jnp.asarray(indices), jnp.shape(rewards)[-1], rule)
     return jnp.sort(indices, axis=-1) if in_position_order else indices
 
 
@@ -329,6 +330,18 @@ def _static_group_size(n) -> int:
     if n < 1:
         raise ValueError(f"n must be >= 1; got {n}")
     return n
+
+
+def _check_positions(indices: jax.Array, n: int, rule: str | None = None) -> None:
+    """Indices in [0, N), checked when concrete (eager calls only: a traced one cannot raise)."""
+    if isinstance(indices, jax.core.Tracer) or not indices.is_fully_addressable or not indices.size:
+        return
+    low, high = int(jnp.min(indices)), int(jnp.max(indices))
+    if low < 0 or high >= n:
+        if rule:
+            raise ValueError(f"selection rule {rule!r} returned values from {low} to {high}; a rule returns "
+                             f"positions in [0, N={n})")
+        raise ValueError(f"indices must be positions in [0, N={n}) of each group; got values from {low} to {high}")
 
 
 def flat_rows(indices: jax.Array, n: int, *, in_position_order: bool = False) -> jax.Array:
@@ -351,10 +364,7 @@ def flat_rows(indices: jax.Array, n: int, *, in_position_order: bool = False) ->
         raise ValueError(
             f"indices must be an integer array [..., P, M]; got dtype {indices.dtype}, shape {indices.shape}"
         )
-    if not isinstance(indices, jax.core.Tracer) and indices.is_fully_addressable and indices.size:
-        low, high = int(jnp.min(indices)), int(jnp.max(indices))  # eager calls only: a traced one cannot raise
-        if low < 0 or high >= n:
-            raise ValueError(f"indices must be positions in [0, N={n}) of each group; got values from {low} to {high}")
+    _check_positions(indices, n)
     if in_position_order:
         indices = jnp.sort(indices, axis=-1)
     groups_P1 = lax.broadcasted_iota(jnp.int32, (*indices.shape[:-1], 1), indices.ndim - 2)

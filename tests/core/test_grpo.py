@@ -500,8 +500,9 @@ def test_batch_scaling_keeps_its_precision_under_a_large_common_offset():
 @pytest.mark.parametrize("aggregation", grpo.AGGREGATIONS)
 def test_an_empty_batch_has_loss_zero_in_every_aggregation(aggregation):
     config = LossConfig(aggregation=aggregation, group_size=2 if aggregation == "group-token-mean" else None)
-    loss, _ = grpo.grpo_loss(jnp.zeros((0, 3)), jnp.zeros(0), jnp.zeros((0, 3)), config)
+    loss, metrics = grpo.grpo_loss(jnp.zeros((0, 3)), jnp.zeros(0), jnp.zeros((0, 3)), config)
     assert float(loss) == 0.0
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(metrics)), metrics  # advantage_mean: NaN
 
 
 def test_numpy_numbers_are_numbers_and_array_arguments_get_one_line_errors():

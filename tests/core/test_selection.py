@@ -453,6 +453,16 @@ def test_registry_dispatch_and_user_rules():
     finally:
         selection._RULES.pop("test_too_many")
 
+    def past_n(rewards, m, *, key=None):  # indices past N: select_flat refused them, select did not
+        return jnp.full((*rewards.shape[:-1], m), rewards.shape[-1], jnp.int32)
+
+    selection.register_rule("test_past_n", past_n)
+    try:
+        with pytest.raises(ValueError, match=r"'test_past_n' returned values from 4 to 4; .* positions in \[0, N=4\)"):
+            selection.select("test_past_n", rewards, 2)
+    finally:
+        selection._RULES.pop("test_past_n")
+
 
 def test_indices_to_mask():
     idx = jnp.array([[3, 0], [1, 2]])
