@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import time
 import struct
 
 import numpy as np
@@ -88,7 +89,11 @@ def test_wandb_offline_run_holds_scalars_histograms_and_samples(tmp_path, monkey
     def resumed(run_dir):  # the resumed run names itself; mtimes are no order (W&B's service writes late)
         return open(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0], "rb").read().count(b"run-a-resumed-at-1") >= 1
 
-    first, second = sorted(glob.glob(str(out / "wandb" / "offline-run-*")), key=resumed)
+    runs = glob.glob(str(out / "wandb" / "offline-run-*"))
+    deadline = time.monotonic() + 60  # W&B's service may finish writing after finish() returns, on a busy host
+    while not any(resumed(run) for run in runs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    first, second = sorted(runs, key=resumed)
     assert not resumed(first) and resumed(second)
     history = wandb_history(first)
     assert [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h] == [(1, 0.25), (2, 0.5)]
