@@ -92,17 +92,26 @@ def is_bookkeeping(name: str) -> bool:
 
 
 def made_progress(directory: str, before: set[str] = frozenset()) -> bool:
-    """Whether a run got anywhere worth keeping: a checkpoint, a step logged, or the figures of
-    a dry run (this one's: a ``dry_run.json`` named in ``before`` was there before the run)."""
+    """Whether a run got anywhere worth keeping: a checkpoint of a step past 0, a step logged,
+    or the figures of a dry run (this one's: a ``dry_run.json`` named in ``before`` was there
+    before the run). A run stopped before its first step saves step 0, which trained nothing:
+    it must not outweigh the run that --overwrite was to replace."""
     checkpoints = os.path.join(directory, CHECKPOINTS_DIRNAME)
     dry_run = DRY_RUN_FILE not in before and os.path.isfile(os.path.join(directory, DRY_RUN_FILE))
-    if dry_run or (os.path.isdir(checkpoints) and os.listdir(checkpoints)):
+    if dry_run or (os.path.isdir(checkpoints) and any(_past_step_0(name) for name in os.listdir(checkpoints))):
         return True
     try:
         with open(os.path.join(directory, METRICS_FILE), "rb") as f:
             return any(_step(line) >= 1 for line in f)
     except OSError:
         return False
+
+
+def _past_step_0(name: str) -> bool:
+    """A checkpoint entry (``12``, or a save in flight such as ``12.orbax-checkpoint-tmp-3``) of a
+    step past 0; an entry without a step counts, as anything unknown is kept."""
+    digits = re.match(r"\d+", name)
+    return digits is None or int(digits.group()) > 0
 
 
 def _step(line: bytes) -> float:

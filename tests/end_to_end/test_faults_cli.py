@@ -82,8 +82,8 @@ def test_a_config_json_with_a_field_no_config_has_is_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("error,message", [
     (rl.TrainingDiverged("3 updates in a row had a non-finite loss"), "3 updates in a row"),
     (checkpoint.CheckpointCorrupt("no checkpoint in /x loads"), "no checkpoint in /x loads"),
-    (OSError(errno.ENOSPC, "No space left on device", "/runs/x/metrics.jsonl"),
-     "no space left on device writing /runs/x/metrics.jsonl; the last complete checkpoint is intact"),
+    (OSError(errno.ENOSPC, "No space left on device", "/runs/x/metrics.jsonl"),  # no run in --out: nothing to resume
+     "no space left on device writing /runs/x/metrics.jsonl; free some space, then rerun the same command"),
     (RuntimeError("tensorstore: RESOURCE_EXHAUSTED: No space left on device"), "no space left on device writing"),
     (OSError(errno.EROFS, "Read-only file system", "/ro/run"), "cannot write /ro/run: Read-only file system"),
 ])
@@ -95,6 +95,14 @@ def test_the_library_s_user_errors_and_a_full_disk_are_one_line(monkeypatch, tmp
     assert cli.main("gsm8k", ["--out", str(tmp_path / "run"), "--max-steps", "1", "--no-compile-cache"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_full_disk_says_resume_only_where_a_run_was_kept(tmp_path):
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
+    assert cli.user_error_line(full, str(tmp_path)).endswith("free some space, then rerun the same command")
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.user_error_line(full, str(tmp_path)).endswith("the last complete checkpoint is intact: free some "
+                                                             "space, then rerun with --resume")
 
 
 def test_a_bug_shows_its_traceback_then_one_summary_line_and_exit_1(monkeypatch, tmp_path, capsys):

@@ -140,8 +140,9 @@ def test_a_new_run_that_stops_before_its_first_step_puts_the_old_run_back(tmp_pa
     out = tmp_path / "run"
     before = old_run(out)
 
-    def starts_then_stops(config, out_dir, *args):
-        write(out_dir, {"metrics.jsonl": '{"step": 0}\n', "run.log": "new run's log\n", "samples.jsonl": "{}\n"})
+    def starts_then_stops(config, out_dir, *args):  # a stop saves step 0's checkpoint, which trained nothing
+        write(out_dir, {"metrics.jsonl": '{"step": 0}\n', "run.log": "new run's log\n", "samples.jsonl": "{}\n",
+                        "checkpoints/0/x": "step 0", "checkpoints/0.orbax-checkpoint-tmp-1/x": "saving"})
         raise stop
 
     monkeypatch.setattr(runner, "_train_and_export", starts_then_stops)
