@@ -94,8 +94,8 @@ def build_parser(task: str) -> argparse.ArgumentParser:
                         "--resume auto: start the run if --out holds none yet, else continue it, so that one "
                         "job-script line serves the first start and every requeue")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace the podsjax run in --out (a directory of other files, or one holding the model, "
-                        "data or config file, is refused)")
+                   help="replace the podsjax run in --out (a directory of other files, a run beside files no run "
+                        "writes, or one holding the model, data or config file, is refused)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile generate and the update, report memory per device and compile times "
                         "(also in <out>/dry_run.json), then exit without training")

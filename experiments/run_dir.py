@@ -72,6 +72,10 @@ def check_overwrite(out: str, config, config_file: str | None = None) -> None:
     if not is_podsjax_run(out) and not all(is_bookkeeping(name) for name in entries):
         raise UsageError(f"{head}: it is no podsjax run directory (no {CONFIG_FILE} of a run); delete it yourself "
                          "or choose another --out")
+    foreign = [name for name in entries if not is_run_entry(name)]
+    if foreign:
+        raise UsageError(f"--overwrite: refusing to delete {out}: it holds {describe(foreign)}, which no podsjax run "
+                         "writes; move them out or choose another --out")
 
 
 def describe(entries: list[str]) -> str:
@@ -84,6 +88,18 @@ def describe(entries: list[str]) -> str:
 # What a run writes beside its config that a rerun in the same directory may find: the lock
 # (taken over), and the reports kept off the console (appended to), which explain a failure.
 _RUN_LOG = re.compile(r"run(\.\d+)?\.log")
+
+
+# What a run writes at the top of its directory (tests/experiments/test_overwrite.py checks a
+# real run's against it): --overwrite deletes these and nothing else.
+_RUN_ENTRY = re.compile(r"config\.json|dry_run\.json|(metrics|samples|eval_history)\.jsonl(\.superseded)?"
+                        r"|checkpoints|best|best_model|final_model|final_adapter|tiny_warmup|wandb"
+                        r"|events\.out\.tfevents\..+|" + re.escape(REPLACED_PREFIX) + r".+")
+
+
+def is_run_entry(name: str) -> bool:
+    """Whether a run directory's top-level ``name`` is one a podsjax run writes."""
+    return _RUN_ENTRY.fullmatch(name) is not None or is_bookkeeping(name)
 
 
 def is_bookkeeping(name: str) -> bool:

@@ -11,7 +11,7 @@ import sys
 import pytest
 from tiny_checkpoint import save_tiny_checkpoint
 
-from experiments import cli, runner
+from experiments import cli, run_dir, runner
 from podsjax import rl
 from podsjax.run import checkpoint
 from child_env import child_env
@@ -163,6 +163,15 @@ def checkpointed_run(tmp_path_factory, data_dir):
         done = _run_cli([*args, "--out", str(out), "--overwrite"])
         assert done.returncode == 0, done.stderr[-3000:]
     return out, args
+
+
+@pytest.mark.slow
+def test_every_entry_a_finished_run_writes_is_one_overwrite_may_delete(tmp_path_factory, data_dir):
+    # --overwrite refuses a run directory holding anything else (the user's notes, say).
+    out, _ = checkpointed_run(tmp_path_factory, data_dir)
+    names = sorted(os.listdir(out))
+    assert {"config.json", "checkpoints", "final_model", "metrics.jsonl"} <= set(names), names
+    assert all(run_dir.is_run_entry(name) for name in names), [n for n in names if not run_dir.is_run_entry(n)]
 
 
 @pytest.mark.slow

@@ -127,6 +127,18 @@ def test_a_podsjax_run_is_replaced(tmp_path, capsys, monkeypatch):
     assert sorted(tree(out)) == ["config.json"]  # the old run went once the new one ended
 
 
+def test_a_run_holding_files_no_run_writes_is_not_replaced(tmp_path, capsys):
+    out = tmp_path / "run"
+    podsjax_run(out)
+    write(out, {"metrics.jsonl": '{"step": 3}\n', "my_notes.txt": "precious", "analysis/plot.py": "code",
+                "events.out.tfevents.1.host.2.3": "scalars", "run.log": "log"})
+    before = tree(out)
+    line = refused(["--out", str(out)], capsys)
+    assert line == (f"error: --overwrite: refusing to delete {out}: it holds analysis, my_notes.txt, which no "
+                    "podsjax run writes; move them out or choose another --out\n")
+    assert tree(out) == before
+
+
 def old_run(out):
     podsjax_run(out)
     write(out, {"metrics.jsonl": '{"step": 3}\n', "checkpoints/3/x": "state", "final_model/w": "weights",
