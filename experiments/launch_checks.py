@@ -86,6 +86,9 @@ def check_out(args) -> None:
         raise UsageError(f"--out {out} exists and is not a directory")
     if args.resume and not has_run(out):
         raise UsageError(f"--resume: {out} holds no run to resume (no config.json of a run)")
+    if args.dry_run and run_dir.foreign_dry_run_file(out):
+        raise UsageError(f"--dry-run: {os.path.join(out, DRY_RUN_FILE)} is not a podsjax dry run's, and the dry run "
+                         "would replace it; choose another --out")
     occupied = os.path.isdir(out) and not planned_only(out)
     if occupied and not (args.resume or args.overwrite or args.dry_run):
         if getattr(args, "resume_auto", False):

@@ -39,6 +39,19 @@ def is_podsjax_run(directory: str) -> bool:
     return isinstance(values, dict) and isinstance(values.get("run"), dict) and set(values) <= set(SECTIONS)
 
 
+def foreign_dry_run_file(directory: str) -> bool:
+    """Whether ``directory`` holds a ``dry_run.json`` that no podsjax dry run wrote (which a dry
+    run must not replace)."""
+    try:
+        with open(os.path.join(directory, DRY_RUN_FILE), encoding="utf-8") as f:
+            values = json.load(f)
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return True
+    return not (isinstance(values, dict) and {"params", "total", "device_kind"} <= set(values))
+
+
 def inputs(config, config_file: str | None = None) -> list[tuple[str, str]]:
     """The paths a run reads that must outlive it, as (what, path): its model, data, config file
     and the current directory."""

@@ -203,6 +203,21 @@ def test_a_dry_run_with_overwrite_deletes_nothing(tmp_path, capsys, monkeypatch)
     assert tree(out) == {**before, "dry_run.json": b"{}"}  # its config.json too: the run it planned is not this one
 
 
+def test_a_dry_run_never_replaces_a_dry_run_json_it_did_not_write(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "mine"
+    write(out, {"dry_run.json": '{"mine": "important"}', "other.txt": "x"})
+    before = tree(out)
+    monkeypatch.setattr(runner, "_dry_run", lambda *a: pytest.fail("the dry run started"))
+    assert cli.main("gsm8k", ["--out", str(out), "--dry-run", "--no-compile-cache", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --dry-run: {out / 'dry_run.json'} is not a podsjax dry run's, and the dry run would "
+                   "replace it; choose another --out\n")
+    assert tree(out) == before
+    ours = {"params": 1, "total": 2, "device_kind": "cpu", "limit": None}
+    write(out, {"dry_run.json": json.dumps(ours)})  # an earlier podsjax dry run's: replaced as before
+    assert not run_dir.foreign_dry_run_file(str(out)) and not run_dir.foreign_dry_run_file(str(tmp_path))
+
+
 def test_the_runner_refuses_too(tmp_path, never_trains):
     """run_experiment, called without the CLI, makes the same check before it writes anything."""
     out = tmp_path / "mine"
