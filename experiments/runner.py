@@ -55,12 +55,13 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     check_reward_imports(config)
     make_rewards(config)
     tasks = tokenizer = model_load = None
+    if tokenizer_load is not None:
+        tasks = _load_tasks(config)  # a bad data file is refused before any weight is read
     if tokenizer_load is not None and hosts.count() == 1:
         # The weights load while transformers imports (one process: on several, loading
         # gathers across processes, which must not race the checks' barriers).
         model_load = _load_model(config, config.model.path, mesh)
     if tokenizer_load is not None:
-        tasks = _load_tasks(config)
         tokenizer = tokenizer_load.result()
         _check_vocab(tokenizer, config.model.path)
         if tasks[0]:

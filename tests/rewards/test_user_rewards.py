@@ -60,6 +60,24 @@ def test_your_own_dataset_columns_reach_the_loader(tmp_path):
         run_setup._load_tasks(without)
 
 
+def test_a_bad_data_file_is_refused_before_any_weight_is_read(tmp_path, capsys, monkeypatch):
+    # It had come after the model's load began, and waited for that load (minutes at 7B).
+    from tiny_checkpoint import save_tiny_checkpoint
+    from experiments import runner
+
+    model = save_tiny_checkpoint(tmp_path / "model")
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    (tmp_path / "bad.jsonl").write_text('{"answer": "#### 4"}\n')
+    monkeypatch.setattr(runner, "_load_model", lambda *a: pytest.fail("the model began to load"))
+    out = tmp_path / "run"
+    assert cli.main("gsm8k", ["--model", model, "--data", str(tmp_path / "bad.jsonl"), "--eval-data",
+                              str(tmp_path / "bad.jsonl"), "--out", str(out), "--max-steps", "1",
+                              "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing field 'question'" in err, err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_the_cli_trains_on_your_dataset_with_your_reward_and_system_prompt(tmp_path):
     import json
