@@ -72,7 +72,7 @@ def parse(argv):
     parser = flags_lib.UsageParser(prog="python -m experiments.compare", description=__doc__, allow_abbrev=False,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=("gsm8k", "math", "chemistry"), default="gsm8k")
-    parser.add_argument("--methods", default="grpo,pods", help="comma-separated methods (grpo, grpo-ga, pods)")
+    parser.add_argument("--methods", help="comma-separated methods (grpo, grpo-ga, pods; default: grpo,pods)")
     parser.add_argument("--ablation", choices=sorted(ABLATIONS), help="run a sweep instead of --methods")
     parser.add_argument("--baseline", help="label whose peak sets the target (default: grpo, or the first)")
     parser.add_argument("--seeds", default="0,1,2")
@@ -85,9 +85,14 @@ def parse(argv):
     repeated = sorted({s for s in args.seeds if args.seeds.count(s) > 1})
     if repeated:  # two runs of a seed would share one directory, and count twice in the statistics
         raise UsageError(f"--seeds names seed {repeated[0]} twice; each seed is one run")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.methods is not None and args.ablation:
+        raise UsageError("--methods and --ablation exclude each other: an ablation sweeps one method's setting")
+    methods = [m.strip() for m in (args.methods or "grpo,pods").split(",") if m.strip()]
     if not methods or set(methods) - set(METHODS):
         raise UsageError(f"--methods must name grpo, grpo-ga or pods; got {args.methods!r}")
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:  # its runs would be one run, read twice
+        raise UsageError(f"--methods names {twice[0]} twice; each method is one run a seed")
     args.methods = methods
     for flag in OWN_FLAGS:
         if flag in passthrough:
@@ -99,7 +104,7 @@ def parse(argv):
 
 
 # What a comparison writes in --out: its runs (and the tiny preset's warm-ups), the plot, the summary.
-_OWN_ENTRY = re.compile(r"[\w.+-]+-seed\d+|accuracy_vs_time\.png|summary\.json")
+_OWN_ENTRY = re.compile(r"[\w.+=-]+-seed\d+|accuracy_vs_time\.png|summary\.json")  # n=16-seed0: an ablation's
 
 
 def _check_out(out: str) -> None:
@@ -191,9 +196,11 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
     A complete run (with ``final_model/``) is only read, unless ``config`` asks for a longer
     budget than it started with and its last training step came before that budget: then it
     continues, as one with a ``config.json`` but no export does, from its last checkpoint.
+    Either way its flags must be the ones it started with, as a resume's must.
     """
     out = config.run.out_dir
     if not dry_run and completed.is_complete(config, out):
+        check_resumable(config, out)  # a finished run of other flags is not this comparison's
         return _history(out)
     resume = not dry_run and launch_checks.has_run(out)  # a dry run's config.json alone starts the run
     launch_checks.check_out(argparse.Namespace(out=out, resume=resume, overwrite=False, dry_run=dry_run))

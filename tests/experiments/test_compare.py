@@ -73,6 +73,8 @@ def test_a_setting_without_a_method_and_bad_lists_give_one_line_and_exit_2(tmp_p
         (["--methods", "grpo,ppo"], "--methods must name grpo, grpo-ga or pods"),
         (["--seeds", "0,x"], "--seeds wants comma-separated integers"),
         (["--seeds", "0,1,0"], "--seeds names seed 0 twice"),
+        (["--methods", "pods,grpo,pods"], "--methods names pods twice"),
+        (["--methods", "grpo,pods", "--ablation", "n"], "--methods and --ablation exclude each other"),
         (["--seeds", "-1"], "RunConfig.seed must be an integer from 0"),
         (["--seed", "1"], "--seed is set by compare itself"),
         (["--baseline", "grpo-ga"], "--baseline 'grpo-ga' is not among"),
@@ -123,12 +125,15 @@ def test_a_stopped_run_continues_a_complete_one_is_read_or_extended_and_a_change
     changed = dataclasses.replace(config, algorithm=dataclasses.replace(config.algorithm, learning_rate=0.5))
     with pytest.raises(UsageError, match="was started with --algorithm.learning_rate 0.0002, not 0.5"):
         compare.run_one(changed)
-    # Complete: only its evaluations are read.
+    # Complete: only its evaluations are read, with its own flags (it had been read as any other
+    # comparison's, whose flags differ).
     os.makedirs(os.path.join(out, "final_model"))
     open(os.path.join(out, "final_model", "config.json"), "w").close()
     with open(os.path.join(out, "eval_history.jsonl"), "w") as f:
         f.write(json.dumps({"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}) + "\n")
-    assert compare.run_one(changed) == [{"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}]
+    with pytest.raises(UsageError, match="was started with --algorithm.learning_rate 0.0002, not 0.5"):
+        compare.run_one(changed)
+    assert compare.run_one(config) == [{"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}]
     assert len(calls) == 2
     # Complete, and asked for a longer budget than it started with: it continues, until its last
     # training step reaches that budget (its last evaluation may come a step before).
@@ -252,10 +257,11 @@ def test_a_comparison_starts_its_runs_where_its_dry_run_left_only_figures(tmp_pa
 def test_an_out_that_holds_other_files_is_refused_and_an_earlier_comparison_is_not(tmp_path, capsys):
     out = tmp_path / "cmp"
     (out / "pods-seed0").mkdir(parents=True)
+    (out / "n=16-seed0").mkdir()  # an ablation's run
     (out / "summary.json").write_text("{}")
     prepare(tmp_path)  # an earlier comparison's directory: it goes on there
     (out / "thesis.txt").write_text("four years of work")
     assert compare.main(["--out", str(out), "--methods", "grpo,pods", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds what no comparison wrote (thesis.txt)" in err, err
-    assert sorted(os.listdir(out)) == ["pods-seed0", "summary.json", "thesis.txt"]
+    assert sorted(os.listdir(out)) == ["n=16-seed0", "pods-seed0", "summary.json", "thesis.txt"]
