@@ -94,14 +94,15 @@ def to_jsonable(value: Any, where: str = "value") -> Any:
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The records of a JSONL log a run wrote (metrics, samples, eval history), in file order.
 
-    A torn last line from a killed process is skipped.
+    A torn last line from a killed process is skipped, as is any line that is no JSON (or no
+    UTF-8: a damaged disk block).
     """
     records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for line in f:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+                record = json.loads(line.decode("utf-8"))
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
                 continue
             if isinstance(record, dict):
                 records.append(record)

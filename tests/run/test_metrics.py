@@ -95,6 +95,9 @@ def test_a_resumed_writer_appends_and_purges_tensorboard_from_the_resume(tmp_pat
     assert raw[3] == '{"step": 4, "r": 0.' and len(raw) == 5  # the torn line stays one line of its own
     assert [(r["step"], r["r"]) for r in read_jsonl(tmp_path / "metrics.jsonl")] == [(1, 0.1), (2, 0.2), (3, 0.3),
                                                                                       (3, 0.33)]
+    with open(tmp_path / "metrics.jsonl", "ab") as f:  # a damaged block: bytes that are no UTF-8
+        f.write(b'\xff\xfe\n{"step": 5, "r": 0.5}\n')
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 3, 5]  # it had raised
     # TensorBoard: two event files; the second purges steps >= 3 of the first.
     files = sorted(glob.glob(str(tmp_path / "events.out.tfevents.*")))  # name order is creation order
     assert len(files) == 2
