@@ -8,6 +8,10 @@ import math
 from podsjax.data import prompts as prompts_lib
 from podsjax.run import log_backends
 
+# Longest prompt + completion a run takes: 32x Qwen2.5's 32k context. Far past it (1e8 tokens)
+# XLA's compiler aborted the whole process instead of raising.
+MAX_SEQUENCE = 2**20
+
 # eval_metric -> the reward-breakdown entries whose product scores one completion.
 # "accuracy_and_format" is the Llama runs' "answer and format both correct" (the authors'
 # both_acc): the task's accuracy times the authors' strict format check.
@@ -108,6 +112,9 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
         if self.eval_repeats < 1:
             raise ValueError(f"RunConfig.eval_repeats must be >= 1; got {self.eval_repeats}")
+        if self.max_prompt_length + self.max_new_tokens > MAX_SEQUENCE:  # past it XLA aborts the process
+            raise ValueError(f"RunConfig.max_prompt_length + max_new_tokens must be at most {MAX_SEQUENCE} tokens; "
+                             f"got {self.max_prompt_length} + {self.max_new_tokens}")
         if not 0 <= self.seed < 2**32:  # NumPy's generators refuse negative seeds
             raise ValueError(f"RunConfig.seed must be an integer from 0 to 2**32 - 1; got {self.seed}")
         object.__setattr__(self, "eval_k", tuple(self.eval_k) if isinstance(self.eval_k, list) else self.eval_k)

@@ -38,6 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
      "do not split into its 2 micro-batches"),
     (["--beta", "-1"], "beta must be >= 0; got -1.0"),
     (["--groups-per-prompt", "0"], "groups_per_prompt must be >= 1; got 0"),
+    (["--max-prompt-length", "100000000", "--dry-run"],  # XLA's compiler had aborted the process
+     "max_prompt_length + max_new_tokens must be at most 1048576 tokens; got 100000000 + "),
 ])
 def test_a_bad_config_is_one_line_before_anything_is_written(tmp_path, capsys, args, message):
     out = tmp_path / "never"
