@@ -184,6 +184,8 @@ class ReplacedRun:
         out_dir: the run directory, locked by this process; its lock stays where it is.
     """
 
+    restored: set[str] = set()  # the directories this process put an old run back into (real paths)
+
     def __init__(self, out_dir: str):
         self.out_dir, self.path = out_dir, None
         names = sorted(set(os.listdir(out_dir)) - {LOCK_FILE})
@@ -214,3 +216,4 @@ class ReplacedRun:
         with contextlib.suppress(OSError):
             os.rmdir(self.path)  # only when all went back; else what is left stays there
         self.path = None
+        ReplacedRun.restored.add(os.path.realpath(self.out_dir))

@@ -162,6 +162,9 @@ def test_a_new_run_that_stops_before_its_first_step_puts_the_old_run_back(tmp_pa
     assert code == (2 if isinstance(stop, Exception) else 130)
     err = capsys.readouterr().err
     assert f"--overwrite: the new run stopped before its first step; {out} holds the run it was to replace" in err
+    if isinstance(stop, KeyboardInterrupt):  # not "--resume", which would train the old run further
+        assert err.splitlines()[-1] == (f"interrupted; {out} holds the run --overwrite was to replace: run the same "
+                                        "command again to replace it")
     after = tree(out)
     assert after.pop("run.log") == b"old run's log\nnew run's log\n"  # the new log says why it stopped
     assert after == {k: v for k, v in before.items() if k != "run.log"}
