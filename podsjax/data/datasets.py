@@ -33,6 +33,7 @@ there is no Hub default here: pass a local file or directory.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import re
@@ -267,6 +268,9 @@ def _read_hub(name: str, split: str, cache_dir: str | None,
     else:
         parts = [("EleutherAI/hendrycks_math", subject) for subject in MATH_TRAIN_SUBJECTS]
     origin = parts[0][0]
+    http_log = logging.getLogger("huggingface_hub.utils._http")
+    level = http_log.level
+    http_log.setLevel(logging.ERROR)  # its retry notices, each twice: the error below says it in one line
     try:
         import datasets
 
@@ -277,6 +281,8 @@ def _read_hub(name: str, split: str, cache_dir: str | None,
             f"cannot load {origin} split {split!r} from the Hugging Face Hub ({type(exc).__name__}: {detail}); "
             "pass path= to a local .jsonl or .parquet file"
         ) from None
+    finally:
+        http_log.setLevel(level)
 
     def rows():
         for (repo, config), dataset in zip(parts, loaded):
