@@ -61,11 +61,13 @@ def complete_line(config: ExperimentConfig, out: str) -> str:
     done += f"{last.get('time/elapsed_train_s', 0.0):.0f} s of training clock)" if last else "no steps logged)"
     by_steps = run.max_steps is not None and (run.time_budget_s is None or last.get("step", 0) >= run.max_steps)
     if by_steps:
-        flag, more = "--max-steps", str(_past(run.max_steps, last.get("step", 0)))
-        budget = f"its --max-steps {run.max_steps}"
+        trained = last.get("step", 0)
+        flag, more = "--max-steps", str(_past(run.max_steps, trained))
+        budget = f"its --max-steps {run.max_steps}" + (f" (a resume trained it on to step {trained})"
+                                                       if trained > run.max_steps else "")
     else:
         flag, more = "--time-budget", f"{_past(run.time_budget_s, last.get('time/elapsed_train_s', 0.0)):g}"
-        budget = f"its --time-budget {run.time_budget_s:g}"
+        budget = f"its --time-budget {run.time_budget_s:g}"  # every run ends a little past it: no clause
     command = f"python -m experiments.{run.task} --out {shlex.quote(out)} --resume {flag} {more}"
     return (f"{done}: {budget} is spent, so there is nothing to resume and nothing was changed; to train it "
             f"further, resume with a larger --time-budget or --max-steps, e.g. {command}")

@@ -50,7 +50,14 @@ def test_a_larger_budget_resumes_a_complete_run(tmp_path, monkeypatch, capsys):
     started = []
     monkeypatch.setattr(runner, "run_experiment", lambda config, *args, **kwargs: started.append(config) or 0)
     assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 0
-    assert not started and "--max-steps 208" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert not started and "--max-steps 208" in printed and "its --max-steps 104 is spent" in printed
+    with open(out / "metrics.jsonl", "a") as f:  # a resume with --max-steps 150 trained on
+        f.write(json.dumps({"step": 150, "time/elapsed_train_s": 300.0}) + "\n")
+    assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "its --max-steps 104 (a resume trained it on to step 150) is spent" in printed and "--max-steps 208" in printed
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 104, "time/elapsed_train_s": 241.0}) + "\n")
     assert cli.main("gsm8k", ["--out", str(out), "--resume", "--max-steps", "200"]) == 0
     assert [config.run.max_steps for config in started] == [200]
 
