@@ -62,6 +62,8 @@ def group_advantages(
     if std_scaling not in STD_SCALINGS:
         raise ValueError(f"std_scaling must be one of {STD_SCALINGS}; got {std_scaling!r}")
     if not isinstance(eps, jax.core.Tracer):  # a traced eps is the caller's to keep >= 0
+        if eps is None or isinstance(eps, (bool, str)):
+            raise TypeError(f"eps must be a number >= 0; got {eps!r}")
         if jnp.ndim(eps) != 0:
             raise ValueError(f"eps must be a scalar; got shape {jnp.shape(eps)}")
         if not eps >= 0:
@@ -294,6 +296,9 @@ def tis_weights(old_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.Array, ca
     """
     if level not in TIS_LEVELS:
         raise ValueError(f"tis_level must be one of {TIS_LEVELS}; got {level!r}")
+    if not isinstance(cap, jax.core.Tracer) and (isinstance(cap, (bool, str)) or cap is None or not cap > 0):
+        raise ValueError(f"cap must be a number > 0 (the largest weight); got {cap!r}")
+    old_BL, sampler_BL, mask_BL = _same_shape(old_BL, sampler_BL, mask_BL)
     valid = mask_BL.astype(bool)
     log_ratio = jnp.where(valid, old_BL - sampler_BL, 0.0)
     if level == "sequence":
@@ -301,6 +306,14 @@ def tis_weights(old_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.Array, ca
     log_cap = jnp.log(jnp.float32(cap))
     weights = jnp.exp(jnp.minimum(log_ratio, log_cap))
     return jax.lax.stop_gradient(weights), log_ratio > log_cap
+
+
+def _same_shape(logprobs_BL, other_BL, mask_BL) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Two log-probs of the same tokens and their mask, as arrays of one shape."""
+    arrays = tuple(jnp.asarray(x) for x in (logprobs_BL, other_BL, mask_BL))
+    if len({x.shape for x in arrays}) != 1:
+        raise ValueError(f"the two log-probs and the mask must have one shape; got {', '.join(str(x.shape) for x in arrays)}")
+    return arrays
 
 
 class Mismatch(NamedTuple):
@@ -315,6 +328,7 @@ def sampler_mismatch(update_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.A
     """The sampler/update mismatch of one batch: the two programs' log-probs of the same tokens
     under the same weights, which differ by precision (bf16 decode over a bf16 cache against
     a rematerialised update) and by filtering the sampler did not apply to its log-probs."""
+    update_BL, sampler_BL, mask_BL = _same_shape(update_BL, sampler_BL, mask_BL)
     valid = mask_BL.astype(bool)
     diff = jnp.where(valid, update_BL - sampler_BL, 0.0)
     max_log_ratio = jnp.max(jnp.where(valid, diff, -jnp.inf))
@@ -358,6 +372,8 @@ def grpo_loss_terms(
       whatever values they hold. ``old``, ``ref`` and ``sampler`` log-probs carry no
       gradient (passing the current log-probs as ``old`` is the same as None).
     """
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a LossConfig (grpo.LossConfig(epsilon=..., ...)); got {type(config).__name__}")
     logprobs_BL, advantages_B, mask_BL = jnp.asarray(logprobs_BL), jnp.asarray(advantages_B), jnp.asarray(mask_BL)
     old_logprobs_BL, ref_logprobs_BL, sampler_logprobs_BL = (
         None if x is None else jax.lax.stop_gradient(jnp.asarray(x))

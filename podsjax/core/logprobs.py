@@ -17,6 +17,8 @@ def _check_temperature(temperature: float, *, static: bool = False) -> None:
         if static:
             raise TypeError("head_logprobs takes temperature as a Python number (static under jit); got a traced value")
         return  # a traced temperature: keeping it > 0 is the caller's
+    if temperature is None or isinstance(temperature, (bool, str)) or np.ndim(temperature) != 0:
+        raise TypeError(f"temperature must be a number > 0; got {temperature!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (log-probs and entropies are of softmax(logits / T)); "
                          f"got {temperature}")
@@ -55,7 +57,8 @@ def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature:
       [..., L] float32 log-probs.
     """
     _check_temperature(temperature)
-    if logits_BLV.shape[:-1] != targets_BL.shape:
+    logits_BLV, targets_BL = jnp.asarray(logits_BLV), jnp.asarray(targets_BL)
+    if logits_BLV.ndim < 1 or logits_BLV.shape[:-1] != targets_BL.shape:
         raise ValueError(f"logits {logits_BLV.shape} and targets {targets_BL.shape} disagree on the leading axes")
     _check_targets(targets_BL, logits_BLV.shape[-1])
     scaled = logits_BLV.astype(jnp.float32) / temperature
@@ -70,7 +73,10 @@ def token_entropy(logits_BLV: jax.Array, *, temperature: float = 1.0) -> jax.Arr
     shifted by its maximum first: the two terms then stay small and cancel less.
     """
     _check_temperature(temperature)
-    scaled = jnp.asarray(logits_BLV).astype(jnp.float32) / temperature
+    logits_BLV = jnp.asarray(logits_BLV)
+    if logits_BLV.ndim < 1:
+        raise ValueError(f"logits must have a vocabulary axis [..., V]; got shape {logits_BLV.shape}")
+    scaled = logits_BLV.astype(jnp.float32) / temperature
     scaled = scaled - jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))
     lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
     # A -inf logit (top-k / top-p filtered) has probability 0 and adds 0, not 0 * -inf = NaN;
@@ -87,7 +93,7 @@ LOGITS_CHUNK_ELEMENTS = 2**27
 def logits_chunk(rows: int, length: int, vocab: int, max_elements: int = LOGITS_CHUNK_ELEMENTS) -> int:
     """The largest divisor of ``length`` whose [rows, chunk, vocab] block fits ``max_elements``."""
     limit = max(1, max_elements // max(1, rows * vocab))
-    return max(c for c in range(1, min(limit, length) + 1) if length % c == 0)
+    return max((c for c in range(1, min(limit, length) + 1) if length % c == 0), default=1)  # 1 when length is 0
 
 
 def head_logprobs(
@@ -118,6 +124,7 @@ def head_logprobs(
       ``(logprobs_BT, entropy_BT)`` float32; the entropy carries no gradient.
     """
     _check_temperature(temperature, static=True)
+    hidden_BTD, head_VD, targets_BT = (jnp.asarray(x) for x in (hidden_BTD, head_VD, targets_BT))
     if hidden_BTD.ndim != 3 or head_VD.ndim != 2 or targets_BT.shape != hidden_BTD.shape[:2] \
             or head_VD.shape[1] != hidden_BTD.shape[2]:
         raise ValueError(f"head_logprobs wants hidden [B, T, D], head [V, D] and targets [B, T]; got hidden "

@@ -515,3 +515,31 @@ def test_numpy_numbers_are_numbers_and_array_arguments_get_one_line_errors():
     np.testing.assert_allclose(grpo.group_advantages(rewards, ddof=np.int64(1)), grpo.group_advantages(rewards))
     with pytest.raises(ValueError, match=r"eps must be a scalar; got shape \(2,\)"):
         grpo.group_advantages(rewards, eps=jnp.array([1e-4, 1e-4]))
+
+
+def test_wrong_kinds_of_argument_are_one_line_errors_and_lists_are_arrays():
+    # Each had been an AttributeError or TypeError from deep inside JAX, or a silent result.
+    lp, mask = jnp.zeros((2, 3)), jnp.ones((2, 3))
+    cases = [
+        (lambda: grpo.grpo_loss(lp, jnp.zeros(2), mask, {"epsilon": 0.2}), TypeError, "config must be a LossConfig"),
+        (lambda: grpo.group_advantages(mask, eps=None), TypeError, "eps must be a number >= 0; got None"),
+        (lambda: grpo.group_advantages(mask, eps="1e-4"), TypeError, "eps must be a number >= 0; got '1e-4'"),
+        (lambda: grpo.tis_weights(lp, lp[:1], mask, 2.0), ValueError, r"one shape; got \(2, 3\), \(1, 3\), \(2, 3\)"),
+        (lambda: grpo.tis_weights(lp, lp, mask, 0.0), ValueError, "cap must be a number > 0"),  # all-zero weights
+        (lambda: grpo.tis_weights(lp, lp, mask, -1.0), ValueError, "cap must be a number > 0"),  # NaN weights
+        (lambda: grpo.sampler_mismatch(lp, lp[:, :2], mask), ValueError, "must have one shape"),
+        (lambda: logprobs.token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), int), temperature=None), TypeError,
+         "temperature must be a number > 0; got None"),
+        (lambda: logprobs.token_entropy(jnp.zeros((2, 3)), temperature="1"), TypeError, "got '1'"),
+        (lambda: logprobs.token_logprobs(jnp.zeros((1, 2, 3)), jnp.zeros((1, 2), int), temperature=jnp.ones(2)),
+         TypeError, "temperature must be a number > 0"),
+        (lambda: logprobs.token_entropy(jnp.float32(1)), ValueError, r"vocabulary axis \[..., V\]; got shape \(\)"),
+    ]
+    for call, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            call()
+    assert logprobs.token_logprobs([[[0.0, 1.0]]], [[1]]).shape == (1, 1)
+    assert logprobs.head_logprobs([[[1.0, 0.0]]], [[1.0, 0.0], [0.0, 1.0]], [[1]])[0].shape == (1, 1)
+    assert grpo.tis_weights(lp.tolist(), lp, mask.tolist(), 2.0)[0].shape == (2, 3)
+    empty = logprobs.head_logprobs(jnp.zeros((2, 0, 4)), jnp.ones((5, 4)), jnp.zeros((2, 0), int))  # T = 0
+    assert [x.shape for x in empty] == [(2, 0), (2, 0)]
