@@ -33,6 +33,7 @@ from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -57,7 +58,10 @@ def _canonical_name(name: str) -> str:
 
 def _validate(rewards, m) -> tuple[jax.Array, int]:
     """Returns rewards as float32 or wider, and N; raises one-line errors at trace time."""
-    rewards = jnp.asarray(rewards)
+    try:
+        rewards = jnp.asarray(rewards)
+    except TypeError:
+        raise TypeError(f"rewards must be real numbers; got {np.asarray(rewards).dtype} values") from None
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a last axis of rollouts [..., N]; got a scalar of shape {rewards.shape}")
     if jnp.issubdtype(rewards.dtype, jnp.complexfloating):
@@ -100,6 +104,9 @@ def sort_with_indices(values: jax.Array) -> tuple[jax.Array, jax.Array]:
       (sorted_values [..., N], int32 sorted_indices [..., N]); equal values keep
       their original order, exactly like a stable argsort.
     """
+    values = jnp.asarray(values)
+    if values.ndim < 1:
+        raise ValueError(f"values must have a last axis [..., N]; got a scalar of shape {values.shape}")
     return _sort_last_axis(_canonical_keys(values))
 
 
@@ -254,6 +261,8 @@ def random(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.A
     rewards, m = _validate(rewards, m)
     if key is None:
         raise ValueError("selection rule 'random' needs a PRNG key: pass key=jax.random.key(...)")
+    if not isinstance(key, jax.Array) or not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,)):
+        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)); got {key!r}")
     # The ranks of i.i.d. uniforms form a uniform random permutation.
     noise = jax.random.uniform(key, rewards.shape, dtype=jnp.float32)
     noise = jnp.where(jnp.isfinite(rewards), noise, noise - 2)  # non-finite below every finite one
@@ -273,6 +282,8 @@ def register_rule(name: str, fn: Callable[..., jax.Array], *, needs_key: bool = 
         raise TypeError(f"selection rule {name!r} must be callable; got {type(fn).__name__}")
     if canonical in _RULES and not overwrite:
         raise ValueError(f"selection rule {name!r} is already registered; pass overwrite=True to replace it")
+    if not isinstance(needs_key, bool):
+        raise TypeError(f"needs_key must be True or False; got {needs_key!r}")
     _RULES[canonical] = _RegisteredRule(fn=fn, needs_key=needs_key)
 
 
@@ -324,6 +335,8 @@ def select(
 
 def _static_group_size(n) -> int:
     try:
+        if isinstance(n, bool):
+            raise TypeError
         n = operator.index(n)
     except TypeError:
         raise TypeError(f"n must be a static Python int; got {type(n).__name__}") from None

@@ -489,6 +489,21 @@ def test_traced_m_and_scalar_rewards_raise_clear_errors():
         selection.max_variance(jnp.zeros(4), True)
     with pytest.raises(TypeError, match="rewards must be real numbers; got dtype complex64"):
         selection.max_variance(jnp.zeros(4, jnp.complex64), 2)
+    with pytest.raises(TypeError, match="rewards must be real numbers; got <U1 values"):
+        selection.max_variance(np.array([["a", "b"]]), 1)
+    with pytest.raises(TypeError, match=r"key must be a PRNG key \(jax.random.key\(seed\)\); got 0"):
+        selection.select("random", jnp.zeros((1, 4)), 2, key=0)
+    assert selection.select("random", jnp.zeros((1, 4)), 2, key=jax.random.PRNGKey(0)).shape == (1, 2)  # legacy key
+    for call in (lambda: selection.select_flat("max_variance", jnp.zeros(4), True, 1),
+                 lambda: selection.flat_rows(jnp.zeros((1, 1), jnp.int32), True)):
+        with pytest.raises(TypeError, match="n must be a static Python int; got bool"):
+            call()
+    with pytest.raises(TypeError, match="needs_key must be True or False; got 'no'"):
+        selection.register_rule("test_bad_flag", lambda r, m, key=None: r, needs_key="no")
+    assert "test_bad_flag" not in selection.available_rules()
+    with pytest.raises(ValueError, match=r"values must have a last axis \[..., N\]"):
+        selection.sort_with_indices(jnp.float32(1.0))
+    assert np.asarray(selection.sort_with_indices([3.0, 1.0, 2.0])[1]).tolist() == [1, 2, 0]
 
 
 @pytest.mark.slow
