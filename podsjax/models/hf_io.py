@@ -1,12 +1,11 @@
 """Hugging Face checkpoints <-> podsjax params: load (sharded) and export (LoRA merged).
 
-HF stores ``nn.Linear`` weights as ``[out, in]``, one tensor per layer; podsjax kernels
-are ``in_shape + out_shape`` with heads as their own axis, stacked over the layers. Every
-kernel is transposed and reshaped on the way in (on the device, in the file's layout until
-then) and back on the way out, and each layer's tensor is written into (or read from) its
-slot of the stacked param. Tensors are read from memory-mapped files and placed one at a
-time, so host memory peaks near the largest single tensor and device memory near the
-params plus one layer's tensor.
+HF stores ``nn.Linear`` weights as ``[out, in]``, one tensor per layer; podsjax kernels are
+``in_shape + out_shape`` with heads as their own axis, stacked over the layers. Every kernel is
+transposed and reshaped on the way in (on the device, in the file's layout until then) and back
+on the way out, and each layer's tensor is written into (or read from) its slot of the stacked
+param. Tensors are read from memory-mapped files and placed one at a time, so host memory peaks
+near the largest single tensor and device memory near the params plus one layer's tensor.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from podsjax.devices import mesh as mesh_lib
 from podsjax.models.decoder import Decoder
 from podsjax.models.lora import LoraParams, merged_kernel
 from podsjax.models.model_config import CheckpointError, from_hf_config
-from podsjax.models.params import abstract_params, param_logical_axes
+from podsjax.models.params import abstract_params, check_float_dtypes, param_logical_axes
 from podsjax.models.safetensors_io import SafetensorsFile, write_safetensors
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -326,6 +325,7 @@ def from_pretrained(
         ``(model, params)``; run it as
         ``model.apply({"params": params}, ids_BL, attention_mask=mask_BL).logits_BLV``.
     """
+    check_float_dtypes(dtype=dtype, compute_dtype=compute_dtype)
     config = from_hf_config(path)
     model = Decoder(config, dtype=compute_dtype or dtype, param_dtype=dtype, remat=remat, mesh=mesh)
     return model, load_params(path, model, mesh)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from podsjax.devices import mesh as mesh_lib
+from podsjax.models.params import check_key
 
 _PARENT = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp", "down": "mlp"}
 DEFAULT_TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
@@ -111,6 +112,10 @@ def init_lora(rng: jax.Array, model, lora_config: LoraConfig, dtype=jnp.float32,
     Returns:
         :class:`LoraParams`.
     """
+    if not isinstance(lora_config, LoraConfig):
+        raise TypeError(f"lora_config must be a LoraConfig (podsjax.models.LoraConfig(rank=...)); got "
+                        f"{type(lora_config).__name__}")
+    check_key(rng)
     shapes = lora_shapes(model.config, lora_config)
 
     def make(rng):

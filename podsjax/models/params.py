@@ -12,6 +12,23 @@ from jax.sharding import Mesh
 from podsjax.devices import mesh as mesh_lib
 
 
+def check_key(key, name: str = "rng") -> None:
+    """A PRNG key (``jax.random.key`` or a legacy uint32 ``PRNGKey``), else a one-line TypeError."""
+    if not isinstance(key, jax.Array) or not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,)):
+        raise TypeError(f"{name} must be a PRNG key (jax.random.key(seed)); got {key!r}")
+
+
+def check_float_dtypes(**dtypes) -> None:
+    """Each named dtype a float dtype (or None), else a one-line ValueError naming it."""
+    for name, dtype in dtypes.items():
+        try:
+            floating = dtype is None or jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(f"{name} must be a float dtype (jnp.float32, jnp.bfloat16, ...); got {dtype!r}")
+
+
 def _boxed_abstract(model) -> Any:
     # One token is enough: no param shape depends on the sequence length.
     dummy_ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
@@ -36,6 +53,7 @@ def param_shardings(model, mesh: Mesh) -> Any:
 
 def init_params(model, rng: jax.Array, mesh: Mesh | None = None) -> Any:
     """Random params (HF-style N(0, 0.02) kernels, unit norms), born sharded on ``mesh``."""
+    check_key(rng)
     def init(key):
         return nn.meta.unbox(model.init(key, jnp.zeros((1, 1), jnp.int32))["params"])
 

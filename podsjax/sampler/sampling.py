@@ -149,7 +149,7 @@ class Generator:
         Returns:
           :class:`Rollouts` with B*n rows.
         """
-        if isinstance(eos_token_ids, int):
+        if np.ndim(eos_token_ids) == 0:  # one id (a NumPy int too)
             eos_token_ids = (eos_token_ids,)
         try:
             eos = tuple(operator.index(t) for t in eos_token_ids)
@@ -158,12 +158,12 @@ class Generator:
         cfg = SamplingConfig(
             num_samples=_index(num_samples, "num_samples"),
             max_new_tokens=_index(max_new_tokens, "max_new_tokens"),
-            temperature=float(temperature),
-            top_p=float(top_p),
+            temperature=_number(temperature, "temperature"),
+            top_p=_number(top_p, "top_p"),
             top_k=_index(top_k, "top_k"),
             eos_token_ids=eos,
             pad_token_id=_index(pad_token_id, "pad_token_id"),
-            return_logprobs=bool(return_logprobs),
+            return_logprobs=_flag(return_logprobs, "return_logprobs"),
         )
         vocab = self.model.config.vocab_size
         if not 0 <= cfg.pad_token_id < vocab:  # it fills the rows' ends, which a tokenizer then decodes
@@ -227,6 +227,19 @@ def _placed(tree: Any, shardings: Any) -> Any:
         return jax.device_put(x, sharding)
 
     return jax.tree.map(place, tree, shardings, is_leaf=lambda x: x is None)
+
+
+def _number(value, name: str) -> float:
+    """``value`` as a float; a string, bool, None or array is a one-line error naming ``name``."""
+    if value is None or isinstance(value, (bool, str)) or np.ndim(value) != 0:
+        raise ValueError(f"{name} must be a number; got {value!r}")
+    return float(value)
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):  # bool("no") is True
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+    return bool(value)
 
 
 def _index(value, name: str) -> int:

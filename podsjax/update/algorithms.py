@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import optax
 
@@ -90,11 +91,14 @@ class AlgorithmConfig:
 
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int)):
+            if field.name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 bad(f"{field.name} must be an integer; got {value!r}")
+            if field.name in _INT_FIELDS:  # NumPy's ints too, held as Python's (the config is hashed)
+                object.__setattr__(self, field.name, value := int(value))
             if field.name in _FLOAT_FIELDS and value is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
                     bad(f"{field.name} must be a number; got {value!r}")
+                object.__setattr__(self, field.name, value := float(value) if not isinstance(value, int) else value)
                 if not math.isfinite(value):  # an inf lr or beta would silently poison every weight
                     bad(f"{field.name} must be finite; got {value}")
         if self.algorithm not in ALGORITHMS:

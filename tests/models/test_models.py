@@ -563,3 +563,19 @@ def test_lora_config_validation():
 def test_a_bad_lora_config_is_one_line(fields, message):
     with pytest.raises(ValueError, match=message):
         pm.LoraConfig(**fields)
+
+
+def test_keys_configs_and_dtypes_of_the_wrong_kind_are_one_line(hf_models):
+    # Each had failed deep inside JAX (an int key, a dict config, an int param dtype).
+    path, _, model, _ = next(iter(hf_models.values()))
+    with pytest.raises(TypeError, match="lora_config must be a LoraConfig"):
+        pm.init_lora(jax.random.key(0), model, {"rank": 2})
+    for call in (lambda: pm.init_lora(0, model, pm.LoraConfig(rank=2)), lambda: pm.init_params(model, 0)):
+        with pytest.raises(TypeError, match=r"rng must be a PRNG key \(jax.random.key\(seed\)\); got 0"):
+            call()
+    for dtype in (jnp.int32, "float8"):
+        with pytest.raises(ValueError, match="dtype must be a float dtype"):
+            pm.from_pretrained(path, dtype=dtype)
+    with pytest.raises(ValueError, match="compute_dtype must be a float dtype"):
+        pm.from_pretrained(path, compute_dtype=jnp.int8)
+    assert jax.tree.leaves(pm.init_lora(jax.random.PRNGKey(0), model, pm.LoraConfig(rank=2)).weights)  # legacy key

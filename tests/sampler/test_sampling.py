@@ -382,7 +382,7 @@ def test_sharded_generation_matches_single_device(tmp_path):
     assert out.tokens.sharding.is_equivalent_to(expected, 2)
 
 
-def test_bad_arguments_raise_one_line_errors(tiny):
+def test_bad_arguments_raise_one_line_errors(tiny, generator_for):
     _, model, params = tiny["qwen2_tied_gqa"]
     ids, mask = left_padded_prompts()
     base = dict(num_samples=1, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
@@ -398,10 +398,16 @@ def test_bad_arguments_raise_one_line_errors(tiny):
         (dict(eos_token_ids=["</s>"]), "eos_token_ids must be ints"),
         (dict(pad_token_id=vocab), rf"pad_token_id must be a token id in \[0, {vocab}\); got {vocab}"),
         (dict(pad_token_id=-1), "got -1"),
+        (dict(temperature=None), "temperature must be a number; got None"),
+        (dict(temperature="0.9"), "temperature must be a number; got '0.9'"),  # had been taken as 0.9
+        (dict(top_p=np.ones(2)), "top_p must be a number"),
+        (dict(return_logprobs="no"), "return_logprobs must be True or False; got 'no'"),  # had been True
     ]
     for override, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
             sampling.generate(model, params, ids, mask, jax.random.key(0), **{**base, **override})
+    one = generator_for(model).generate(params, ids, mask, jax.random.key(0), **{**base, "eos_token_ids": np.int64(EOS)})
+    assert one.tokens.shape[0] == ids.shape[0]  # a NumPy int is one id, as an int is
     with pytest.raises(ValueError, match=r"must both be \[B, L\]"):
         sampling.generate(model, params, ids, mask[:, :3], jax.random.key(0), **base)
     with pytest.raises(TypeError, match="key must be a PRNG key"):

@@ -223,6 +223,13 @@ def test_build_batch_refuses_inputs_whose_shapes_disagree_in_one_line():
     assert batch.input_ids.shape == (4, 5) and idx.shape == (2, 2) and int(batch.input_ids.min()) >= 0
 
 
+def test_numpy_numbers_are_config_numbers():
+    config = algorithms.AlgorithmConfig(n=np.int64(4), m=np.int32(2), algorithm="pods", learning_rate=np.float32(1e-3))
+    assert (type(config.n), type(config.m), type(config.learning_rate)) == (int, int, float)
+    assert config == algorithms.AlgorithmConfig(n=4, m=2, algorithm="pods", learning_rate=float(np.float32(1e-3)))
+    hash(config)  # static under jit
+
+
 def test_config_validation_errors():
     cases = [
         (dict(algorithm="grpo", n=8, m=4), "m must equal n"),
