@@ -443,25 +443,18 @@ def test_registry_dispatch_and_user_rules():
     with pytest.raises(TypeError, match="named by a string.*got function"):
         selection.select(selection.max_variance, rewards, 2)
 
-    def too_many(rewards, m, *, key=None):
-        return jnp.zeros((*rewards.shape[:-1], m + 1), jnp.float32)
-
-    selection.register_rule("test_too_many", too_many)
-    try:
-        with pytest.raises(ValueError, match=r"'test_too_many' returned float32 \(1, 3\); .* shape \(1, 2\)"):
-            selection.select("test_too_many", rewards, 2)
-    finally:
-        selection._RULES.pop("test_too_many")
-
-    def past_n(rewards, m, *, key=None):  # indices past N: select_flat refused them, select did not
-        return jnp.full((*rewards.shape[:-1], m), rewards.shape[-1], jnp.int32)
-
-    selection.register_rule("test_past_n", past_n)
-    try:
-        with pytest.raises(ValueError, match=r"'test_past_n' returned values from 4 to 4; .* positions in \[0, N=4\)"):
-            selection.select("test_past_n", rewards, 2)
-    finally:
-        selection._RULES.pop("test_past_n")
+    broken_rules = [  # what select says of a rule's wrong answer (positions past N: select_flat refused them)
+        ("test_too_many", lambda r, m, key=None: jnp.zeros((*r.shape[:-1], m + 1), jnp.float32),
+         r"'test_too_many' returned float32 \(1, 3\); .* shape \(1, 2\)"),
+        ("test_past_n", lambda r, m, key=None: jnp.full((*r.shape[:-1], m), r.shape[-1], jnp.int32),
+         r"'test_past_n' returned values from 4 to 4; .* positions in \[0, N=4\)")]
+    for name, rule, message in broken_rules:
+        selection.register_rule(name, rule)
+        try:
+            with pytest.raises(ValueError, match=message):
+                selection.select(name, rewards, 2)
+        finally:
+            selection._RULES.pop(name)
 
 
 def test_indices_to_mask():
