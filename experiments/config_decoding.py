@@ -59,7 +59,7 @@ def decode(values: dict[str, Any], flags: list[str] = (), where: str | None = No
 
     The flags are read here (``_flag_values``) and merged into ``values``, and draccus
     decodes the one tree in memory."""
-    tree = merge(values, _flag_values(flags, where))
+    tree = _as_lists(merge(values, _flag_values(flags, where)))
     _check_values(tree, where)
     try:
         return draccus.decode(ExperimentConfig, tree)
@@ -67,6 +67,22 @@ def decode(values: dict[str, Any], flags: list[str] = (), where: str | None = No
         raise UsageError(_where(where, _draccus_error(exc))) from None
     except (ValueError, TypeError) as exc:  # a config's __post_init__ outside draccus's wrapping
         raise UsageError(_where(where, _first_line(exc))) from None
+
+
+def _as_lists(tree: dict[str, Any]) -> dict[str, Any]:
+    """A list field given one value (``log: jsonl``, ``eval_k: 4``, ``--run.log jsonl,wandb``) as
+    the list of it, as the flags' shortcuts give: draccus had made a string its characters."""
+    fields_of = field_types()
+    out = {}
+    for section, fields in tree.items():
+        if isinstance(fields, dict):
+            fields = dict(fields)
+            for name, value in fields.items():
+                listed = typing.get_origin(fields_of.get(section, {}).get(name)) in (tuple, list)
+                if listed and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                    fields[name] = [v.strip() for v in value.split(",")] if isinstance(value, str) else [value]
+        out[section] = fields
+    return out
 
 
 def _where(where: str | None, message: str) -> str:

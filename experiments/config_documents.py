@@ -37,8 +37,8 @@ def _clip(line: str, limit: int = 300) -> str:
 
 # -- reading a document within the bounds ---------------------------------------------------
 
-class _TooLarge(Exception):
-    """A document past one of the bounds (its message names the bound)."""
+class _Refused(Exception):
+    """A document past one of the bounds, or with a key twice in a mapping (its message says which)."""
 
 
 class _HugeInt:
@@ -70,12 +70,19 @@ class _Loader(yaml.SafeLoader):
         self.nodes += 1
         try:
             if self.depth > MAX_DEPTH:
-                raise _TooLarge(_DEEPER)
+                raise _Refused(_DEEPER)
             if self.nodes > MAX_VALUES:
-                raise _TooLarge(_LARGER)
+                raise _Refused(_LARGER)
             return super().compose_node(parent, index)
         finally:
             self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        keys = [key.value for key, _ in node.value if isinstance(key, yaml.ScalarNode) and key.value != "<<"]
+        twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+        if twice is not None:  # PyYAML keeps the last silently: a typo's copy would win unseen
+            raise _Refused(f"{twice!r} is given twice in one mapping")
+        return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node):
         try:
@@ -100,7 +107,7 @@ def _check_expansion(root: yaml.Node) -> None:
         sizes = known.get(id(node))
         if sizes is None:
             if depth > MAX_DEPTH:
-                raise _TooLarge(_DEEPER)
+                raise _Refused(_DEEPER)
             if isinstance(node, yaml.SequenceNode):
                 children = node.value
             elif isinstance(node, yaml.MappingNode):
@@ -112,11 +119,11 @@ def _check_expansion(root: yaml.Node) -> None:
                 child_values, child_levels = visit(child, depth + 1)
                 values, levels = values + child_values, max(levels, child_levels + 1)
                 if values > MAX_VALUES:
-                    raise _TooLarge(f"more than {MAX_VALUES} values once its YAML aliases are expanded, the limit "
+                    raise _Refused(f"more than {MAX_VALUES} values once its YAML aliases are expanded, the limit "
                                     "for a config (one has about 100)")
             sizes = known[id(node)] = (values, levels)
         if depth + sizes[1] - 1 > MAX_DEPTH:
-            raise _TooLarge(_DEEPER)
+            raise _Refused(_DEEPER)
         return sizes
 
     visit(root, 1)
@@ -131,7 +138,7 @@ def _load(text: str, what: str, broken: str = "not YAML or JSON") -> Any:
             return None
         _check_expansion(node)
         return loader.construct_document(node)
-    except _TooLarge as exc:
+    except _Refused as exc:
         raise UsageError(f"{what}: {exc}") from None
     except (yaml.YAMLError, ValueError, TypeError) as exc:
         raise UsageError(f"{what}: {broken} ({_first_line(exc)})") from None

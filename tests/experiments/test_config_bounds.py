@@ -191,6 +191,8 @@ def test_a_yaml_alias_bomb_is_refused_at_once_in_bounded_memory(tmp_path, one_li
     ("a: &a [*a]\n", "nested deeper than 32 levels"),  # an alias inside its own anchor
     # (max_steps 0 would be refused too, but the size is looked at first)
     ("run: {max_steps: 0}\n#" + "x" * (1 << 20) + "\n", "larger than 1 MiB"),
+    # PyYAML kept the last of two keys silently: a typo's copy would have won unseen.
+    ("algorithm:\n  n: 8\n  n: 16\nrun: {max_steps: 2}\n", "'n' is given twice in one mapping"),
 ])
 def test_a_config_file_too_deep_or_too_large_is_one_line_naming_the_limit(tmp_path, one_line, deadline, text,
                                                                           message):
@@ -306,3 +308,16 @@ def test_a_model_whose_config_json_is_no_object_is_one_line(tmp_path, one_line, 
     (model / "config.json").write_text(text)
     err = one_line(["--model", str(model), "--max-steps", "2"], tmp_path / "never")
     assert f"--model {model}: {message}" in err, err
+
+
+def test_a_list_field_given_one_value_is_the_list_of_it(tmp_path):
+    # A config file's "log: jsonl" had been the backends j, s, o, n, l; "eval_k: 1" a parse failure.
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  log: jsonl\n  eval_k: 1\n  max_steps: 2\n")
+    run = flags.parse("gsm8k", ["--config", str(path)])[1].run
+    assert (run.log, run.eval_k) == (("jsonl",), (1,))
+    run = flags.parse("gsm8k", ["--run.log", "jsonl, wandb", "--max-steps", "1"])[1].run
+    assert run.log == ("jsonl", "wandb")
+    path.write_text("run:\n  log: jsonl,j\n  max_steps: 2\n")
+    with pytest.raises(UsageError, match="unknown log backend 'j'"):
+        flags.parse("gsm8k", ["--config", str(path)])
