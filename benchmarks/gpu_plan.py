@@ -26,7 +26,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for GPUs from this host; probe for none here
 from podsjax.devices.accelerators import with_gpu_flags  # noqa: E402 - imports no JAX
 
-os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""), deviceless=True)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

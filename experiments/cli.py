@@ -262,7 +262,7 @@ def prepare_devices(spec: str | None, processes: int = 1, topology: str | None =
     from podsjax.devices.gpu_topology import is_gpu_name
 
     for_gpus = is_gpu_name(topology) if topology is not None else has_nvidia_gpu()
-    os.environ["XLA_FLAGS"] = with_gpu_flags(flags) if for_gpus else flags
+    os.environ["XLA_FLAGS"] = with_gpu_flags(flags, deviceless=topology is not None) if for_gpus else flags
 
 
 def _jax_started() -> bool:

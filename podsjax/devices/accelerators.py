@@ -45,11 +45,12 @@ def has_nvidia_gpu(dev: str = "/dev", drivers: tuple[str, ...] = DRIVER_FILES) -
             or any(os.path.exists(path) for path in drivers))
 
 
-def with_gpu_flags(flags: str) -> str:
+def with_gpu_flags(flags: str, deviceless: bool = False) -> str:
     """An XLA_FLAGS value with :data:`GPU_XLA_FLAGS` added, each unless ``flags`` sets it already
-    (either way: the user's choice stands)."""
+    (either way: the user's choice stands). ``deviceless``: compiling for a GPU this host does
+    not have, where nothing can be autotuned: added last whatever ``flags`` say (the last wins)."""
     for flag in GPU_XLA_FLAGS:
-        if flag.split("=")[0] not in flags:
+        if deviceless or flag.split("=")[0] not in flags:
             flags = f"{flags} {flag}".strip()
     return flags
 
