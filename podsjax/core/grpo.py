@@ -55,30 +55,23 @@ def group_advantages(
       group-relative signal, and 0 keeps the update finite.
 
     Raises:
-      ValueError: a reward that is NaN or infinite (checked unless traced; traced, it makes
-        its group's advantages NaN, every group's with ``std_scaling="batch"``, which the
-        update then skips as non-finite).
+      ValueError: a NaN or infinite reward (unless traced: then its group's advantages are
+        NaN, every group's with "batch", and the update skips them as non-finite).
     """
     if std_scaling not in STD_SCALINGS:
         raise ValueError(f"std_scaling must be one of {STD_SCALINGS}; got {std_scaling!r}")
     if not isinstance(eps, jax.core.Tracer):  # a traced eps is the caller's to keep >= 0
-        if eps is None or isinstance(eps, (bool, str)):
-            raise TypeError(f"eps must be a number >= 0; got {eps!r}")
-        if jnp.ndim(eps) != 0:
-            raise ValueError(f"eps must be a scalar; got shape {jnp.shape(eps)}")
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0; got {eps}")
+        if eps is None or isinstance(eps, (bool, str)) or jnp.ndim(eps) != 0 or not eps >= 0:
+            raise ValueError(f"eps must be a number >= 0; got {eps!r}")
     if isinstance(ddof, bool) or not isinstance(ddof, numbers.Integral) or ddof < 0:
         raise ValueError(f"ddof must be an integer >= 0; got {ddof!r}")
     ddof = int(ddof)
     rewards = jnp.asarray(rewards_PM, dtype=jnp.float32)
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
-    if not isinstance(rewards, jax.core.Tracer) and getattr(rewards, "is_fully_addressable", True):
-        finite = np.isfinite(np.asarray(rewards))
-        if not finite.all():
-            where = tuple(int(i) for i in np.argwhere(~finite)[0])
-            raise ValueError(f"rewards must be finite; got {float(np.asarray(rewards)[where])} at {list(where)}")
+    if not isinstance(rewards, jax.core.Tracer) and rewards.is_fully_addressable and not np.isfinite(rewards).all():
+        where = np.argwhere(~np.isfinite(rewards))[0]
+        raise ValueError(f"rewards must be finite; got {float(rewards[tuple(where)])} at {where.tolist()}")
     # Mean and std are shift-invariant; shifting by one member makes equal rewards
     # exactly 0 before any averaging (mean([7.0] * 7) is not exactly 7.0 in float32).
     shifted = rewards - rewards[..., :1]
@@ -90,8 +83,7 @@ def group_advantages(
     else:  # shifted by one reward of the batch, for the same reason
         batch = rewards - (rewards.reshape(-1)[0] if rewards.size else 0.0)
         std = _std(batch, batch - jnp.mean(batch), axis=None, ddof=ddof)
-        # A traced non-finite reward makes the batch's std NaN, not the 0 of a NaN variance,
-        # which had divided the other groups by eps alone (finite, and 1/eps too large).
+        # A traced non-finite reward: NaN, not a NaN variance's 0 (the other groups over eps alone).
         std = jnp.where(jnp.all(jnp.isfinite(rewards)), std, jnp.nan)
     scale = std + eps
     # 0 / 0 (equal rewards with eps = 0) is 0 here, not NaN.
@@ -106,7 +98,6 @@ def _std(values: jax.Array, centered: jax.Array, axis: int | None, ddof: int) ->
     var = jnp.sum(centered * centered, axis=axis, keepdims=keep) / max(size - (ddof if size > ddof else 0), 1)
     positive = var > 0
     return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,24 +155,20 @@ class LossConfig:
                 raise ValueError(f"{name} must be an integer; got {value!r}")
             if value is not None:
                 object.__setattr__(self, name, int(value))
-        if not self.epsilon >= 0:
-            raise ValueError(f"epsilon must be >= 0; got {self.epsilon}")
-        if self.epsilon_high is not None and not self.epsilon_high >= 0:
-            raise ValueError(f"epsilon_high must be >= 0; got {self.epsilon_high}")
-        if not self.beta >= 0:
-            raise ValueError(f"beta must be >= 0; got {self.beta}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}; got {self.aggregation!r}")
-        if self.norm_length is not None and self.norm_length < 1:
-            raise ValueError(f"norm_length must be >= 1; got {self.norm_length}")
-        if self.aggregation == "group-token-mean" and (self.group_size is None or self.group_size < 1):
-            raise ValueError(f"aggregation 'group-token-mean' needs group_size >= 1; got {self.group_size}")
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}; got {self.loss_type!r}")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"tis_cap must be > 0, or None for no truncated importance sampling; got {self.tis_cap}")
-        if self.tis_level not in TIS_LEVELS:
-            raise ValueError(f"tis_level must be one of {TIS_LEVELS}; got {self.tis_level!r}")
+        for ok, problem in (
+                (self.epsilon >= 0, f"epsilon must be >= 0; got {self.epsilon}"),
+                (self.epsilon_high is None or self.epsilon_high >= 0, f"epsilon_high must be >= 0; got {self.epsilon_high}"),
+                (self.beta >= 0, f"beta must be >= 0; got {self.beta}"),
+                (self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}; got {self.aggregation!r}"),
+                (self.norm_length is None or self.norm_length >= 1, f"norm_length must be >= 1; got {self.norm_length}"),
+                (self.aggregation != "group-token-mean" or (self.group_size or 0) >= 1,
+                 f"aggregation 'group-token-mean' needs group_size >= 1; got {self.group_size}"),
+                (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}; got {self.loss_type!r}"),
+                (self.tis_cap is None or self.tis_cap > 0,
+                 f"tis_cap must be > 0, or None for no truncated importance sampling; got {self.tis_cap}"),
+                (self.tis_level in TIS_LEVELS, f"tis_level must be one of {TIS_LEVELS}; got {self.tis_level!r}")):
+            if not ok:
+                raise ValueError(problem)
 
     @property
     def clip_high(self) -> float:
@@ -299,8 +286,7 @@ def tis_weights(old_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.Array, ca
     if not isinstance(cap, jax.core.Tracer) and (isinstance(cap, (bool, str)) or cap is None or not cap > 0):
         raise ValueError(f"cap must be a number > 0 (the largest weight); got {cap!r}")
     old_BL, sampler_BL, mask_BL = _same_shape(old_BL, sampler_BL, mask_BL)
-    valid = mask_BL.astype(bool)
-    log_ratio = jnp.where(valid, old_BL - sampler_BL, 0.0)
+    log_ratio = jnp.where(mask_BL.astype(bool), old_BL - sampler_BL, 0.0)
     if level == "sequence":
         log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, axis=-1, keepdims=True), log_ratio.shape)
     log_cap = jnp.log(jnp.float32(cap))
@@ -312,7 +298,8 @@ def _same_shape(logprobs_BL, other_BL, mask_BL) -> tuple[jax.Array, jax.Array, j
     """Two log-probs of the same tokens and their mask, as arrays of one shape."""
     arrays = tuple(jnp.asarray(x) for x in (logprobs_BL, other_BL, mask_BL))
     if len({x.shape for x in arrays}) != 1:
-        raise ValueError(f"the two log-probs and the mask must have one shape; got {', '.join(str(x.shape) for x in arrays)}")
+        got = ", ".join(str(x.shape) for x in arrays)
+        raise ValueError(f"the two log-probs and the mask must have one shape; got {got}")
     return arrays
 
 
@@ -331,9 +318,8 @@ def sampler_mismatch(update_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.A
     update_BL, sampler_BL, mask_BL = _same_shape(update_BL, sampler_BL, mask_BL)
     valid = mask_BL.astype(bool)
     diff = jnp.where(valid, update_BL - sampler_BL, 0.0)
-    max_log_ratio = jnp.max(jnp.where(valid, diff, -jnp.inf))
     return jax.lax.stop_gradient(Mismatch(abs_logp_diff=jnp.sum(jnp.abs(diff)),
-                                          max_ratio=jnp.exp(max_log_ratio),
+                                          max_ratio=jnp.exp(jnp.max(jnp.where(valid, diff, -jnp.inf))),
                                           tokens=jnp.sum(valid.astype(jnp.float32))))
 
 
@@ -380,11 +366,9 @@ def grpo_loss_terms(
         for x in (old_logprobs_BL, ref_logprobs_BL, sampler_logprobs_BL))
     if logprobs_BL.ndim != 2:
         raise ValueError(f"logprobs must be [B, L]; got shape {logprobs_BL.shape}")
-    if mask_BL.shape != logprobs_BL.shape:
-        raise ValueError(f"mask {mask_BL.shape} must match logprobs {logprobs_BL.shape}")
     if advantages_B.shape != logprobs_BL.shape[:1]:
         raise ValueError(f"advantages must be [B]={logprobs_BL.shape[:1]}; got {advantages_B.shape}")
-    for name, other in (("old_logprobs", old_logprobs_BL), ("ref_logprobs", ref_logprobs_BL),
+    for name, other in (("mask", mask_BL), ("old_logprobs", old_logprobs_BL), ("ref_logprobs", ref_logprobs_BL),
                         ("sampler_logprobs", sampler_logprobs_BL)):
         if other is not None and other.shape != logprobs_BL.shape:
             raise ValueError(f"{name} {other.shape} must match logprobs {logprobs_BL.shape}")
@@ -395,8 +379,7 @@ def grpo_loss_terms(
 
     valid = mask_BL.astype(bool)
     weight = valid.astype(jnp.float32)
-    # Padding may hold anything (even inf); zero it *before* the arithmetic so
-    # neither the loss nor the gradient ever sees it.
+    # Padding may hold anything (even inf): zeroed first, neither loss nor gradient sees it.
     logp = jnp.where(valid, logprobs_BL.astype(jnp.float32), 0.0)
     old = jax.lax.stop_gradient(logp) if old_logprobs_BL is None else jnp.where(valid, old_logprobs_BL, 0.0)
     adv = advantages_B.astype(jnp.float32)[:, None]
@@ -414,13 +397,11 @@ def grpo_loss_terms(
         tis, truncated = tis_weights(old, sampler, weight, config.tis_cap, config.tis_level)
         per_token = per_token * tis
 
+    kl = jnp.zeros_like(logp)
     if ref_logprobs_BL is not None:
         log_ref_ratio = jnp.where(valid, ref_logprobs_BL, 0.0) - logp
         kl = jnp.exp(log_ref_ratio) - log_ref_ratio - 1.0
-        if config.beta > 0:
-            per_token = per_token + config.beta * kl
-    else:
-        kl = jnp.zeros_like(logp)
+        per_token = per_token + config.beta * kl if config.beta > 0 else per_token
 
     per_token = jnp.where(valid, per_token, 0.0)
     if config.aggregation == "seq-mean-token-mean":
@@ -434,8 +415,7 @@ def grpo_loss_terms(
     else:
         numerator = jnp.sum(per_token)
 
-    num_tokens = jnp.sum(weight)
-    denom_tokens = jnp.maximum(num_tokens, 1.0)
+    denom_tokens = jnp.maximum(num_tokens := jnp.sum(weight), 1.0)
 
     def token_mean(x):
         return jax.lax.stop_gradient(jnp.sum(jnp.where(valid, x, 0.0)) / denom_tokens)

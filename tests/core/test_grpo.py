@@ -513,7 +513,7 @@ def test_numpy_numbers_are_numbers_and_array_arguments_get_one_line_errors():
     hash(config)  # still a static jit argument
     rewards = jnp.array([[0.0, 1.0, 3.0]])
     np.testing.assert_allclose(grpo.group_advantages(rewards, ddof=np.int64(1)), grpo.group_advantages(rewards))
-    with pytest.raises(ValueError, match=r"eps must be a scalar; got shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"eps must be a number >= 0; got Array\(\["):
         grpo.group_advantages(rewards, eps=jnp.array([1e-4, 1e-4]))
 
 
@@ -522,8 +522,8 @@ def test_wrong_kinds_of_argument_are_one_line_errors_and_lists_are_arrays():
     lp, mask = jnp.zeros((2, 3)), jnp.ones((2, 3))
     cases = [
         (lambda: grpo.grpo_loss(lp, jnp.zeros(2), mask, {"epsilon": 0.2}), TypeError, "config must be a LossConfig"),
-        (lambda: grpo.group_advantages(mask, eps=None), TypeError, "eps must be a number >= 0; got None"),
-        (lambda: grpo.group_advantages(mask, eps="1e-4"), TypeError, "eps must be a number >= 0; got '1e-4'"),
+        (lambda: grpo.group_advantages(mask, eps=None), ValueError, "eps must be a number >= 0; got None"),
+        (lambda: grpo.group_advantages(mask, eps="1e-4"), ValueError, "eps must be a number >= 0; got '1e-4'"),
         (lambda: grpo.tis_weights(lp, lp[:1], mask, 2.0), ValueError, r"one shape; got \(2, 3\), \(1, 3\), \(2, 3\)"),
         (lambda: grpo.tis_weights(lp, lp, mask, 0.0), ValueError, "cap must be a number > 0"),  # all-zero weights
         (lambda: grpo.tis_weights(lp, lp, mask, -1.0), ValueError, "cap must be a number > 0"),  # NaN weights

@@ -54,12 +54,14 @@ def test_a_check_that_fails_while_the_weights_load_exits_after_the_load(tmp_path
         finished.set()
         return loaded
 
+    def refuses_the_template(*args, **kwargs):  # a check after the load began (the data's come before it)
+        raise cli.UsageError("the chat template is refused")
+
     monkeypatch.setattr(pm, "from_pretrained", slow_weights)
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": 5, "answer": "#### 1"}\n')
+    monkeypatch.setattr(prompts, "check_chat_template", refuses_the_template)
     gsm8k = os.path.join(data_dir, "gsm8k")
-    assert cli.main("gsm8k", ["--model", str(checkpoint), "--data", str(bad), "--eval-data",
+    assert cli.main("gsm8k", ["--model", str(checkpoint), "--data", os.path.join(gsm8k, "train.jsonl"), "--eval-data",
                               os.path.join(gsm8k, "test.jsonl"), "--out", str(tmp_path / "out"), "--max-steps", "1",
                               "--no-compile-cache", "--reward-workers", "1"]) == 2
-    assert "field 'question' is int, not text" in capsys.readouterr().err
+    assert "the chat template is refused" in capsys.readouterr().err
     assert finished.is_set(), "the error returned while the weights were still loading"
