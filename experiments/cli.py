@@ -25,7 +25,7 @@ import warnings
 
 from experiments import completed, flags, helptext, launch_checks, run_dir
 from experiments.config import describe_setting
-from experiments.usage import CONFIG_FILE, UsageError, has_accelerator, mesh_device_count
+from experiments.usage import UsageError, has_accelerator, mesh_device_count
 
 # The library's errors about what the user gave it (module, class): one line, status 2.
 # Looked up in sys.modules so that this module never imports JAX itself.
@@ -59,7 +59,7 @@ def user_error_line(exc: BaseException, out: str | None = None) -> str | None:
         full = isinstance(cause, OSError) and cause.errno in _NO_SPACE
         if full or "No space left on device" in str(cause):
             where = getattr(cause, "filename", None) or out or "the run directory"
-            kept = out and os.path.isfile(os.path.join(out, CONFIG_FILE))  # a start that failed leaves no run
+            kept = out and run_dir.kept_run(out)  # a start that failed leaves no run
             return (f"no space left on device writing {where}; " + ("the last complete checkpoint is intact: free some "
                     "space, then rerun with --resume" if kept else "free some space, then rerun the same command"))
         if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):

@@ -35,10 +35,11 @@ def check(args, config: ExperimentConfig) -> None:
     if hint and missing and config.data.hub is None and config.model.path is not None and not args.resume:
         raise UsageError(f"{config.task} has no Hub dataset: pass --dataset DIR (its train and test files), or "
                          f"{' and '.join(missing)}; e.g. --dataset {hint}")
-    if len(missing) == 1 and config.data.hub is None and not args.resume:  # the other split would come from the Hub
-        given = "--eval-data" if missing == ["--data"] else "--data"
-        raise UsageError(f"{given} names one split; name the other with {missing[0]}, or pass --dataset DIR for "
-                         "both (a directory of train and test files)")
+    given = [(flag, path) for flag, path in (("--data", config.data.train), ("--eval-data", config.data.test)) if path]
+    if len(missing) == 1 and config.data.hub is None and not args.resume and os.path.isdir(given[0][1]):
+        # A directory of splits names both: the other one had come from the Hub, not from it.
+        raise UsageError(f"{given[0][0]} {given[0][1]} is a directory of splits: pass --dataset "
+                         f"{given[0][1]} for both, or name the other split with {missing[0]}")
     if config.model.path is not None:
         _check_model_config(config.model.path)
     if "wandb" in config.run.log:

@@ -106,8 +106,14 @@ _RUN_LOG = re.compile(r"run(\.\d+)?\.log")
 # What a run writes at the top of its directory (tests/experiments/test_overwrite.py checks a
 # real run's against it): --overwrite deletes these and nothing else.
 _RUN_ENTRY = re.compile(r"config\.json|dry_run\.json|(metrics|samples|eval_history)\.jsonl(\.superseded)?"
-                        r"|checkpoints|best|best_model|final_model|final_adapter|tiny_warmup|wandb"
+                        r"|checkpoints|best|best_model|final_model|final_adapter|tiny_warmup(\.partial-.+)?|wandb"
                         r"|events\.out\.tfevents\..+|" + re.escape(REPLACED_PREFIX) + r".+")
+
+
+def kept_run(out: str) -> bool:
+    """Whether a run that failed left ``out`` a run of its own to --resume: its config.json, and not
+    the old run that --overwrite put back (resuming that would train it further)."""
+    return os.path.isfile(os.path.join(out, CONFIG_FILE)) and os.path.realpath(out) not in ReplacedRun.restored
 
 
 def is_run_entry(name: str) -> bool:
@@ -188,6 +194,7 @@ class ReplacedRun:
 
     def __init__(self, out_dir: str):
         self.out_dir, self.path = out_dir, None
+        ReplacedRun.restored.discard(os.path.realpath(out_dir))  # a new start in it
         names = sorted(set(os.listdir(out_dir)) - {LOCK_FILE})
         if names:
             self.path = tempfile.mkdtemp(prefix=REPLACED_PREFIX, dir=out_dir)

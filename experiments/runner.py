@@ -72,6 +72,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     # the run may follow it: never over the config.json of a model or of another run.
     write_config = not resume and (not dry_run or not existed or launch_checks.planned_only(out_dir))
     lock = _lock(out_dir)
+    run_dir.ReplacedRun.restored.discard(os.path.realpath(out_dir))  # this run's stop speaks for itself
     before = None  # what out_dir held before this run wrote to it (process 0; a new run)
     replaced = None  # --overwrite's old run, aside until the new one finishes a step (process 0)
     failed = stopped = False
@@ -277,9 +278,10 @@ def _dry_run(config: ExperimentConfig, out_dir: str, mesh, topology: str | None 
                                              "update_rows": rows, "prompt_len": prompt_len,
                                              "max_new_tokens": run_config.max_new_tokens}}
     path = os.path.join(out_dir, DRY_RUN_FILE)
-    if hosts.is_primary():
-        with open(path, "w") as f:
+    if hosts.is_primary():  # whole or not at all: a torn file would read as no podsjax dry run's
+        with open(path + ".tmp", "w") as f:
             json.dump(report, f, indent=2, sort_keys=True)
+        os.replace(path + ".tmp", path)
     memory.check_fits()
     if topology is not None and mesh.devices.flat[0].platform == "tpu":
         fits = f"the TPU compiler fitted each program into one {memory.device_kind} chip, " + (

@@ -25,8 +25,9 @@ def _check_temperature(temperature: float, *, static: bool = False) -> None:
 
 
 def _check_targets(targets, vocab: int) -> None:
-    """Integer ids in [0, vocab): out of range, the gather would give a NaN or another token's
-    log-prob without a word. Checked on concrete values only; under jit, the caller's."""
+    """Integer ids in [-vocab, vocab): past them the gather gives a NaN without a word. A negative
+    id counts from the end, as in NumPy, so an ignore index (-100) that the caller masks is
+    allowed. Checked on concrete values only; under jit, the caller's."""
     if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
         raise ValueError(f"targets must be integer token ids; got dtype {jnp.result_type(targets)}")
     if isinstance(targets, jax.core.Tracer) or not np.size(targets):
@@ -35,9 +36,10 @@ def _check_targets(targets, vocab: int) -> None:
         return  # another host holds part of it
     ids = np.asarray(targets)  # on the host: under a trace, jnp would stage the check into the program
     low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        raise ValueError(f"target token id {bad} is outside the vocabulary [0, {vocab})")
+    if low < -vocab or high >= vocab:
+        bad = low if low < -vocab else high
+        raise ValueError(f"target token id {bad} is outside the vocabulary [0, {vocab}) (and its negative "
+                         f"indexing from the end, [-{vocab}, 0))")
 
 
 def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature: float = 1.0) -> jax.Array:
@@ -49,7 +51,8 @@ def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature:
 
     Args:
       logits_BLV: [..., L, V] logits of any float dtype.
-      targets_BL: [..., L] int token ids in [0, V) (checked unless traced).
+      targets_BL: [..., L] int token ids in [0, V) (or counted from the end, as in NumPy: an
+        ignore index such as -100 is the caller's to mask); past them, checked unless traced.
       temperature: > 0 (a Python number or a traced scalar); the sampler's
         temperature, so the ratio compares the same distribution the rollouts came from.
 

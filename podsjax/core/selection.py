@@ -119,9 +119,10 @@ def _sorted_valid(rewards):
 
 
 def _within_range(rewards: jax.Array) -> jax.Array:
-    """Each group scaled by a power of two (exact: order, ties and integers kept) where its
-    largest finite magnitude reaches the square root of the dtype's range, so that neither the
-    shift by the minimum nor a sum of M swaps overflows (3e38 - (-3e38) is inf in float32)."""
+    """Each group scaled by a power of two where its largest finite magnitude reaches the square
+    root of the dtype's range, so that neither the shift by the minimum nor a sum of M swaps
+    overflows (3e38 - (-3e38) is inf in float32). Exact, order and ties kept, but for values
+    2^64 times smaller than the group's largest, which may flush to 0."""
     half = jnp.finfo(rewards.dtype).maxexp // 2  # 64 in float32
     largest = jnp.max(jnp.where(jnp.isfinite(rewards), jnp.abs(rewards), 0), axis=-1, keepdims=True)
     return jnp.where(largest >= 2.0 ** half, rewards * 2.0 ** -half, rewards).astype(rewards.dtype)
@@ -261,8 +262,11 @@ def random(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.A
     rewards, m = _validate(rewards, m)
     if key is None:
         raise ValueError("selection rule 'random' needs a PRNG key: pass key=jax.random.key(...)")
-    if not isinstance(key, jax.Array) or not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,)):
-        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)); got {key!r}")
+    if not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)):
+        try:  # raw key data of the default implementation (threefry: uint32[2], rbg: uint32[4])
+            jax.random.wrap_key_data(jnp.asarray(key))
+        except (TypeError, ValueError):
+            raise TypeError(f"key must be a PRNG key (jax.random.key(seed)); got {key!r}") from None
     # The ranks of i.i.d. uniforms form a uniform random permutation.
     noise = jax.random.uniform(key, rewards.shape, dtype=jnp.float32)
     noise = jnp.where(jnp.isfinite(rewards), noise, noise - 2)  # non-finite below every finite one

@@ -49,8 +49,9 @@ def with_gpu_flags(flags: str, deviceless: bool = False) -> str:
     """An XLA_FLAGS value with :data:`GPU_XLA_FLAGS` added, each unless ``flags`` sets it already
     (either way: the user's choice stands). ``deviceless``: compiling for a GPU this host does
     not have, where nothing can be autotuned: added last whatever ``flags`` say (the last wins)."""
+    given = {token.split("=")[0] for token in flags.split()}
     for flag in GPU_XLA_FLAGS:
-        if deviceless or flag.split("=")[0] not in flags:
+        if deviceless or flag.split("=")[0] not in given:
             flags = f"{flags} {flag}".strip()
     return flags
 

@@ -14,8 +14,12 @@ from podsjax.devices import mesh as mesh_lib
 
 def check_key(key, name: str = "rng") -> None:
     """A PRNG key (``jax.random.key`` or a legacy uint32 ``PRNGKey``), else a one-line TypeError."""
-    if not isinstance(key, jax.Array) or not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or key.shape == (2,)):
-        raise TypeError(f"{name} must be a PRNG key (jax.random.key(seed)); got {key!r}")
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return
+    try:  # raw key data of the default implementation (threefry: uint32[2], rbg: uint32[4]), NumPy's too
+        jax.random.wrap_key_data(jnp.asarray(key))
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a PRNG key (jax.random.key(seed)); got {key!r}") from None
 
 
 def check_float_dtypes(**dtypes) -> None:

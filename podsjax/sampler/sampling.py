@@ -149,8 +149,8 @@ class Generator:
         Returns:
           :class:`Rollouts` with B*n rows.
         """
-        if np.ndim(eos_token_ids) == 0:  # one id (a NumPy int too)
-            eos_token_ids = (eos_token_ids,)
+        if isinstance(eos_token_ids, (int, np.integer)) or getattr(eos_token_ids, "ndim", None) == 0:
+            eos_token_ids = (eos_token_ids,)  # one id (a NumPy int too); any other iterable is ids
         try:
             eos = tuple(operator.index(t) for t in eos_token_ids)
         except TypeError:

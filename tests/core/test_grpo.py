@@ -414,11 +414,13 @@ def test_bad_inputs_raise_clear_errors():
     assert math.isclose(LossConfig(epsilon=0.2).clip_high, 0.2)
     # A token id outside the vocabulary gave a NaN (or a clamped token's log-prob) without a word.
     logits = jnp.zeros((1, 2, 3))
-    for bad in (3, -1):
+    for bad in (3, -4):
         with pytest.raises(ValueError, match=rf"target token id {bad} is outside the vocabulary \[0, 3\)"):
             logprobs.token_logprobs(logits, jnp.array([[0, bad]]))
         with pytest.raises(ValueError, match=rf"target token id {bad} is outside the vocabulary \[0, 3\)"):
             logprobs.head_logprobs(jnp.ones((1, 2, 4)), jnp.ones((3, 4)), jnp.array([[bad, 0]]))
+    # An ignore index the caller masks (the eager call had refused what jit took).
+    assert np.isfinite(logprobs.token_logprobs(logits, jnp.array([[0, -1]]))).all()
     with pytest.raises(ValueError, match="targets must be integer token ids; got dtype float32"):
         logprobs.token_logprobs(logits, jnp.array([[0.0, 1.0]]))
     assert logprobs.token_logprobs(logits, jnp.array([[0, 2]])).shape == (1, 2)

@@ -97,5 +97,7 @@ def test_gpu_flags_are_added_unless_the_user_set_them():
     assert accelerators.with_gpu_flags(mine) == mine  # the user's choice stands, either way
     flags = accelerators.with_gpu_flags("")
     assert accelerators.with_gpu_flags(flags) == flags  # added once
+    longer = "--xla_gpu_enable_triton_gemm_any=true"  # another flag, whose name starts with this one's
+    assert accelerators.with_gpu_flags(longer) == f"{longer} --xla_gpu_enable_triton_gemm=false"
     # Without the GPU nothing can be autotuned: the flag goes last, and the last wins.
     assert accelerators.with_gpu_flags(mine, deviceless=True) == f"{mine} --xla_gpu_enable_triton_gemm=false"

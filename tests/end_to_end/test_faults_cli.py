@@ -105,6 +105,11 @@ def test_a_full_disk_says_resume_only_where_a_run_was_kept(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert cli.user_error_line(full, str(tmp_path)).endswith("the last complete checkpoint is intact: free some "
                                                              "space, then rerun with --resume")
+    run_dir.ReplacedRun.restored.add(os.path.realpath(tmp_path))  # --overwrite put the old run back
+    try:  # --resume would train the old run further
+        assert cli.user_error_line(full, str(tmp_path)).endswith("free some space, then rerun the same command")
+    finally:
+        run_dir.ReplacedRun.restored.discard(os.path.realpath(tmp_path))
 
 
 def test_a_bug_shows_its_traceback_then_one_summary_line_and_exit_1(monkeypatch, tmp_path, capsys):

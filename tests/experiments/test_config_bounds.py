@@ -275,10 +275,9 @@ def test_a_boolean_where_a_number_belongs_is_one_line_naming_the_field(tmp_path,
     (["--seed", "-1"], "RunConfig.seed must be an integer from 0 to 2**32 - 1; got -1"),
     (["--max-steps", "2", "--data", "tests/data/gsm8k/train.jsonl"], "data.* settings need --model: the tiny preset"),
     (["--max-steps", "2", "--prompt-column", "q"], "data.* settings need --model"),
-    (["--model", "tests", "--max-steps", "2", "--data", "tests/data/gsm8k/train.jsonl"],  # the test split: the Hub's
-     "--data names one split; name the other with --eval-data, or pass --dataset DIR for both"),
-    (["--model", "tests", "--max-steps", "2", "--eval-data", "tests/data/gsm8k/test.jsonl"],
-     "--eval-data names one split; name the other with --data"),
+    (["--model", "tests", "--max-steps", "2", "--data", "tests/data/gsm8k"],  # its test split had been the Hub's
+     "--data tests/data/gsm8k is a directory of splits: pass --dataset tests/data/gsm8k for both, or name the "
+     "other split with --eval-data"),
     (["--max-steps", "2", "--prompt-column", "q", "--answer-column", "q"],
      "data.prompt_column and data.answer_column both name column 'q'"),
 ])

@@ -578,4 +578,7 @@ def test_keys_configs_and_dtypes_of_the_wrong_kind_are_one_line(hf_models):
             pm.from_pretrained(path, dtype=dtype)
     with pytest.raises(ValueError, match="compute_dtype must be a float dtype"):
         pm.from_pretrained(path, compute_dtype=jnp.int8)
-    assert jax.tree.leaves(pm.init_lora(jax.random.PRNGKey(0), model, pm.LoraConfig(rank=2)).weights)  # legacy key
+    for key in (jax.random.PRNGKey(0), np.asarray(jax.random.PRNGKey(0))):  # legacy key data, NumPy's too
+        assert jax.tree.leaves(pm.init_lora(key, model, pm.LoraConfig(rank=2)).weights)
+    with pytest.raises(TypeError, match="rng must be a PRNG key"):
+        pm.init_lora(jnp.zeros(3, jnp.uint32), model, pm.LoraConfig(rank=2))  # no key of the default kind

@@ -406,8 +406,9 @@ def test_bad_arguments_raise_one_line_errors(tiny, generator_for):
     for override, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
             sampling.generate(model, params, ids, mask, jax.random.key(0), **{**base, **override})
-    one = generator_for(model).generate(params, ids, mask, jax.random.key(0), **{**base, "eos_token_ids": np.int64(EOS)})
-    assert one.tokens.shape[0] == ids.shape[0]  # a NumPy int is one id, as an int is
+    for eos in (np.int64(EOS), {EOS}):  # a NumPy int is one id, as an int is; a set is ids
+        one = generator_for(model).generate(params, ids, mask, jax.random.key(0), **{**base, "eos_token_ids": eos})
+        assert one.tokens.shape[0] == ids.shape[0]
     with pytest.raises(ValueError, match=r"must both be \[B, L\]"):
         sampling.generate(model, params, ids, mask[:, :3], jax.random.key(0), **base)
     with pytest.raises(TypeError, match="key must be a PRNG key"):
