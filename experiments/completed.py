@@ -97,9 +97,9 @@ def interrupted_line(exc: KeyboardInterrupt, task: str, out: str | None, config=
         what = f"interrupted by {exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else "interrupted"
     if out is None or not os.path.isfile(os.path.join(out, CONFIG_FILE)):
         return f"{what}; no run was written yet"
-    from experiments.run_dir import ReplacedRun
+    from experiments.run_dir import put_back_into
 
-    if os.path.realpath(out) in ReplacedRun.restored:  # --resume would extend the old run, not replace it
+    if put_back_into(out):  # --resume would extend the old run, not replace it
         return f"{what}; {out} holds the run --overwrite was to replace: run the same command again to replace it"
     extension = "" if config is None else _extension_flags(config, out)
     return f"{what}; to continue: python -m experiments.{task} --out {shlex.quote(out)} --resume{extension}"

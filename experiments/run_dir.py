@@ -113,7 +113,12 @@ _RUN_ENTRY = re.compile(r"config\.json|dry_run\.json|(metrics|samples|eval_histo
 def kept_run(out: str) -> bool:
     """Whether a run that failed left ``out`` a run of its own to --resume: its config.json, and not
     the old run that --overwrite put back (resuming that would train it further)."""
-    return os.path.isfile(os.path.join(out, CONFIG_FILE)) and os.path.realpath(out) not in ReplacedRun.restored
+    return os.path.isfile(os.path.join(out, CONFIG_FILE)) and not put_back_into(out)
+
+
+def put_back_into(out: str) -> bool:
+    """Whether this process put the run that --overwrite was to replace back into ``out``."""
+    return os.path.realpath(out) in ReplacedRun.restored
 
 
 def is_run_entry(name: str) -> bool:
@@ -190,11 +195,10 @@ class ReplacedRun:
         out_dir: the run directory, locked by this process; its lock stays where it is.
     """
 
-    restored: set[str] = set()  # the directories this process put an old run back into (real paths)
+    restored: set[str] = set()  # where this process put an old run back (real paths; a new start forgets it)
 
     def __init__(self, out_dir: str):
         self.out_dir, self.path = out_dir, None
-        ReplacedRun.restored.discard(os.path.realpath(out_dir))  # a new start in it
         names = sorted(set(os.listdir(out_dir)) - {LOCK_FILE})
         if names:
             self.path = tempfile.mkdtemp(prefix=REPLACED_PREFIX, dir=out_dir)

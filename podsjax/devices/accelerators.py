@@ -33,16 +33,19 @@ NVIDIA_NODES = ("nvidiactl", "nvidia0", "dxg")
 GPU_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 
 
+def _has_node_or_driver(nodes: tuple[str, ...], dev: str, drivers: tuple[str, ...]) -> bool:
+    return (any(os.path.exists(os.path.join(dev, node)) for node in nodes)
+            or any(os.path.exists(path) for path in drivers))
+
+
 def has_accelerator(dev: str = "/dev", drivers: tuple[str, ...] = DRIVER_FILES) -> bool:
     """Whether this host has a GPU or TPU device node or driver (so JAX's plugins may find one)."""
-    return (any(os.path.exists(os.path.join(dev, node)) for node in ACCELERATOR_NODES)
-            or any(os.path.exists(path) for path in drivers))
+    return _has_node_or_driver(ACCELERATOR_NODES, dev, drivers)
 
 
 def has_nvidia_gpu(dev: str = "/dev", drivers: tuple[str, ...] = DRIVER_FILES) -> bool:
     """Whether this host has an NVIDIA GPU's device node or driver."""
-    return (any(os.path.exists(os.path.join(dev, node)) for node in NVIDIA_NODES)
-            or any(os.path.exists(path) for path in drivers))
+    return _has_node_or_driver(NVIDIA_NODES, dev, drivers)
 
 
 def with_gpu_flags(flags: str, deviceless: bool = False) -> str:

@@ -24,6 +24,6 @@ def check_in_vocab(ids_BL, vocab: int, what: str, mask_BL=None) -> None:
     if mask_BL is not None:
         bad &= np.asarray(mask_BL) != 0
     if bad.any():
-        row, col = (int(i) for i in np.argwhere(bad.reshape(ids.shape[0], -1))[0])
+        row, col = (int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{what} token ids must be in [0, {vocab}) (the model's vocabulary); row {row} holds "
-                         f"{int(ids.reshape(ids.shape[0], -1)[row, col])} at position {col}")
+                         f"{int(ids[row, col])} at position {col}")
