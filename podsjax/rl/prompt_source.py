@@ -87,3 +87,18 @@ class PromptSource:
             kept = [example for example in kept for _ in range(groups)]
             batch = self.prepare(kept)
         return kept, batch, skipped
+
+    def check_next(self, wanted: int) -> None:
+        """Draws the next ``wanted`` prompts from a copy of the stream, which does not move: a
+        training set too long to fill a step is refused (and skips are said) before anything
+        compiles or evaluates.
+
+        Raises:
+            PromptError: as :meth:`draw`.
+        """
+        stream = self.stream
+        self.stream = DataStream(stream.examples, stream.seed, stream.position)
+        try:
+            self.draw(wanted)
+        finally:
+            self.stream = stream

@@ -86,6 +86,11 @@ class Trainer:
         stream = DataStream(train_examples, run_config.seed, self.host.data_position)
         self.prompts = PromptSource(tokenizer, stream, max_prompt_length=run_config.max_prompt_length,
                                     system_prompt=run_config.system_prompt, log=self.log)
+        try:
+            self.prompts.check_next(run_config.prompts_per_step)
+        except prompts_lib.PromptError:
+            self.checkpointer.close()
+            raise
         self.scorer = scorer or rewards_lib.RewardPool(run_config.reward_workers,
                                                        timeout_s=run_config.reward_timeout_s)
         self.buckets = buckets.BucketReuse(run_config.bucket_compile_after)

@@ -275,6 +275,8 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
 
     lines = []
     mixed = trainer([long, long, short, long, short, long], "mixed", lines)
+    # Said when the run is built, before any evaluation or compile; the stream has not moved.
+    assert sum("longer than max_prompt_length" in line for line in lines) == 1 and mixed.prompts.stream.position == 0
     try:
         skipped = []
         for _ in range(3):
@@ -287,13 +289,10 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
     assert sum(skipped) > 0 and mixed.compile_counts["generate[sample]"] == 1
     assert sum("longer than max_prompt_length" in line for line in lines) == 1, lines  # said once, then counted
 
-    none_fit = trainer([long] * 3, "none", [])
-    try:
-        with pytest.raises(prompts.PromptError, match=f"too few training prompts fit in max_prompt_length {fits} "
-                                                      r"tokens: 6 of 6 drawn .*--max-prompt-length") as error:
-            none_fit.rl_step()
-    finally:
-        none_fit.close()
+    # Refused when the run is built: no evaluation or compile first.
+    with pytest.raises(prompts.PromptError, match=f"too few training prompts fit in max_prompt_length {fits} "
+                                                  r"tokens: 6 of 6 drawn .*--max-prompt-length") as error:
+        trainer([long] * 3, "none", [])
     assert "\n" not in str(error.value)
 
 
