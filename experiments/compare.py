@@ -71,11 +71,11 @@ def parse(argv):
     """compare's own flags, and the rest (the flags every run shares)."""
     parser = flags_lib.UsageParser(prog="python -m experiments.compare", description=__doc__, allow_abbrev=False,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=("gsm8k", "math", "chemistry"), default="gsm8k")
+    parser.add_argument("--task", choices=("gsm8k", "math", "chemistry"), default="gsm8k", help="default: gsm8k")
     parser.add_argument("--methods", help="comma-separated methods (grpo, grpo-ga, pods; default: grpo,pods)")
     parser.add_argument("--ablation", choices=sorted(ABLATIONS), help="run a sweep instead of --methods")
     parser.add_argument("--baseline", help="label whose peak sets the target (default: grpo, or the first)")
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: 0,1,2)")
     parser.add_argument("--out", required=True)
     args, passthrough = parser.parse_known_args(argv)
     try:

@@ -368,12 +368,10 @@ SETTINGS: dict[str, Setting] = {
 }
 
 
-# The built-in tiny preset, the default without a checkpoint: any task, on any CPU. Measured
-# on a loaded 2-core CPU with --mesh 8 and full fine-tuning: a PODS step takes 0.5-1 s, and
-# greedy test accuracy (256 problems) rose from 23% to 30-37% within 100-220 s of training
-# clock. lr 3e-4 peaked as high but drifted back; 2-4 prompts per step barely moved
-# accuracy; lr 5e-4 with 2 prompts per step collapsed the policy. Completions are at most
-# ~35 tokens and prompts at most ~112 (the system prompt is ~70 of them). GRPO trains as
+# The built-in tiny preset, the default without a checkpoint: any task, on any CPU. Its
+# measured runs are in docs/results. Tuned at 8 prompts a step: lr 3e-4 peaked as high but
+# drifted back; 2-4 prompts per step barely moved accuracy; lr 5e-4 with 2 prompts per step
+# collapsed the policy. Completions are at most ~35 tokens and prompts at most ~112 (the system prompt is ~70 of them). GRPO trains as
 # many rollouts as PODS trains; GRPO-GA trains all of PODS's n in micro-batches of its m.
 TINY = Setting(
     "tiny", model=None, task=None, lora_rank=None, dtype="float32", mesh=None, hardware="any CPU",

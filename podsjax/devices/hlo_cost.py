@@ -145,7 +145,7 @@ def _matmul_flops(instr: Instr, types: dict[str, str]) -> float:
         spatial = str(d)
         if spatial in lhs_labels:
             per_output *= min(size, lhs_dims[lhs_labels.index(spatial)], -(-size // dilations[d]))
-    groups = re.search(r"feature_group_count=(\d+)", instr.attrs)
+    # A grouped convolution's kernel "i" is already one group's inputs: no group count enters.
     return 2.0 * math.prod(out[0][1]) * per_output
 
 
