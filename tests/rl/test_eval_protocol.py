@@ -289,10 +289,13 @@ def test_the_tasks_answer_key_votes_by_default_and_eval_k_off_logs_nothing_new(s
 
 
 def test_an_evaluation_where_no_prompt_fits_is_an_error_not_zero_accuracy(setup, tmp_path):
-    trainer = make_trainer(setup, tmp_path / "run", max_prompt_length=8)
+    _, _, tokenizer, examples = setup
+    fits = int(prompts.prepare_prompts(tokenizer, [e.prompt for e in examples], max_prompt_length=10**6).lengths_P.max())
+    too_long = [data.Example(e.prompt * 8, e.answer) for e in examples]  # the training prompts fit; these do not
+    trainer = make_trainer(setup, tmp_path / "run", eval_examples=too_long, max_prompt_length=fits)
     try:
-        with pytest.raises(prompts.PromptError, match=r"^no evaluation example fits in max_prompt_length 8 tokens: "
-                                                      r"all 4 are longer; raise --max-prompt-length") as info:
+        with pytest.raises(prompts.PromptError, match=f"^no evaluation example fits in max_prompt_length {fits} tokens: "
+                                                      f"all {len(too_long)} are longer; raise --max-prompt-length") as info:
             trainer.evaluate()
     finally:
         trainer.close()
