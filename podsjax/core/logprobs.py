@@ -133,8 +133,10 @@ def head_logprobs(
         raise ValueError(f"head_logprobs wants hidden [B, T, D], head [V, D] and targets [B, T]; got hidden "
                          f"{hidden_BTD.shape}, head {head_VD.shape}, targets {targets_BT.shape}")
     _check_targets(targets_BT, head_VD.shape[0])
+    vocab = head_VD.shape[0]
+    targets_BT = jnp.where(targets_BT < 0, targets_BT + vocab, targets_BT)  # the backward pass one-hots them
     b, t, _ = hidden_BTD.shape
-    chunk = logits_chunk(b, t, head_VD.shape[0], max_elements)
+    chunk = logits_chunk(b, t, vocab, max_elements)
     return _chunked_head(hidden_BTD, head_VD, targets_BT, float(temperature), chunk)
 
 
