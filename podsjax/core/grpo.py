@@ -95,9 +95,13 @@ def _std(values: jax.Array, centered: jax.Array, axis: int | None, ddof: int) ->
     holds no more than ``ddof`` values; 0 with gradient 0 (not NaN) where they are all equal."""
     size = values.shape[-1] if axis is not None else values.size
     keep = axis is not None
-    var = jnp.sum(centered * centered, axis=axis, keepdims=keep) / max(size - (ddof if size > ddof else 0), 1)
+    # Squared in units of the largest deviation: a spread past 1.8e19 overflows float32's square.
+    largest = jnp.max(jnp.abs(centered), axis=axis, keepdims=keep) if size else jnp.zeros(())
+    unit = jnp.where(largest > 0, largest, 1.0)
+    scaled = centered / unit
+    var = jnp.sum(scaled * scaled, axis=axis, keepdims=keep) / max(size - (ddof if size > ddof else 0), 1)
     positive = var > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)) * unit, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

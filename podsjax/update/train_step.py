@@ -59,9 +59,13 @@ def master_weights(params: Any, dtype: Any = jnp.float32) -> Any:
 
 def init_state(params: Any, optimizer: optax.GradientTransformation, master_dtype: Any = jnp.float32) -> TrainState:
     """The first state: ``params`` as :func:`master_weights` in ``master_dtype`` (None: as given)
-    and the optimizer's state born in that dtype."""
+    and the optimizer's state born in that dtype. The state owns its arrays: a step that
+    donates it leaves the caller's ``params`` (a full fine-tune's frozen base, a LoRA tree)
+    alive."""
+    given = params
     if master_dtype is not None:
         params = master_weights(params, master_dtype)
+    params = jax.tree.map(lambda new, old: jnp.copy(new) if new is old else new, params, given)
     return TrainState(
         params=params,
         opt_state=optimizer.init(params),
@@ -189,7 +193,8 @@ def make_train_step(
         # A cond, not a where over every leaf: the skip branch costs nothing and the
         # update branch writes params and moments once.
         new_params, new_opt = jax.lax.cond(apply, apply_update, lambda _: (state.params, state.opt_state), None)
-        lr = jnp.asarray(schedule(state.step), jnp.float32)  # the rate of this optimizer step
+        # The rate of this optimizer step: optax's schedule counts the updates applied, not the skipped.
+        lr = jnp.asarray(schedule(state.step - state.skipped_updates), jnp.float32)
         skipped = (~apply).astype(jnp.int32)
         # A batch of mismatched prompt groups leaves the whole state as it was, counters too.
         counted = jnp.asarray(prompts_match, jnp.int32)

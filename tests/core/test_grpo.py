@@ -491,6 +491,20 @@ def test_a_bf16_head_gradient_is_summed_over_its_chunks_in_fp32():
     assert error < 0.01, error  # one bf16 rounding is 2^-8 = 0.4 %
 
 
+def test_advantages_of_a_spread_past_float32s_square_are_not_zero():
+    # Squared directly, a spread of 1e20 overflowed the variance to inf: advantages of exactly 0.
+    for spread in (1.0, 1e20, 1e30):
+        for scaling in ("group", "batch"):
+            got = np.asarray(grpo.group_advantages(jnp.asarray([[0.0, spread]]), std_scaling=scaling, eps=0.0))
+            np.testing.assert_allclose(got, [[-0.5**0.5, 0.5**0.5]], rtol=1e-4, err_msg=f"{spread} {scaling}")
+    grad = jax.grad(lambda r: grpo.group_advantages(r)[0, 1])(jnp.asarray([[0.0, 1.0, 3.0]]))
+    eps = 1e-3
+    numeric = [(grpo.group_advantages(jnp.asarray([[0.0, 1.0, 3.0]]).at[0, i].add(eps))[0, 1]
+                - grpo.group_advantages(jnp.asarray([[0.0, 1.0, 3.0]]).at[0, i].add(-eps))[0, 1]) / (2 * eps)
+               for i in range(3)]
+    np.testing.assert_allclose(np.asarray(grad)[0], np.asarray(numeric), atol=2e-2)
+
+
 def test_batch_scaling_keeps_its_precision_under_a_large_common_offset():
     small = np.array([[0.0, 0.25], [0.5, 0.125]])
     for offset in (0.0, 1e4, 1e6):

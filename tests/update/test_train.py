@@ -169,10 +169,21 @@ def test_bf16_full_fine_tune_keeps_fp32_master_weights_and_follows_the_fp32_run(
     assert diff <= 0.1 * np.sqrt(sum(np.sum(b**2) for b in moved32))
 
 
+def test_the_first_state_owns_its_arrays():
+    # A step donates its state: had the state kept the caller's fp32 arrays, the first step
+    # would delete them (a full fine-tune's frozen base, a LoRA tree used again to sample).
+    params = {"w": jnp.ones((2, 2), jnp.float32), "b": jnp.ones((2,), jnp.bfloat16)}
+    for master in (jnp.float32, None):
+        state = train_step.init_state(params, optax.sgd(0.1), master_dtype=master)
+        jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s.params), donate_argnums=0)(state)
+        assert not any(x.is_deleted() for x in jax.tree.leaves(params)), master
+        np.testing.assert_array_equal(np.asarray(params["w"]), 1.0)
+
+
 @pytest.mark.slow
 def test_non_finite_loss_skips_the_update(model_and_params):
     model, params = model_and_params
-    config = paper_settings.method_config("grpo", n=N, m=N, learning_rate=1e-2)
+    config = paper_settings.method_config("grpo", n=N, m=N, learning_rate=1e-2, schedule="cosine", total_steps=4)
     batch, _ = train_step.build_batch(*random_rollouts(3), config)
     step, state = full_ft(model, config, params)
     bad = batch.replace(advantages=batch.advantages.at[0].set(jnp.nan))
@@ -183,6 +194,10 @@ def test_non_finite_loss_skips_the_update(model_and_params):
                for a, b in zip(jax.tree.leaves(new_state.opt_state), jax.tree.leaves(state.opt_state)))
     good_state, good = jax.jit(step)(new_state, batch, None)
     assert int(good.skipped) == 0 and tree_max_diff(good_state.params, params) > 0
+    # The schedule follows the updates applied, as optax counts them: the skip did not move it.
+    assert float(good.learning_rate) == float(metrics.learning_rate) == pytest.approx(1e-2)
+    _, after = jax.jit(step)(good_state, batch, None)
+    assert float(after.learning_rate) < 1e-2
 
 
 @pytest.mark.slow
