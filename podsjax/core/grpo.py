@@ -46,13 +46,11 @@ def group_advantages(
         which TRL-style GRPO code uses, 0 gives the population std.
 
     Returns:
-      [..., M] float32 advantages. A group whose rewards are all equal gets
-      exactly zero, in every scaling mode and for any eps (0 included): the
-      rewards are shifted by the group's first value before the mean, so equal
-      values are exactly 0 and no float32 rounding of the mean is left over.
-      A group of one (M = 1) therefore also gets 0, where the authors' code
-      gets NaN from its ddof-1 std of one value: a lone rollout carries no
-      group-relative signal, and 0 keeps the update finite.
+      [..., M] float32 advantages. A group whose rewards are all equal gets exactly zero, in
+      every scaling mode and for any eps (0 included): the rewards are shifted by the group's
+      first value before the mean, so no float32 rounding of the mean is left over. A group
+      of one (M = 1) therefore gets 0 too, where the authors' code gets NaN from its ddof-1
+      std of one value: a lone rollout carries no group-relative signal.
 
     Raises:
       ValueError: a NaN or infinite reward (unless traced: then its group's advantages are
@@ -81,7 +79,7 @@ def group_advantages(
     if std_scaling == "group":
         std = _std(shifted, centered, axis=-1, ddof=ddof)
     else:  # shifted by one reward of the batch, for the same reason
-        batch = rewards - (rewards.reshape(-1)[0] if rewards.size else 0.0)
+        batch = rewards - (jnp.max(rewards) if rewards.size else 0.0)  # a reduction: no slice of a sharded axis
         std = _std(batch, batch - jnp.mean(batch), axis=None, ddof=ddof)
         # A traced non-finite reward: NaN, not a NaN variance's 0 (the other groups over eps alone).
         std = jnp.where(jnp.all(jnp.isfinite(rewards)), std, jnp.nan)
@@ -98,8 +96,7 @@ def _std(values: jax.Array, centered: jax.Array, axis: int | None, ddof: int) ->
     # Squared in units of the largest deviation: a spread past 1.8e19 overflows float32's square.
     largest = jnp.max(jnp.abs(centered), axis=axis, keepdims=keep) if size else jnp.zeros(())
     unit = jnp.where(largest > 0, largest, 1.0)
-    scaled = centered / unit
-    var = jnp.sum(scaled * scaled, axis=axis, keepdims=keep) / max(size - (ddof if size > ddof else 0), 1)
+    var = jnp.sum((centered / unit) ** 2, axis=axis, keepdims=keep) / max(size - (ddof if size > ddof else 0), 1)
     positive = var > 0
     return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)) * unit, 0.0)
 

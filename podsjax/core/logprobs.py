@@ -155,6 +155,21 @@ def _unchunk(x: jax.Array) -> jax.Array:
     return x.swapaxes(0, 1).reshape(b, n * c, *x.shape[3:])
 
 
+def _explicit(x) -> bool:
+    """Whether ``x`` is typed on a mesh with Explicit axes (JAX's sharding in types)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def _contraction_spec(operand, like):
+    """On a mesh with Explicit axes, a contraction over a sharded axis must name its output's
+    sharding: ``like``'s, or replicated. None elsewhere (the compiler chooses)."""
+    if not _explicit(operand):
+        return None
+    return jax.typeof(like).sharding.spec if _explicit(like) else jax.sharding.PartitionSpec()
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _chunked_head(hidden_BTD, head_VD, targets_BT, temperature: float, chunk: int):
     def block(xs):
@@ -183,7 +198,8 @@ def _chunked_head_bwd(temperature, chunk, residuals, cotangents):
         picked = jax.nn.one_hot(targets_BC, scaled.shape[-1], dtype=jnp.float32)
         d_logits = ((picked - probs) * (g_BC[..., None] / temperature)).astype(compute)
         d_h = jnp.einsum("bcv,vd->bcd", d_logits, head_VD.astype(compute), preferred_element_type=jnp.float32)
-        d_head = d_head + jnp.einsum("bcv,bcd->vd", d_logits, h_BCD, preferred_element_type=jnp.float32)
+        d_head = d_head + jnp.einsum("bcv,bcd->vd", d_logits, h_BCD, preferred_element_type=jnp.float32,
+                                     out_sharding=_contraction_spec(h_BCD, head_VD))
         return d_head, d_h.astype(hidden_BTD.dtype)
 
     xs = (_chunks(hidden_BTD, chunk), _chunks(targets_BT, chunk), _chunks(g_logp_BT.astype(jnp.float32), chunk))

@@ -1,9 +1,8 @@
 """Down-sampling rules: pick M of the N rollouts of each group.
 
-Every rule is a pure function ``rule(rewards, m, *, key=None) -> indices`` with
-``rewards`` of shape [..., N] and int32 ``indices`` of shape [..., M] into the
-last axis. Rules trace under ``jax.jit`` (``m`` static), ``jax.vmap`` and
-``shard_map``, for any number of leading batch axes.
+Every rule is a pure function ``rule(rewards, m, *, key=None) -> indices`` with ``rewards``
+of shape [..., N] and int32 ``indices`` of shape [..., M] into the last axis. Rules trace
+under ``jax.jit`` (``m`` static), ``jax.vmap``, ``shard_map`` and Explicit meshes, over any leading axes.
 
 Shared conventions:
 
@@ -88,9 +87,13 @@ def _canonical_keys(values):
     return jnp.where(values == 0, jnp.zeros_like(values), values)
 
 
+def _sharded_like(x, values):  # on a mesh of Explicit axes, sort and select want operands sharded alike
+    return x + jnp.zeros_like(values, dtype=jnp.result_type(x))
+
+
 def _sort_last_axis(values):
     # One variadic sort keyed on (value, index): a total order, so ties are deterministic.
-    idx = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    idx = _sharded_like(lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1), values)
     return lax.sort((values, idx), dimension=values.ndim - 1, num_keys=2)
 
 
@@ -268,7 +271,7 @@ def random(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.A
         except (TypeError, ValueError):
             raise TypeError(f"key must be a PRNG key (jax.random.key(seed)); got {key!r}") from None
     # The ranks of i.i.d. uniforms form a uniform random permutation.
-    noise = jax.random.uniform(key, rewards.shape, dtype=jnp.float32)
+    noise = _sharded_like(jax.random.uniform(key, rewards.shape, dtype=jnp.float32), rewards)
     noise = jnp.where(jnp.isfinite(rewards), noise, noise - 2)  # non-finite below every finite one
     _, idx = lax.top_k(noise, m)
     return idx.astype(jnp.int32)

@@ -97,6 +97,20 @@ def shard_count(mesh: Mesh | None, name: str, rules: Rules = LOGICAL_AXIS_RULES)
     return int(np.prod([mesh.shape[axis] for axis in _rule_for(name, rules)], dtype=np.int64))
 
 
+def check_mesh(mesh: Any) -> None:
+    """Refuses, in one line, a mesh that the logical rules cannot shard over: one without the
+    axes :data:`MESH_AXES`, or with an axis that is not ``AxisType.Auto`` (``jax.make_mesh``'s
+    Explicit default would change the typing rules of every op). :func:`make_mesh` builds one."""
+    names = tuple(getattr(mesh, "axis_names", ()))
+    if not isinstance(mesh, (Mesh, jax.sharding.AbstractMesh)) or not set(MESH_AXES) <= set(names):
+        raise ValueError(f"podsjax needs a mesh with the axes {MESH_AXES}; got "
+                         f"{names or type(mesh).__name__} (podsjax.devices.mesh.make_mesh builds one)")
+    explicit = [n for n, t in zip(names, getattr(mesh, "axis_types", ())) if t != AxisType.Auto]
+    if explicit:
+        raise ValueError(f"podsjax needs a mesh of AxisType.Auto axes; {explicit} are not (jax.make_mesh's default "
+                         "is Explicit: pass axis_types=(AxisType.Auto,) * 3, or use podsjax.devices.mesh.make_mesh)")
+
+
 def logical_to_spec(
     names: Sequence[str | None],
     mesh: Mesh | None = None,

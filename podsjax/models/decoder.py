@@ -355,6 +355,8 @@ class Decoder(nn.Module):
         if self.rollout_layers not in ROLLOUT_LAYERS:
             raise ValueError(f"rollout_layers must be one of {ROLLOUT_LAYERS}; got {self.rollout_layers!r}")
         attention_implementation(self.attention, self.dtype, self.config.head_dim)  # validates the name
+        if self.mesh is not None:
+            mesh_lib.check_mesh(self.mesh)
         super().__post_init__()
 
     @nn.compact

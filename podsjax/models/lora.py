@@ -132,6 +132,7 @@ def init_lora(rng: jax.Array, model, lora_config: LoraConfig, dtype=jnp.float32,
 
     out_shardings = None
     if mesh is not None:  # born sharded like the kernels they adapt
+        mesh_lib.check_mesh(mesh)
         out_shardings = {}
         for path, (a_shape, a_names, b_shape, b_names) in shapes.items():
             node = out_shardings

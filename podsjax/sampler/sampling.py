@@ -132,7 +132,7 @@ class Generator:
         Args:
           params: the model's params.
           prompt_ids_BL: int [B, L] prompt tokens, left-padded.
-          prompt_mask_BL: [B, L], 1 for real prompt tokens.
+          prompt_mask_BL: [B, L], 1 (nonzero) for real prompt tokens.
           key: PRNG key.
           num_samples: n, completions per prompt.
           max_new_tokens: T.
@@ -149,6 +149,9 @@ class Generator:
         Returns:
           :class:`Rollouts` with B*n rows.
         """
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, lora, prompt_ids_BL, prompt_mask_BL))):
+            raise TypeError("Generator.generate runs compiled programs of its own: call it outside jax.jit, "
+                            "grad and vmap (it was given traced values)")
         if isinstance(eos_token_ids, (int, np.integer)) or getattr(eos_token_ids, "ndim", None) == 0:
             eos_token_ids = (eos_token_ids,)  # one id (a NumPy int too); any other iterable is ids
         try:
@@ -176,8 +179,10 @@ class Generator:
             )
         if not jnp.issubdtype(prompt_ids_BL.dtype, jnp.integer):
             raise ValueError(f"prompt ids must be integers; got dtype {prompt_ids_BL.dtype}")
+        if jnp.issubdtype(prompt_mask_BL.dtype, jnp.floating):
+            prompt_mask_BL = prompt_mask_BL != 0  # nonzero is a real token, as the Decoder reads it
         if not (prompt_mask_BL.dtype == jnp.bool_ or jnp.issubdtype(prompt_mask_BL.dtype, jnp.integer)):
-            raise ValueError(f"the prompt mask must be bool or integer (1: a real token); "
+            raise ValueError(f"the prompt mask must be bool, integer or float (nonzero: a real token); "
                              f"got dtype {prompt_mask_BL.dtype}")
         if 0 in prompt_ids_BL.shape:
             raise ValueError(f"prompts must hold at least one row and one position; got shape {prompt_ids_BL.shape}")

@@ -408,6 +408,35 @@ def test_sharded_input_matches_unsharded_and_stays_sharded():
     assert np.array_equal(np.asarray(per_shard(rewards)), np.asarray(MV(rewards, 8)))
 
 
+def test_the_core_composes_under_a_mesh_of_explicit_axes():
+    # jax.make_mesh's default axes are Explicit: under jax.set_mesh every rule, batch-scaled
+    # advantages and the chunked head's gradient had failed inside JAX.
+    from podsjax.core import grpo, logprobs
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(6)
+    rewards = rng.integers(0, 3, (16, 8)).astype(np.float32)
+    hidden, head = rng.normal(size=(16, 4, 8)).astype(np.float32), rng.normal(size=(32, 8)).astype(np.float32)
+    targets = rng.integers(0, 32, (16, 4)).astype(np.int32)
+
+    def each(r, h, w, t):
+        picks = {rule: selection.select(rule, r, 3, **({"key": jax.random.key(0)} if selection.rule_needs_key(rule)
+                                                       else {}))
+                 for rule in selection.available_rules()}
+        picks["flat"] = selection.select_flat("max_variance", r.reshape(-1), 8, 3)
+        picks["advantages"] = grpo.group_advantages(r, std_scaling="batch")
+        picks["head_grad"] = jax.grad(lambda h: logprobs.head_logprobs(h, w, t)[0].sum())(h)
+        return picks
+
+    expected = jax.jit(each)(rewards, hidden, head, targets)
+    place = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))  # noqa: E731
+    with jax.set_mesh(mesh):
+        got = jax.jit(each)(place(rewards), place(hidden), head, place(targets))
+    for name in expected:
+        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(expected[name]), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
 def test_sort_with_indices_matches_stable_argsort():
     rng = np.random.default_rng(5)
     for rows, n in ((3, 1), (3, 16), (300, 16), (300, 37), (3, 1500)):

@@ -31,6 +31,22 @@ def test_make_mesh_specs(spec, sizes):
     assert mesh.devices.size == 8
 
 
+def test_a_mesh_the_rules_cannot_shard_over_is_one_line():
+    import podsjax.models as pm
+
+    config = pm.ModelConfig(arch="qwen2", vocab_size=32, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                            num_kv_heads=1, head_dim=4)
+    other_names = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    explicit = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 3)
+    for mesh, why in ((other_names, r"the axes \('data', 'fsdp', 'tensor'\); got \('x',\)"),
+                      (explicit, r"AxisType.Auto axes; \['data', 'fsdp', 'tensor'\] are not")):
+        with pytest.raises(ValueError, match=why):
+            pm.Decoder(config, mesh=mesh)
+        with pytest.raises(ValueError, match=why):
+            mesh_lib.check_mesh(mesh)
+    pm.Decoder(config, mesh=mesh_lib.make_mesh("fsdp=4,tensor=2"))  # podsjax's own is taken
+
+
 def test_make_mesh_default_uses_all_devices_on_fsdp():
     assert dict(mesh_lib.make_mesh().shape) == {"data": 1, "fsdp": 8, "tensor": 1}
     two = mesh_lib.make_mesh("tensor=2", devices=jax.devices()[:2])

@@ -416,8 +416,16 @@ def test_bad_arguments_raise_one_line_errors(tiny, generator_for):
     with pytest.raises(ValueError, match=r"at least one row and one position; got shape \(1, 0\)"):
         sampling.generate(model, params, np.zeros((1, 0), np.int32), np.zeros((1, 0), np.int32), jax.random.key(0),
                           **base)
-    with pytest.raises(ValueError, match="the prompt mask must be bool or integer"):
-        sampling.generate(model, params, ids, np.asarray(mask, np.float32), jax.random.key(0), **base)
+    # A 0/1 float mask is a mask, as the Decoder reads it (it had been refused).
+    generator = generator_for(model)
+    as_ints = generator.generate(params, ids, mask, jax.random.key(0), **base)
+    as_floats = generator.generate(params, ids, np.asarray(mask, np.float32), jax.random.key(0), **base)
+    np.testing.assert_array_equal(np.asarray(as_floats.tokens), np.asarray(as_ints.tokens))
+    with pytest.raises(ValueError, match="the prompt mask must be bool, integer or float"):
+        sampling.generate(model, params, ids, np.asarray(mask, np.complex64), jax.random.key(0), **base)
+    # Under the caller's jit: one line, not a concretization error from inside.
+    with pytest.raises(TypeError, match="call it outside jax.jit, grad and vmap"):
+        jax.jit(lambda i: generator.generate(params, i, mask, jax.random.key(0), **base).tokens)(ids)
 
 
 def test_prompts_that_would_sample_from_padding_or_outside_the_vocabulary_are_refused(tiny):
