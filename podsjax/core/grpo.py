@@ -91,11 +91,11 @@ def group_advantages(
 def _std(values: jax.Array, centered: jax.Array, axis: int | None, ddof: int) -> jax.Array:
     """The std of ``values`` (``centered``: less their mean) with ``ddof``, or ddof 0 where the axis
     holds no more than ``ddof`` values; 0 with gradient 0 (not NaN) where they are all equal."""
-    size = values.shape[-1] if axis is not None else values.size
-    keep = axis is not None
-    # Squared in units of the largest deviation: a spread past 1.8e19 overflows float32's square.
+    size, keep = (values.shape[-1] if axis is not None else values.size), axis is not None
+    # In units of the largest deviation's power of two (exact, so bit for bit the plain std in
+    # range): a spread past 1.8e19 overflows float32's square.
     largest = jnp.max(jnp.abs(centered), axis=axis, keepdims=keep) if size else jnp.zeros(())
-    unit = jnp.where(largest > 0, largest, 1.0)
+    unit = jnp.where(largest > 0, jnp.ldexp(jnp.ones_like(largest), jnp.frexp(largest)[1]), 1.0)
     var = jnp.sum((centered / unit) ** 2, axis=axis, keepdims=keep) / max(size - (ddof if size > ddof else 0), 1)
     positive = var > 0
     return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)) * unit, 0.0)
