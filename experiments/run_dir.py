@@ -85,7 +85,7 @@ def check_overwrite(out: str, config, config_file: str | None = None) -> None:
     if not is_podsjax_run(out) and not all(is_bookkeeping(name) for name in entries):
         raise UsageError(f"{head}: it is no podsjax run directory (no {CONFIG_FILE} of a run); delete it yourself "
                          "or choose another --out")
-    foreign = [name for name in entries if not is_run_entry(name)]
+    foreign = foreign_files(out)
     if foreign:
         raise UsageError(f"--overwrite: refusing to delete {out}: it holds {describe(foreign)}, which no podsjax run "
                          "writes; move them out or choose another --out")
@@ -119,6 +119,39 @@ def kept_run(out: str) -> bool:
 def put_back_into(out: str) -> bool:
     """Whether this process put the run that --overwrite was to replace back into ``out``."""
     return os.path.realpath(out) in ReplacedRun.restored
+
+
+def foreign_files(out: str) -> list[str]:
+    """What a run directory holds that no podsjax run writes, as paths inside it: its top level,
+    the exported models' files, and the checkpoints' steps (their insides are orbax's)."""
+    from podsjax.models import hf_io, peft_io  # their file names; imported only to replace a run
+    from podsjax.run import checkpoint_layout as layout
+
+    exported = re.compile("|".join([r"config\.json", re.escape(hf_io.SINGLE_FILE), re.escape(hf_io.INDEX_FILE),
+                                    r"model-\d{5}-of-\d{5}\.safetensors", *map(re.escape, hf_io.TOKENIZER_FILES)]))
+    inside = {"final_model": exported, "best_model": exported,
+              "final_adapter": re.compile(f"{re.escape(peft_io.CONFIG_FILE)}|{re.escape(peft_io.WEIGHTS_FILE)}")}
+    steps = re.compile(r"\d+(" + re.escape(layout.CORRUPT_SUFFIX) + r")?|" + _ORBAX_TMP)
+    step_items = re.compile("|".join([*map(re.escape, (layout.STATE_ITEM, layout.HOST_ITEM, layout.CHECKSUMS_ITEM)),
+                                      r"_CHECKPOINT_METADATA|commit_success\.txt", _ORBAX_TMP]))
+    foreign = [name for name in sorted(os.listdir(out)) if not is_run_entry(name)]
+    for sub, allowed in inside.items():
+        foreign += [f"{sub}/{name}" for name in _names(os.path.join(out, sub)) if not allowed.fullmatch(name)]
+    for sub in (CHECKPOINTS_DIRNAME, "best"):
+        for step in _names(os.path.join(out, sub)):
+            if not steps.fullmatch(step):
+                foreign.append(f"{sub}/{step}")
+            elif not step.endswith(layout.CORRUPT_SUFFIX):
+                foreign += [f"{sub}/{step}/{name}" for name in _names(os.path.join(out, sub, step))
+                            if not step_items.fullmatch(name)]
+    return sorted(foreign)
+
+
+_ORBAX_TMP = r".+\.orbax-checkpoint-tmp.*"  # a save under way, or cut short
+
+
+def _names(directory: str) -> list[str]:
+    return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
 
 
 def is_run_entry(name: str) -> bool:

@@ -179,6 +179,7 @@ def test_every_entry_a_finished_run_writes_is_one_overwrite_may_delete(tmp_path_
     names = sorted(os.listdir(out))
     assert {"config.json", "checkpoints", "final_model", "metrics.jsonl"} <= set(names), names
     assert all(run_dir.is_run_entry(name) for name in names), [n for n in names if not run_dir.is_run_entry(n)]
+    assert run_dir.foreign_files(str(out)) == []  # the exported models' and the checkpoints' files too
 
 
 @pytest.mark.slow

@@ -119,7 +119,7 @@ def new_names(directory):
 def test_a_podsjax_run_is_replaced(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     podsjax_run(out)
-    write(out, {"metrics.jsonl": "{}\n", "checkpoints/1/x": "state"})
+    write(out, {"metrics.jsonl": "{}\n", "checkpoints/1/state": "state"})
     seen = []
     monkeypatch.setattr(runner, "_train_and_export", lambda config, out_dir, *a: seen.append(new_names(out_dir)) or 0)
     assert cli.main("gsm8k", ["--out", str(out), "--overwrite", "--no-compile-cache", "--max-steps", "1"]) == 0
@@ -139,9 +139,24 @@ def test_a_run_holding_files_no_run_writes_is_not_replaced(tmp_path, capsys):
     assert tree(out) == before
 
 
+def test_files_of_the_user_inside_a_run_s_folders_are_not_deleted(tmp_path, capsys):
+    # A model card in the exported model, notes beside the checkpoints: only the top level had
+    # been checked, and these went with the old run.
+    out = tmp_path / "run"
+    podsjax_run(out)
+    write(out, {"final_model/model.safetensors": "weights", "final_model/README.md": "model card",
+                "checkpoints/3/state": "state", "checkpoints/3/mine.txt": "notes", "best/notes.txt": "notes",
+                "final_adapter/adapter_model.safetensors": "adapter"})
+    before = tree(out)
+    line = refused(["--out", str(out)], capsys)
+    assert "it holds best/notes.txt, checkpoints/3/mine.txt, final_model/README.md, which no podsjax run writes" in line
+    assert tree(out) == before
+
+
 def old_run(out):
     podsjax_run(out)
-    write(out, {"metrics.jsonl": '{"step": 3}\n', "checkpoints/3/x": "state", "final_model/w": "weights",
+    write(out, {"metrics.jsonl": '{"step": 3}\n', "checkpoints/3/state": "state",
+                "final_model/model.safetensors": "weights",
                 "run.log": "old run's log\n"})
     return tree(out)
 
