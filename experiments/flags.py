@@ -195,6 +195,7 @@ def parse(task: str, argv: list[str] | None,
     if args.resume and _goes_on(args):
         args.field_flags = _resumed_flags(task, args, flags, given, file_values, method_given)
         return args, None
+    args.method = _method(args, method_given, given, file_values)
     has_model = _has_model(given, file_values)
     setting = args.setting or (None if has_model else "tiny")
     layers = _presets(task, args.method, setting)
@@ -214,6 +215,25 @@ def parse(task: str, argv: list[str] | None,
     layers.append(Layer("", _flag_values(flags), flag_names))
     values, args.origins = stack(layers)
     return args, decode(values)
+
+
+def _method(args, method_given: bool, given: dict[str, str], file_values: dict[str, Any]) -> str:
+    """The run's method, which chooses the preset's n, m and the rest: --method (or compare's), else
+    --algorithm.algorithm, else the --config file's; two of them that differ are refused."""
+    named = [(f"--method {args.method}", args.method)] if method_given else []
+    if "algorithm.algorithm" in given:
+        named.append((f"--algorithm.algorithm {given['algorithm.algorithm']}", given["algorithm.algorithm"]))
+    in_file = (file_values.get("algorithm") or {}).get("algorithm") if isinstance(file_values, dict) else None
+    if in_file is not None:
+        named.append((f"--config {args.config}'s algorithm.algorithm {in_file}", in_file))
+    other = next((name for name, value in named if value != named[0][1]), None)
+    if other is not None:
+        raise UsageError(f"{named[0][0]} and {other} name different methods; name one (a run's config.json "
+                         "names its method: delete algorithm.algorithm from the file to run it as another)")
+    method = named[0][1] if named else args.method
+    if method not in METHODS:
+        raise UsageError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    return method
 
 
 def _has_model(given: dict[str, str], file_values: dict[str, Any]) -> bool:

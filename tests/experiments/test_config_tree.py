@@ -51,6 +51,25 @@ def test_a_runs_config_json_starts_a_new_run_like_it(tmp_path):
     assert config_decoding.as_json(again) == config_decoding.as_json(config)
 
 
+def test_one_method_per_run_from_the_flag_or_the_file(tmp_path):
+    # A file's algorithm.algorithm had silently trained its own method under --method's name (and
+    # compare's), and without --method the preset's n / m came from PODS whatever the file said.
+    pods_file, grpo_file = tmp_path / "pods.yaml", tmp_path / "grpo.yaml"
+    pods_file.write_text("algorithm: {algorithm: pods, n: 8, m: 2}\n")
+    grpo_file.write_text("algorithm: {algorithm: grpo-ga}\n")
+    for argv, named in ((["--method", "grpo", "--config", str(pods_file)], f"--method grpo and --config {pods_file}'s"),
+                        (["--method", "pods", "--algorithm.algorithm", "grpo"], "--method pods and --algorithm.algorithm")):
+        with pytest.raises(UsageError, match=f"^{named}.* name different methods; name one"):
+            parse(*argv)
+    with pytest.raises(UsageError, match="name different methods"):
+        flags.parse("gsm8k", ["--config", str(pods_file), "--out", str(tmp_path / "o")], method="grpo")  # compare's
+    ga = parse("--config", str(grpo_file))  # the file's method chooses the preset
+    expected = paper_settings.method_config("grpo-ga", **paper_settings.TINY.methods["grpo-ga"])
+    assert (ga.algorithm.algorithm, ga.algorithm.n, ga.algorithm.m, ga.algorithm.grad_accum) == (
+        "grpo-ga", expected.n, expected.m, expected.grad_accum)
+    assert parse("--method", "pods", "--config", str(pods_file)).algorithm.m == 2  # agreeing is fine
+
+
 def test_each_named_setting_gives_a_valid_config(tmp_path):
     for name, setting in paper_settings.PRESETS.items():
         task = setting.task or "gsm8k"
