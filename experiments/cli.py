@@ -35,6 +35,7 @@ _USER_ERRORS = (
     ("podsjax.run.checkpoint", "CheckpointCorrupt"), ("podsjax.run.checkpoint", "CheckpointMismatch"),
     ("podsjax.rl", "TrainingDiverged"), ("podsjax.rl", "LogDamaged"), ("podsjax.devices.dry_run", "DoesNotFit"),
     ("podsjax.tiny.warmup", "WarmupError"), ("podsjax.rewards.pool", "RewardPoolError"),
+    ("podsjax.run.log_backends", "LoggerError"),
 )
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 

@@ -195,7 +195,8 @@ def parse(task: str, argv: list[str] | None,
     if args.resume and _goes_on(args):
         args.field_flags = _resumed_flags(task, args, flags, given, file_values, method_given)
         return args, None
-    args.method = _method(args, method_given, given, file_values)
+    args.method = _method(args, "the comparison's method" if method is not None else "--method" if method_given
+                          else None, given, file_values)
     has_model = _has_model(given, file_values)
     setting = args.setting or (None if has_model else "tiny")
     layers = _presets(task, args.method, setting)
@@ -217,10 +218,11 @@ def parse(task: str, argv: list[str] | None,
     return args, decode(values)
 
 
-def _method(args, method_given: bool, given: dict[str, str], file_values: dict[str, Any]) -> str:
-    """The run's method, which chooses the preset's n, m and the rest: --method (or compare's), else
-    --algorithm.algorithm, else the --config file's; two of them that differ are refused."""
-    named = [(f"--method {args.method}", args.method)] if method_given else []
+def _method(args, chosen_by: str | None, given: dict[str, str], file_values: dict[str, Any]) -> str:
+    """The run's method, which chooses the preset's n, m and the rest: --method (or compare's,
+    ``chosen_by`` names which), else --algorithm.algorithm, else the --config file's; two of them
+    that differ are refused."""
+    named = [(f"{chosen_by} {args.method}", args.method)] if chosen_by else []
     if "algorithm.algorithm" in given:
         named.append((f"--algorithm.algorithm {given['algorithm.algorithm']}", given["algorithm.algorithm"]))
     in_file = (file_values.get("algorithm") or {}).get("algorithm") if isinstance(file_values, dict) else None

@@ -105,6 +105,11 @@ class TensorBoard:
         self._writer.close()
 
 
+class LoggerError(RuntimeError):
+    """A logging backend could not start (W&B without credentials, say): the run stops before
+    it trains, in one line."""
+
+
 class WandB:
     """A Weights & Biases run for one start of a podsjax run.
 
@@ -127,8 +132,13 @@ class WandB:
         self._wandb = wandb
         group = os.path.basename(os.path.abspath(out_dir))
         name = group if resume_step is None else f"{group}-resumed-at-{resume_step}"
-        self._run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "podsjax", group=group,
-                               name=name, dir=out_dir, config=dict(config or {}), reinit="create_new")
+        try:
+            self._run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "podsjax", group=group,
+                                   name=name, dir=out_dir, config=dict(config or {}), reinit="create_new")
+        except wandb.errors.Error as exc:  # no API key, no network, a project refused: its words, one line
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise LoggerError(f"W&B could not start a run ({why}); log in with `wandb login` or set WANDB_API_KEY, "
+                              "or set WANDB_MODE=offline to keep its files in the run directory") from None
 
     def scalars(self, step: int, values: Mapping[str, float], wall_time: float) -> None:
         self._run.log(dict(values), step=step)

@@ -61,8 +61,8 @@ def test_one_method_per_run_from_the_flag_or_the_file(tmp_path):
                         (["--method", "pods", "--algorithm.algorithm", "grpo"], "--method pods and --algorithm.algorithm")):
         with pytest.raises(UsageError, match=f"^{named}.* name different methods; name one"):
             parse(*argv)
-    with pytest.raises(UsageError, match="name different methods"):
-        flags.parse("gsm8k", ["--config", str(pods_file), "--out", str(tmp_path / "o")], method="grpo")  # compare's
+    with pytest.raises(UsageError, match=f"^the comparison's method grpo and --config {pods_file}'s"):
+        flags.parse("gsm8k", ["--config", str(pods_file), "--out", str(tmp_path / "o")], method="grpo")
     ga = parse("--config", str(grpo_file))  # the file's method chooses the preset
     expected = paper_settings.method_config("grpo-ga", **paper_settings.TINY.methods["grpo-ga"])
     assert (ga.algorithm.algorithm, ga.algorithm.n, ga.algorithm.m, ga.algorithm.grad_accum) == (

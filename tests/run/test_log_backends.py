@@ -74,6 +74,22 @@ def wandb_history(run_dir):
     return history
 
 
+def test_wandb_without_credentials_is_one_line(tmp_path, monkeypatch):
+    # It had been a traceback from inside wandb.init, which the CLI called a bug.
+    pytest.importorskip("wandb")
+    from podsjax.run.log_backends import LoggerError
+
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for name in ("HOME", "WANDB_CONFIG_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "home"))
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))  # none
+    with pytest.raises(LoggerError, match=r"^W&B could not start a run \(.+\); log in with `wandb login`") as error:
+        MetricsWriter(tmp_path / "run", backends=("jsonl", "wandb"))
+    assert "\n" not in str(error.value)
+
+
 def test_wandb_offline_run_holds_scalars_histograms_and_samples(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
