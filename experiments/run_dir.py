@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
@@ -217,6 +218,16 @@ def remove_failed_start(directory: str, before: set[str], existed: bool) -> None
     if not existed:
         with contextlib.suppress(OSError):
             os.rmdir(directory)  # only when empty
+
+
+def say_replaced_leftovers(out: str, overwrite: bool) -> None:
+    """Names the old runs that an --overwrite killed before its first step left aside in ``out``
+    (a stop puts them back; a kill cannot), so that a run starting there does not hide them."""
+    for name in sorted(n for n in os.listdir(out) if n.startswith(REPLACED_PREFIX)) if os.path.isdir(out) else []:
+        fate = ("this --overwrite deletes it with the rest at its first step" if overwrite
+                else "move its files back to restore it, or delete it")
+        print(f"note: {os.path.join(out, name)} holds the run that an --overwrite killed before its first step "
+              f"was to replace; {fate}", file=sys.stderr, flush=True)
 
 
 class ReplacedRun:

@@ -70,6 +70,18 @@ def test_one_method_per_run_from_the_flag_or_the_file(tmp_path):
     assert parse("--method", "pods", "--config", str(pods_file)).algorithm.m == 2  # agreeing is fine
 
 
+def test_run_out_dir_is_out_on_the_command_line_only(tmp_path):
+    # --help lists it as the run directory; it had been ignored for a new dated one.
+    args, config = flags.parse("gsm8k", ["--run.out_dir", str(tmp_path / "a"), "--max-steps", "1"])
+    assert args.out == config.run.out_dir == str(tmp_path / "a")
+    with pytest.raises(UsageError, match="name two run directories; pass one"):
+        flags.parse("gsm8k", ["--run.out_dir", str(tmp_path / "a"), "--out", str(tmp_path / "b")])
+    old = tmp_path / "old.yaml"
+    old.write_text(f"run: {{out_dir: {tmp_path / 'old'}}}\n")  # an old run's config names its own directory
+    args, config = flags.parse("gsm8k", ["--config", str(old), "--out", str(tmp_path / "new")])
+    assert config.run.out_dir == str(tmp_path / "new")
+
+
 def test_each_named_setting_gives_a_valid_config(tmp_path):
     for name, setting in paper_settings.PRESETS.items():
         task = setting.task or "gsm8k"

@@ -153,6 +153,20 @@ def test_files_of_the_user_inside_a_run_s_folders_are_not_deleted(tmp_path, caps
     assert tree(out) == before
 
 
+def test_an_old_run_a_killed_overwrite_left_aside_is_named(tmp_path, capsys, monkeypatch):
+    # A kill before the new run's first step cannot put the old run back: a later start there
+    # had said nothing of it, and the next --overwrite deleted it unseen.
+    out = tmp_path / "run"
+    podsjax_run(out)
+    write(out, {".replaced-abc/config.json": "{}", ".replaced-abc/metrics.jsonl": '{"step": 9}\n'})
+    run_dir.say_replaced_leftovers(str(out), overwrite=False)
+    assert capsys.readouterr().err == (f"note: {out / '.replaced-abc'} holds the run that an --overwrite killed before "
+                                       "its first step was to replace; move its files back to restore it, or delete it\n")
+    monkeypatch.setattr(runner, "_train_and_export", lambda *args: 0)
+    assert cli.main("gsm8k", ["--out", str(out), "--overwrite", "--no-compile-cache", "--max-steps", "1"]) == 0
+    assert "this --overwrite deletes it with the rest at its first step" in capsys.readouterr().err
+
+
 def old_run(out):
     podsjax_run(out)
     write(out, {"metrics.jsonl": '{"step": 3}\n', "checkpoints/3/state": "state",
