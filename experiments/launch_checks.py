@@ -96,6 +96,7 @@ def check_out(args) -> None:
                          "would replace it; choose another --out")
     occupied = os.path.isdir(out) and not planned_only(out)
     if occupied and not (args.resume or args.overwrite or args.dry_run):
+        _refuse_if_in_use(out)  # a live run there: --resume and --overwrite would be refused too
         if getattr(args, "resume_auto", False):
             raise UsageError(f"--resume auto: {out} is not empty and holds no run (no config.json); start the run "
                              "in an empty or new directory")
@@ -103,3 +104,15 @@ def check_out(args) -> None:
             raise UsageError(f"--out {out} is not empty and holds no podsjax run (no config.json of a run); "
                              "choose a new or empty directory")
         raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")
+
+
+def _refuse_if_in_use(out: str) -> None:
+    """One line naming the live run that holds ``out``'s lock (taken and let go at once when free)."""
+    from podsjax.run.run_state import RunLock, RunLocked
+
+    try:
+        RunLock.acquire(out, heartbeat_s=0).release()
+    except RunLocked as exc:
+        raise UsageError(str(exc)) from None
+    except OSError:
+        pass  # unwritable: the run's own start says so

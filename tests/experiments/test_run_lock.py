@@ -52,6 +52,12 @@ def test_a_live_holder_refuses_a_second_writer_with_one_line_naming_it(tmp_path,
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"pid {child.pid} on host {HOST}" in err and LOCK_FILE in err, err
         assert os.listdir(out) == [LOCK_FILE] and holder(out)["pid"] == child.pid
+        # Without a flag: the live run is named, not "pass --resume or --overwrite" (both refused).
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+        assert cli.main("gsm8k", ["--max-steps", "1", "--no-compile-cache", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"in use by pid {child.pid} on host {HOST}" in err, err
+        assert holder(out)["pid"] == child.pid
     finally:
         child.kill()
         child.wait()
