@@ -55,6 +55,7 @@ class Evaluator:
         rewards: the run's reward specs; the strict format check is added at weight 0.
         eos_ids: the tokenizer's end-of-sequence ids.
         compile_log: reports generate's compiles.
+        log: prints one console line (the first evaluation that leaves prompts out says so).
         answer_key: a completion's final answer as text, for maj@k (default: the task's entry
             of :data:`podsjax.rl.pass_at_k.ANSWER_KEYS`; read only when ``eval_k`` is set).
     """
@@ -62,8 +63,10 @@ class Evaluator:
     def __init__(self, generator, prompts: PromptSource, scorer, examples: Sequence[data_lib.Example],
                  run_config: RunConfig, *, rows: int, rewards, eos_ids,
                  compile_log: compilation.CompileLog | None = None,
-                 answer_key: Callable[[str], str | None] | None = None, buckets: BucketReuse | None = None):
+                 answer_key: Callable[[str], str | None] | None = None, buckets: BucketReuse | None = None,
+                 log: Callable[[str], None] | None = None):
         self.generator, self.prompts, self.scorer = generator, prompts, scorer
+        self._log, self._skips_said = log or (lambda line: None), False
         self.buckets = buckets  # the run's compiled prompt lengths, which evaluation pads to
         self.examples = list(examples[: run_config.eval_limit] if run_config.eval_limit else examples)
         self.run_config, self.eos_ids = run_config, eos_ids
@@ -158,6 +161,11 @@ class Evaluator:
                            for row, e, t, a, f in zip(range(first, first + len(tokens)), mine, texts,
                                                       scores["accuracy"], scores["strict_format"])
                            if row % repeats == 0 and row // repeats < len(chunk))
+        if evaluated < len(self.examples) and evaluated and not self._skips_said:
+            self._log(f"evaluating on {evaluated} of {len(self.examples)} examples: the other "
+                      f"{len(self.examples) - evaluated} are longer than max_prompt_length "
+                      f"{self.prompts.max_prompt_length} tokens (each evaluation's count: eval/examples)")
+            self._skips_said = True
         if self.examples and not evaluated:  # an accuracy of nothing would read as 0 %
             raise prompts_lib.PromptError(
                 f"no evaluation example fits in max_prompt_length {self.prompts.max_prompt_length} tokens: all "

@@ -97,7 +97,7 @@ class Trainer:
         self.evaluator = evaluator or Evaluator(
             self.generator, self.prompts, self.scorer, eval_examples, run_config,
             rows=prompt_rows * algo.n, rewards=self.rewards, eos_ids=self.eos_ids,
-            compile_log=self.compile_log, buckets=self.buckets)
+            compile_log=self.compile_log, buckets=self.buckets, log=self.log)
         self.best = (best_lib.BestPolicy(run_config.out_dir, (self.host.best_step, self.host.best_accuracy), restored)
                      if run_config.keep_best else None)
         self.writer = metrics_lib.MetricsWriter(

@@ -33,14 +33,14 @@ def setup(tmp_path_factory):
 shared_generator = functools.cache(sampling.Generator)
 
 
-def make_trainer(setup, out_dir, rewards=None, generator=None, scorer=None, eval_examples=None, **run_fields):
+def make_trainer(setup, out_dir, rewards=None, generator=None, scorer=None, eval_examples=None, log=None, **run_fields):
     model, params, tokenizer, examples = setup
     run = rl.RunConfig(out_dir=str(out_dir), max_steps=1, prompts_per_step=2, max_new_tokens=7,
                        reward_workers=1, progress=False, console=False, **run_fields)
     algo = paper_settings.method_config("pods", n=4, m=2)
     return rl.Trainer(model, params, tokenizer, examples, eval_examples or examples, algo, run,
                       lora=pm.LoraConfig(rank=2, alpha=4.0), rewards=rewards,
-                      generator=generator or shared_generator(model), scorer=scorer)
+                      generator=generator or shared_generator(model), scorer=scorer, log=log)
 
 
 class InProcessScorer:
@@ -300,3 +300,19 @@ def test_an_evaluation_where_no_prompt_fits_is_an_error_not_zero_accuracy(setup,
     finally:
         trainer.close()
     assert "\n" not in str(info.value)
+
+
+def test_an_evaluation_that_leaves_prompts_out_says_so_once(setup, tmp_path):
+    _, _, tokenizer, examples = setup
+    fits = int(prompts.prepare_prompts(tokenizer, [e.prompt for e in examples], max_prompt_length=10**6).lengths_P.max())
+    mixed = examples + [data.Example(e.prompt * 8, e.answer) for e in examples[:3]]
+    lines = []
+    trainer = make_trainer(setup, tmp_path / "run", eval_examples=mixed, log=lines.append, max_prompt_length=fits)
+    try:
+        for _ in range(2):
+            assert trainer.evaluate()["eval/examples"] == len(examples)
+    finally:
+        trainer.close()
+    said = [line for line in lines if line.startswith("evaluating on")]
+    assert said == [f"evaluating on {len(examples)} of {len(mixed)} examples: the other 3 are longer than "
+                    f"max_prompt_length {fits} tokens (each evaluation's count: eval/examples)"], lines
