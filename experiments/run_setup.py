@@ -76,6 +76,8 @@ def _load_split(task: str, split: str, path: str | None, columns: dict | None = 
         return data.load_task(task, split, path=path, columns=columns, hub=hub).examples
     except data.DataError as exc:
         hint = "" if path is not None else " (on the command line: --dataset DIR or a Hub name, or --data and --eval-data)"
+        if path is None and hub is not None and not os.path.exists(hub.split(":")[0]):  # a mistyped local path?
+            hint = f" ({hub} is no local file or directory either; on the command line: --dataset DIR or a Hub name)"
         raise UsageError(f"{exc}{hint}") from None
 
 

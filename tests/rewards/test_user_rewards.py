@@ -131,6 +131,7 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line(tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "cannot load someone/no-such-dataset-xyz split 'train' from the Hugging Face Hub" in err
+    assert "someone/no-such-dataset-xyz is no local file or directory either" in err  # a mistyped path, perhaps
     assert not out.exists()
 
 
