@@ -201,7 +201,7 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
     out = config.run.out_dir
     if not dry_run and completed.is_complete(config, out):
         check_resumable(config, out)  # a finished run of other flags is not this comparison's
-        return _history(out)
+        return _within_budget(_history(out), config, out)
     resume = not dry_run and launch_checks.has_run(out)  # a dry run's config.json alone starts the run
     launch_checks.check_out(argparse.Namespace(out=out, resume=resume, overwrite=False, dry_run=dry_run))
     if resume:
@@ -213,6 +213,20 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
     if code != 0:
         raise SystemExit(code)
     return [] if dry_run else _history(out)
+
+
+def _within_budget(history: list[dict], config: ExperimentConfig, out: str) -> list[dict]:
+    """A complete run's evaluations up to this comparison's budget (a comparison asked again for
+    fewer steps reads the curves it asked for): its steps, and its training clock where the run
+    was started with a longer one (a run's last evaluation may come after its own budget)."""
+    started, run = config_decoding.read_run_config(out).run, config.run
+    kept = [e for e in history if run.max_steps is None or e.get("step", 0) <= run.max_steps]
+    if run.time_budget_s is not None and (started.time_budget_s is None or started.time_budget_s > run.time_budget_s):
+        kept = [e for e in kept if e.get("time/elapsed_train_s", 0) <= run.time_budget_s]
+    if len(kept) < len(history):
+        print(f"note: {out} trained past this comparison's budget; its curve is read up to it "
+              f"({len(kept)} of its {len(history)} evaluations)", flush=True)
+    return kept
 
 
 def _history(out: str) -> list[dict]:

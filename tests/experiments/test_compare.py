@@ -148,6 +148,13 @@ def test_a_stopped_run_continues_a_complete_one_is_read_or_extended_and_a_change
     assert compare.run_one(longer)[-1]["eval/accuracy"] == 0.6
     assert compare.run_one(config)[-1]["eval/accuracy"] == 0.6
     assert len(calls) == 3
+    # Asked again for fewer steps: the curve up to them (the longer one had been read silently).
+    with open(os.path.join(out, "eval_history.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "time/elapsed_train_s": s, "eval/accuracy": s / 10}) + "\n"
+                     for s in (0, 3, 6))
+    shorter = flags_lib.replace_run(config, max_steps=3)
+    assert [e["step"] for e in compare.run_one(shorter)] == [0, 3]
+    assert len(calls) == 3
 
 
 def test_the_dynamic_sampling_ablation_and_its_step_figures(tmp_path):
