@@ -216,13 +216,17 @@ def run_one(config: ExperimentConfig, *, dry_run: bool = False, topology: str | 
 
 
 def _within_budget(history: list[dict], config: ExperimentConfig, out: str) -> list[dict]:
-    """A complete run's evaluations up to this comparison's budget (a comparison asked again for
-    fewer steps reads the curves it asked for): its steps, and its training clock where the run
-    was started with a longer one (a run's last evaluation may come after its own budget)."""
-    started, run = config_decoding.read_run_config(out).run, config.run
+    """A complete run's evaluations up to this comparison's budget (asked again for less, a
+    comparison reads the curves it asked for): up to ``--max-steps``, and up to the step whose
+    training clock first reached ``--time-budget`` (a run's last evaluation comes after it)."""
+    run = config.run
     kept = [e for e in history if run.max_steps is None or e.get("step", 0) <= run.max_steps]
-    if run.time_budget_s is not None and (started.time_budget_s is None or started.time_budget_s > run.time_budget_s):
-        kept = [e for e in kept if e.get("time/elapsed_train_s", 0) <= run.time_budget_s]
+    if run.time_budget_s is not None:
+        path = os.path.join(out, "metrics.jsonl")
+        rows = read_jsonl(path) if os.path.isfile(path) else []
+        reached = [r["step"] for r in rows if r.get("time/elapsed_train_s", -1) >= run.time_budget_s and "step" in r]
+        if reached:
+            kept = [e for e in kept if e.get("step", 0) <= min(reached)]
     if len(kept) < len(history):
         print(f"note: {out} trained past this comparison's budget; its curve is read up to it "
               f"({len(kept)} of its {len(history)} evaluations)", flush=True)

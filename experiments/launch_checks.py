@@ -107,12 +107,10 @@ def check_out(args) -> None:
 
 
 def _refuse_if_in_use(out: str) -> None:
-    """One line naming the live run that holds ``out``'s lock (taken and let go at once when free)."""
-    from podsjax.run.run_state import RunLock, RunLocked
+    """One line naming the live run that holds ``out``'s lock (the lock file is only read)."""
+    from podsjax.run.run_state import LOCK_FILE, RunLock
 
-    try:
-        RunLock.acquire(out, heartbeat_s=0).release()
-    except RunLocked as exc:
-        raise UsageError(str(exc)) from None
-    except OSError:
-        pass  # unwritable: the run's own start says so
+    if os.path.isfile(os.path.join(out, LOCK_FILE)):
+        in_use = RunLock(out).in_use()
+        if in_use:
+            raise UsageError(in_use)

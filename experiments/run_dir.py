@@ -124,31 +124,22 @@ def put_back_into(out: str) -> bool:
 
 def foreign_files(out: str) -> list[str]:
     """What a run directory holds that no podsjax run writes, as paths inside it: its top level,
-    the exported models' files, and the checkpoints' steps (their insides are orbax's)."""
+    the exported models' files, and the checkpoint folders' entries (a step's insides are
+    orbax's, and change with its version)."""
     from podsjax.models import hf_io, peft_io  # their file names; imported only to replace a run
     from podsjax.run import checkpoint_layout as layout
 
     exported = re.compile("|".join([r"config\.json", re.escape(hf_io.SINGLE_FILE), re.escape(hf_io.INDEX_FILE),
                                     r"model-\d{5}-of-\d{5}\.safetensors", *map(re.escape, hf_io.TOKENIZER_FILES)]))
     inside = {"final_model": exported, "best_model": exported,
-              "final_adapter": re.compile(f"{re.escape(peft_io.CONFIG_FILE)}|{re.escape(peft_io.WEIGHTS_FILE)}")}
-    steps = re.compile(r"\d+(" + re.escape(layout.CORRUPT_SUFFIX) + r")?|" + _ORBAX_TMP)
-    step_items = re.compile("|".join([*map(re.escape, (layout.STATE_ITEM, layout.HOST_ITEM, layout.CHECKSUMS_ITEM)),
-                                      r"_CHECKPOINT_METADATA|commit_success\.txt", _ORBAX_TMP]))
+              "final_adapter": re.compile(f"{re.escape(peft_io.CONFIG_FILE)}|{re.escape(peft_io.WEIGHTS_FILE)}"),
+              # steps, damaged ones moved aside (``checkpoint_layout.move_aside``), and saves under way
+              CHECKPOINTS_DIRNAME: re.compile(rf"\d+({re.escape(layout.CORRUPT_SUFFIX)}\d*)?|.+\.orbax-checkpoint-tmp.*")}
+    inside["best"] = inside[CHECKPOINTS_DIRNAME]
     foreign = [name for name in sorted(os.listdir(out)) if not is_run_entry(name)]
     for sub, allowed in inside.items():
         foreign += [f"{sub}/{name}" for name in _names(os.path.join(out, sub)) if not allowed.fullmatch(name)]
-    for sub in (CHECKPOINTS_DIRNAME, "best"):
-        for step in _names(os.path.join(out, sub)):
-            if not steps.fullmatch(step):
-                foreign.append(f"{sub}/{step}")
-            elif not step.endswith(layout.CORRUPT_SUFFIX):
-                foreign += [f"{sub}/{step}/{name}" for name in _names(os.path.join(out, sub, step))
-                            if not step_items.fullmatch(name)]
     return sorted(foreign)
-
-
-_ORBAX_TMP = r".+\.orbax-checkpoint-tmp.*"  # a save under way, or cut short
 
 
 def _names(directory: str) -> list[str]:
@@ -222,7 +213,8 @@ def remove_failed_start(directory: str, before: set[str], existed: bool) -> None
 
 def say_replaced_leftovers(out: str, overwrite: bool) -> None:
     """Names the old runs that an --overwrite killed before its first step left aside in ``out``
-    (a stop puts them back; a kill cannot), so that a run starting there does not hide them."""
+    (a stop puts them back; a kill cannot), so that a run starting there does not hide them;
+    ``overwrite``: this run replaces the directory (not a dry run, which deletes nothing)."""
     for name in sorted(n for n in os.listdir(out) if n.startswith(REPLACED_PREFIX)) if os.path.isdir(out) else []:
         fate = ("this --overwrite deletes it with the rest at its first step" if overwrite
                 else "move its files back to restore it, or delete it")

@@ -79,7 +79,7 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     try:
         try:
             if hosts.is_primary():
-                run_dir.say_replaced_leftovers(out_dir, overwrite)
+                run_dir.say_replaced_leftovers(out_dir, overwrite and not dry_run)
                 if overwrite and not dry_run:
                     replaced = run_dir.ReplacedRun(out_dir)
                 if not resume:

@@ -164,6 +164,23 @@ class RunLock:
 
     def _judge(self, me: dict[str, Any]) -> None:
         """Raises RunLocked for a live holder; moves a stale lock out of the way (the caller retries)."""
+        verdict, text, why = self._verdict(me)
+        if verdict == "live":
+            raise RunLocked(why)
+        if verdict == "wait":
+            time.sleep(0.1)
+        elif verdict == "stale" and self._break(text):
+            self._warn(f"warning: took over {why} ({self.path})")
+
+    def in_use(self) -> str | None:
+        """The line naming the live run that holds this lock, or None; reads the lock file only
+        (a stale lock stays where it is, for the run that takes it over to say so)."""
+        verdict, _, why = self._verdict({"pid": os.getpid(), **_host_identity()})
+        return why if verdict == "live" else None
+
+    def _verdict(self, me: dict[str, Any]) -> tuple[str, str | None, str | None]:
+        """``(verdict, the lock file's text, why)``: "live" (why: the refusal), "stale" (why: whose
+        lock), "wait" (created but not yet written, or torn, and young) or "gone" (released)."""
         text = _read_text(self.path)
         try:
             holder = json.loads(text) if text else None
@@ -173,29 +190,21 @@ class RunLock:
         try:
             age = time.time() - os.stat(self.path).st_mtime
         except FileNotFoundError:
-            return  # released meanwhile: try again
-        if holder is None:
-            # Created but not yet written (its writer is between open and write), or torn.
-            if age < 10.0:
-                time.sleep(0.1)
-                return
-            reason = "an unreadable lock file"
-        else:
-            pid, host = holder.get("pid"), holder.get("host", "?")
-            same_host = all(holder.get(k) == me[k] for k in ("host", "boot", "pid_ns"))
-            where = f"pid {pid} on host {host}"
-            if same_host and isinstance(pid, int) and pid != me["pid"]:
-                if _alive(pid, holder.get("started")):
-                    raise RunLocked(f"the run directory {self.directory} is in use by {where} (lock file {self.path}); "
-                                    "stop that run first, or choose another --out")
-                reason = f"the lock of {where}, which is no longer running"
-            elif not same_host and age >= self._stale_s:
-                reason = f"the lock of {where}, not refreshed for {age / 60:.0f} min"
-            else:
-                raise RunLocked(f"the run directory {self.directory} is in use by {where} (lock file {self.path}, "
-                                f"refreshed {age:.0f} s ago); if that run is gone, delete the lock file")
-        if self._break(text):
-            self._warn(f"warning: took over {reason} ({self.path})")
+            return "gone", text, None
+        if holder is None:  # created but not yet written (its writer is between open and write), or torn
+            return ("wait", text, None) if age < 10.0 else ("stale", text, "an unreadable lock file")
+        pid, host = holder.get("pid"), holder.get("host", "?")
+        same_host = all(holder.get(k) == me[k] for k in ("host", "boot", "pid_ns"))
+        where = f"pid {pid} on host {host}"
+        if same_host and isinstance(pid, int) and pid != me["pid"]:
+            if _alive(pid, holder.get("started")):
+                return "live", text, (f"the run directory {self.directory} is in use by {where} (lock file "
+                                      f"{self.path}); stop that run first, or choose another --out")
+            return "stale", text, f"the lock of {where}, which is no longer running"
+        if not same_host and age >= self._stale_s:
+            return "stale", text, f"the lock of {where}, not refreshed for {age / 60:.0f} min"
+        return "live", text, (f"the run directory {self.directory} is in use by {where} (lock file {self.path}, "
+                              f"refreshed {age:.0f} s ago); if that run is gone, delete the lock file")
 
     def _break(self, seen: str | None) -> bool:
         """Removes the stale lock whose content was ``seen``; False when a fresh one replaced it meanwhile."""

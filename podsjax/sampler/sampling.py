@@ -149,7 +149,8 @@ class Generator:
         Returns:
           :class:`Rollouts` with B*n rows.
         """
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, lora, prompt_ids_BL, prompt_mask_BL))):
+        given = (params, lora, prompt_ids_BL, prompt_mask_BL, key, temperature, top_p, top_k)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(given)):
             raise TypeError("Generator.generate runs compiled programs of its own: call it outside jax.jit, "
                             "grad and vmap (it was given traced values)")
         if isinstance(eos_token_ids, (int, np.integer)) or getattr(eos_token_ids, "ndim", None) == 0:

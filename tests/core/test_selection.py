@@ -425,7 +425,8 @@ def test_the_core_composes_under_a_mesh_of_explicit_axes():
                  for rule in selection.available_rules()}
         picks["flat"] = selection.select_flat("max_variance", r.reshape(-1), 8, 3)
         picks["advantages"] = grpo.group_advantages(r, std_scaling="batch")
-        picks["head_grad"] = jax.grad(lambda h: logprobs.head_logprobs(h, w, t)[0].sum())(h)
+        picks["hidden_grad"], picks["head_grad"] = jax.grad(
+            lambda h, w: logprobs.head_logprobs(h, w, t)[0].sum(), argnums=(0, 1))(h, w)
         return picks
 
     expected = jax.jit(each)(rewards, hidden, head, targets)

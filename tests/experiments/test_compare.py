@@ -148,12 +148,15 @@ def test_a_stopped_run_continues_a_complete_one_is_read_or_extended_and_a_change
     assert compare.run_one(longer)[-1]["eval/accuracy"] == 0.6
     assert compare.run_one(config)[-1]["eval/accuracy"] == 0.6
     assert len(calls) == 3
-    # Asked again for fewer steps: the curve up to them (the longer one had been read silently).
+    # Asked again for less than it trained: the curve up to it (the longer one had been read
+    # silently), in steps, and in training clock up to the step that first reached the budget.
     with open(os.path.join(out, "eval_history.jsonl"), "w") as f:
-        f.writelines(json.dumps({"step": s, "time/elapsed_train_s": s, "eval/accuracy": s / 10}) + "\n"
+        f.writelines(json.dumps({"step": s, "time/elapsed_train_s": s * budget / 3, "eval/accuracy": s / 10}) + "\n"
                      for s in (0, 3, 6))
-    shorter = flags_lib.replace_run(config, max_steps=3)
-    assert [e["step"] for e in compare.run_one(shorter)] == [0, 3]
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": s, "time/elapsed_train_s": s * budget / 3}) + "\n" for s in range(1, 7))
+    assert [e["step"] for e in compare.run_one(flags_lib.replace_run(config, max_steps=2))] == [0]
+    assert [e["step"] for e in compare.run_one(config)] == [0, 3]  # the extended run, asked for its first budget
     assert len(calls) == 3
 
 

@@ -145,11 +145,12 @@ def test_files_of_the_user_inside_a_run_s_folders_are_not_deleted(tmp_path, caps
     out = tmp_path / "run"
     podsjax_run(out)
     write(out, {"final_model/model.safetensors": "weights", "final_model/README.md": "model card",
-                "checkpoints/3/state": "state", "checkpoints/3/mine.txt": "notes", "best/notes.txt": "notes",
+                "checkpoints/3/state": "state", "checkpoints/3.corrupt1/state": "damaged twice",
+                "checkpoints/mine/a.txt": "notes", "best/notes.txt": "notes",
                 "final_adapter/adapter_model.safetensors": "adapter"})
     before = tree(out)
     line = refused(["--out", str(out)], capsys)
-    assert "it holds best/notes.txt, checkpoints/3/mine.txt, final_model/README.md, which no podsjax run writes" in line
+    assert "it holds best/notes.txt, checkpoints/mine, final_model/README.md, which no podsjax run writes" in line
     assert tree(out) == before
 
 

@@ -63,6 +63,21 @@ def test_a_live_holder_refuses_a_second_writer_with_one_line_naming_it(tmp_path,
         child.wait()
 
 
+def test_the_start_s_look_at_a_lock_only_reads_it(tmp_path, capsys):
+    # A dead holder's lock in a directory the start refuses stays as it was (the look had taken
+    # it over, with a second line); so does a file of that name in a folder that is no run.
+    out = tmp_path / "run"
+    dead = hold_in_child(out, then="exit")
+    dead.wait()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = (out / LOCK_FILE).read_text()
+    assert cli.main("gsm8k", ["--max-steps", "1", "--no-compile-cache", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not empty" in err, err
+    assert (out / LOCK_FILE).read_text() == before
+    assert RunLock(out).in_use() is None
+
+
 def test_a_stale_lock_on_this_host_is_taken_over_with_a_warning(tmp_path):
     out = tmp_path / "run"
     dead = hold_in_child(out, then="exit")

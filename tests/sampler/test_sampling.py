@@ -426,6 +426,8 @@ def test_bad_arguments_raise_one_line_errors(tiny, generator_for):
     # Under the caller's jit: one line, not a concretization error from inside.
     with pytest.raises(TypeError, match="call it outside jax.jit, grad and vmap"):
         jax.jit(lambda i: generator.generate(params, i, mask, jax.random.key(0), **base).tokens)(ids)
+    with pytest.raises(TypeError, match="call it outside jax.jit, grad and vmap"):
+        jax.jit(lambda k: generator.generate(params, ids, mask, k, **base).tokens)(jax.random.key(0))
 
 
 def test_prompts_that_would_sample_from_padding_or_outside_the_vocabulary_are_refused(tiny):
