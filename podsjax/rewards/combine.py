@@ -244,8 +244,14 @@ class RewardScores:
     metrics: dict[str, float]
 
 
-def check_columns(num_completions: int, columns: Mapping[str, Sequence[Any]]) -> None:
-    """Raises a one-line ValueError unless every column has one entry per completion."""
+def check_columns(completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]) -> None:
+    """Raises a one-line error unless every completion is text and every column has one entry
+    per completion."""
+    num_completions = len(completions)
+    odd = next((i for i, c in enumerate(completions) if not isinstance(c, str)), None)
+    if odd is not None:
+        raise TypeError(f"completions must be decoded text (str); completion {odd} is "
+                        f"{type(completions[odd]).__name__}")
     for name, column in columns.items():
         try:
             length = len(column)
@@ -293,7 +299,7 @@ def score_rewards(completions: Sequence[str], rewards: RewardsLike, **columns: S
     start = time.perf_counter()
     weighted = as_weighted(rewards)
     completions = list(completions)
-    check_columns(len(completions), columns)
+    check_columns(completions, columns)
     columns = {name: list(column) for name, column in columns.items()}
     values_FB = np.zeros((len(weighted), len(completions)), np.float64)
     for f, w in enumerate(weighted):

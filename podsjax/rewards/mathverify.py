@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from typing import Any, Sequence
 
@@ -13,6 +14,12 @@ from podsjax.rewards.text import check_lengths, extract_answer_tag, last_boxed
 # fail alone instead of losing the whole item.
 DEFAULT_MATH_VERIFY_TIMEOUT_S = 3
 _LATEX_MARKERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
+_SCIENTIFIC = re.compile(r"(-?[0-9]+(?:\.[0-9]+)?)[eE]([+-]?[0-9]+)")
+_COMMAND = re.compile(r"\\[A-Za-z]+")  # \frac, \begin{pmatrix}: LaTeX, not prose
+_WORD = re.compile(r"[A-Za-z]{2,}")
+# Names that are math written plainly, not prose.
+_MATH_WORDS = {"sqrt", "pi", "inf", "infty", "infinity", "oo", "sin", "cos", "tan", "cot", "sec", "csc", "log", "ln",
+               "exp", "arcsin", "arccos", "arctan", "mod"}
 
 
 class MathVerifyTimeout(TimeoutError):
@@ -113,6 +120,12 @@ def _parse_prediction(completion: str, timeout_s: int | None) -> list:
     unescaped = tagged.replace("\\$", "")  # "\$36" is a dollar sign, not a math delimiter
     if any(marker in unescaped for marker in _LATEX_MARKERS):
         return parse(tagged, timeout_s)
+    scientific = _SCIENTIFIC.fullmatch(tagged)
+    if scientific:  # "7.2e1": between delimiters the e would be Euler's number
+        return parse(f"${scientific[1]}\\times 10^{{{scientific[2]}}}$", timeout_s)
+    if not _COMMAND.search(unescaped) and set(_WORD.findall(unescaped)) - _MATH_WORDS:
+        # prose ("72 dollars"), no LaTeX: between delimiters it would be a product of its letters
+        return parse(tagged, timeout_s) or parse("$" + tagged + "$", timeout_s)
     # Bare LaTeX inside the tags ("\frac{1}{2}", "3, 5, 7", "p - q") is only read
     # as math between delimiters; plain text such as "1/2" parses either way.
     return parse("$" + tagged + "$", timeout_s) or parse(tagged, timeout_s)
@@ -129,8 +142,9 @@ def math_accuracy(
     r"""1.0 where math-verify finds the completion's answer equivalent to the gold, else 0.0.
 
     The prediction is the content of the last ``<answer>`` tag when there is
-    one, else whatever math-verify extracts from the whole completion (its last
-    ``\boxed{}`` or expression). ``verify`` is called gold first, as math-verify
+    one (prose in it, "72 dollars", is read as plain text, not as math), else whatever
+    math-verify extracts from the whole completion: its ``\boxed{}`` answer (two different
+    boxes are read as a set, which no single gold equals) or last expression. ``verify`` is called gold first, as math-verify
     requires (the comparison is not symmetric).
 
     Args:

@@ -100,7 +100,7 @@ class RewardPool(WorkerFleet):
         start = time.perf_counter()
         weighted = as_weighted(rewards)
         completions = list(completions)
-        check_columns(len(completions), columns)
+        check_columns(completions, columns)
         blob = _pickle_rewards(weighted)
         self.start()
         restarts_before = self.restarts

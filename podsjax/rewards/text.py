@@ -17,14 +17,20 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 # A number token: an optional minus that is not a hyphen between words or digits
-# ("10-20" is two numbers, not 10 and -20), then either a thousands-grouped
-# integer or a plain one, then an optional decimal part. ASCII digits only: a
-# model that answers in other scripts does not match the gold's notation.
+# ("10-20" and "10 - 20" are two numbers, not 10 and -20), which a space or a dollar
+# may follow ("-$5", "- 5" are -5, as the gold's "- 5" is); then either a
+# thousands-grouped integer or a plain one, an optional decimal part and exponent
+# ("3.5e2" is 350, not 2), and an optional denominator ("3/4" is 0.75, not 4). ASCII
+# digits only: a model that answers in other scripts does not match the gold's notation.
 _NUMBER = re.compile(
-    r"(?:(?<![0-9A-Za-z])-)?"
+    r"(?:(?<![0-9A-Za-z])-(?=[0-9.])"  # "-5", "x=-5"
+    r"|(?<![0-9A-Za-z])(?<![0-9)\]}] )-(?:[ \t]+(?:\\?\$[ \t]*)?|\\?\$[ \t]*))?"  # "-$5", "- 5", not "10 - 5"
     r"(?:(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?"
     r"|(?<![0-9.])\.[0-9]+)"  # ".5", read whole: its "5" alone would match a gold of 5
+    r"(?:[eE][+-]?[0-9]+(?![0-9A-Za-z]))?(?:/[0-9]+(?![0-9.,/]))?"
 )
+# \frac{3}{4} (and \dfrac, \tfrac) of plain numbers, read as 3/4.
+_FRAC = re.compile(r"\\[dt]?frac\{\s*(-?[0-9.]+)\s*\}\{\s*([0-9.]+)\s*\}")
 # Longer tokens are not answers; capping them keeps Fraction() cheap and clear of
 # Python's int-from-str digit limit.
 _MAX_NUMBER_CHARS = 64
@@ -94,7 +100,7 @@ def ascii_minus(text: str) -> str:
 def normalize_number_text(text: str) -> str:
     """Strips the decorations a numeric answer may carry: ``$``, ``,``, spaces, a final period."""
     text = text.translate(_MINUS_SIGNS).strip()
-    text = text.replace("$", "").replace(",", "").replace(" ", "")
+    text = text.replace("$", "").replace("\\", "").replace(",", "").replace(" ", "").replace("\t", "")
     return text.rstrip(".")
 
 
@@ -111,25 +117,20 @@ def parse_number(text: str) -> Fraction | None:
 
 def find_numbers(text: str) -> list[str]:
     """Returns every number token in ``text``, in order, with its commas and sign."""
-    return _NUMBER.findall(text.translate(_MINUS_SIGNS))
+    return _NUMBER.findall(_FRAC.sub(r"\1/\2", text.translate(_MINUS_SIGNS)))
 
 
 def last_number(text: str) -> Fraction | None:
-    """The value of the last number token in ``text`` that parses, or None."""
-    for token in reversed(find_numbers(text)):
-        value = parse_number(token)
-        if value is not None:
-            return value
-    return None
+    """The value of the last number token in ``text``, or None (also when that token is no
+    answer, e.g. longer than 64 characters: an earlier number does not stand in for it)."""
+    tokens = find_numbers(text)
+    return parse_number(tokens[-1]) if tokens else None
 
 
 def first_number(text: str) -> Fraction | None:
-    """The value of the first number token in ``text`` that parses, or None."""
-    for match in _NUMBER.finditer(text.translate(_MINUS_SIGNS)):
-        value = parse_number(match.group(0))
-        if value is not None:
-            return value
-    return None
+    """The value of the first number token in ``text``, or None (as :func:`last_number`)."""
+    match = _NUMBER.search(_FRAC.sub(r"\1/\2", text.translate(_MINUS_SIGNS)))
+    return parse_number(match.group(0)) if match else None
 
 
 def check_lengths(reward: str, num_completions: int, **columns: Sequence[Any] | None) -> None:

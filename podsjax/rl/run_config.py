@@ -63,7 +63,7 @@ class RunConfig:
     keep_last: int = 3  # checkpoints kept
     seed: int = 0  # seeds the data order, sampling, selection and LoRA init
     reward_workers: int = 2  # reward-scoring processes
-    reward_timeout_s: float = 10.0  # a reward call slower than this scores 0 and its worker is replaced
+    reward_timeout_s: float = 10.0  # a reward call past this CPU time scores 0 (a worker stuck past it is replaced)
     log_samples: int = 8  # evaluation completions written to samples.jsonl per evaluation
     progress: bool = True  # draw a progress bar on a terminal
     console: bool = True  # print progress lines

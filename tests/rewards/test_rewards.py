@@ -107,6 +107,17 @@ def pool():
         ("<answer>first</answer> 42 <answer>12</answer>", 12),  # the last answer tag wins
         ("<think>reasoning</think><answer>14", 14),  # truncated inside the answer
         ("<answer>1,234,567</answer>", 1234567),
+        # A minus before a dollar or a space is the answer's sign (it had been dropped: -$5 read as 5).
+        ("<answer>-$5</answer>", -5),
+        ("<answer>- 5</answer>", -5),
+        ("<answer>-\\$5</answer>", -5),
+        ("He lost -$5 overall", -5),
+        ("<answer>10 - 5</answer>", 5),  # between numbers it is still no sign
+        # One number, not its last piece (3.5e2 had read as 2, 3/4 as 4).
+        ("<answer>3.5e2</answer>", 350),
+        ("<answer>1.2E+3</answer>", 1200),
+        ("<answer>3/4</answer>", Fraction(3, 4)),
+        ("<answer>\\frac{3}{4}</answer>", Fraction(3, 4)),
     ],
 )
 def test_extract_gsm8k_answer(text, expected):
@@ -115,7 +126,9 @@ def test_extract_gsm8k_answer(text, expected):
 
 @pytest.mark.parametrize(
     "text",
-    ["", "no digits here", "<answer></answer> 42", "<answer>unknown</answer> but it is 7", "١٨", "#### none"],
+    ["", "no digits here", "<answer></answer> 42", "<answer>unknown</answer> but it is 7", "١٨", "#### none",
+     # A last number too long to be an answer (a looping model) is no answer; the one before it had stood in.
+     "<answer>18 " + "72" * 35 + "</answer>", "#### " + "1" * 65 + " 18"],
 )
 def test_extract_gsm8k_answer_none(text):
     assert extract_gsm8k_answer(text) is None
@@ -237,6 +250,11 @@ def test_math_accuracy_tags_and_edge_cases():
     ]
     answers = ["\\$36", "3, 5, 7", "\\text{Evelyn}", "36", "36"]
     assert math_accuracy(completions, answer=answers) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    # Prose in the tags is plain text (between delimiters it had been a product of letters), and
+    # 7.2e1 is 72 (not 7.2 e); a pmatrix is still LaTeX.
+    prose = ["72 dollars", "She has 72 apples left", "7.2e1", "71 dollars", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"]
+    golds = ["72", "72", "72", "72", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"]
+    assert math_accuracy([f"<answer>{p}</answer>" for p in prose], answer=golds) == [1.0, 1.0, 1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="needs an 'answer' or a 'solution'"):
         math_accuracy(["x"])
 
@@ -304,7 +322,11 @@ def test_weighted_total_and_breakdown():
                                    "reward/restarts", "reward/seconds"}
 
 
-def test_reward_spec_errors():
+def test_reward_spec_errors(pool):
+    for completions in ([b"<answer>1</answer>"], ["<answer>1</answer>", None]):  # had been a traceback from inside
+        for score in (score_rewards, pool.score):
+            with pytest.raises(TypeError, match=r"completions must be decoded text \(str\); completion \d is "):
+                score(completions, gsm8k_accuracy, answer=["1"] * len(completions))
     with pytest.raises(ValueError, match="unique"):
         as_weighted([format_reward, format_reward])
     with pytest.raises(KeyError, match="unknown reward"):
