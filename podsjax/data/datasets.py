@@ -157,8 +157,8 @@ def _gsm8k_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
         final = solution
     else:
         raise DataError("answer has no '####' final-answer marker and is not a bare number")
-    # One number, read whole: "1/2", "1e3" or "1 000" are several to the grader, which would
-    # never match the gold a first-number rule made of them.
+    # One number, read whole as the grader reads it ("1/2" and "1e3" are one; "1 000" is two,
+    # and a first-number rule would make it a gold of 1 that no right answer matches).
     numbers = find_numbers(re.sub(r"-\s+(?=[0-9.])", "-", ascii_minus(final).replace("$", "")))
     if len(numbers) != 1 or parse_number(numbers[0]) is None:
         raise DataError(f"the final answer {final.strip()[:40]!r} is not one decimal number (as 18, -3.5 or 1,000), "

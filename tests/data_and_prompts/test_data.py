@@ -117,14 +117,22 @@ _BAD_ROWS = [
     ({"question": "Q?", "answer": "2 + 2 is four"}, "no '####'"),
     ({"question": "   ", "answer": "#### 4"}, "field 'question' is empty"),
     ({"question": "Q?", "answer": "#### four"}, "the final answer 'four' is not one decimal number"),
-    # A first-number rule made these 1, 1 and 1: golds no completion of the true value matches.
-    ({"question": "Q?", "answer": "#### 1/2"}, "the final answer '1/2' is not one decimal number"),
-    ({"question": "Q?", "answer": "1e3"}, "the final answer '1e3' is not one decimal number"),
+    # A first-number rule made this 1: a gold no completion of the true value matches.
     ({"question": "Q?", "answer": "#### 1 000"}, "the final answer '1 000' is not one decimal number"),
     ({"question": 7, "answer": "#### 4"}, "field 'question' is int"),
     ('{"question": "unterminated', "invalid JSON"),
     ("[1, 2]", "not an object"),
 ]
+
+
+def test_a_fraction_or_an_exponent_is_one_gold_value(tmp_path):
+    # The grader reads 1/2 and 1e3 whole, so a gold may be written so.
+    from podsjax.rewards import gsm8k_accuracy
+
+    path = _write_jsonl(tmp_path / "rows.jsonl", [{"question": "Q?", "answer": "#### 1/2"}, {"question": "R?", "answer": "1e3"}])
+    golds = [example.answer for example in load_task("gsm8k", "test", path)]
+    assert golds == ["1/2", "1e3"]
+    assert gsm8k_accuracy(["<answer>0.5</answer>", "<answer>1,000</answer>"], answer=golds) == [1.0, 1.0]
 
 
 @pytest.mark.parametrize("bad, reason", _BAD_ROWS)
