@@ -2,7 +2,10 @@
 
 import glob
 import json
+import re
 import os
+import subprocess
+import sys
 import time
 import struct
 
@@ -74,20 +77,24 @@ def wandb_history(run_dir):
     return history
 
 
-def test_wandb_without_credentials_is_one_line(tmp_path, monkeypatch):
-    # It had been a traceback from inside wandb.init, which the CLI called a bug.
+def test_wandb_without_credentials_is_one_line(tmp_path):
+    # It had been a traceback from inside wandb.init, which the CLI called a bug. In a process
+    # of its own: W&B keeps an earlier init's settings (offline, say) for the rest of a process.
     pytest.importorskip("wandb")
-    from podsjax.run.log_backends import LoggerError
-
-    monkeypatch.setenv("WANDB_MODE", "online")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    for name in ("HOME", "WANDB_CONFIG_DIR"):
-        monkeypatch.setenv(name, str(tmp_path / "home"))
-    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))  # none
-    with pytest.raises(LoggerError, match=r"^W&B could not start a run \(.+\); log in with `wandb login`") as error:
-        MetricsWriter(tmp_path / "run", backends=("jsonl", "wandb"))
-    assert "\n" not in str(error.value)
+    home = tmp_path / "home"
+    env = {**os.environ, "WANDB_MODE": "online", "WANDB_SILENT": "true", "HOME": str(home),
+           "WANDB_CONFIG_DIR": str(home), "NETRC": str(home / ".netrc")}  # no key anywhere
+    env.pop("WANDB_API_KEY", None)
+    code = ("from podsjax.run.log_backends import LoggerError\n"
+            "from podsjax.run.metrics import MetricsWriter\n"
+            "try:\n"
+            f"    MetricsWriter({str(tmp_path / 'run')!r}, backends=('jsonl', 'wandb'))\n"
+            "except LoggerError as exc:\n"
+            "    print('LoggerError:', exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("LoggerError:")]
+    assert len(lines) == 1, (done.stdout, done.stderr[-2000:])
+    assert re.match(r"LoggerError: W&B could not start a run \(.+\); log in with `wandb login`", lines[0]), lines
 
 
 def test_wandb_offline_run_holds_scalars_histograms_and_samples(tmp_path, monkeypatch):
