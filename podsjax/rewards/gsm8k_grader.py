@@ -73,6 +73,7 @@ def gsm8k_accuracy(completions: Sequence[str], answer: Sequence[Any], **_: Any) 
         raise ValueError(f"gsm8k_accuracy: {len(completions)} completions but {len(answer)} answers")
     rewards = []
     for completion, gold in zip(completions, answer):
+        expected = parse_gsm8k_gold(gold)  # first: a gold with no number is an error whatever the completion
         predicted = extract_gsm8k_answer(completion)
-        rewards.append(1.0 if predicted is not None and predicted == parse_gsm8k_gold(gold) else 0.0)
+        rewards.append(1.0 if predicted is not None and predicted == expected else 0.0)
     return rewards

@@ -146,6 +146,13 @@ def test_a_leading_dot_decimal_is_read_whole():
     assert gsm8k_accuracy(completions, answer=["5", ".5", "-0.5", "0.5"]) == [0.0, 1.0, 1.0, 1.0]
 
 
+def test_a_gold_without_a_number_is_an_error_whatever_the_completion():
+    # It had scored 0 without a word when the completion held no number either.
+    for completion in ("<answer>7</answer>", "no number"):
+        with pytest.raises(ValueError, match="GSM8K gold answer has no number: 'abc'"):
+            gsm8k_accuracy([completion], answer=["abc"])
+
+
 def test_gsm8k_accuracy_errors():
     with pytest.raises(ValueError, match="2 completions but 1 answers"):
         gsm8k_accuracy(["a", "b"], answer=["1"])
