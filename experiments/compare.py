@@ -270,6 +270,7 @@ def main(argv=None) -> int:
             for seed in args.seeds:
                 run = seed_config(config, seed, os.path.join(args.out, f"{label}-seed{seed}"), args.out)
                 out = run.run.out_dir
+                print(f"== {label}, seed {seed}: {out}", flush=True)  # each run's console lines follow
                 histories[label].append(run_one(run, dry_run=run_args.dry_run, topology=run_args.topology))
         out = None
     except KeyboardInterrupt:

@@ -170,6 +170,8 @@ def test_compare_runs_methods_over_seeds_and_reports_speedups(checkpoint, data_d
     assert compare.main(flags) == 0
     printed = capsys.readouterr().out
     assert "| grpo |" in printed and "| pods |" in printed and "speed-up vs grpo" in printed
+    assert [line for line in printed.splitlines() if line.startswith("== ")] == [
+        f"== {label}, seed {seed}: {out / f'{label}-seed{seed}'}" for label in ("grpo", "pods") for seed in (0, 1)]
     summary = json.load(open(out / "summary.json"))
     assert [m["label"] for m in summary["methods"]] == ["grpo", "pods"]
     assert (out / "accuracy_vs_time.png").read_bytes()[:4] == b"\x89PNG"
