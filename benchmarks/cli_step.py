@@ -199,7 +199,7 @@ def phases_of(step: dict) -> dict[str, float]:
     return {p: float(step[f"time/{p}"]) for p in PHASES}
 
 
-ROOFLINE = re.compile(r"roofline: ([0-9.]+) s")  # the fit check's "one PODS step at the <GPU>'s roofline: X s"
+ROOFLINE = re.compile(r"roofline: ([0-9.]+) (m?s)\b")  # the fit check's "one PODS step at the <GPU>'s roofline: X s"
 
 
 def summarize(run: dict) -> dict:
@@ -207,7 +207,7 @@ def summarize(run: dict) -> dict:
     steady = [phases_of(s) for s in run["steps"][1:]]
     roofline = ROOFLINE.search(run["console"])
     out = dict(first_step_s=run["first_step_s"], wall_s=run["wall_s"], first=first, steps=len(run["steps"]),
-               roofline_s=float(roofline.group(1)) if roofline else None,
+               roofline_s=float(roofline.group(1)) * (1e-3 if roofline.group(2) == "ms" else 1) if roofline else None,
                compiles=sum(1 for line in run["console"].split("first step done")[0].splitlines()
                             if line.startswith("compiled ")))
     if steady:
@@ -311,6 +311,7 @@ def main(argv=None):
             command = [sys.executable, "-m", *variant, "experiments.gsm8k", "--model", ckpt, "--data", data, "--eval-data", data,
                        "--setting", args.setting, "--method", args.method, "--max-steps", str(args.max_steps),
                        "--eval-limit", str(args.eval_limit), "--dtype", args.dtype, "--out", out, "--no-progress",
+                       "--run.keep_best", "false",  # a second merged export at the end, timed by nothing
                        *cache_flags, *remat, *args.cli_flags]
             if i == 0:
                 print("command: " + " ".join(command))

@@ -149,16 +149,16 @@ def run_generate(args) -> dict:
     timed = interleaved_medians(contenders, args.repeats)
     (t_jax, times_jax), (prefill_jax, _) = timed[:2]
     (t_pt, times_pt), (prefill_pt, _) = timed[2:] or [(None, None)] * 2
-    profile = None
-    if args.profile:  # one more podsjax call under the profiler, after the timed ones
+    def traced() -> str:  # one more podsjax call under the profiler, once the timed ones are printed
         from benchmarks import trace_summary
 
         with jax.profiler.trace(args.profile, create_perfetto_trace=True):
             podsjax_generate()
         events = trace_summary.load_events(trace_summary.find_trace(args.profile))
         device = "/host:CPU" if jax.default_backend() == "cpu" else f"/device:{jax.default_backend().upper()}"
-        profile = trace_summary.format_summary(trace_summary.summarize(trace_summary.device_kernels(events, device)),
-                                               steps=t_new)
+        return trace_summary.format_summary(trace_summary.summarize(trace_summary.device_kernels(events, device)),
+                                            steps=t_new)
+
     return dict(
         num_params=num_params,
         attn_impl=hf_model.config._attn_implementation,
@@ -171,7 +171,7 @@ def run_generate(args) -> dict:
         prefill_pt=prefill_pt,
         times_jax=times_jax,
         times_pt=times_pt,
-        profile=profile,
+        trace=traced if args.profile else None,
     )
 
 
@@ -362,10 +362,10 @@ def main(argv=None):
         runs = {"podsjax": r["times_jax"], **({"transformers": r["times_pt"]} if r["times_pt"] else {})}
         print_runs(runs, busy_during, bool(warning),
                    during="during generation")
-        if r["profile"]:
+        if r["trace"]:  # after the tables: a time limit that stops the trace leaves them printed
             print(f"podsjax generate traced (prefill + {args.new_tokens} decode steps, figures per step), "
-                  f"trace in {args.profile}:")
-            print(r["profile"])
+                  f"trace in {args.profile}:", flush=True)
+            print(r["trace"]())
     if args.tasks:
         rows, startup_s = run_rewards(args)
         print(

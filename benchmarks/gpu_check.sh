@@ -14,13 +14,15 @@
 #   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
 #   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
 #
-# Or as two calls of at most 290 s each (the stages' limits): first with the main job's own
-# XLA flags (GEMMs as cuBLAS calls: podsjax.devices.accelerators.GPU_XLA_FLAGS), decode and
-# the CLI cold then warm; then with XLA's Triton GEMMs, autotuned, as before that default,
-# decode and the CLI cold (the earlier cold starts with them took 212 s and more than 310 s):
-#   STAGES="decode cli" T_DECODE=100 T_CLI=185 DECODE=--no-reference bash benchmarks/gpu_check.sh
-#   STAGES="decode cli" T_DECODE=100 T_CLI=185 DECODE=--no-reference RUNS=1 \
-#     XLA_FLAGS=--xla_gpu_enable_triton_gemm=true bash benchmarks/gpu_check.sh
+# On the device machine, as two calls (about 12 minutes of device time with the start-up). Each
+# carries .whl/, which git ignores (the device tool's carry [".whl"]; without it the check
+# stops at once), and runs under a timeout of its stages' limits plus 30 s (printed first):
+#   1. The main job's own XLA flags (GEMMs as cuBLAS calls: podsjax.devices.accelerators.GPU_XLA_FLAGS):
+#      decode, then the CLI cold then warm (timeout 330 s):
+#        STAGES="decode cli" T_DECODE=110 T_CLI=190 DECODE=--no-reference bash benchmarks/gpu_check.sh
+#   2. XLA's Triton GEMMs, autotuned, as before that default: the CLI cold, all the call's time
+#      (the earlier cold starts with them took 212 s and more than 310 s; timeout 330 s):
+#        STAGES=cli T_CLI=290 RUNS=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=true bash benchmarks/gpu_check.sh
 # The CLI's console is echoed with times as it lands, so a limit that stops a run still shows
 # each program's compile; the stopped CLI is ended with it.
 # VARIANT adds a further CLI run, cold, with those XLA flags (each run's row prints as it ends,
@@ -41,6 +43,12 @@ set -o pipefail
 OUT=${OUT:-/tmp/podsjax-gpu-check}
 source "$(dirname "$0")/gpu_stages.sh"
 stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null); XLA_FLAGS=${XLA_FLAGS:-}"
+limits=0
+for pair in "kernel ${T_KERNEL:-60}" "attention ${T_ATTENTION:-90}" "decode ${T_DECODE:-190}" "cli ${T_CLI:-340}"; do
+  set -- $pair
+  if [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" $1 "* ]]; then limits=$(( limits + $2 + 5 )); fi
+done
+stamp "the stages' limits: $limits s in all (a caller's own time limit wants about 30 s more)"
 stage kernel "${T_KERNEL:-60}" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/models/test_decode_kernel.py -k on_a_gpu
 stage attention "${T_ATTENTION:-90}" "$PY" -m benchmarks.decode_attention --best-to "$OUT/fastest_variant.txt" ${ATTENTION:-}
 # The decode and CLI stages run under $KERNEL_VARIANT, else the attention stage's fastest, else the plan.
@@ -48,7 +56,7 @@ variant=${KERNEL_VARIANT:-$(cat "$OUT/fastest_variant.txt" 2>/dev/null || echo "
 stamp "kernel variant: $variant"
 model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
 stage decode "${T_DECODE:-190}" "$PY" -m benchmarks.kernel_variants "$variant" benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
-  --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "$OUT/trace" ${DECODE:-} \
+  --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile /tmp/podsjax-trace ${DECODE:-} \
   ${STEPS_PER_CHECK:+--steps-per-check $STEPS_PER_CHECK}
 stage cli "${T_CLI:-340}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs "${RUNS:-2}" \
   --kernel-variant "$variant" ${VARIANT:+--variant-xla-flags=$VARIANT} ${CLI:+--cli-flags $CLI}

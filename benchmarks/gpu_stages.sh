@@ -7,8 +7,18 @@ PY=${PY:-python3}
 # JAX and CUDA torch share the GPU in one benchmark process: JAX takes memory as it needs it.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/podsjax-site \
-    .whl/*.whl && export PYTHONPATH="/tmp/podsjax-site${PYTHONPATH:+:$PYTHONPATH}"
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/podsjax-site \
+      .whl/*.whl; then
+    export PYTHONPATH="/tmp/podsjax-site${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "warning: the wheels in .whl/ did not install" >&2
+  fi
+fi
+# The run extra's packages, at once: missing, the CLI stage would fail minutes in.
+if ! "$PY" -c "import draccus, math_verify, latex2sympy2_extended, pylatexenc, tensorboardX" 2>/dev/null; then
+  echo "error: the run extra's packages are missing: run bash benchmarks/gpu_wheels.sh where pip reaches the" \
+    "registry, and bring .whl/ along (the device tool: carry [\".whl\"])" >&2
+  exit 2
 fi
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stages.log"; }

@@ -16,8 +16,13 @@ for pkg in draccus mergedeep pyyaml-include toml typing-inspect mypy-extensions 
            antlr4-python3-runtime pylatexenc tensorboardX; do
   version=$("$PY" -m pip show "$pkg" 2>/dev/null | sed -n 's/^Version: //p' || true)
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
-    --platform manylinux2014_x86_64 --platform any -d .whl "$pkg${version:+==$version}" \
-    || "$PY" -m pip download -q --no-deps -d .whl "$pkg${version:+==$version}"
+    --platform manylinux2014_x86_64 --platform any -d .whl "$pkg${version:+==$version}"
 done
+# Pure-Python wheels only: one built for this host's Python (or an sdist) would make the GPU
+# host's one `pip install` of the folder refuse every wheel.
+if ls .whl | grep -v -e '-none-any\.whl$'; then
+  echo "error: the files above are no pure-Python wheels; the GPU host could not install them" >&2
+  exit 2
+fi
 ls .whl
 du -sh .whl
