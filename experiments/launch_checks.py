@@ -108,9 +108,8 @@ def check_out(args) -> None:
 
 def _refuse_if_in_use(out: str) -> None:
     """One line naming the live run that holds ``out``'s lock (the lock file is only read)."""
-    from podsjax.run.run_state import LOCK_FILE, RunLock
+    from podsjax.run.run_state import RunLock
 
-    if os.path.isfile(os.path.join(out, LOCK_FILE)):
-        in_use = RunLock(out).in_use()
-        if in_use:
-            raise UsageError(in_use)
+    in_use = RunLock(out).in_use()
+    if in_use:
+        raise UsageError(in_use)

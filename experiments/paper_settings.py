@@ -371,8 +371,9 @@ SETTINGS: dict[str, Setting] = {
 # The built-in tiny preset, the default without a checkpoint: any task, on any CPU. Its
 # measured runs are in docs/results. Tuned at 8 prompts a step: lr 3e-4 peaked as high but
 # drifted back; 2-4 prompts per step barely moved accuracy; lr 5e-4 with 2 prompts per step
-# collapsed the policy. Completions are at most ~35 tokens and prompts at most ~112 (the system prompt is ~70 of them). GRPO trains as
-# many rollouts as PODS trains; GRPO-GA trains all of PODS's n in micro-batches of its m.
+# collapsed the policy. Completions are at most ~35 tokens and prompts at most ~112 (the
+# system prompt is ~70 of them). GRPO trains as many rollouts as PODS trains; GRPO-GA trains
+# all of PODS's n in micro-batches of its m.
 TINY = Setting(
     "tiny", model=None, task=None, lora_rank=None, dtype="float32", mesh=None, hardware="any CPU",
     methods={"grpo": dict(algorithm="grpo", n=4, m=4), "grpo-ga": dict(algorithm="grpo-ga", n=16, m=16, grad_accum=4),

@@ -144,8 +144,8 @@ def math_accuracy(
     The prediction is the content of the last ``<answer>`` tag when there is
     one (prose in it, "72 dollars", is read as plain text, not as math), else whatever
     math-verify extracts from the whole completion: its ``\boxed{}`` answer (two different
-    boxes are read as a set, which no single gold equals) or last expression. ``verify`` is called gold first, as math-verify
-    requires (the comparison is not symmetric).
+    boxes are read as a set, which no single gold equals) or last expression. ``verify`` is
+    called gold first, as math-verify requires (the comparison is not symmetric).
 
     Args:
         completions: [B] decoded completions.

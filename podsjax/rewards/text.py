@@ -115,9 +115,14 @@ def parse_number(text: str) -> Fraction | None:
         return None
 
 
+def _prepared(text: str) -> str:
+    """``text`` as the number tokens are read from: ASCII minus signs, ``\frac{a}{b}`` as a/b."""
+    return _FRAC.sub(r"\1/\2", text.translate(_MINUS_SIGNS))
+
+
 def find_numbers(text: str) -> list[str]:
     """Returns every number token in ``text``, in order, with its commas and sign."""
-    return _NUMBER.findall(_FRAC.sub(r"\1/\2", text.translate(_MINUS_SIGNS)))
+    return _NUMBER.findall(_prepared(text))
 
 
 def last_number(text: str) -> Fraction | None:
@@ -129,7 +134,7 @@ def last_number(text: str) -> Fraction | None:
 
 def first_number(text: str) -> Fraction | None:
     """The value of the first number token in ``text``, or None (as :func:`last_number`)."""
-    match = _NUMBER.search(_FRAC.sub(r"\1/\2", text.translate(_MINUS_SIGNS)))
+    match = _NUMBER.search(_prepared(text))
     return parse_number(match.group(0)) if match else None
 
 
