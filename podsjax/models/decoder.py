@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from podsjax.devices import mesh as mesh_lib
-from podsjax.models import token_ids, tpu_decode_kernel
+from podsjax.models import lifted, token_ids, tpu_decode_kernel
 from podsjax.models.attention import (
     LayerCache,
     attend,
@@ -246,14 +246,8 @@ def scanned_blocks(remat: str, block_class: type[nn.Module] | None = None, in_ax
     """
     block_class = Block if block_class is None else block_class
     in_axes = (0, 0, nn.broadcast, nn.broadcast) if in_axes is None else in_axes
-    block = block_class if remat == "none" else nn.remat(block_class, policy=_remat_policy(remat), prevent_cse=False)
-    return nn.scan(
-        block,
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        in_axes=in_axes,
-        metadata_params={nn.PARTITION_NAME: "layers"},
-    )
+    remat_policy = None if remat == "none" else _remat_policy(remat)
+    return lifted.layer_scan(block_class, in_axes, remat != "none", remat_policy)
 
 
 def lm_logits(x_BLD: jax.Array, head_VD: jax.Array) -> jax.Array:
