@@ -177,6 +177,7 @@ class CompileLog:
         self.events: list[tuple[str, str, float, bool]] = []
         self.intervals: list[tuple[str, float, float]] = []
         self._thread_seconds: dict[int, float] = {}
+        self._lock = threading.Lock()  # the start's compiles end on several threads at once
 
     @contextlib.contextmanager
     def label(self, name: str, detail: str = "") -> Iterator[None]:
@@ -193,13 +194,14 @@ class CompileLog:
                 compiled_s: float | None) -> None:
         program = program_name(fun_name)
         key = name if program == name else f"{name}[{program}]"
-        self.counts[key] = self.counts.get(key, 0) + 1
-        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
         thread = threading.get_ident()  # the listener runs on the compiling thread
-        self._thread_seconds[thread] = self._thread_seconds.get(thread, 0.0) + seconds
-        self.events.append((key, detail, seconds, hit))
         end = time.perf_counter()  # the listener runs as the compile ends
-        self.intervals.append((key, end - seconds, end))
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+            self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+            self._thread_seconds[thread] = self._thread_seconds.get(thread, 0.0) + seconds
+            self.events.append((key, detail, seconds, hit))
+            self.intervals.append((key, end - seconds, end))
         # A cached program is reported where its compile would have been (or when that is unknown).
         if self.log is not None and (compiled_s is None or compiled_s >= self.min_report_s):
             what = f"{key} ({detail})" if detail else key

@@ -209,6 +209,34 @@ def test_the_compile_log_counts_again_after_another_library_clears_jax_s_listene
     assert log.counts == {"first[<lambda>]": 1, "second[<lambda>]": 1}, log.counts
 
 
+def test_compiles_ending_on_several_threads_at_once_are_each_counted():
+    import sys
+    import threading
+
+    import jax
+
+    from podsjax.devices.compilation import BACKEND_COMPILE_EVENT, CompileLog
+
+    log, ends = CompileLog(), 5000
+
+    def compiles():  # what JAX reports as each compile ends, on the compiling thread
+        with log.label("update"):
+            for _ in range(ends):
+                jax.monitoring.record_event_duration_secs(BACKEND_COMPILE_EVENT, 0.001, fun_name="jit(update)")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes, as they may on a busy host
+    try:
+        threads = [threading.Thread(target=compiles) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert log.counts == {"update": 4 * ends} and len(log.events) == 4 * ends
+
+
 def test_the_step_line_reports_compiles_apart_from_the_phases():
     from podsjax.rl import reporting
 
