@@ -442,3 +442,7 @@ class Decoder(nn.Module):
         logits_BLV = lm_logits(x_BLD, head_VD)
         logits_BLV = mesh_lib.constrain(logits_BLV, self.mesh, ("batch", "length", "vocab"))
         return DecoderOutput(logits_BLV=logits_BLV, cache=cache)
+
+
+for _remat in REMAT_POLICIES:  # lifted before any thread traces one (podsjax.models.lifted)
+    scanned_blocks(_remat)

@@ -4,7 +4,9 @@ Flax builds a lifted class (``nn.scan``, ``nn.remat``) by taking fields out of i
 classes' dataclass fields and putting them back, so two threads lifting at once can see
 a base class half edited (a ``KeyError`` or "dictionary changed size during iteration").
 A run's start traces the decoder on several threads at once (its compiles run side by
-side), so every trace takes its stack from here.
+side), so every trace takes its stack from here, and the decoder's stacks are lifted as
+their modules are imported: a lift while another thread builds a lifted module (which
+reads those fields) is a race too.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from podsjax.models.decoder import (
     LMHead,
     Mlp,
     Projection,
+    REMAT_POLICIES,
     RMSNorm,
     _LayerModule,
     scanned_blocks,
@@ -184,7 +185,7 @@ class PrefixDecoder(nn.Module):
         implementation = attention_implementation(self.attention, self.dtype, cfg.head_dim, mesh_lib.platform(self.mesh))
         lora_layers = lora.weights.get("layers", {}) if lora is not None else {}
         lora_scale = lora.scale if lora is not None else 1.0
-        blocks = scanned_blocks(self.remat, PrefixBlock, (0, 0) + (nn.broadcast,) * 4)(
+        blocks = scanned_blocks(self.remat, PrefixBlock, _PREFIX_IN_AXES)(
             cfg, self.dtype, self.param_dtype, self.mesh, implementation, lora_scale, name="layers")
         layer_ids_Y = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (prompt_GPD, completion_BTD), _ = blocks((prompt_GPD, completion_BTD), layer_ids_Y, lora_layers,
@@ -198,3 +199,8 @@ class PrefixDecoder(nn.Module):
         else:
             head_VD = LMHead(cfg.vocab_size, cfg.hidden_size, self.dtype, self.param_dtype, name="lm_head").head_VD()
         return DecoderOutput(hidden_BLD=hidden_BTD, head_VD=head_VD)
+
+
+_PREFIX_IN_AXES = (0, 0) + (nn.broadcast,) * 4
+for _remat in REMAT_POLICIES:  # lifted before any thread traces one (podsjax.models.lifted)
+    scanned_blocks(_remat, PrefixBlock, _PREFIX_IN_AXES)

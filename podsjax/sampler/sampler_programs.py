@@ -86,18 +86,21 @@ class Programs:
         start = time.perf_counter()
         try:
             value = build()
-        except BaseException as exc:
+            seconds = time.perf_counter() - start
             with self.lock:
-                del self._compiling[key]
-            pending.set_exception(exc)
+                self.seconds[key] = seconds
+                self.remember(key, value)
+                self.compiles[key[0]] += 1
+            pending.set_result(value)
+        except BaseException as exc:
+            if not pending.done():
+                pending.set_exception(exc)
             raise
-        seconds = time.perf_counter() - start
-        with self.lock:
-            self.seconds[key] = seconds
-            self.remember(key, value)
-            self.compiles[key[0]] += 1
-            del self._compiling[key]
-        pending.set_result(value)
+        finally:  # whatever ends the compile (an interrupt too), no thread waits on it for ever
+            with self.lock:
+                self._compiling.pop(key, None)
+            if not pending.done():
+                pending.set_exception(RuntimeError(f"the compile of {key[0]} was interrupted"))
         if timings is not None:
             timings[key[0]] = seconds
         return value
@@ -142,8 +145,9 @@ def stages(programs: Programs, model, cfg: decoding.SamplingConfig, params: Any,
     ids = jax.ShapeDtypeStruct(tuple(prompt_ids_BL.shape), jnp.int32)
     inputs = (signature(params, mesh), signature(lora, mesh))
     call = ("stages", model, cfg.program_key, inputs, ids.shape)
-    if call in programs.by_key:  # the steady state: no tracing, no lookups by abstract values
-        return programs.by_key[call]
+    known = programs.by_key.get(call)  # one lookup: another thread may drop the entry meanwhile
+    if known is not None:  # the steady state: no tracing, no lookups by abstract values
+        return known
     layers = decoding.layers_for(model)
     weights_fn, weights = None, (params, lora)  # the scanned layout reads the params themselves
     if isinstance(layers, decoding.UnrolledLayers):

@@ -10,20 +10,22 @@ import jax.numpy as jnp
 from flax.linen import kw_only_dataclasses
 
 import podsjax.models as pm
-from podsjax.models import decoder, lifted
+from podsjax.models import decoder, lifted, shared_prefix
 
 TINY = pm.ModelConfig(arch="qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
                       num_kv_heads=1, head_dim=8)
 
 
-def test_a_second_trace_of_the_decoder_builds_no_flax_class(monkeypatch):
-    model = pm.Decoder(TINY)
-    ids = jnp.ones((1, 4), jnp.int32)
-    params = jax.eval_shape(model.init, jax.random.key(0), ids, ids > 0)
+def test_tracing_the_decoder_builds_no_flax_class_once_its_modules_are_imported(monkeypatch):
     built = []
     original = kw_only_dataclasses._process_class
     monkeypatch.setattr(kw_only_dataclasses, "_process_class", lambda *a, **k: built.append(a[0]) or original(*a, **k))
-    jax.eval_shape(model.apply, params, ids, ids > 0)
+    ids = jnp.ones((1, 4), jnp.int32)
+    for remat in decoder.REMAT_POLICIES:
+        model = pm.Decoder(TINY, remat=remat)
+        params = jax.eval_shape(model.init, jax.random.key(0), ids, ids > 0)
+        jax.eval_shape(model.apply, params, ids, ids > 0)
+        shared_prefix.scanned_blocks(remat, shared_prefix.PrefixBlock, shared_prefix._PREFIX_IN_AXES)
     assert built == []
     assert decoder.scanned_blocks("full") is decoder.scanned_blocks("full")
     assert decoder.scanned_blocks("full") is not decoder.scanned_blocks("dots")

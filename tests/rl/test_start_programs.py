@@ -61,6 +61,36 @@ def test_a_failed_compile_raises_in_the_thread_that_waited_and_compiles_again_wh
     assert programs.compiled(("k",), lambda: "now", None) == "now" and programs.compiles["k"] == 1
 
 
+def test_an_interrupt_as_a_compile_returns_leaves_no_thread_waiting_for_it(monkeypatch):
+    programs = sampler_programs.Programs(8)
+    started = threading.Event()
+
+    def compile_then_interrupted():
+        started.set()
+        time.sleep(0.2)  # the waiter below asks for the key meanwhile
+        monkeypatch.setattr(programs, "remember", _interrupt)  # Ctrl-C lands as the compile returns
+        return "program"
+
+    owner = threading.Thread(target=lambda: pytest.raises(KeyboardInterrupt, programs.compiled, ("k",),
+                                                          compile_then_interrupted, None))
+    owner.start()
+    started.wait(10)
+    errors = []
+    waiter = threading.Thread(target=lambda: errors.append(pytest.raises(BaseException, programs.compiled, ("k",),
+                                                                         lambda: "never", None)))
+    waiter.start()
+    owner.join(10)
+    waiter.join(10)
+    assert not waiter.is_alive(), "a thread still waits for the interrupted compile"
+    assert errors and errors[0].type is KeyboardInterrupt
+    monkeypatch.undo()
+    assert programs.compiled(("k",), lambda: "again", None) == "again"  # asked again, it compiles
+
+
+def _interrupt(*args):
+    raise KeyboardInterrupt
+
+
 def test_a_compile_pool_runs_jobs_beside_the_caller_and_raises_their_first_error():
     together = threading.Barrier(2, timeout=10)
     with compilation.CompilePool(2) as pool:
