@@ -117,8 +117,12 @@ def _pin_mesh_tests_to_cpu(request, monkeypatch):
     monkeypatch.setattr(jax, "device_count", lambda backend=None: len(real_devices(backend or "cpu")))
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # CLI and worker subprocesses
-    with jax.default_device(real_devices("cpu")[0]):
+    previous = jax.config.jax_default_device  # set globally: `jax.default_device` is one thread's,
+    jax.config.update("jax_default_device", real_devices("cpu")[0])  # and a start compiles on several
+    try:
         yield
+    finally:
+        jax.config.update("jax_default_device", previous)
 
 
 @pytest.fixture(scope="session")
