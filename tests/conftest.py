@@ -73,10 +73,11 @@ if not has_accelerator():  # also when a plugin imported jax before the variable
     jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 from hypothesis import settings  # noqa: E402
 
-# CI replays the same examples every run; locally hypothesis keeps exploring.
-settings.register_profile("ci", derandomize=True, print_blob=True)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+# Every run replays the same examples, so a run fails only for a change of code;
+# HYPOTHESIS_PROFILE=explore draws new ones each run.
+settings.register_profile("replay", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "replay"))
 
 
 # fp32 parity tests need true fp32 matmuls (GPUs default to TF32).
@@ -105,6 +106,24 @@ def pytest_xdist_auto_num_workers(config):
     # `-n auto`: a process a core, at most 4. Each holds a JAX runtime and compiles on its
     # own; more than 4 gain little on the suite and multiply the memory.
     return max(1, min(os.cpu_count() or 1, 4))
+
+
+_JAX_CACHE_FLAGS = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+                    "jax_persistent_cache_min_compile_time_secs")
+
+
+@pytest.fixture(autouse=True)
+def _restore_jax_compile_cache():
+    """An in-process CLI run turns JAX's process-wide compile cache on; later tests in the same
+    worker would load programs they expect to compile."""
+    saved = {name: getattr(jax.config, name) for name in _JAX_CACHE_FLAGS}
+    yield
+    if any(getattr(jax.config, name) != value for name, value in saved.items()):
+        from jax.experimental.compilation_cache import compilation_cache
+
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()  # JAX decides once whether to use its cache: decide again
 
 
 @pytest.fixture(autouse=True)

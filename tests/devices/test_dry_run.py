@@ -9,7 +9,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 from tiny_tokenizer import save_tiny_tokenizer
 
 import podsjax.models as pm
@@ -39,19 +38,8 @@ def config_only_checkpoint(directory, config=SMALL) -> str:
     return str(directory)
 
 
-@pytest.fixture
-def restore_jax_cache_config():
-    """In-process CLI calls set JAX's global cache flags; put them back for the other tests."""
-    names = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    saved = {name: getattr(jax.config, name) for name in names}
-    yield
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    jax_compilation_cache.reset_cache()  # JAX decides once whether to use its cache: decide again
-
-
 @pytest.mark.slow
-def test_dry_run_reports_every_figure_from_config_json_alone(tmp_path, capsys, restore_jax_cache_config):
+def test_dry_run_reports_every_figure_from_config_json_alone(tmp_path, capsys):
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "run"
     code = cli.main("gsm8k", ["--model", checkpoint, "--dry-run", "--mesh", "8", "--remat", "dots",
@@ -102,7 +90,7 @@ def test_the_step_roofline_reads_in_milliseconds_below_a_tenth_of_a_second(secon
 
 
 @pytest.mark.slow
-def test_kv_cache_and_params_follow_the_shapes(tmp_path, capsys, restore_jax_cache_config):
+def test_kv_cache_and_params_follow_the_shapes(tmp_path, capsys):
     # One device, float32: exact figures that do not depend on XLA.
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "run"
@@ -117,7 +105,7 @@ def test_kv_cache_and_params_follow_the_shapes(tmp_path, capsys, restore_jax_cac
 
 
 @pytest.mark.slow
-def test_a_run_that_does_not_fit_fails_with_one_line(tmp_path, capsys, monkeypatch, restore_jax_cache_config):
+def test_a_run_that_does_not_fit_fails_with_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(dry_run_lib, "device_memory_limit", lambda device=None: 2**20)
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
     code = cli.main("gsm8k", ["--model", checkpoint, "--dry-run", "--remat", "none", "--no-compile-cache",
@@ -128,7 +116,7 @@ def test_a_run_that_does_not_fit_fails_with_one_line(tmp_path, capsys, monkeypat
     assert "1.0 MiB" in err and "--remat full" in err and "--lora-rank" in err
 
 
-def test_remat_reaches_the_model_and_config_json(tmp_path, data_dir, monkeypatch, restore_jax_cache_config):
+def test_remat_reaches_the_model_and_config_json(tmp_path, data_dir, monkeypatch):
     seen = {}
 
     class Loaded(BaseException):  # past the CLI's handler for unexpected errors
@@ -156,7 +144,7 @@ def test_remat_defaults_to_full(tmp_path):
     assert flags.parse("gsm8k", ["--out", str(tmp_path / "x")])[1].model.remat == "full"
 
 
-def test_compile_cache_is_on_by_default_and_off_with_the_flag(tmp_path, monkeypatch, restore_jax_cache_config):
+def test_compile_cache_is_on_by_default_and_off_with_the_flag(tmp_path, monkeypatch):
     parser = flags.build_parser("gsm8k")
     monkeypatch.setenv("PODSJAX_CACHE_DIR", str(tmp_path / "cache"))
     assert cli.setup_compile_cache(parser.parse_args([])) == str(tmp_path / "cache")
@@ -174,7 +162,7 @@ def test_compile_cache_is_on_by_default_and_off_with_the_flag(tmp_path, monkeypa
     assert compilation.default_cache_dir() == str(tmp_path / "xdg" / "podsjax" / "jax")
 
 
-def test_an_unusable_cache_dir_gives_one_line(tmp_path, capsys, restore_jax_cache_config):
+def test_an_unusable_cache_dir_gives_one_line(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     code = cli.main("gsm8k", ["--compile-cache-dir", str(blocker / "cache"), "--out", str(tmp_path / "run")])
@@ -186,7 +174,7 @@ def test_an_unusable_cache_dir_gives_one_line(tmp_path, capsys, restore_jax_cach
     (["--mesh", "8", "--n", "3", "--m", "3", "--prompts-per-step", "1"], "must divide evenly over the mesh's 8"),
     (["--n", "8", "--m", "4"], "needs a budget: a time budget (run.time_budget_s, --time-budget)"),
 ])
-def test_bad_shapes_give_one_line(tmp_path, capsys, flags, message, restore_jax_cache_config):
+def test_bad_shapes_give_one_line(tmp_path, capsys, flags, message):
     checkpoint = config_only_checkpoint(tmp_path / "ckpt")
     budget = ["--max-steps", "1"] if "--mesh" in flags else []
     code = cli.main("gsm8k", ["--model", checkpoint, "--dry-run", "--no-compile-cache", "--out",
@@ -195,7 +183,7 @@ def test_bad_shapes_give_one_line(tmp_path, capsys, flags, message, restore_jax_
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
-def test_an_unsupported_config_gives_one_line(tmp_path, capsys, restore_jax_cache_config):
+def test_an_unsupported_config_gives_one_line(tmp_path, capsys):
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
@@ -238,7 +226,7 @@ def test_a_second_run_loads_its_programs_from_the_compile_cache(tmp_path):
     assert os.listdir(tmp_path / "cache")
 
 
-def test_a_cached_program_is_reported_where_its_compile_would_have_been(tmp_path, restore_jax_cache_config):
+def test_a_cached_program_is_reported_where_its_compile_would_have_been(tmp_path):
     compilation.enable_compile_cache(tmp_path / "cache")  # every program is written, however small
     x = jnp.arange(17.0)
 

@@ -7,7 +7,7 @@ import pytest
 
 from experiments import cli
 from podsjax.devices import topology, tpu_topology
-from test_dry_run import FLAGS, config_only_checkpoint, restore_jax_cache_config, run_cli  # noqa: F401
+from test_dry_run import FLAGS, config_only_checkpoint, run_cli
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (pip install 'podsjax[tpu]')")
@@ -27,7 +27,7 @@ def test_without_libtpu_the_error_says_what_to_install(monkeypatch):
         tpu_topology.compile_only_devices("v5e:2x4")
 
 
-def test_topology_without_dry_run_is_refused(tmp_path, capsys, restore_jax_cache_config):  # noqa: F811
+def test_topology_without_dry_run_is_refused(tmp_path, capsys):
     code = cli.main("gsm8k", ["--topology", "v5e:2x4", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "only goes with --dry-run" in err, err

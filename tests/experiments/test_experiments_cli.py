@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_log_backends import wandb_history
+from test_log_backends import wait_for_wandb
 from test_metrics import read_events
 from tiny_checkpoint import save_tiny_checkpoint
 
@@ -234,7 +234,7 @@ def test_the_grpo_toolbox_trains_on_the_tiny_preset_and_logs_to_every_backend(tm
     tags = {v.tag for e in events if e.HasField("summary") for v in e.summary.value}
     assert set(wanted) <= tags, set(wanted) - tags
     (run,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
-    logged = {key for h in wandb_history(run) for key in h}
+    logged = {key for h in wait_for_wandb(run, lambda h: set(wanted) <= {key for r in h for key in r}) for key in h}
     assert set(wanted) <= logged, set(wanted) - logged
 
 

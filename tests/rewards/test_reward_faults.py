@@ -55,8 +55,8 @@ def prints_megabytes(completions, **_):
     return [1.0]
 
 
-def pool(**settings):
-    return RewardPool(2, timeout_s=0.5, kill_grace_s=0.5, preload=(), warn=WARNINGS.append, **settings)
+def pool(timeout_s=0.5, kill_grace_s=0.5, **settings):
+    return RewardPool(2, timeout_s=timeout_s, kill_grace_s=kill_grace_s, preload=(), warn=WARNINGS.append, **settings)
 
 
 WARNINGS = []
@@ -88,7 +88,7 @@ def test_a_hanging_reward_is_given_up_on_after_a_few_items_named_once_and_counte
 
 
 def test_a_reward_that_hangs_now_and_then_is_not_given_up_on():
-    with pool() as p:
+    with pool(kill_grace_s=3) as p:  # an "ok" item has 3.5 s, even on a loaded host
         texts = ["HANG" if i % 4 == 0 else "ok" for i in range(12)]
         scores = p.score(texts, hangs_on_marker)
     np.testing.assert_array_equal(scores.total_B, [0.0 if t == "HANG" else 1.0 for t in texts])
@@ -109,6 +109,7 @@ def test_rewards_that_all_time_out_stop_in_one_line_in_bounded_time():
 def test_a_batch_has_a_wall_clock_deadline_whatever_its_size():
     with RewardPool(2, timeout_s=30, kill_grace_s=0.5, preload=(), warn=WARNINGS.append, batch_timeout_s=2,
                     give_up_after=100) as p:
+        p.score(["x", "y"], one)  # both workers import this module now, outside the timed batch
         start = time.monotonic()
         scores = p.score(["x"] * 200, sleeps_forever)
         assert time.monotonic() - start < 10
@@ -149,7 +150,7 @@ _PRINTING_POOL = """
 import sys
 sys.path[:0] = sys.argv[2:]
 from test_reward_faults import pool, prints_megabytes
-with pool(output_budget_bytes=1000, output_log=sys.argv[1]) as p:
+with pool(timeout_s=10, kill_grace_s=10, output_budget_bytes=1000, output_log=sys.argv[1]) as p:  # no item is killed
     p.score(["a", "b", "c"], prints_megabytes)
 """
 

@@ -14,16 +14,41 @@ from podsjax.sampler import sampler_programs
 PROGRAMS = ("generate[rollout_weights]", "generate[sample]", "update", "select[build_batch]")
 
 
-def test_a_program_asked_for_by_two_threads_compiles_once_while_another_compiles_beside_it():
+class _Watched(dict):
+    """``Programs._compiling`` that says when a caller found a compile in flight (it waits on it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.joined = threading.Event()
+
+    def get(self, key, default=None):
+        found = super().get(key, default)
+        if found is not None:
+            self.joined.set()
+        return found
+
+
+def _watched_programs():
     programs = sampler_programs.Programs(8)
-    both_building = threading.Barrier(2, timeout=10)  # two keys must build at the same time
+    programs._compiling = _Watched()
+    return programs
+
+
+def test_a_program_asked_for_by_two_threads_compiles_once_while_another_compiles_beside_it():
+    programs = _watched_programs()
+    both_building = threading.Barrier(2, timeout=30)  # two keys must build at the same time
+    a_building = threading.Event()
     builds = []
 
     def build(name):
         def run():
             builds.append(name)
+            if name == "a":
+                a_building.set()
             both_building.wait()
-            time.sleep(0.2)  # the third thread asks for "a" while it builds
+            if name == "a":
+                assert programs._compiling.joined.wait(30), "no second caller joined the compile of a"
+                time.sleep(0.2)  # a compile of known length, for the waiter to report
             return name
         return run
 
@@ -32,7 +57,7 @@ def test_a_program_asked_for_by_two_threads_compiles_once_while_another_compiles
                for k in ("a", "b")]
     for t in threads:
         t.start()
-    time.sleep(0.1)
+    assert a_building.wait(30)  # "a" is in flight: this call joins it rather than building it
     waiter = programs.compiled(("a",), build("a again"), timings)
     for t in threads:
         t.join()
@@ -42,19 +67,19 @@ def test_a_program_asked_for_by_two_threads_compiles_once_while_another_compiles
 
 
 def test_a_failed_compile_raises_in_the_thread_that_waited_and_compiles_again_when_asked():
-    programs = sampler_programs.Programs(8)
+    programs = _watched_programs()
     started = threading.Event()
 
     def failing():
         started.set()
-        time.sleep(0.2)
+        assert programs._compiling.joined.wait(30)
         raise ValueError("does not compile")
 
     errors = []
     owner = threading.Thread(target=lambda: errors.append(pytest.raises(ValueError, programs.compiled, ("k",),
                                                                         failing, None)))
     owner.start()
-    started.wait(10)
+    assert started.wait(30)
     with pytest.raises(ValueError, match="does not compile"):
         programs.compiled(("k",), lambda: "never", None)
     owner.join()
@@ -62,25 +87,25 @@ def test_a_failed_compile_raises_in_the_thread_that_waited_and_compiles_again_wh
 
 
 def test_an_interrupt_as_a_compile_returns_leaves_no_thread_waiting_for_it(monkeypatch):
-    programs = sampler_programs.Programs(8)
+    programs = _watched_programs()
     started = threading.Event()
 
     def compile_then_interrupted():
         started.set()
-        time.sleep(0.2)  # the waiter below asks for the key meanwhile
+        assert programs._compiling.joined.wait(30)  # the waiter below has joined this compile
         monkeypatch.setattr(programs, "remember", _interrupt)  # Ctrl-C lands as the compile returns
         return "program"
 
     owner = threading.Thread(target=lambda: pytest.raises(KeyboardInterrupt, programs.compiled, ("k",),
                                                           compile_then_interrupted, None))
     owner.start()
-    started.wait(10)
+    assert started.wait(30)
     errors = []
     waiter = threading.Thread(target=lambda: errors.append(pytest.raises(BaseException, programs.compiled, ("k",),
                                                                          lambda: "never", None)))
     waiter.start()
-    owner.join(10)
-    waiter.join(10)
+    owner.join(30)
+    waiter.join(30)
     assert not waiter.is_alive(), "a thread still waits for the interrupted compile"
     assert errors and errors[0].type is KeyboardInterrupt
     monkeypatch.undo()

@@ -188,11 +188,12 @@ def test_a_phase_s_compiles_are_counted_as_compiles_not_as_the_phase():
             jax.jit(lambda x: jnp.cumsum(x * 3.0 + 1.0) ** 2)(jnp.ones(13)).block_until_ready()
     compiled = sum(log.seconds.values())
     assert compiled > 0 and timer.compile_s == pytest.approx(compiled)
+    wait = 0.5
     with timer.phase("update"):
         with timer.compiling():  # waiting for a compile on another thread
-            time.sleep(0.05)
-    assert timer.compile_s >= compiled + 0.05
-    assert timer.totals()["update"] < 0.02 and timer.totals()["selection"] >= 0
+            time.sleep(wait)
+    assert timer.compile_s >= compiled + wait
+    assert timer.totals()["update"] < wait / 2 and timer.totals()["selection"] >= 0
 
 
 def test_the_compile_log_counts_again_after_another_library_clears_jax_s_listeners():
