@@ -30,14 +30,11 @@ def compile_cache(tmp_path_factory):
     """The CLI's persistent compile cache, kept out of the user's home for these runs.
 
     The runs of this module share it, in-process too: programs of the same shapes (another
-    seed, another method's generation) load instead of compiling again. Later modules of the
-    same test process compile without it, as before."""
-    from podsjax.devices import compilation
-
+    seed, another method's generation) load instead of compiling again. After each test JAX's
+    cache flags are put back (tests/conftest.py), so other tests compile without it."""
     before = os.environ.get("PODSJAX_CACHE_DIR")
     os.environ["PODSJAX_CACHE_DIR"] = path = str(tmp_path_factory.mktemp("compile_cache"))
     yield path
-    compilation.disable_compile_cache()
     if before is None:
         os.environ.pop("PODSJAX_CACHE_DIR", None)
     else:
