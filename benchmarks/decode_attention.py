@@ -6,7 +6,8 @@ into the cache and attends), alone at setting a's shape (1 prompt x 64 samples, 
 6 query heads each, head 128, 512 prompt slots, 512 completion slots of which ``--filled``
 are written, bf16), under several splits of the work (``benchmarks.kernel_variants``: the
 programs the launch must reach, the block, Triton's pipeline stages and warps, a launch a
-pass), beside the same work in XLA ops (``rollout.attend_grouped_token``), in one run. One
+pass), beside the same work in XLA ops (``rollout.attend_grouped_token``) and on JAX's own
+Pallas decode kernels (``benchmarks.jax_decode_kernels``), in one run. One
 compiled program makes ``--sets`` calls, each on its own input set, so that together they
 outgrow the GPU's L2 cache as a real step's 28 layers do and no call waits on the host's
 dispatch; the caches are donated and carried from call to call, as decoding does. The
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import kernel_variants
+from benchmarks import jax_decode_kernels, kernel_variants
 from benchmarks.machine import device_peaks
 from podsjax.models import decode_kernel, rollout
 
@@ -74,15 +75,15 @@ def max_abs_diff(got, expected) -> float:
     return max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)))) for a, b in pairs)
 
 
-def time_calls(fn, sets: list[dict], iters: int, repeats: int = 5) -> float:
-    """Median seconds a call: one program calls ``fn`` on every set (its cache donated and
-    carried on); it runs ``iters / len(sets)`` times a repeat."""
+def time_calls(fn, sets: list[dict], iters: int, repeats: int = 5, cache: tuple[str, str] = CACHE) -> float:
+    """Median seconds a call: one program calls ``fn`` on every set (its ``cache`` inputs
+    donated and carried on); it runs ``iters / len(sets)`` times a repeat."""
     def calls(rest, caches):
-        return [fn(dict(x, **dict(zip(CACHE, cache))))[1] for x, cache in zip(rest, caches)]
+        return [fn(dict(x, **dict(zip(cache, written))))[1] for x, written in zip(rest, caches)]
 
     program = jax.jit(calls, donate_argnums=1)
-    rest = [{name: v for name, v in x.items() if name not in CACHE} for x in sets]
-    caches = [tuple(jnp.array(x[name], copy=True) for name in CACHE) for x in sets]
+    rest = [{name: v for name, v in x.items() if name not in cache} for x in sets]
+    caches = [tuple(jnp.array(x[name], copy=True) for name in cache) for x in sets]
     caches = jax.block_until_ready(program(rest, caches))  # compiles
     runs = max(1, iters // len(sets))
     times = []
@@ -93,6 +94,13 @@ def time_calls(fn, sets: list[dict], iters: int, repeats: int = 5) -> float:
         jax.block_until_ready(caches)
         times.append((time.perf_counter() - start) / (runs * len(sets)))
     return statistics.median(times)
+
+
+def row(name: str, split: tuple | None, t: float, t_xla: float, floor_s: float | None, diff: float) -> str:
+    """One line of the table; ``split``: (prompt programs, completion programs, longest walk)."""
+    programs, walk = (f"{split[0]} + {split[1]}", split[2]) if split else ("-", "-")
+    ratio = f"{t / floor_s:.1f}x" if floor_s else "n/a"
+    return f"| {name} | {programs} | {walk} | {t * 1e6:.1f} | {ratio} | {t_xla / t:.2f}x | {diff:.1e} |"
 
 
 def main(argv=None) -> None:
@@ -128,7 +136,8 @@ def main(argv=None) -> None:
           f" completion slots, {args.dtype}; {args.sets} input sets, median of 5 x {args.iters} calls")
     print(f"floor: {floor_bytes(args) / 1e6:.2f} MB a call"
           + (f" at {peaks.bandwidth / 1e12:.2f} TB/s = {floor_s * 1e6:.2f} us ({peaks.source})" if floor_s else ""))
-    print("| split | programs (prompt + completion) | longest walk (blocks) | us a call | x floor | XLA form / split | max abs diff |")
+    print("| split | programs (prompt + completion) | longest walk (blocks x slots) | us a call | x floor "
+          "| XLA form / split | max abs diff |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     timed = {}
     for name in kernel_variants.VARIANTS:
@@ -145,14 +154,30 @@ def main(argv=None) -> None:
         finally:
             kernel_variants.restore(saved)
         timed[name] = t
-        walk = split.max_slots_per_program // split.block
-        ratio = f"{t / floor_s:.1f}x" if floor_s else "n/a"
-        print(f"| {name} | {split.prefix_programs} + {split.own_programs} | {walk} | {t * 1e6:.1f} | {ratio} |"
-              f" {t_xla / t:.2f}x | {diff:.1e} |", flush=True)
-    xla_ratio = f"{t_xla / floor_s:.1f}x" if floor_s else "n/a"
-    print(f"| XLA form (rollout.attend_grouped_token) | - | - | {t_xla * 1e6:.1f} | {xla_ratio} | 1.00x | 0 |")
+        walk = f"{split.max_slots_per_program // split.block} x {split.block}"
+        print(row(name, (split.prefix_programs, split.own_programs, walk), t, t_xla, floor_s, diff), flush=True)
+    theirs = {}
+    for choice in (jax_decode_kernels.PLAN, jax_decode_kernels.DEFAULT):
+        name = f"JAX's mqa kernels, {choice} k_splits"
+        form = functools.partial(jax_decode_kernels.attend, choice=choice, interpret=interpret)
+        pre, own, blocks, block = jax_decode_kernels.programs(sets[0], choice)
+        own_layout = [jax_decode_kernels.kernel_layout(x) for x in sets]
+        try:
+            t = time_calls(form, own_layout, args.iters, cache=jax_decode_kernels.CACHE)
+            out, (keys, values) = form(own_layout[0])
+        except Exception as e:  # noqa: BLE001 - as a split's
+            print(f"| {name} | {pre} + {own} | - | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} "
+                  "| | | |", flush=True)
+            continue
+        theirs[name] = t
+        diff = max_abs_diff((out, (keys, jnp.swapaxes(values, 2, 3))), expected)
+        print(row(name, (pre, own, f"{blocks} x {block}"), t, t_xla, floor_s, diff), flush=True)
+    print(row("XLA form (rollout.attend_grouped_token)", None, t_xla, t_xla, floor_s, 0.0))
     best = min(timed, key=timed.get)
     print(f"fastest: {best} ({timed[best] * 1e6:.1f} us, the plan {timed[kernel_variants.DEFAULT] * 1e6:.1f} us)")
+    if theirs:
+        best_theirs = min(theirs, key=theirs.get)
+        print(f"JAX's kernels at best: {theirs[best_theirs] * 1e6:.1f} us ({best_theirs})")
     if args.best_to:
         with open(args.best_to, "w") as f:
             f.write(best + "\n")

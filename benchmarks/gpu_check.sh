@@ -8,8 +8,8 @@
 #      programs compiled before it, the steady step and its phases, and the plan's roofline
 #      beside them.
 # First, the decode kernel compiled through Triton against the XLA form (tests/models/test_decode_kernel.py), and
-# one layer's decode attention under several splits (benchmarks/kernel_variants.py) against the XLA form and its
-# floor; the decode and CLI stages then run under the fastest split (or $KERNEL_VARIANT).
+# one layer's decode attention under several splits (benchmarks/kernel_variants.py) against the XLA form, JAX's own
+# Pallas kernels and its floor; the decode and CLI stages then run under the fastest split (or $KERNEL_VARIANT).
 #
 #   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
 #   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
@@ -20,9 +20,12 @@
 #   1. The main job's own XLA flags (GEMMs as cuBLAS calls: podsjax.devices.accelerators.GPU_XLA_FLAGS):
 #      decode, then the CLI cold then warm (timeout 330 s):
 #        STAGES="decode cli" T_DECODE=110 T_CLI=190 DECODE=--no-reference bash benchmarks/gpu_check.sh
-#   2. XLA's Triton GEMMs, autotuned, as before that default: the CLI cold, all the call's time
-#      (the earlier cold starts with them took 212 s and more than 310 s; timeout 330 s):
-#        STAGES=cli T_CLI=290 RUNS=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=true bash benchmarks/gpu_check.sh
+#   2. One layer's attention under each split, beside JAX's own Pallas decode kernels
+#      (benchmarks/jax_decode_kernels.py); then XLA's Triton GEMMs, autotuned, as before the
+#      default: the CLI cold under the plan's split, as in call 1 (the earlier cold starts with
+#      them took 212 s and more than 310 s; timeout 330 s):
+#        STAGES="attention cli" T_ATTENTION=80 T_CLI=210 RUNS=1 KERNEL_VARIANT="the plan" \
+#          XLA_FLAGS=--xla_gpu_enable_triton_gemm=true bash benchmarks/gpu_check.sh
 # The CLI's console is echoed with times as it lands, so a limit that stops a run still shows
 # each program's compile; the stopped CLI is ended with it.
 # VARIANT adds a further CLI run, cold, with those XLA flags (each run's row prints as it ends,

@@ -13,6 +13,12 @@ their untuned configs, where a GPU's autotuner starts (it has no GPU here to tun
     python -m benchmarks.gpu_plan                 # H100, Qwen2.5-1.5B and 3B, 64 and 256 rows
     python -m benchmarks.gpu_plan --gpus h100 a100 l40s --shapes Qwen2.5-3B --rows 64
     python -m benchmarks.gpu_plan --shapes Qwen2.5-1.5B --rows 64 --gemms cublas triton
+    python -m benchmarks.gpu_plan --attention     # one layer's decode attention call, each form
+
+``--attention`` compiles the call that ``benchmarks.decode_attention`` times, at setting a's
+shape, in each form (podsjax's kernel, JAX's own Pallas ``mqa`` kernels, XLA ops), and prints
+its kernels, its bytes, and each attention kernel's programs against what the GPU holds at
+once (registers from ptxas, shared memory from the launch).
 
 Needs jax's CUDA plugin (``pip install 'podsjax[cuda]'``), not a GPU.
 """
@@ -22,6 +28,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for GPUs from this host; probe for none here
 from podsjax.devices.accelerators import with_gpu_flags  # noqa: E402 - imports no JAX
@@ -31,7 +39,8 @@ os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""), device
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from podsjax.devices import dry_run, topology  # noqa: E402
+from benchmarks import decode_attention, jax_decode_kernels  # noqa: E402
+from podsjax.devices import dry_run, gpu_thunks, hlo_cost, topology  # noqa: E402
 from podsjax.devices import mesh as mesh_lib  # noqa: E402
 from podsjax.devices.gpu_topology import GPUS  # noqa: E402
 from podsjax.sampler import sampling  # noqa: E402
@@ -65,13 +74,64 @@ def decode_step(gpu: str, shape: str, rows: int, layers: str, gemms: str = "cubl
             "kernels": step.kernels, "roofline_s": step.roofline_s, "compile_s": gen["compile_s"]["sample"]}
 
 
+def attention_forms() -> dict:
+    """Each form of one layer's decode attention call at setting a's shape: (function, its inputs, its cache)."""
+    shape = argparse.Namespace(rows=64, prompts=1, kv_heads=2, groups=6, head_dim=128, prompt_len=PROMPT,
+                               slots=COMPLETION, filled=COMPLETION // 2, dtype="bfloat16")
+    x = decode_attention.make_inputs(shape, 0)
+    theirs = jax_decode_kernels.kernel_layout(x)
+    forms = {"podsjax kernel (the plan)": (decode_attention.kernel_form, x, decode_attention.CACHE)}
+    for choice in (jax_decode_kernels.PLAN, jax_decode_kernels.DEFAULT):
+        forms[f"JAX's mqa, {choice} k_splits"] = (
+            lambda y, choice=choice: jax_decode_kernels.attend(y, choice=choice), theirs, jax_decode_kernels.CACHE)
+    forms["XLA ops"] = (decode_attention.xla_form, x, decode_attention.CACHE)
+    return forms
+
+
+def attention_call(gpu: str, fn, x: dict, cache: tuple[str, str]) -> dict:
+    """``fn(x)`` compiled for ``gpu`` (its cache donated): kernels, bytes, and its attention kernels' launches."""
+    placed = jax.sharding.SingleDeviceSharding(topology.compile_only_devices(gpu)[0])
+    abstract = {name: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=placed) for name, v in x.items()}
+    rest = {name: v for name, v in abstract.items() if name not in cache}
+
+    def call(rest, written):
+        return fn(dict(rest, **dict(zip(cache, written))))
+
+    with tempfile.TemporaryDirectory() as dump:
+        options = {**gpu_thunks.dump_options(dump), "xla_backend_optimization_level": 3}
+        compiled = jax.jit(call, donate_argnums=1).lower(rest, tuple(abstract[n] for n in cache)).compile(options)
+        sequence = gpu_thunks.read(dump, "call")
+        names = re.findall(r"^\s*\d+: kCustomKernel\s.*?\] (\S*(?:grouped_decode_attention|mha_forward)\S*) grid:",
+                           sequence, re.M)
+        launches = [gpu_thunks.occupancy(dump, "call", name, gpu) for name in names]
+    cost = hlo_cost.program_cost(compiled.as_text())
+    return {"kernels": cost.kernels, "bytes": cost.bytes, "launches": launches}
+
+
+def print_attention(gpus: list[str]) -> None:
+    print(f"jax {jax.__version__}; one layer's decode attention call: 64 rows of one prompt, 2 kv heads x 6, head 128,"
+          f" {PROMPT} prompt + {COMPLETION // 2}/{COMPLETION} completion slots, bf16; the qkv heads in, the cache written")
+    print("MB: by the optimized HLO, which counts a kernel's operands whole (the kernels read only the written slots)")
+    print("| GPU | form | kernels | MB | attention kernel: programs, registers, shared KB, an SM holds, waves |")
+    print("|---|---|---:|---:|---|")
+    for gpu in gpus:
+        for name, (fn, x, cache) in attention_forms().items():
+            r = attention_call(gpu, fn, x, cache)
+            kernels = "; ".join(f"{o.programs}, {o.registers}, {o.shared_memory / 1024:.0f}, {o.per_sm}, "
+                                f"{o.waves:.2f}" for o in r["launches"]) or "-"
+            print(f"| {gpu} | {name} | {r['kernels']:.0f} | {r['bytes'] / 1e6:.1f} | {kernels} |", flush=True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", nargs="+", default=["h100"], choices=sorted(GPUS))
     parser.add_argument("--shapes", nargs="+", default=["Qwen2.5-1.5B", "Qwen2.5-3B"])
     parser.add_argument("--rows", nargs="+", type=int, default=[64, 256])
     parser.add_argument("--gemms", nargs="+", default=["cublas"], choices=sorted(GEMMS))
+    parser.add_argument("--attention", action="store_true", help="one layer's decode attention call instead")
     args = parser.parse_args(argv)
+    if args.attention:
+        return print_attention(args.gpus)
     print(f"jax {jax.__version__}; LoRA r{LORA_RANK}, bf16, {PROMPT} + {COMPLETION} tokens, 64 samples per prompt")
     print("floor: the weights and the KV cache read once; row-cache floor: the same with the prompt's KV in every row")
     print("| GPU | shape | rows | layers | GEMMs | KV cache | bytes / step | / floor | / row-cache floor | kernels "

@@ -1,5 +1,6 @@
 """The benchmark scripts still run (tiny shapes; the measured figures live in docs/benchmarks.md), and their floors are right."""
 
+import importlib.util
 import math
 import os
 import re
@@ -98,12 +99,43 @@ def test_decode_attention_benchmark_checks_every_split_against_the_xla_form(tmp_
     printed = run("benchmarks.decode_attention", "--rows", "8", "--prompt-len", "32", "--slots", "32", "--filled",
                   "16", "--head-dim", "16", "--sets", "2", "--iters", "2", "--dtype", "float32", "--best-to", str(best))
     rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    assert [r.split("|")[1].strip() for r in rows[:-1]] == list(VARIANTS), printed
+    theirs = ["JAX's mqa kernels, the plan's k_splits", "JAX's mqa kernels, mqa's default k_splits"]
+    assert [r.split("|")[1].strip() for r in rows[:-1]] == [*VARIANTS, *theirs], printed
     assert rows[-1].startswith("| XLA form"), printed
-    # Each split's output and written cache against the XLA form's.
+    # Each split's output and written cache against the XLA form's, and JAX's kernels' too.
     assert all(last_column(r) < 1e-5 for r in rows[:-1]), printed
     fastest = best.read_text().strip()
     assert fastest in VARIANTS and f"fastest: {fastest} (" in printed, printed
+    assert "JAX's kernels at best: " in printed, printed
+
+
+def test_jax_s_own_decode_kernels_do_decoding_s_attention_call_for_left_padded_prompts():
+    """benchmarks.jax_decode_kernels against the XLA form, in Pallas's interpreter: two prompts
+    with left padding, Qwen's qkv bias, rows at different lengths."""
+    import argparse
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import decode_attention, jax_decode_kernels
+
+    shape = argparse.Namespace(rows=8, prompts=2, kv_heads=2, groups=3, head_dim=16, prompt_len=32, slots=32,
+                               filled=20, dtype="float32")
+    x = decode_attention.make_inputs(shape, 0)
+    padding = jnp.array([5, 0])
+    x["prompt_mask_PS"] = jnp.arange(32)[None, :] >= padding[:, None]
+    x["length_B"] = jnp.array([20, 1, 7, 32, 16, 3, 20, 9], jnp.int32)
+    x["allowed_B1T"] = (jnp.arange(32)[None, :] < x["length_B"][:, None])[:, None]
+    out, (keys, values) = jax.jit(decode_attention.xla_form)(x)
+    for choice in (jax_decode_kernels.PLAN, jax_decode_kernels.DEFAULT):
+        got, (got_keys, got_values) = jax_decode_kernels.attend(jax_decode_kernels.kernel_layout(x), choice=choice,
+                                                                interpret=True)
+        np.testing.assert_allclose(got, out, atol=2e-6, rtol=2e-6)
+        np.testing.assert_array_equal(got_keys, keys)
+        np.testing.assert_array_equal(jnp.swapaxes(got_values, 2, 3), values)
+    with pytest.raises(ValueError, match="k_splits choice must be"):
+        jax_decode_kernels.splits(x, "half")
 
 
 def test_generate_benchmark_times_podsjax_alone_without_a_reference():
@@ -243,3 +275,21 @@ def test_trace_summary_counts_stream_kernels_once_and_leaves_derived_lines_out(t
            {"ph": "X", "pid": 3, "tid": 1, "name": "jit_decode", "ts": 0, "dur": 100},
            {"ph": "X", "pid": 3, "tid": 2, "name": "fusion.3", "ts": 10, "dur": 5}]
     assert trace_summary.device_kernels(tpu, "/device:TPU") == [("fusion.3", 10.0, 5.0)]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                    reason="jax's CUDA plugin is not installed (pip install 'podsjax[cuda]')")
+def test_the_h100_plan_of_the_attention_call_counts_each_form_s_kernels_and_waves():
+    printed = run("benchmarks.gpu_plan", "--attention")
+    rows = {r.split("|")[2].strip(): r.split("|")[3:-1] for r in printed.splitlines() if r.startswith("| h100 ")}
+    assert list(rows) == ["podsjax kernel (the plan)", "JAX's mqa, the plan's k_splits",
+                          "JAX's mqa, mqa's default k_splits", "XLA ops"], printed
+    kernels = {name: int(r[0]) for name, r in rows.items()}
+    waves = {name: [float(launch.split(",")[-1]) for launch in r[2].split(";")] for name, r in rows.items()
+             if name != "XLA ops"}
+    # One launch holds both passes, in one wave; JAX's kernels are a launch each, with XLA's
+    # bias, RoPE, cache write and merge around them.
+    ours = "podsjax kernel (the plan)"
+    assert len(waves[ours]) == 1 and waves[ours][0] <= 1.0, printed
+    assert all(len(w) == 2 for name, w in waves.items() if name != ours), printed
+    assert all(kernels[ours] < n for name, n in kernels.items() if name != ours), printed
