@@ -49,7 +49,7 @@ def splits(x: dict, choice: str) -> tuple[int, int]:
     """``k_splits`` of the prompt's call and the completion's; mqa takes 16 slots a split at least."""
     b, p, k, g, prompt_len, slots = _dims(x)
     if choice == DEFAULT:
-        return min(_DEFAULT_SPLITS, prompt_len // 16), min(_DEFAULT_SPLITS, slots // 16)
+        return tuple(max(1, min(_DEFAULT_SPLITS, length // 16)) for length in (prompt_len, slots))
     if choice != PLAN:
         raise ValueError(f"k_splits choice must be {PLAN!r} or {DEFAULT!r}; got {choice!r}")
     split = decode_kernel.plan(b, p, k, g, prompt_len, slots)
