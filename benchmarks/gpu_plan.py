@@ -26,6 +26,7 @@ Needs jax's CUDA plugin (``pip install 'podsjax[cuda]'``), not a GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import re
@@ -39,7 +40,7 @@ os.environ["XLA_FLAGS"] = with_gpu_flags(os.environ.get("XLA_FLAGS", ""), device
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks import decode_attention, jax_decode_kernels  # noqa: E402
+from benchmarks import decode_attention, jax_decode_kernels, kernel_variants  # noqa: E402
 from podsjax.devices import dry_run, gpu_thunks, hlo_cost, topology  # noqa: E402
 from podsjax.devices import mesh as mesh_lib  # noqa: E402
 from podsjax.devices.gpu_topology import GPUS  # noqa: E402
@@ -80,12 +81,22 @@ def attention_forms() -> dict:
                                slots=COMPLETION, filled=COMPLETION // 2, dtype="bfloat16")
     x = decode_attention.make_inputs(shape, 0)
     theirs = jax_decode_kernels.kernel_layout(x)
-    forms = {"podsjax kernel (the plan)": (decode_attention.kernel_form, x, decode_attention.CACHE)}
+    forms = {f"podsjax kernel ({name})": (functools.partial(_under_variant, name), x, decode_attention.CACHE)
+             for name in kernel_variants.VARIANTS}
     for choice in (jax_decode_kernels.PLAN, jax_decode_kernels.DEFAULT):
         forms[f"JAX's mqa, {choice} k_splits"] = (
             lambda y, choice=choice: jax_decode_kernels.attend(y, choice=choice), theirs, jax_decode_kernels.CACHE)
     forms["XLA ops"] = (decode_attention.xla_form, x, decode_attention.CACHE)
     return forms
+
+
+def _under_variant(name: str, x: dict):
+    """``decode_attention.kernel_form`` as kernel variant ``name`` splits it (applied while it traces)."""
+    saved = kernel_variants.apply(name)
+    try:
+        return decode_attention.kernel_form(x)
+    finally:
+        kernel_variants.restore(saved)
 
 
 def attention_call(gpu: str, fn, x: dict, cache: tuple[str, str]) -> dict:
@@ -101,7 +112,7 @@ def attention_call(gpu: str, fn, x: dict, cache: tuple[str, str]) -> dict:
         options = {**gpu_thunks.dump_options(dump), "xla_backend_optimization_level": 3}
         compiled = jax.jit(call, donate_argnums=1).lower(rest, tuple(abstract[n] for n in cache)).compile(options)
         sequence = gpu_thunks.read(dump, "call")
-        names = re.findall(r"^\s*\d+: kCustomKernel\s.*?\] (\S*(?:grouped_decode_attention|mha_forward)\S*) grid:",
+        names = re.findall(r"^\s*\d+: kCustomKernel\s.*?\] (\S*(?:grouped_decode|mha_forward)\S*) grid:",
                            sequence, re.M)
         launches = [gpu_thunks.occupancy(dump, "call", name, gpu) for name in names]
     cost = hlo_cost.program_cost(compiled.as_text())
@@ -116,6 +127,7 @@ def print_attention(gpus: list[str]) -> None:
     print("|---|---|---:|---:|---|")
     for gpu in gpus:
         for name, (fn, x, cache) in attention_forms().items():
+            jax.clear_caches()  # the kernel traces again under each variant's constants
             r = attention_call(gpu, fn, x, cache)
             kernels = "; ".join(f"{o.programs}, {o.registers}, {o.shared_memory / 1024:.0f}, {o.per_sm}, "
                                 f"{o.waves:.2f}" for o in r["launches"]) or "-"

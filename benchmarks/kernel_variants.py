@@ -38,6 +38,7 @@ VARIANTS: dict[str, dict] = {
     "a launch a pass, 3 stages": {"ONE_LAUNCH": False, "COMPILER_PARAMS": _stages(3)},
     "fill 1056, 3 stages": {"MIN_PROGRAMS": 1056, "COMPILER_PARAMS": _stages(3)},
     "walks of one block, 3 stages": {"MIN_PROGRAMS": 2112, "COMPILER_PARAMS": _stages(3)},
+    "fill 1056, 8 warps": {"MIN_PROGRAMS": 1056, "COMPILER_PARAMS": _stages(2, warps=8)},
 }
 
 

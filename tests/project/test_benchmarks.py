@@ -280,16 +280,22 @@ def test_trace_summary_counts_stream_kernels_once_and_leaves_derived_lines_out(t
 @pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
                     reason="jax's CUDA plugin is not installed (pip install 'podsjax[cuda]')")
 def test_the_h100_plan_of_the_attention_call_counts_each_form_s_kernels_and_waves():
+    from benchmarks.kernel_variants import VARIANTS
+
     printed = run("benchmarks.gpu_plan", "--attention")
     rows = {r.split("|")[2].strip(): r.split("|")[3:-1] for r in printed.splitlines() if r.startswith("| h100 ")}
-    assert list(rows) == ["podsjax kernel (the plan)", "JAX's mqa, the plan's k_splits",
-                          "JAX's mqa, mqa's default k_splits", "XLA ops"], printed
+    ours = [f"podsjax kernel ({name})" for name in VARIANTS]
+    assert list(rows) == [*ours, "JAX's mqa, the plan's k_splits", "JAX's mqa, mqa's default k_splits",
+                          "XLA ops"], printed
     kernels = {name: int(r[0]) for name, r in rows.items()}
-    waves = {name: [float(launch.split(",")[-1]) for launch in r[2].split(";")] for name, r in rows.items()
-             if name != "XLA ops"}
-    # One launch holds both passes, in one wave; JAX's kernels are a launch each, with XLA's
-    # bias, RoPE, cache write and merge around them.
-    ours = "podsjax kernel (the plan)"
-    assert len(waves[ours]) == 1 and waves[ours][0] <= 1.0, printed
-    assert all(len(w) == 2 for name, w in waves.items() if name != ours), printed
-    assert all(kernels[ours] < n for name, n in kernels.items() if name != ours), printed
+    launches = {name: [[float(x) for x in launch.split(",")] for launch in r[2].split(";")] for name, r in rows.items()
+                if name != "XLA ops"}
+    # The plan: one launch holds both passes, in one wave; JAX's kernels are a launch each,
+    # with XLA's bias, RoPE, cache write and merge around them.
+    plan = ours[0]
+    assert len(launches[plan]) == 1 and launches[plan][0][-1] <= 1.0, printed
+    assert len(launches["podsjax kernel (a launch a pass)"]) == 2, printed
+    assert all(len(launches[name]) == 2 for name in rows if name.startswith("JAX's")), printed
+    assert all(kernels[plan] < n for name, n in kernels.items() if name.startswith(("JAX's", "XLA"))), printed
+    # Each variant changes what it names: shorter walks launch more programs.
+    assert launches["podsjax kernel (fill 1056 programs)"][0][0] > launches[plan][0][0], printed
