@@ -24,7 +24,7 @@
 #      (benchmarks/jax_decode_kernels.py); then XLA's Triton GEMMs, autotuned, as before the
 #      default: the CLI cold under the plan's split, as in call 1 (the earlier cold starts with
 #      them took 212 s and more than 310 s; timeout 330 s):
-#        STAGES="attention cli" T_ATTENTION=80 T_CLI=210 RUNS=1 KERNEL_VARIANT="the plan" \
+#        STAGES="attention cli" T_ATTENTION=100 T_CLI=190 RUNS=1 KERNEL_VARIANT="the plan" \
 #          XLA_FLAGS=--xla_gpu_enable_triton_gemm=true bash benchmarks/gpu_check.sh
 # The CLI's console is echoed with times as it lands, so a limit that stops a run still shows
 # each program's compile; the stopped CLI is ended with it.
