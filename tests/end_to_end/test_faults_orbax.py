@@ -11,6 +11,7 @@ import _thread
 import asyncio
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,8 +94,12 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path_factory, tmp_path, data_d
             os.remove(data / name)
     done = _run(["--out", str(out), "--resume", "--max-steps", "6", "--no-progress", "--no-compile-cache"])
     lines = _assert_few_lines(done, f"error: no checkpoint in {out / 'checkpoints'} loads")
-    if len(lines) > 1:  # orbax's tracebacks from tensorstore's callbacks
-        assert str(out / "run.log") in lines[-2] and "Traceback" in (out / "run.log").read_text()
+    if len(lines) > 1:  # orbax's reports from tensorstore's callbacks, kept in run.log
+        log = (out / "run.log").read_text()
+        # each as a log record (asyncio's "Future exception was never retrieved" carries a
+        # traceback only when the exception has one), or a traceback printed from a thread
+        assert str(out / "run.log") in lines[-2], lines
+        assert re.search(r"^\d{4}-\d\d-\d\d \S+ (ERROR|WARNING|CRITICAL) ", log, re.M) or "Traceback" in log, log[-3000:]
     assert sorted(os.listdir(out / "checkpoints")) == [f"{s}.corrupt" for s in steps]
     # The warnings (stdout) name each step and what failed, without tensorstore's kilobyte of spec.
     moved = [line for line in done.stdout.splitlines() if line.startswith("warning: checkpoint")]
