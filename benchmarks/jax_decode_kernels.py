@@ -14,7 +14,9 @@ maps onto it as two calls and a merge:
 The bias, RoPE and the cache write are XLA ops before them, as in
 :func:`~podsjax.models.rollout.attend_grouped_token`. The completions' values are kept
 ``[B, K, T, E]``, the kernel's layout (``v_BKTE``, :func:`kernel_layout`), so no call reads a
-transposed copy. Prompts must be left-padded: the start index stands for their mask.
+transposed copy. The kernel masks by a start and a length, not by a mask: prompts must be
+left-padded (the start stands for their mask), and a row attends to every completion slot
+below its length (``allowed_B1T`` is not read; decoding's holes come only after a row's EOS).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from podsjax.models import decode_kernel, rollout
 
 PLAN, DEFAULT = "the plan's", "mqa's default"  # k_splits as decode_kernel.plan splits, or mqa's own 16
 CACHE = ("k_BKTE", "v_BKTE")  # the inputs a call writes
-_QUERY_BLOCK, _MAX_KEY_BLOCK, _DEFAULT_SPLITS = 16, 128, 16  # mqa's block_h, block_k and k_splits defaults
+_QUERY_BLOCK, _MAX_KEY_BLOCK, _DEFAULT_SPLITS = 16, 256, 16  # mqa's block_h, block_k and k_splits defaults
 
 
 def kernel_layout(x: dict) -> dict:

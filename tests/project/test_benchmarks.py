@@ -299,3 +299,25 @@ def test_the_h100_plan_of_the_attention_call_counts_each_form_s_kernels_and_wave
     assert all(kernels[plan] < n for name, n in kernels.items() if name.startswith(("JAX's", "XLA"))), printed
     # Each variant changes what it names: shorter walks launch more programs.
     assert launches["podsjax kernel (fill 1056 programs)"][0][0] > launches[plan][0][0], printed
+
+
+def test_the_attention_benchmark_s_timed_program_keeps_each_form_s_output():
+    """A program returning only the written caches lets XLA drop the attention of every form
+    whose cache write does not need it (the XLA form, JAX's kernels, a launch a pass)."""
+    import argparse
+
+    import jax
+    import numpy as np
+
+    from benchmarks import decode_attention
+
+    shape = argparse.Namespace(rows=4, prompts=1, kv_heads=2, groups=2, head_dim=16, prompt_len=16, slots=16,
+                               filled=8, dtype="float32")
+    x = decode_attention.make_inputs(shape, 0)
+    rest = {name: v for name, v in x.items() if name not in decode_attention.CACHE}
+    caches, outputs = decode_attention.timed_program(decode_attention.xla_form)(
+        [rest], [tuple(jax.numpy.array(x[name], copy=True) for name in decode_attention.CACHE)])  # donated
+    out, cache = jax.jit(decode_attention.xla_form)(x)
+    np.testing.assert_array_equal(outputs[0], out)
+    for got, want in zip(caches[0], cache):
+        np.testing.assert_array_equal(got, want)
