@@ -111,6 +111,46 @@ def row(name: str, split: tuple | None, t: float, t_xla: float, floor_s: float |
     return f"| {name} | {programs} | {walk} | {t * 1e6:.1f} | {ratio} | {t_xla / t:.2f}x | {diff:.1e} |"
 
 
+def time_split(name: str, args, sets: list[dict], expected, t_xla: float, floor_s: float | None):
+    """``(name, seconds a call)`` of podsjax's kernel under split ``name`` (seconds None when the
+    compiler refuses it); prints its row."""
+    saved = kernel_variants.apply(name)
+    jax.clear_caches()
+    split = decode_kernel.plan(args.rows, args.prompts, args.kv_heads, args.groups, args.prompt_len, args.slots)
+    try:
+        t = time_calls(kernel_form, sets, args.iters)
+        diff = max_abs_diff(jax.jit(kernel_form)(sets[0]), expected)
+    except Exception as e:  # noqa: BLE001 - a split the compiler refuses (registers, shared memory) is a row too
+        print(f"| {name} | {split.prefix_programs} + {split.own_programs} | - | failed: "
+              f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
+        return name, None
+    finally:
+        kernel_variants.restore(saved)
+    walk = f"{split.max_slots_per_program // split.block} x {split.block}"
+    print(row(name, (split.prefix_programs, split.own_programs, walk), t, t_xla, floor_s, diff), flush=True)
+    return name, t
+
+
+def time_theirs(choice: str, sets: list[dict], iters: int, expected, t_xla: float, floor_s: float | None,
+                interpret: bool):
+    """``(name, seconds a call)`` of the call on JAX's ``mqa`` kernels at ``choice`` of k_splits;
+    prints its row."""
+    name = f"JAX's mqa kernels, {choice} k_splits"
+    form = functools.partial(jax_decode_kernels.attend, choice=choice, interpret=interpret)
+    pre, own, blocks, block = jax_decode_kernels.programs(sets[0], choice)
+    own_layout = [jax_decode_kernels.kernel_layout(x) for x in sets]
+    try:
+        t = time_calls(form, own_layout, iters, cache=jax_decode_kernels.CACHE)
+        out, (keys, values) = form(own_layout[0])
+    except Exception as e:  # noqa: BLE001 - as a split's
+        print(f"| {name} | {pre} + {own} | - | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} "
+              "| | | |", flush=True)
+        return name, None
+    diff = max_abs_diff((out, (keys, jnp.swapaxes(values, 2, 3))), expected)
+    print(row(name, (pre, own, f"{blocks} x {block}"), t, t_xla, floor_s, diff), flush=True)
+    return name, t
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
@@ -147,42 +187,20 @@ def main(argv=None) -> None:
     print("| split | programs (prompt + completion) | longest walk (blocks x slots) | us a call | x floor "
           "| XLA form / split | max abs diff |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    timed = {}
-    for name in kernel_variants.VARIANTS:
-        saved = kernel_variants.apply(name)
-        jax.clear_caches()
-        split = decode_kernel.plan(args.rows, args.prompts, args.kv_heads, args.groups, args.prompt_len, args.slots)
-        try:
-            t = time_calls(kernel_form, sets, args.iters)
-            diff = max_abs_diff(jax.jit(kernel_form)(sets[0]), expected)
-        except Exception as e:  # noqa: BLE001 - a split the compiler refuses (registers, shared memory) is a row too
-            print(f"| {name} | {split.prefix_programs} + {split.own_programs} | - | failed: "
-                  f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
-            continue
-        finally:
-            kernel_variants.restore(saved)
-        timed[name] = t
-        walk = f"{split.max_slots_per_program // split.block} x {split.block}"
-        print(row(name, (split.prefix_programs, split.own_programs, walk), t, t_xla, floor_s, diff), flush=True)
-    theirs = {}
-    for choice in (jax_decode_kernels.PLAN, jax_decode_kernels.DEFAULT):
-        name = f"JAX's mqa kernels, {choice} k_splits"
-        form = functools.partial(jax_decode_kernels.attend, choice=choice, interpret=interpret)
-        pre, own, blocks, block = jax_decode_kernels.programs(sets[0], choice)
-        own_layout = [jax_decode_kernels.kernel_layout(x) for x in sets]
-        try:
-            t = time_calls(form, own_layout, args.iters, cache=jax_decode_kernels.CACHE)
-            out, (keys, values) = form(own_layout[0])
-        except Exception as e:  # noqa: BLE001 - as a split's
-            print(f"| {name} | {pre} + {own} | - | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} "
-                  "| | | |", flush=True)
-            continue
-        theirs[name] = t
-        diff = max_abs_diff((out, (keys, jnp.swapaxes(values, 2, 3))), expected)
-        print(row(name, (pre, own, f"{blocks} x {block}"), t, t_xla, floor_s, diff), flush=True)
+    timed, theirs = {}, {}
+    ours = lambda name: time_split(name, args, sets, expected, t_xla, floor_s)  # noqa: E731
+    # The plan and JAX's kernels first: a time limit that cuts the sweep keeps them.
+    for name, t in [ours(kernel_variants.DEFAULT),
+                    *(time_theirs(choice, sets, args.iters, expected, t_xla, floor_s, interpret)
+                      for choice in (jax_decode_kernels.PLAN, jax_decode_kernels.DEFAULT)),
+                    *(ours(name) for name in kernel_variants.VARIANTS if name != kernel_variants.DEFAULT)]:
+        if t is not None:
+            (theirs if name.startswith("JAX's") else timed)[name] = t
     print(row("XLA form (rollout.attend_grouped_token)", None, t_xla, t_xla, floor_s, 0.0))
     best = min(timed, key=timed.get)
-    print(f"fastest: {best} ({timed[best] * 1e6:.1f} us, the plan {timed[kernel_variants.DEFAULT] * 1e6:.1f} us)")
+    plan = timed.get(kernel_variants.DEFAULT)
+    print(f"fastest: {best} ({timed[best] * 1e6:.1f} us, the plan "
+          + (f"{plan * 1e6:.1f} us)" if plan is not None else "failed)"))
     if theirs:
         best_theirs = min(theirs, key=theirs.get)
         print(f"JAX's kernels at best: {theirs[best_theirs] * 1e6:.1f} us ({best_theirs})")

@@ -120,8 +120,9 @@ def attention_call(gpu: str, fn, x: dict, cache: tuple[str, str]) -> dict:
 
 
 def print_attention(gpus: list[str]) -> None:
-    print(f"jax {jax.__version__}; one layer's decode attention call: 64 rows of one prompt, 2 kv heads x 6, head 128,"
-          f" {PROMPT} prompt + {COMPLETION // 2}/{COMPLETION} completion slots, bf16; the qkv heads in, the cache written")
+    print(f"jax {jax.__version__}; one layer's decode attention call: 64 rows of one prompt, 2 kv heads x 6, "
+          f"head 128, {PROMPT} prompt + {COMPLETION // 2}/{COMPLETION} completion slots, bf16; the qkv heads in, "
+          "the cache written")
     print("MB: by the optimized HLO, which counts a kernel's operands whole (the kernels read only the written slots)")
     print("| GPU | form | kernels | MB | attention kernel: programs, registers, shared KB, an SM holds, waves |")
     print("|---|---|---:|---:|---|")
