@@ -76,14 +76,9 @@ def attend(x: dict, choice: str = PLAN, interpret: bool = False):
     qkv, e = x["qkv_BNE"], x["qkv_BNE"].shape[2]
     n, h = b // p, k * g
     prompt_splits, own_splits = splits(x, choice)
-    if x.get("bias_N") is not None:
-        qkv = qkv + x["bias_N"].reshape(qkv.shape[1], e)
-    raw = qkv[:, :h + k]
-    rotated = decode_kernel.rotate_half(raw, jnp.roll(raw, e // 2, -1), x["cos_BE"][:, None], x["sin_BE"][:, None])
     length = x["length_B"]
-    cache = rollout.write_kv(x["k_BKTE"], x["v_BKTE"], rotated[:, None, h:], qkv[:, None, h + k:],
-                             (length - 1)[:, None], values_slots_last=False)
-    q = rotated[:, :h]
+    q, cache = rollout.write_token(qkv, x["cos_BE"], x["sin_BE"], x["k_BKTE"], x["v_BKTE"], length, x.get("bias_N"),
+                                   values_slots_last=False)
     run = functools.partial(decode_attention.mqa, sm_scale=e ** -0.5, return_residuals=True, normalize_output=False,
                             interpret=interpret)
     first = prompt_len - x["prompt_mask_PS"].sum(-1).astype(jnp.int32)  # left padding

@@ -323,17 +323,27 @@ def attend_grouped_token(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Arra
                          allowed_B1T: jax.Array, length_B: jax.Array,
                          bias_N: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """:func:`attend_grouped_kernel`'s work in XLA ops: bias, RoPE, :func:`write_kv`, :func:`attend_grouped`."""
+    q_BHE, cache = write_token(qkv_BNE, cos_BE, sin_BE, k_BKTE, v_BKET, length_B, bias_N, values_slots_last=True)
+    out = attend_grouped(q_BHE[:, None], prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, *cache, allowed_B1T)
+    return out, cache
+
+
+def write_token(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Array, keys: jax.Array, values: jax.Array,
+                length_B: jax.Array, bias_N: jax.Array | None, values_slots_last: bool
+                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The step's token from the qkv heads (H queries and K keys before RoPE, then K values;
+    ``bias_N`` not yet added): its rotated queries ``[B, H, E]``, and the completions' cache
+    with its key and value written at slot ``length_B - 1`` (:func:`write_kv`)."""
     b, heads, e = qkv_BNE.shape
-    k = prompt_k_PKSE.shape[1]
+    k = keys.shape[1]
     h = heads - 2 * k
     if bias_N is not None:
         qkv_BNE = qkv_BNE + bias_N.reshape(heads, e)
     raw = qkv_BNE[:, :h + k]
     rotated = decode_kernel.rotate_half(raw, jnp.roll(raw, e // 2, -1), cos_BE[:, None], sin_BE[:, None])
-    cache = write_kv(k_BKTE, v_BKET, rotated[:, None, h:], qkv_BNE[:, None, h + k:], (length_B - 1)[:, None],
-                     values_slots_last=True)
-    out = attend_grouped(rotated[:, None, :h], prompt_k_PKSE, prompt_v_PKSE, prompt_mask_PS, *cache, allowed_B1T)
-    return out, cache
+    cache = write_kv(keys, values, rotated[:, None, h:], qkv_BNE[:, None, h + k:], (length_B - 1)[:, None],
+                     values_slots_last=values_slots_last)
+    return rotated[:, :h], cache
 
 
 def attend_grouped_kernel(qkv_BNE: jax.Array, cos_BE: jax.Array, sin_BE: jax.Array, prompt_k_PKSE: jax.Array,
