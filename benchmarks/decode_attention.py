@@ -111,6 +111,12 @@ def row(name: str, split: tuple | None, t: float, t_xla: float, floor_s: float |
     return f"| {name} | {programs} | {walk} | {t * 1e6:.1f} | {ratio} | {t_xla / t:.2f}x | {diff:.1e} |"
 
 
+def failed_row(name: str, programs: tuple[int, int], error: Exception) -> str:
+    """The row of a form the compiler refused (registers, shared memory, a shape): the error's first line."""
+    return (f"| {name} | {programs[0]} + {programs[1]} | - | failed: {type(error).__name__}: "
+            f"{str(error).splitlines()[0][:120]} | | | |")
+
+
 def time_split(name: str, args, sets: list[dict], expected, t_xla: float, floor_s: float | None):
     """``(name, seconds a call)`` of podsjax's kernel under split ``name`` (seconds None when the
     compiler refuses it); prints its row."""
@@ -121,8 +127,7 @@ def time_split(name: str, args, sets: list[dict], expected, t_xla: float, floor_
         t = time_calls(kernel_form, sets, args.iters)
         diff = max_abs_diff(jax.jit(kernel_form)(sets[0]), expected)
     except Exception as e:  # noqa: BLE001 - a split the compiler refuses (registers, shared memory) is a row too
-        print(f"| {name} | {split.prefix_programs} + {split.own_programs} | - | failed: "
-              f"{type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |", flush=True)
+        print(failed_row(name, (split.prefix_programs, split.own_programs), e), flush=True)
         return name, None
     finally:
         kernel_variants.restore(saved)
@@ -143,8 +148,7 @@ def time_theirs(choice: str, sets: list[dict], iters: int, expected, t_xla: floa
         t = time_calls(form, own_layout, iters, cache=jax_decode_kernels.CACHE)
         out, (keys, values) = form(own_layout[0])
     except Exception as e:  # noqa: BLE001 - as a split's
-        print(f"| {name} | {pre} + {own} | - | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} "
-              "| | | |", flush=True)
+        print(failed_row(name, (pre, own), e), flush=True)
         return name, None
     diff = max_abs_diff((out, (keys, jnp.swapaxes(values, 2, 3))), expected)
     print(row(name, (pre, own, f"{blocks} x {block}"), t, t_xla, floor_s, diff), flush=True)

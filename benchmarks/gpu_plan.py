@@ -100,21 +100,19 @@ def _under_variant(name: str, x: dict):
 
 
 def attention_call(gpu: str, fn, x: dict, cache: tuple[str, str]) -> dict:
-    """``fn(x)`` compiled for ``gpu`` (its cache donated): kernels, bytes, and its attention kernels' launches."""
+    """``benchmarks.decode_attention``'s timed program of ``fn`` on one input set, compiled for
+    ``gpu``: kernels, bytes, and its attention kernels' launches."""
     placed = jax.sharding.SingleDeviceSharding(topology.compile_only_devices(gpu)[0])
     abstract = {name: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=placed) for name, v in x.items()}
     rest = {name: v for name, v in abstract.items() if name not in cache}
-
-    def call(rest, written):
-        return fn(dict(rest, **dict(zip(cache, written))))
-
+    program = decode_attention.timed_program(fn, cache)
     with tempfile.TemporaryDirectory() as dump:
         options = {**gpu_thunks.dump_options(dump), "xla_backend_optimization_level": 3}
-        compiled = jax.jit(call, donate_argnums=1).lower(rest, tuple(abstract[n] for n in cache)).compile(options)
-        sequence = gpu_thunks.read(dump, "call")
+        compiled = program.lower([rest], [tuple(abstract[n] for n in cache)]).compile(options)
+        sequence = gpu_thunks.read(dump, program.__name__)
         names = re.findall(r"^\s*\d+: kCustomKernel\s.*?\] (\S*(?:grouped_decode|mha_forward)\S*) grid:",
                            sequence, re.M)
-        launches = [gpu_thunks.occupancy(dump, "call", name, gpu) for name in names]
+        launches = [gpu_thunks.occupancy(dump, program.__name__, name, gpu) for name in names]
     cost = hlo_cost.program_cost(compiled.as_text())
     return {"kernels": cost.kernels, "bytes": cost.bytes, "launches": launches}
 
@@ -126,8 +124,9 @@ def print_attention(gpus: list[str]) -> None:
     print("MB: by the optimized HLO, which counts a kernel's operands whole (the kernels read only the written slots)")
     print("| GPU | form | kernels | MB | attention kernel: programs, registers, shared KB, an SM holds, waves |")
     print("|---|---|---:|---:|---|")
+    forms = attention_forms()
     for gpu in gpus:
-        for name, (fn, x, cache) in attention_forms().items():
+        for name, (fn, x, cache) in forms.items():
             jax.clear_caches()  # the kernel traces again under each variant's constants
             r = attention_call(gpu, fn, x, cache)
             kernels = "; ".join(f"{o.programs}, {o.registers}, {o.shared_memory / 1024:.0f}, {o.per_sm}, "
