@@ -16,7 +16,9 @@ The table gives, per run: the wall time from launch to the first finished step
 (seen when its line lands in ``<run>/metrics.jsonl``; the CLI evaluates at step 0
 first, as a user's run does), that step's phases (compiles included), and the
 median steady step (steps 2..K) with its phases from ``time/generation``,
-``time/scoring``, ``time/selection`` and ``time/update``. The CLI's console lines are
+``time/scoring``, ``time/selection`` and ``time/update``. A run is ended once its step K
+lands (its final evaluation and export are not timed), so "wall" is launch to step K.
+The CLI runs with JAX's default preallocation of GPU memory, as a user's run does. The CLI's console lines are
 echoed as they land, each with its time since the launch, and when the params were loaded, the fit check
 started and ended (on a GPU or TPU: where the start lowers its programs and compiles or
 loads them), the step-0 evaluation printed and the first step finished, counted from
@@ -112,30 +114,44 @@ def cli_supports(flag: str) -> bool:
     return flag in build_parser("gsm8k")._option_string_actions
 
 
-def run_cli(command: list[str], out: str, env: dict, tag: str) -> dict:
+def run_cli(command: list[str], out: str, env: dict, tag: str, steps: int) -> dict:
     """Runs the CLI, timestamping each metrics.jsonl step line and each console line as it
     lands, and echoing the console lines as they land (so a run stopped by a time limit
-    still shows where its time went); returns the timings."""
+    still shows where its time went); once ``steps`` step lines have landed it ends the CLI
+    (what a run does after its last step, the final evaluation and export, is timed by
+    nothing here and would hold the device). Returns the timings."""
     shutil.rmtree(out, ignore_errors=True)  # the CLI wants a fresh --out
     metrics, log_path = os.path.join(out, "metrics.jsonl"), out + ".log"
     seen: dict[int, float] = {}  # step -> seconds since launch when its line appeared
     lines: list[tuple[float, str]] = []  # (seconds since launch, console line)
     pending = ""
     start = time.perf_counter()
+
+    def echo(text: str) -> str:  # prints the whole lines of ``text``; returns the unfinished rest
+        now = time.perf_counter() - start
+        *complete, rest = text.split("\n")
+        lines.extend((now, line) for line in complete)
+        for line in complete:
+            print(f"  {tag} [{now:.1f} s] {line.rstrip()}", flush=True)
+        return rest
+
+    ended_here = False
     with open(log_path, "w", encoding="utf-8") as log, open(log_path, encoding="utf-8") as reader:
         child = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             while True:
                 done = child.poll() is not None
-                now = time.perf_counter() - start
                 for record in steps_in(metrics):
-                    seen.setdefault(record["step"], now)
-                pending += reader.read()
-                *complete, pending = pending.split("\n")
-                lines.extend((now, line) for line in complete)
-                for line in complete:
-                    print(f"  {tag} [{now:.1f} s] {line.rstrip()}", flush=True)
+                    seen.setdefault(record["step"], time.perf_counter() - start)
+                pending = echo(pending + reader.read())
                 if done:
+                    break
+                if len(seen) >= steps:  # its reward workers exit when it does
+                    child.kill()
+                    child.wait()
+                    ended_here = True
+                    print(f"  {tag} [{time.perf_counter() - start:.1f} s] step {steps} landed: the CLI is ended here",
+                          flush=True)
                     break
                 time.sleep(POLL_S)
         finally:  # stopped (a time limit's SIGTERM): the CLI goes too, and leaves the device to what runs next
@@ -143,13 +159,14 @@ def run_cli(command: list[str], out: str, env: dict, tag: str) -> dict:
                 print(f"  {tag} [{time.perf_counter() - start:.1f} s] stopped before the CLI ended", flush=True)
                 child.terminate()
                 try:
-                    child.wait(timeout=5)
+                    child.wait(timeout=2)  # within the time limit's 5 s of grace, with the echo below
                 except subprocess.TimeoutExpired:
                     child.kill()
+                echo(pending + reader.read() + "\n")  # what it printed since the last poll, and on its way out
     wall_s = time.perf_counter() - start
     with open(log_path, encoding="utf-8") as f:
         console = f.read()
-    if child.returncode != 0:
+    if child.returncode != 0 and not ended_here:
         raise SystemExit(f"error: the CLI exited with {child.returncode}:\n{' '.join(command)}\n{console[-4000:]}")
     steps = steps_in(metrics)
     if not steps:
@@ -315,7 +332,9 @@ def main(argv=None):
                        *cache_flags, *remat, *args.cli_flags]
             if i == 0:
                 print("command: " + " ".join(command))
-            run = run_cli(command, out, env, f"run {i + 1}")
+            # The CLI as a user runs it: JAX takes its memory up front (the benchmarks share the GPU with torch).
+            env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+            run = run_cli(command, out, env, f"run {i + 1}", args.max_steps)
             print(f"  run {i + 1}: after launch: {timeline(run['lines'])}")
             summaries.append(summarize(run))
             # Each row as its run ends: a time limit that stops a later run keeps the earlier ones.

@@ -1,7 +1,8 @@
 # Sourced by gpu_suite.sh and gpu_check.sh: $OUT made, the GPU's environment, the run extra's
 # wheels from .whl/ when they are there (benchmarks/gpu_wheels.sh), and `stage NAME LIMIT
-# COMMAND...`, which runs a command with a time limit (unless $STAGES names others), logs
-# it to $OUT/NAME.log and times it in $OUT/stages.log.
+# COMMAND...`, which runs a command with a time limit (unless $STAGES names others) and its
+# own XLA flags when $XLA_FLAGS_<NAME> is set, logs it to $OUT/NAME.log and times it in
+# $OUT/stages.log.
 mkdir -p "$OUT"
 PY=${PY:-python3}
 # JAX and CUDA torch share the GPU in one benchmark process: JAX takes memory as it needs it.
@@ -22,10 +23,14 @@ if ! "$PY" -c "import draccus, math_verify, latex2sympy2_extended, pylatexenc, t
 fi
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/stages.log"; }
-stage() {  # name, time limit, command...; $STAGES (names, space-separated), when set, picks the stages run
+selected() { [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" $1 "* ]]; }  # $STAGES (names, space-separated) picks stages
+stage() {  # name, time limit, command...: under XLA_FLAGS_<NAME> when set (e.g. XLA_FLAGS_CLI), else XLA_FLAGS
   local name=$1 limit=$2; shift 2
-  if [ -n "${STAGES:-}" ] && [[ " $STAGES " != *" $name "* ]]; then stamp "skip $name"; return; fi
-  stamp "start $name"
-  timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  if ! selected "$name"; then stamp "skip $name"; return; fi
+  local own="XLA_FLAGS_${name^^}"
+  local flags=${!own-${XLA_FLAGS:-}}
+  # As the stage's python sees them: the benchmarks add the main job's GPU flags that these leave unset.
+  stamp "start $name; XLA_FLAGS=$(XLA_FLAGS="$flags" "$PY" -c 'import benchmarks, os; print(os.environ.get("XLA_FLAGS", ""))')"
+  XLA_FLAGS="$flags" timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
   stamp "end $name rc=$?"
 }
