@@ -313,9 +313,7 @@ def distributed_plan(args) -> tuple[str, int, int] | str | None:
         if not all(v is not None for v in values):
             raise UsageError("multi-host needs all of --coordinator, --num-processes and --process-id "
                              "(or their PODSJAX_* variables)")
-        if processes < 1 or not 0 <= process_id < processes:
-            raise UsageError(f"--process-id must be in 0..{processes - 1} and --num-processes >= 1; "
-                             f"got {process_id} of {processes}")
+        launch_checks.check_processes(coordinator, processes, process_id)
         return None if processes == 1 else (coordinator, processes, process_id)
     for variable, count in _CLUSTERS:
         value = os.environ.get(variable)

@@ -1,4 +1,4 @@
-"""A complete run: one that exported its model and whose budget a resume does not raise; and
+"""A complete run: one that wrote all its exports and whose budget a resume does not raise; and
 the line a stopped run prints to continue it.
 
 ``--resume`` of a complete run has nothing to do: it says so and how to train further, and
@@ -7,6 +7,7 @@ leaves the directory as it is. Imports no JAX.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 
@@ -14,14 +15,26 @@ from experiments import config_decoding
 from experiments.config import ExperimentConfig
 from experiments.usage import CONFIG_FILE
 
-FINAL_MODEL = "final_model"
+FINAL_MODEL, FINAL_ADAPTER, BEST_MODEL = "final_model", "final_adapter", "best_model"  # a run's exports
+EXPORTS = (FINAL_MODEL, FINAL_ADAPTER, BEST_MODEL)
+# Written after a run's last export: a stop in the middle of the exports leaves a run that
+# --resume finishes, not one it calls complete.
+EXPORTED_FILE = "exported.json"
 # A run's budgets: (RunConfig field, its flag, the metrics.jsonl key that counts it down).
 _BUDGETS = (("time_budget_s", "--time-budget", "time/elapsed_train_s"), ("max_steps", "--max-steps", "step"))
 
 
 def is_complete(config: ExperimentConfig, out: str) -> bool:
-    """Whether ``out`` holds a finished run (its ``final_model/``) that ``config`` does not extend."""
-    return os.path.isfile(os.path.join(out, FINAL_MODEL, "config.json")) and not extends(config, out)
+    """Whether ``out`` holds a finished run (every export written) that ``config`` does not extend."""
+    return os.path.isfile(os.path.join(out, EXPORTED_FILE)) and not extends(config, out)
+
+
+def mark_exported(out: str, exports: list[str]) -> None:
+    """Records that the run in ``out`` wrote its last export (``exports``: the folders)."""
+    path = os.path.join(out, EXPORTED_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"exports": exports}, f)
+    os.replace(path + ".tmp", path)
 
 
 def _last_step(out: str) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from experiments import run_dir
+from experiments import completed, run_dir
 from experiments.config import DataSection, ExperimentConfig
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
 
@@ -14,6 +14,8 @@ def check(args, config: ExperimentConfig) -> None:
     """What the config cannot check alone: paths, the task, the run directory."""
     if args.resume and args.overwrite:
         raise UsageError("--resume and --overwrite exclude each other")
+    if args.resume:
+        _check_resumable(args.out)
     if args.no_compile_cache and args.compile_cache_dir is not None:
         raise UsageError("--no-compile-cache and --compile-cache-dir exclude each other")
     if args.topology and not args.dry_run:
@@ -47,6 +49,30 @@ def check(args, config: ExperimentConfig) -> None:
 
         if importlib.util.find_spec("wandb") is None:
             raise UsageError("--log wandb needs the wandb package: pip install 'podsjax[wandb]'")
+
+
+def check_processes(coordinator: str, processes: int, process_id: int) -> None:
+    """A multi-host run's flags, before JAX's client meets them (a bad address crashes or hangs it)."""
+    host, colon, port = coordinator.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--coordinator must be HOST:PORT with a port in 1..65535; got {coordinator!r}")
+    if processes < 1:
+        raise UsageError(f"--num-processes must be >= 1; got {processes}")
+    if not 0 <= process_id < processes:
+        raise UsageError(f"--process-id must be in 0..{processes - 1}; got {process_id}")
+
+
+def _check_resumable(out: str) -> None:
+    """A run whose exports a resume would replace has a checkpoint to continue from: without
+    one the resume would train again from step 0 over them."""
+    folder = os.path.join(out, run_dir.CHECKPOINTS_DIRNAME)
+    steps = [name for name in os.listdir(folder) if name.isdigit()] if os.path.isdir(folder) else []
+    exports = [name for name in (*completed.EXPORTS, "best")  # best/: the best policy's params (podsjax.run.best)
+               if os.path.exists(os.path.join(out, name))]
+    if not steps and exports:
+        raise UsageError(f"--resume: {out} has no checkpoint to continue from, and a resume would train again from "
+                         f"step 0 over its {', '.join(exports)}; pass --overwrite to start the run again, or choose "
+                         "another --out")
 
 
 def _check_model_config(path: str) -> None:

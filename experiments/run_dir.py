@@ -106,7 +106,7 @@ _RUN_LOG = re.compile(r"run(\.\d+)?\.log")
 
 # What a run writes at the top of its directory (tests/experiments/test_overwrite.py checks a
 # real run's against it): --overwrite deletes these and nothing else.
-_RUN_ENTRY = re.compile(r"config\.json|dry_run\.json|(metrics|samples|eval_history)\.jsonl(\.superseded)?"
+_RUN_ENTRY = re.compile(r"config\.json|dry_run\.json|exported\.json|(metrics|samples|eval_history)\.jsonl(\.superseded)?"
                         r"|checkpoints|best|best_model|final_model|final_adapter|tiny_warmup(\.partial-.+)?|wandb"
                         r"|events\.out\.tfevents\..+|" + re.escape(REPLACED_PREFIX) + r".+")
 

@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from experiments import config_decoding, flags, launch_checks, run_dir
+from experiments import completed, config_decoding, flags, launch_checks, run_dir
 from experiments.config import ExperimentConfig
 from experiments.run_setup import (
     _check_rows,
@@ -33,8 +33,8 @@ from podsjax.devices import dry_run as dry_run_lib
 from podsjax.models import peft_io
 from podsjax.run import run_state
 
-ADAPTER_DIRNAME = "final_adapter"
-BEST_MODEL_DIRNAME = "best_model"
+ADAPTER_DIRNAME = completed.FINAL_ADAPTER
+BEST_MODEL_DIRNAME = completed.BEST_MODEL
 
 
 def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
@@ -198,7 +198,7 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
         final_params = params
     else:
         final_params = trainer.state.params
-    export_dir = os.path.join(out_dir, "final_model")
+    export_dir = os.path.join(out_dir, completed.FINAL_MODEL)
     # In the checkpoint's dtype: a bf16 full fine-tune's fp32 master weights are not what was loaded.
     pm.save_pretrained(model, final_params, export_dir, lora=state_lora, dtype=dtype, overwrite=True,
                        tokenizer_from=checkpoint)
@@ -215,6 +215,7 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
         export_dir += (f"\nbest model ({trainer.best.accuracy:.1%} at step {trainer.best.step}; "
                        f"chosen on the eval split): {best_dir}")
     if hosts.is_primary():
+        completed.mark_exported(out_dir, [name for name in completed.EXPORTS if os.path.isdir(os.path.join(out_dir, name))])
         print_summary(config, history, trainer.step, trainer.host.elapsed_train_s,
                       time.time() - start, export_dir)
     return 0

@@ -258,7 +258,11 @@ def warm_up(directory: str | os.PathLike, config: WarmupConfig | None = None, *,
     # Work in a sibling staging directory of this call's own and rename at the end, so a killed
     # warm-up never leaves a directory that looks finished, and two runs that warm up at once
     # (sharing the cache) do not write into each other's.
-    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # e.g. $PODSJAX_WARMUP_CACHE_DIR or $XDG_CACHE_HOME names a file
+        raise WarmupError(f"cannot make the warm-up folder {os.path.dirname(directory)}: a file stands in its "
+                          "path") from None
     _remove_stale_staging(directory)
     owner = f"{socket.gethostname()}.{os.getpid()}."  # who stages, so that a later call knows when it died
     staging = tempfile.mkdtemp(prefix=os.path.basename(directory) + _STAGING + owner, dir=os.path.dirname(directory))

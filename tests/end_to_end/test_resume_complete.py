@@ -20,6 +20,8 @@ def _complete_run(out, *argv):
         (out / name / "config.json").write_text("{}")
     (out / "metrics.jsonl").write_text(json.dumps({"step": 104, "time/elapsed_train_s": 241.0}) + "\n")
     (out / "events.out.tfevents.1").write_bytes(b"x" * 71)
+    (out / "checkpoints" / "104").mkdir(parents=True)
+    (out / "exported.json").write_text(json.dumps({"exports": ["final_model", "best_model"]}))
     return out
 
 
@@ -79,3 +81,27 @@ def test_a_stopped_resume_that_raised_the_budget_says_the_budget_again(tmp_path)
     assert line.endswith(f"--out {out} --resume --time-budget 480 --max-steps 900"), line
     _, same = flags.parse("gsm8k", ["--out", str(out)])
     assert completed.interrupted_line(KeyboardInterrupt(), "gsm8k", str(out), same).endswith("--resume"), line
+
+
+def test_a_run_stopped_during_its_exports_is_resumed_not_called_complete(tmp_path, monkeypatch, capsys):
+    out = _complete_run(tmp_path / "run")
+    (out / "exported.json").unlink()  # final_model/ written, the exports after it not yet
+    started = []
+    monkeypatch.setattr(runner, "run_experiment", lambda config, *args, **kwargs: started.append(config) or 0)
+    assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 0
+    assert len(started) == 1 and "complete run" not in capsys.readouterr().out
+
+
+def test_a_resume_without_a_checkpoint_never_trains_again_over_the_run_s_exports(tmp_path, monkeypatch, capsys):
+    out = _complete_run(tmp_path / "run", "--max-steps", "104")
+    for name in ("checkpoints/104", "checkpoints"):
+        (out / name).rmdir()  # e.g. removed to save disk, keeping the exports
+    before = _snapshot(out)
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **k: pytest.fail("trained again from step 0"))
+    assert cli.main("gsm8k", ["--out", str(out), "--resume", "--max-steps", "200"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no checkpoint to continue from" in err[0] and "final_model, best_model" in err[0], err
+    assert _snapshot(out) == before
+    # Complete and not extended: it says so, as with a checkpoint.
+    assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 0
+    assert "holds a complete run" in capsys.readouterr().out

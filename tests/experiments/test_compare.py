@@ -129,6 +129,7 @@ def test_a_stopped_run_continues_a_complete_one_is_read_or_extended_and_a_change
     # comparison's, whose flags differ).
     os.makedirs(os.path.join(out, "final_model"))
     open(os.path.join(out, "final_model", "config.json"), "w").close()
+    open(os.path.join(out, "exported.json"), "w").close()
     with open(os.path.join(out, "eval_history.jsonl"), "w") as f:
         f.write(json.dumps({"time/elapsed_train_s": 1.0, "eval/accuracy": 0.5}) + "\n")
     with pytest.raises(UsageError, match="was started with --algorithm.learning_rate 0.0002, not 0.5"):

@@ -85,6 +85,9 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     adapter = json.load(open(os.path.join(out, "final_adapter", "adapter_config.json")))  # LoRA: PEFT's format too
     assert (adapter["r"], adapter["base_model_name_or_path"]) == (2, checkpoint)
     assert os.path.isfile(os.path.join(out, "best_model", "config.json")) and "best model (" in first.stdout
+    # Written after the last export: what makes the run complete for --resume.
+    assert json.load(open(os.path.join(out, "exported.json"))) == {"exports": ["final_model", "final_adapter",
+                                                                                "best_model"]}
     assert os.path.isfile(os.path.join(out, "metrics.jsonl"))
     events = read_events(glob.glob(os.path.join(out, "events.out.tfevents.*"))[0])
     histograms = [(e.step, v.tag, v.histo.num) for e in events for v in e.summary.value if v.HasField("histo")]
@@ -143,6 +146,11 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--log", "jsonl,mlflow"], "unknown log backend 'mlflow'"),
     (["--coordinator", "127.0.0.1:1"], "multi-host needs all of --coordinator, --num-processes and --process-id"),
     (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in 0..1"),
+    (["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"], "--num-processes must be >= 1; got 0"),
+    # JAX's client raises from inside, crashes or hangs on these: refused before it starts.
+    *((["--coordinator", address, "--num-processes", "2", "--process-id", "0"],
+       f"--coordinator must be HOST:PORT with a port in 1..65535; got {address!r}")
+      for address in ("notaport", "localhost:abc", "localhost:99999", ":1234", "h:0")),
     (["--coordinator", "h:1", "--num-processes", "3", "--process-id", "0", "--mesh", "8"],
      "--mesh 8 (8 devices) does not split over 3 processes"),
 ])

@@ -254,6 +254,12 @@ def test_warm_up_refuses_a_directory_that_is_not_a_warm_up(tmp_path):
         tiny.warm_up(tmp_path, **SHORT_WARMUP)
 
 
+def test_warm_up_under_a_file_is_one_error_not_an_os_traceback(tmp_path):
+    (tmp_path / "cache").write_text("a file where the cache root should be")  # e.g. XDG_CACHE_HOME
+    with pytest.raises(tiny.WarmupError, match="a file stands in its path"):
+        tiny.warm_up(tmp_path / "cache" / "podsjax" / "gsm8k-seed0", **SHORT_WARMUP)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(steps=0), "steps"),
     (dict(lr=0.0), "lr"),
