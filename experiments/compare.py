@@ -131,7 +131,24 @@ def prepare(argv) -> Comparison:
     baseline = args.baseline or ("grpo" if "grpo" in chosen else next(iter(chosen)))
     if baseline not in chosen:
         raise UsageError(f"--baseline {baseline!r} is not among {sorted(chosen)}")
+    _check_same_comparison(args.out, list(chosen), list(args.seeds))
     return Comparison(args, run_args, shared, chosen, baseline)
+
+
+def _check_same_comparison(out: str, labels: list[str], seeds: list[int]) -> None:
+    """An earlier comparison's summary.json and plot in ``out`` are replaced only by the same
+    comparison's (its methods over its seeds), never by another's."""
+    path = os.path.join(out, "summary.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            earlier = json.load(f)
+        had = ([row["label"] for row in earlier["methods"]], list(earlier["seeds"]))
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or not one that compare wrote
+        return
+    if had != (labels, seeds):
+        raise UsageError(f"--out {out} holds the comparison of {', '.join(had[0])} over seeds "
+                         f"{', '.join(map(str, had[1]))}; this one ({', '.join(labels)} over seeds "
+                         f"{', '.join(map(str, seeds))}) would replace its summary.json and plot: choose another --out")
 
 
 def variants(args, passthrough: list[str], shared: ExperimentConfig) -> dict[str, ExperimentConfig]:
@@ -310,12 +327,23 @@ def report(comparison: Comparison, histories: dict[str, list[list[dict]]]) -> in
     figures = {label: step_figures([os.path.join(args.out, f"{label}-seed{seed}") for seed in args.seeds])
                for label in histories}
     print(format_step_figures(figures))
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump({"baseline": baseline, "seeds": args.seeds, "plot": plot_path,
-                   "methods": [r.__dict__ for r in rows], "steps": figures, "step_speedups": step_speedups},
-                  f, indent=2, default=str)
+    summary = {"baseline": baseline, "seeds": args.seeds, "plot": plot_path,
+               "methods": [r.__dict__ for r in rows], "steps": figures, "step_speedups": step_speedups}
+    with open(os.path.join(args.out, "summary.json"), "w") as f:  # strict JSON: never reached, undefined: null
+        json.dump(_finite(json.loads(json.dumps(summary, default=str))), f, indent=2, allow_nan=False)
     print(f"plot: {plot_path}")
     return 0
+
+
+def _finite(value):
+    """``value`` with every infinite or NaN number as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def speedups_in_steps(by_steps: dict, histories: dict, baseline: str) -> dict[str, dict[str, Any]]:

@@ -130,6 +130,8 @@ class RunConfig:
             raise ValueError(f"RunConfig.eval_temperature must be >= 0 (0 = greedy); got {self.eval_temperature}")
         if self.eval_top_k < 0:
             raise ValueError(f"RunConfig.eval_top_k must be >= 0 (0: off); got {self.eval_top_k}")
+        if self.log_samples < 0:
+            raise ValueError(f"RunConfig.log_samples must be >= 0 (0: none); got {self.log_samples}")
         if self.eval_temperature == 0 and self.eval_repeats > 1:
             raise ValueError(f"RunConfig.eval_repeats {self.eval_repeats} needs eval_temperature > 0: greedy "
                              "decoding repeats the same completions")

@@ -224,7 +224,8 @@ def test_report_plots_three_panels_and_stores_the_speed_up_in_steps(tmp_path, ca
     assert compare.report(compare.Comparison(args, None, None, {}, "grpo"), histories) == 0
     printed = capsys.readouterr().out
     assert "  pods: 2.00x, 4.00x (median 3.00x)" in printed
-    summary = json.load(open(tmp_path / "summary.json"))
+    # Strict JSON, as any reader parses it: never reached or undefined is null, not NaN or Infinity.
+    summary = json.load(open(tmp_path / "summary.json"), parse_constant=lambda name: pytest.fail(name))
     assert summary["step_speedups"]["pods"] == {"steps_to_target": [2, 1], "speedups": [2.0, 4.0], "median": 3.0}
     assert summary["methods"][1]["speedup"] == pytest.approx((40 / 30 + 4) / 2)  # still on the clock
     assert (tmp_path / "accuracy_vs_time.png").read_bytes()[:4] == b"\x89PNG"
@@ -276,3 +277,16 @@ def test_an_out_that_holds_other_files_is_refused_and_an_earlier_comparison_is_n
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds what no comparison wrote (thesis.txt)" in err, err
     assert sorted(os.listdir(out)) == ["n=16-seed0", "pods-seed0", "summary.json", "thesis.txt"]
+
+
+def test_another_comparison_never_replaces_an_earlier_one_s_summary(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    out.mkdir()
+    summary = {"baseline": "grpo", "seeds": [0, 1, 2], "methods": [{"label": "grpo"}, {"label": "pods"}]}
+    (out / "summary.json").write_text(json.dumps(summary))
+    prepare(tmp_path, "--methods", "grpo,pods", "--seeds", "0,1,2")  # the same comparison goes on there
+    for other in (["--ablation", "rule"], ["--seeds", "0"], ["--methods", "pods,grpo-ga"]):
+        assert compare.main(["--out", str(out), *other, "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "holds the comparison of grpo, pods over seeds 0, 1, 2" in err, err
+    assert sorted(os.listdir(out)) == ["summary.json"] and json.loads((out / "summary.json").read_text()) == summary

@@ -147,6 +147,7 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--coordinator", "127.0.0.1:1"], "multi-host needs all of --coordinator, --num-processes and --process-id"),
     (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in 0..1"),
     (["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"], "--num-processes must be >= 1; got 0"),
+    (["--run.log_samples", "-1"], "log_samples must be >= 0 (0: none); got -1"),  # samples[:-1] logged all but one
     # JAX's client raises from inside, crashes or hangs on these: refused before it starts.
     *((["--coordinator", address, "--num-processes", "2", "--process-id", "0"],
        f"--coordinator must be HOST:PORT with a port in 1..65535; got {address!r}")
