@@ -109,6 +109,8 @@ _OWN_ENTRY = re.compile(r"[\w.+=-]+-seed\d+|accuracy_vs_time\.png|summary\.json"
 
 def _check_out(out: str) -> None:
     """--out is new, empty, or an earlier comparison's: it never writes beside other files."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} exists and is not a directory")
     others = sorted(n for n in os.listdir(out) if not _OWN_ENTRY.fullmatch(n)) if os.path.isdir(out) else []
     if others:
         raise UsageError(f"--out {out} holds what no comparison wrote ({run_dir.describe(others)}); "
@@ -339,10 +341,8 @@ def _finite(value):
     """``value`` with every infinite or NaN number as None."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
+    if isinstance(value, (dict, list)):
+        return {k: _finite(v) for k, v in value.items()} if isinstance(value, dict) else [_finite(v) for v in value]
     return value
 
 

@@ -277,6 +277,9 @@ def test_an_out_that_holds_other_files_is_refused_and_an_earlier_comparison_is_n
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds what no comparison wrote (thesis.txt)" in err, err
     assert sorted(os.listdir(out)) == ["n=16-seed0", "pods-seed0", "summary.json", "thesis.txt"]
+    assert compare.main(["--out", str(out / "thesis.txt"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "thesis.txt exists and is not a directory" in err, err
 
 
 def test_another_comparison_never_replaces_an_earlier_one_s_summary(tmp_path, capsys):
