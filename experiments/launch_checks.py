@@ -8,6 +8,7 @@ import os
 from experiments import completed, run_dir
 from experiments.config import DataSection, ExperimentConfig
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
+from podsjax.devices.mesh_spec import parse_mesh_spec  # no JAX
 
 
 def check(args, config: ExperimentConfig) -> None:
@@ -16,6 +17,10 @@ def check(args, config: ExperimentConfig) -> None:
         raise UsageError("--resume and --overwrite exclude each other")
     if args.resume:
         _check_resumable(args.out)
+    if config.model.mesh is not None:  # before a CPU makes the mesh's host devices (100,000 of them, say)
+        sizes = parse_mesh_spec(config.model.mesh, None)
+        check_rows_over(config.run.prompts_per_step * config.algorithm.groups_per_prompt * config.algorithm.n,
+                        sizes["data"] * sizes["fsdp"])  # the batch axes (podsjax.devices.mesh)
     if args.no_compile_cache and args.compile_cache_dir is not None:
         raise UsageError("--no-compile-cache and --compile-cache-dir exclude each other")
     if args.topology and not args.dry_run:
@@ -49,6 +54,13 @@ def check(args, config: ExperimentConfig) -> None:
 
         if importlib.util.find_spec("wandb") is None:
             raise UsageError("--log wandb needs the wandb package: pip install 'podsjax[wandb]'")
+
+
+def check_rows_over(rows: int, shards: int) -> None:
+    """A step's rollout rows split evenly over the mesh's batch shards."""
+    if rows % shards:
+        raise UsageError(f"--prompts-per-step x --n = {rows} rollout rows must divide evenly over the mesh's "
+                         f"{shards} batch shards; change --n, --prompts-per-step or --mesh")
 
 
 def check_processes(coordinator: str, processes: int, process_id: int) -> None:

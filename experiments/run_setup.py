@@ -14,6 +14,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
+from experiments import launch_checks
 from experiments.config import ExperimentConfig
 from experiments.usage import UsageError, mesh_device_count
 from podsjax import models as pm
@@ -232,12 +233,8 @@ def make_rewards(config: ExperimentConfig):
 
 def _check_rows(mesh, algo, run_config) -> None:
     """Rollout rows are split over the mesh's batch shards, and trained rows into micro-batches."""
-    shards = mesh_lib.shard_count(mesh, "batch")
     prompt_rows = rl.prompt_rows(run_config, algo)
-    rows = prompt_rows * algo.n
-    if rows % shards:
-        raise UsageError(f"--prompts-per-step x --n = {rows} rollout rows must divide evenly over the mesh's "
-                         f"{shards} batch shards; change --n, --prompts-per-step or --mesh")
+    launch_checks.check_rows_over(prompt_rows * algo.n, mesh_lib.shard_count(mesh, "batch"))
     trained, steps = prompt_rows * algo.m, algo.steps_per_generation
     if trained % (steps * algo.grad_accum) == 0:
         return

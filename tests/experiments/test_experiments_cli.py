@@ -148,6 +148,9 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id must be in 0..1"),
     (["--coordinator", "h:1", "--num-processes", "0", "--process-id", "0"], "--num-processes must be >= 1; got 0"),
     (["--run.log_samples", "-1"], "log_samples must be >= 0 (0: none); got -1"),  # samples[:-1] logged all but one
+    # Before the CPU makes the host devices: 100,000 of them were killed for memory after 217 s.
+    (["--mesh", "100000"], "512 rollout rows must divide evenly over the mesh's 100000 batch shards"),
+    (["--mesh", "data=3,tensor=2"], "512 rollout rows must divide evenly over the mesh's 3 batch shards"),
     # JAX's client raises from inside, crashes or hangs on these: refused before it starts.
     *((["--coordinator", address, "--num-processes", "2", "--process-id", "0"],
        f"--coordinator must be HOST:PORT with a port in 1..65535; got {address!r}")
