@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from experiments import completed, run_dir
 from experiments.config import DataSection, ExperimentConfig
 from experiments.usage import CONFIG_FILE, DRY_RUN_FILE, UsageError
-from podsjax.devices.mesh_spec import parse_mesh_spec  # no JAX
+from podsjax.devices.mesh_spec import BATCH_AXES, parse_mesh_spec  # no JAX
 
 
 def check(args, config: ExperimentConfig) -> None:
@@ -19,8 +20,9 @@ def check(args, config: ExperimentConfig) -> None:
         _check_resumable(args.out)
     if config.model.mesh is not None:  # before a CPU makes the mesh's host devices (100,000 of them, say)
         sizes = parse_mesh_spec(config.model.mesh, None)
+        # rl.prompt_rows x n, whose module imports JAX
         check_rows_over(config.run.prompts_per_step * config.algorithm.groups_per_prompt * config.algorithm.n,
-                        sizes["data"] * sizes["fsdp"])  # the batch axes (podsjax.devices.mesh)
+                        math.prod(sizes[axis] for axis in BATCH_AXES))
     if args.no_compile_cache and args.compile_cache_dir is not None:
         raise UsageError("--no-compile-cache and --compile-cache-dir exclude each other")
     if args.topology and not args.dry_run:

@@ -33,9 +33,6 @@ from podsjax.devices import dry_run as dry_run_lib
 from podsjax.models import peft_io
 from podsjax.run import run_state
 
-ADAPTER_DIRNAME = completed.FINAL_ADAPTER
-BEST_MODEL_DIRNAME = completed.BEST_MODEL
-
 
 def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, resume: bool, dry_run: bool = False,
                    topology: str | None = None, started_at: float | None = None) -> int:
@@ -203,13 +200,13 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
     pm.save_pretrained(model, final_params, export_dir, lora=state_lora, dtype=dtype, overwrite=True,
                        tokenizer_from=checkpoint)
     if state_lora is not None:  # the adapters alone too, for PEFT users: PeftModel.from_pretrained(base, dir)
-        adapter_dir = os.path.join(out_dir, ADAPTER_DIRNAME)
+        adapter_dir = os.path.join(out_dir, completed.FINAL_ADAPTER)
         peft_io.save_peft_adapter(model, state_lora, adapter_dir, overwrite=True,
                                   base_model_name_or_path=config.model.hub_name or checkpoint)
         export_dir += f" (merged); PEFT adapter: {adapter_dir}"
     best = trainer.best.restore(trainer.state.params) if trainer.best is not None else None
     if best is not None:
-        best_dir = os.path.join(out_dir, BEST_MODEL_DIRNAME)
+        best_dir = os.path.join(out_dir, completed.BEST_MODEL)
         base, lora = (params, best) if lora is not None else (best, None)
         pm.save_pretrained(model, base, best_dir, lora=lora, dtype=dtype, overwrite=True, tokenizer_from=checkpoint)
         export_dir += (f"\nbest model ({trainer.best.accuracy:.1%} at step {trainer.best.step}; "

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from podsjax.devices.mesh_spec import MESH_AXES, parse_mesh_spec  # noqa: F401 - part of this module's API
+from podsjax.devices.mesh_spec import BATCH_AXES, MESH_AXES, parse_mesh_spec  # noqa: F401 - part of this module's API
 
 # The one rules table. A logical name maps to a mesh axis, a tuple of mesh axes, or None
 # (replicated). Weights are sharded FSDP-style over their model width ("embed") and
@@ -33,7 +33,7 @@ from podsjax.devices.mesh_spec import MESH_AXES, parse_mesh_spec  # noqa: F401 -
 # split over both data-parallel axes. "act_embed" is the model width of *activations*:
 # it stays replicated, since sharding it over fsdp would force a gather in every matmul.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
     ("length", None),
     ("cache_slots", None),
     ("vocab", "tensor"),

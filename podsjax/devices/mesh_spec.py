@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")  # the axes a batch of activations splits over
 
 
 def parse_mesh_spec(spec: str | int, num_devices: int | None) -> dict[str, int]:
