@@ -53,17 +53,18 @@ source "$(dirname "$0")/gpu_stages.sh"
 stamp "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null); the caller's XLA_FLAGS=${XLA_FLAGS:-}"
 # decode_triton: the decode stage again, with XLA's Triton GEMMs (autotuned) instead of cuBLAS calls.
 XLA_FLAGS_DECODE_TRITON=${XLA_FLAGS_DECODE_TRITON-"${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_triton_gemm=true"}
+T_KERNEL=${T_KERNEL:-60} T_ATTENTION=${T_ATTENTION:-90} T_DECODE=${T_DECODE:-190} \
+  T_DECODE_TRITON=${T_DECODE_TRITON:-190} T_CLI=${T_CLI:-340}
 limits=0
-for pair in "kernel ${T_KERNEL:-60}" "attention ${T_ATTENTION:-90}" "decode ${T_DECODE:-190}" \
-    "decode_triton ${T_DECODE_TRITON:-190}" "cli ${T_CLI:-340}"; do
+for pair in "kernel $T_KERNEL" "attention $T_ATTENTION" "decode $T_DECODE" "decode_triton $T_DECODE_TRITON" "cli $T_CLI"; do
   set -- $pair
   if selected "$1"; then limits=$(( limits + $2 + 5 )); fi
 done
 stamp "the stages' limits: $limits s in all (a caller's own time limit wants about 30 s more)"
-stage kernel "${T_KERNEL:-60}" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/models/test_decode_kernel.py -k on_a_gpu
+stage kernel "$T_KERNEL" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/models/test_decode_kernel.py -k on_a_gpu
 pick="$OUT/split_for_decoding.txt"
 if selected attention; then rm -f "$pick"; fi  # an earlier sweep's pick must not stand in for this one's
-stage attention "${T_ATTENTION:-90}" "$PY" -m benchmarks.decode_attention --best-to "$pick" ${ATTENTION:-}
+stage attention "$T_ATTENTION" "$PY" -m benchmarks.decode_attention --best-to "$pick" ${ATTENTION:-}
 # The decode and CLI stages run under $KERNEL_VARIANT, else the attention stage's pick, else the plan.
 variant=${KERNEL_VARIANT:-$(cat "$pick" 2>/dev/null || echo "the plan")}
 stamp "kernel variant: $variant"
@@ -73,8 +74,8 @@ decode() {  # stage name, time limit
     --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "/tmp/podsjax-trace-$1" \
     ${DECODE:-} ${STEPS_PER_CHECK:+--steps-per-check $STEPS_PER_CHECK}
 }
-decode decode "${T_DECODE:-190}"
-decode decode_triton "${T_DECODE_TRITON:-190}"
-stage cli "${T_CLI:-340}" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs "${RUNS:-2}" \
+decode decode "$T_DECODE"
+decode decode_triton "$T_DECODE_TRITON"
+stage cli "$T_CLI" "$PY" -m benchmarks.cli_step "${model[@]}" --max-steps 4 --eval-limit 16 --runs "${RUNS:-2}" \
   --kernel-variant "$variant" ${VARIANT:+"--variant-xla-flags=$VARIANT"} ${CLI:+--cli-flags $CLI}
 stamp done
