@@ -78,6 +78,7 @@ def parse(argv):
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: 0,1,2)")
     parser.add_argument("--out", required=True)
     args, passthrough = parser.parse_known_args(argv)
+    args.out = os.path.expanduser(args.out)  # a quoted "~/runs" names the home's folder, not a "~" here
     try:
         args.seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
@@ -87,7 +88,7 @@ def parse(argv):
         raise UsageError(f"--seeds names seed {repeated[0]} twice; each seed is one run")
     if args.methods is not None and args.ablation:
         raise UsageError("--methods and --ablation exclude each other: an ablation sweeps one method's setting")
-    methods = [m.strip() for m in (args.methods or "grpo,pods").split(",") if m.strip()]
+    methods = [m.strip() for m in (args.methods if args.methods is not None else "grpo,pods").split(",") if m.strip()]
     if not methods or set(methods) - set(METHODS):
         raise UsageError(f"--methods must name grpo, grpo-ga or pods; got {args.methods!r}")
     twice = sorted({m for m in methods if methods.count(m) > 1})

@@ -86,8 +86,11 @@ class RewardSection:
             raise ValueError(f"rewards.format_style must be one of {', '.join(FORMAT_STYLES)}; "
                              f"got {self.format_style!r}")
         object.__setattr__(self, "extra", tuple(self.extra))
-        for spec in self.extra:
-            parse_reward(spec)
+        names = [parse_reward(spec)[0] for spec in self.extra]
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:  # both would be scored and summed: one reward counted twice
+            raise ValueError(f"rewards.extra names reward {twice!r} twice; give it once, with its weight "
+                             f"({twice}=WEIGHT)")
 
     def weights(self) -> dict[str, Any]:
         """``podsjax.rewards.default_rewards``' keyword arguments."""

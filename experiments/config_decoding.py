@@ -126,6 +126,30 @@ def _kinds(tp: Any) -> set:
     return set(typing.get_args(tp) if union else (tp,)) - {type(None)}
 
 
+_SCALARS = {int: "a number", float: "a number", str: "text", bool: "true or false"}
+
+
+def _scalar(tp: Any) -> str | None:
+    """What a field of one value takes ("a number", "text"), or None for a list or mapping field."""
+    kinds = _kinds(tp)
+    if not kinds or not kinds <= set(_SCALARS):
+        return None
+    return " or ".join(dict.fromkeys(_SCALARS[kind] for kind in sorted(kinds, key=str)))
+
+
+def _check_shape(value: Any, tp: Any, path: str, where: str | None) -> None:
+    """A list or mapping given where one value belongs (``--n [4]``), or as a list's item
+    (``--eval-k [[1]]``): draccus's own error would name its internals."""
+    items = [arg for kind in _kinds(tp) if typing.get_origin(kind) in (list, tuple)
+             for arg in typing.get_args(kind) if arg is not Ellipsis]
+    if isinstance(value, list) and len(set(items)) == 1:  # a list of one kind: check its items
+        for item in value:
+            _check_shape(item, items[0], f"{path}'s item", where)
+    elif isinstance(value, (list, dict)) and _scalar(tp):
+        raise UsageError(_where(where, f"{path} takes {_scalar(tp)}, not a "
+                                       f"{'mapping' if isinstance(value, dict) else 'list'} ({show_value(value)})"))
+
+
 def _check_values(values: dict[str, Any], where: str | None) -> None:
     """What draccus would take silently or trip over: a boolean where a number belongs (it
     would store true as 1.0), null where a number must be, an integer no field holds, a value
@@ -138,6 +162,7 @@ def _check_values(values: dict[str, Any], where: str | None) -> None:
             path = f"{section}.{name}"
             _check_plain(value, path, where, 2)
             tp = fields_of.get(section, {}).get(name, Any)
+            _check_shape(value, tp, path, where)
             if _kinds(tp) and _kinds(tp) <= {int, float}:
                 if isinstance(value, bool):
                     raise UsageError(_where(where, f"{path} must be a number, not a boolean ({str(value).lower()})"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import yaml
@@ -85,13 +86,24 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node):
+        """A decimal integer (the only kind the resolver below tags as one), leading zeros and all."""
         try:
-            return super().construct_yaml_int(node)
+            return int(self.construct_scalar(node), 10)
         except ValueError:  # past Python's 4300 digits
             return _HugeInt(sum(c.isdigit() for c in node.value))
 
 
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+# Numbers as YAML 1.2 reads them, not PyYAML's YAML 1.1: 010 is ten (not octal eight), and
+# 1:30 (sexagesimal 90), 1_000 or 0b11 are text, which a number field then refuses.
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_INT, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)"
+                       r"|\.(?:nan|NaN|NAN))$"), list("-+.0123456789"))
 # A date is text to a config (a split may be named 2024-01-01), not a datetime draccus cannot take.
 _Loader.add_constructor("tag:yaml.org,2002:timestamp", lambda loader, node: loader.construct_scalar(node))
 

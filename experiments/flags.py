@@ -62,7 +62,8 @@ SHORTCUTS: dict[str, str] = {
     "--warmup-dir": "tiny.warmup_dir", "--warmup-steps": "tiny.warmup_steps",
     "--max-operations": "tiny.max_operations",
 }
-# Shortcuts of list fields: "--log a,b" and "--eval-k 1,4" give the list [a, b] and [1, 4].
+# Shortcuts of list fields: "--log a,b" and "--eval-k 1,4" give the list [a, b] and [1, 4], as
+# "--log [a, b]" and "--eval-k [1, 4]" do.
 LIST_SHORTCUTS = ("run.log", "run.eval_k")
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+(:[\w.-]+)?")
 # What a resumed run may change: how long it goes on, and memory (the same numbers either way).
@@ -140,7 +141,8 @@ def _field_flags(args, rest: list[str]) -> tuple[list[str], dict[str, str]]:
     for flag, field in SHORTCUTS.items():
         value = getattr(args, _dest(flag))
         if value is not None:
-            flags += [f"--{field}", f"[{value}]" if field in LIST_SHORTCUTS else value]
+            listed = field in LIST_SHORTCUTS and not value.lstrip().startswith("[")  # "[1, 4]" is one already
+            flags += [f"--{field}", f"[{value}]" if listed else value]
             names[field] = flag
     if args.full:
         if args.short_lora_rank is not None or any(t.startswith("--model.lora_rank") for t in rest):
@@ -180,6 +182,8 @@ def parse(task: str, argv: list[str] | None,
     ``method`` stands for ``--method`` (a caller that runs several methods on one command
     line, as ``experiments.compare`` does)."""
     args, rest = build_parser(task).parse_known_args(_negative_values(sys.argv[1:] if argv is None else argv))
+    if args.out is not None:
+        args.out = os.path.expanduser(args.out)  # a quoted "~/runs" names the home's folder, not a "~" here
     method_given = method is not None or args.method is not None
     if method is not None:
         if method not in METHODS:
@@ -195,7 +199,7 @@ def parse(task: str, argv: list[str] | None,
         if args.out is not None and os.path.normpath(args.out) != os.path.normpath(given["run.out_dir"]):
             raise UsageError(f"--out {args.out} and --run.out_dir {given['run.out_dir']} name two run directories; "
                              "pass one")
-        args.out = given["run.out_dir"]
+        args.out = os.path.expanduser(given["run.out_dir"])
     file_values = _read_file(args.config) if args.config else {}
     if args.resume and _goes_on(args):
         args.field_flags = _resumed_flags(task, args, flags, given, file_values, method_given)
@@ -398,6 +402,8 @@ def _rewards(specs: list[str], rewards: dict[str, Any]) -> dict[str, Any]:
         except ValueError as exc:
             raise UsageError(f"--reward {spec}: {exc}") from None
         if name in TASK_REWARD_NAMES:
+            if name in fields:  # the last would win unseen
+                raise UsageError(f"--reward {name} is given twice; give it once, with its weight ({name}=WEIGHT)")
             fields[name] = weight
         else:
             extra.append(spec)

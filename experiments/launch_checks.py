@@ -129,6 +129,7 @@ def check_out(args) -> None:
         raise UsageError("--out is empty; name the run directory")
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} exists and is not a directory")
+    _check_writable(out)
     if args.resume and not has_run(out):
         raise UsageError(f"--resume: {out} holds no run to resume (no config.json of a run)")
     if args.dry_run and run_dir.foreign_dry_run_file(out):
@@ -144,6 +145,17 @@ def check_out(args) -> None:
             raise UsageError(f"--out {out} is not empty and holds no podsjax run (no config.json of a run); "
                              "choose a new or empty directory")
         raise UsageError(f"--out {out} is not empty; pass --resume to continue it or --overwrite to replace it")
+
+
+def _check_writable(out: str) -> None:
+    """``out``, or the folder it would be made in, is writable: said before a model loads, not after."""
+    here = os.path.abspath(out)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    if os.path.exists(here) and not os.path.isdir(here):
+        raise UsageError(f"--out {out}: {here} is a file, so the run directory cannot be made under it")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write --out {out}: {here} is not writable")
 
 
 def _refuse_if_in_use(out: str) -> None:

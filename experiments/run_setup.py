@@ -135,6 +135,27 @@ def _warmup_dir(settings, out_dir: str) -> str:
         return in_run
     return warmup_cache.cache_dir(settings)
 
+def check_sizes(config: ExperimentConfig) -> None:
+    """Prompt + completion within the checkpoint's positions, from its config.json (or the
+    tiny preset's model) before any weight is read; and the tiny preset's training set
+    against a step's prompts before it warms up (a checkpoint's is checked once it loads)."""
+    if config.model.path is None:
+        from podsjax.rl import prompt_source
+        from podsjax.tiny import build, problems
+
+        prompt_source.check_step_size(problems.TRAIN_PROBLEMS, config.run.prompts_per_step)
+        limit, model = build.TINY_MODEL.max_position_embeddings, "the tiny preset's model"
+    else:
+        try:
+            limit, model = pm.from_hf_config(config.model.path).max_position_embeddings, f"--model {config.model.path}"
+        except (OSError, ValueError):
+            return  # the model's own load reports what is wrong with its config.json
+    try:
+        config.run.check_positions(limit, model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _check_vocab(tokenizer, path: str) -> None:
     """The tokenizer's ids against the model's vocabulary, from config.json before any weight is read."""
     try:

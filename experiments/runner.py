@@ -20,6 +20,7 @@ from experiments.run_setup import (
     _load_tasks,
     _mesh,
     _tiny,
+    check_sizes,
     check_reward_imports,
     make_rewards,
 )
@@ -31,6 +32,7 @@ from podsjax.data import prompts
 from podsjax.devices import compilation, hosts
 from podsjax.devices import dry_run as dry_run_lib
 from podsjax.models import peft_io
+from podsjax.rl import prompt_source
 from podsjax.run import run_state
 
 
@@ -49,11 +51,13 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     # Every check that needs no model comes before anything is written to out_dir, so a
     # corrected rerun is not refused as "not empty".
     _check_rows(mesh, config.algorithm, config.run)
+    check_sizes(config)
     check_reward_imports(config)
     make_rewards(config)
     tasks = tokenizer = model_load = None
     if tokenizer_load is not None:
         tasks = _load_tasks(config)  # a bad data file is refused before any weight is read
+        prompt_source.check_step_size(len(tasks[0]), config.run.prompts_per_step)
     if tokenizer_load is not None and hosts.count() == 1:
         # The weights load while transformers imports (one process: on several, loading
         # gathers across processes, which must not race the checks' barriers).

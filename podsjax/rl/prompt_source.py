@@ -30,6 +30,19 @@ class DataStream:
         return out
 
 
+def check_step_size(examples: int, wanted: int) -> None:
+    """A step's ``wanted`` prompts are different examples: a training set of fewer would put
+    some into one step twice, each as its own group.
+
+    Raises:
+        PromptError: ``wanted`` is more than ``examples``.
+    """
+    if wanted > examples:
+        raise prompts_lib.PromptError(
+            f"prompts_per_step {wanted} is more than the training set's {examples} examples, so one step would "
+            "draw some of them twice; lower --prompts-per-step or train on more examples")
+
+
 class PromptSource:
     """Templates and tokenizes questions as every step and evaluation feeds them, and draws
     each step's prompts from a :class:`DataStream`.
@@ -97,6 +110,7 @@ class PromptSource:
             PromptError: as :meth:`draw`.
         """
         stream = self.stream
+        check_step_size(len(stream.examples), wanted)
         self.stream = DataStream(stream.examples, stream.seed, stream.position)
         try:
             self.draw(wanted)

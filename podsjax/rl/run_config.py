@@ -12,6 +12,10 @@ from podsjax.run import log_backends
 # XLA's compiler aborted the whole process instead of raising.
 MAX_SEQUENCE = 2**20
 
+# Reward-scoring processes a run may start: scoring is CPU work, and past the host's cores more
+# processes only take memory (each imports the graders); 100,000 of them would take the host down.
+MAX_REWARD_WORKERS = 256
+
 # eval_metric -> the reward-breakdown entries whose product scores one completion.
 # "accuracy_and_format" is the Llama runs' "answer and format both correct" (the authors'
 # both_acc): the task's accuracy times the authors' strict format check.
@@ -110,6 +114,9 @@ class RunConfig:
                      "compile_threads", "eval_batch_size", "reward_workers", "eval_limit", "checkpoint_every_steps", "keep_last"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
+        if self.reward_workers > MAX_REWARD_WORKERS:
+            raise ValueError(f"RunConfig.reward_workers must be at most {MAX_REWARD_WORKERS} (scoring is CPU work: "
+                             f"one process a core is enough); got {self.reward_workers}")
         if self.eval_repeats < 1:
             raise ValueError(f"RunConfig.eval_repeats must be >= 1; got {self.eval_repeats}")
         if self.max_prompt_length + self.max_new_tokens > MAX_SEQUENCE:  # past it XLA aborts the process
@@ -140,3 +147,16 @@ class RunConfig:
                              f"got {self.eval_metric!r}")
         if not self.progress_every_s >= 0:
             raise ValueError(f"RunConfig.progress_every_s must be >= 0; got {self.progress_every_s}")
+
+    def check_positions(self, max_position_embeddings: int, model: str = "the model") -> None:
+        """A prompt and its completion fit the positions ``model`` was trained on (its config's
+        ``max_position_embeddings``): RoPE past them computes, but on angles the model never saw.
+
+        Raises:
+            ValueError: ``max_prompt_length + max_new_tokens`` is more.
+        """
+        total = self.max_prompt_length + self.max_new_tokens
+        if total > max_position_embeddings:
+            raise ValueError(f"max_prompt_length {self.max_prompt_length} + max_new_tokens {self.max_new_tokens} = "
+                             f"{total} tokens is more than {model}'s max_position_embeddings "
+                             f"{max_position_embeddings}; lower --max-prompt-length or --max-completion-length")

@@ -63,6 +63,7 @@ class Trainer:
                  algo: algorithms.AlgorithmConfig, run_config: RunConfig, lora: LoraConfig | None = None, rewards=None,
                  log: Callable[[str], None] | None = None, started_at: float | None = None, *,
                  generator: sampling.Generator | None = None, scorer=None, evaluator=None, update=None, hooks=()):
+        run_config.check_positions(model.config.max_position_embeddings)
         self.model, self.tokenizer = model, tokenizer
         self.algo, self.run_config, self.lora_config = algo, run_config, lora
         self.rewards = rewards_lib.as_weighted(rewards or rewards_lib.default_rewards(run_config.task))

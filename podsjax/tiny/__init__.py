@@ -23,6 +23,7 @@ from podsjax.tiny.problems import (
     MAX_TEST_PROBLEMS,
     TASKS,
     TEST_PROBLEMS,
+    TRAIN_PROBLEMS,
     TEMPLATES,
     TinyTasks,
     check_task,
@@ -47,7 +48,7 @@ from podsjax.tiny.warmup import (
 
 __all__ = [
     "CHATML_TEMPLATE", "MARKER_FILE", "MAX_OPERATIONS", "MAX_TEST_PROBLEMS", "TASKS", "TEMPLATES", "TEST_PROBLEMS",
-    "TINY_MODEL", "TinyTasks",
+    "TINY_MODEL", "TRAIN_PROBLEMS", "TinyTasks",
     "WARMUP_DIRNAME", "WarmupConfig", "WarmupError", "WarmupStats", "build_tiny_checkpoint", "build_tokenizer",
     "check_task", "evaluate_greedy", "generate_problems", "iter_problems", "load_cached", "make_splits",
     "sft_completion", "split_of", "tiny_model", "tiny_tasks", "warm_up", "worked_steps",

@@ -236,12 +236,13 @@ class TinyTasks:
 
 # The test problems the RL loop evaluates on unless --eval-limit asks for more.
 TEST_PROBLEMS = 256
+TRAIN_PROBLEMS = 2000  # the RL loop's training problems (it cycles through them)
 # The most a test split holds, whatever is asked: 16x the default, far past where an
 # evaluation's interval stops narrowing for the comparisons run here.
 MAX_TEST_PROBLEMS = 4096
 
 
-def make_splits(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, num_validation: int = 128,
+def make_splits(seed: int = 0, *, task: str = "gsm8k", num_train: int = TRAIN_PROBLEMS, num_validation: int = 128,
                 num_test: int = TEST_PROBLEMS, max_operations: int | None = None) -> TinyTasks:
     """Builds the train / validation / test splits of a data seed.
 
@@ -257,7 +258,7 @@ def make_splits(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, nu
                                             ("test", num_test))))
 
 
-def tiny_tasks(seed: int = 0, *, task: str = "gsm8k", num_train: int = 2000, num_test: int = TEST_PROBLEMS,
+def tiny_tasks(seed: int = 0, *, task: str = "gsm8k", num_train: int = TRAIN_PROBLEMS, num_test: int = TEST_PROBLEMS,
                max_operations: int | None = None) -> tuple[list[Example], list[Example]]:
     """(train, test) examples for the RL loop on the tiny preset.
 

@@ -1,0 +1,168 @@
+"""A flag's or a config file's value means what it reads as, or is one line naming the field.
+
+Numbers are read as YAML 1.2 reads them (``010`` is ten, ``1:30`` is not a number), a list
+where one value belongs is refused by name, the list shortcuts take both of their spellings,
+and a run that would train the same thing twice, start thousands of processes or write
+where it cannot is refused before anything starts.
+"""
+
+import json
+import types
+
+import pytest
+
+from experiments import cli, compare, flags, run_setup, runner
+from experiments.usage import UsageError
+from podsjax.data import prompts as prompts_lib
+from podsjax.rl import prompt_source
+from podsjax.rl.run_config import MAX_REWARD_WORKERS, RunConfig
+from podsjax.rl.trainer import Trainer
+
+
+@pytest.fixture
+def one_line(capsys, monkeypatch):
+    """cli.main on ``argv`` exits with status 2 and one line on stderr, starting no run; returns the line."""
+    def never(*args, **kwargs):
+        raise AssertionError("the command started a run")
+
+    monkeypatch.setattr(runner, "run_experiment", never)
+
+    def main(argv, out):
+        assert cli.main("gsm8k", [*argv, "--out", str(out), "--no-compile-cache"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: "), err
+        assert not out.exists()
+        return err
+
+    return main
+
+
+def _config(tmp_path, text: str) -> list[str]:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return ["--config", str(path)]
+
+
+@pytest.mark.parametrize("source", [["--n", "010"], ["--n", "+10"], "algorithm: {n: 010}\n"])
+def test_an_integer_with_leading_zeros_is_decimal(tmp_path, source):
+    # YAML 1.1 (PyYAML's) read 010 as octal: --n 010 trained 8 rollouts a prompt.
+    argv = _config(tmp_path, source) if isinstance(source, str) else source
+    assert flags.parse("gsm8k", argv)[1].algorithm.n == 10
+
+
+@pytest.mark.parametrize("text", ["1:30", "0x10", "0b11"])
+def test_a_number_yaml_1_1_would_read_otherwise_is_refused(tmp_path, one_line, text):
+    # 1:30 was sexagesimal 90; 0x10 and 0b11 were 16 and 3.
+    err = one_line(["--n", text], tmp_path / "never")
+    assert "algorithm.n" in err and repr(text) in err, err
+
+
+@pytest.mark.parametrize("text,value", [("1e-5", 1e-5), ("2.5E-6", 2.5e-6), (".5", 0.5), ("3", 3.0)])
+def test_floats_read_as_written(text, value):
+    assert flags.parse("gsm8k", ["--lr", text])[1].algorithm.learning_rate == value
+
+
+def test_a_text_field_keeps_digits_as_written():
+    assert flags.parse("gsm8k", ["--system-prompt", "010"])[1].run.system_prompt == "010"
+
+
+@pytest.mark.parametrize("source,message", [
+    (["--n", "[4]"], "algorithm.n takes a number, not a list ([4])"),
+    (["--n", "{a: 1}"], 'algorithm.n takes a number, not a mapping ({"a": 1})'),
+    ("algorithm: {n: [4]}\n", "algorithm.n takes a number, not a list ([4])"),
+    (["--run.progress", "[true]"], "run.progress takes true or false, not a list ([true])"),
+    (["--eval-k", "[[1]]"], "run.eval_k's item takes a number, not a list ([1])"),
+    (["--log", "[[jsonl]]"], 'run.log\'s item takes text, not a list (["jsonl"])'),
+])
+def test_a_list_where_one_value_belongs_is_one_line_naming_the_field(tmp_path, one_line, source, message):
+    # draccus had said "decode_int() missing 1 required positional argument: 'path'".
+    argv = _config(tmp_path, source) if isinstance(source, str) else source
+    err = one_line(argv, tmp_path / "never")
+    assert message in err and "decode_int" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["--eval-k", "1,4"], ["--eval-k", "[1, 4]"], ["--run.eval_k", "[1,4]"]])
+def test_the_list_shortcuts_take_the_list_syntax_too(argv):
+    run = flags.parse("gsm8k", [*argv, "--eval-repeats", "4", "--eval-temperature", "0.9"])[1].run
+    assert run.eval_k == (1, 4)
+
+
+@pytest.mark.parametrize("value", ["jsonl", "[jsonl]", " [jsonl] "])
+def test_log_takes_one_backend_in_either_spelling(value):
+    assert flags.parse("gsm8k", ["--log", value])[1].run.log == ("jsonl",)
+
+
+@pytest.mark.parametrize("rewards,message", [
+    (["format=0", "format=1"], "--reward format is given twice"),
+    (["my_rewards:brevity", "my_rewards:brevity=2"], "rewards.extra names reward 'my_rewards:brevity' twice"),
+])
+def test_a_reward_given_twice_is_refused(tmp_path, one_line, rewards, message):
+    # The task's own kept the last weight unseen; an extra one was scored twice and summed.
+    err = one_line([arg for spec in rewards for arg in ("--reward", spec)], tmp_path / "never")
+    assert message in err, err
+
+
+def test_reward_workers_are_capped(tmp_path, one_line):
+    err = one_line(["--reward-workers", "100000"], tmp_path / "never")
+    assert f"reward_workers must be at most {MAX_REWARD_WORKERS}" in err, err
+    assert flags.parse("gsm8k", ["--reward-workers", str(MAX_REWARD_WORKERS)])[1].run.reward_workers == 256
+
+
+def test_a_quoted_home_in_out_names_the_home(tmp_path, monkeypatch):
+    # '~/runs/x' quoted had made a folder named "~" in the working directory.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert flags.parse("gsm8k", ["--out", "~/runs/x"])[0].out == str(tmp_path / "runs" / "x")
+    assert flags.parse("gsm8k", ["--run.out_dir", "~/runs/y"])[0].out == str(tmp_path / "runs" / "y")
+    assert compare.parse(["--out", "~/cmp"])[0].out == str(tmp_path / "cmp")
+
+
+def test_compare_refuses_an_empty_method_list():
+    # It had run the default methods.
+    with pytest.raises(UsageError, match="--methods must name grpo, grpo-ga or pods; got ''"):
+        compare.parse(["--out", "x", "--methods", ""])
+
+
+def test_an_out_under_a_file_is_one_line_before_anything_loads(tmp_path, one_line):
+    (tmp_path / "f").write_text("")
+    err = one_line(["--max-steps", "1"], tmp_path / "f" / "run")
+    assert f"{tmp_path / 'f'} is a file, so the run directory cannot be made under it" in err, err
+
+
+def test_a_step_of_more_prompts_than_the_training_set_is_refused():
+    # The endless shuffle had put some examples into one step twice, each as its own group.
+    prompt_source.check_step_size(3, 3)
+    tiny = flags.parse("gsm8k", ["--prompts-per-step", "2048", "--max-steps", "1"])[1]
+    with pytest.raises(prompts_lib.PromptError, match="more than the training set's 2000 examples"):
+        run_setup.check_sizes(tiny)  # before the tiny preset warms up
+    with pytest.raises(prompts_lib.PromptError, match="prompts_per_step 4 is more than the training set's 3"):
+        prompt_source.check_step_size(3, 4)
+    stream = prompt_source.DataStream(["a", "b", "c"], seed=0)
+    source = prompt_source.PromptSource(None, stream, max_prompt_length=8, system_prompt=None, log=print)
+    with pytest.raises(prompts_lib.PromptError, match="prompts_per_step 4"):
+        source.check_next(4)
+
+
+def test_prompt_and_completion_past_the_model_s_positions_are_refused(tmp_path):
+    run = RunConfig(out_dir=str(tmp_path), max_steps=1, max_prompt_length=512, max_new_tokens=512)
+    run.check_positions(1024)
+    with pytest.raises(ValueError, match="512 \\+ max_new_tokens 512 = 1024 tokens is more than the model's "
+                                         "max_position_embeddings 1000"):
+        run.check_positions(1000)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=1000))
+    with pytest.raises(ValueError, match="max_position_embeddings 1000"):  # the library's own runs too
+        Trainer(model, None, None, [], [], None, run)
+
+
+def test_the_cli_checks_positions_from_the_checkpoint_s_config(tmp_path):
+    from podsjax.tiny import build
+
+    checkpoint = tmp_path / "model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(build.tiny_model(max_position_embeddings=600).to_hf_dict()))
+    config = flags.parse("gsm8k", ["--model", str(checkpoint), "--max-steps", "1", "--max-prompt-length", "512",
+                                   "--max-completion-length", "128"])[1]
+    with pytest.raises(UsageError, match=f"--model {checkpoint}'s max_position_embeddings 600"):
+        run_setup.check_sizes(config)
+    tiny = flags.parse("gsm8k", ["--max-completion-length", "2000", "--max-steps", "1"])[1]
+    with pytest.raises(UsageError, match="the tiny preset's model's max_position_embeddings 1024"):
+        run_setup.check_sizes(tiny)
