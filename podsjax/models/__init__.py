@@ -14,7 +14,8 @@ Example:
 from podsjax.models.cache import KVCache, cache_shardings, decode_step, init_cache, prefill
 from podsjax.models.model_config import (CHECKPOINT_SHAPES, SUPPORTED_ARCHITECTURES, Llama3RopeScaling, ModelConfig, from_hf_config, checkpoint_shape)
 from podsjax.models.decoder import REMAT_POLICIES, Decoder, DecoderOutput
-from podsjax.models.hf_io import CheckpointError, from_pretrained, load_params, save_pretrained, tensor_specs
+from podsjax.models.hf_export import save_pretrained
+from podsjax.models.hf_io import CheckpointError, from_pretrained, load_params, tensor_specs
 from podsjax.models.lora import DEFAULT_TARGETS, LoraConfig, LoraParams, init_lora, lora_logical_axes, merge_lora
 from podsjax.models.params import abstract_params, init_params, param_logical_axes, param_shardings
 from podsjax.models.peft_io import save_peft_adapter

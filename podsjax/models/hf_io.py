@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints <-> podsjax params: load (sharded) and export (LoRA merged).
+"""Hugging Face checkpoints -> podsjax params, loaded sharded (the export: ``podsjax.models.hf_export``).
 
 HF stores ``nn.Linear`` weights as ``[out, in]``, one tensor per layer; podsjax kernels are
 ``in_shape + out_shape`` with heads as their own axis, stacked over the layers. Every kernel is
@@ -16,7 +16,6 @@ import glob
 import json
 import math
 import os
-import shutil
 from typing import Any
 
 import jax
@@ -26,17 +25,12 @@ from jax.sharding import Mesh
 
 from podsjax.devices import mesh as mesh_lib
 from podsjax.models.decoder import Decoder
-from podsjax.models.lora import LoraParams, merged_kernel
 from podsjax.models.model_config import CheckpointError, from_hf_config
 from podsjax.models.params import abstract_params, check_float_dtypes, param_logical_axes
-from podsjax.models.safetensors_io import SafetensorsFile, write_safetensors
+from podsjax.models.safetensors_io import SafetensorsFile
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Files copied by save_pretrained(tokenizer_from=...) so the export is servable as is.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
 # Params are floating point; an integer tensor of the right byte size would load as garbage.
 PARAM_DTYPES = ("F16", "BF16", "F32", "F64")
 
@@ -331,14 +325,6 @@ def from_pretrained(
     return model, load_params(path, model, mesh)
 
 
-def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
-    for part in path:
-        if not isinstance(tree, dict) or part not in tree:
-            return None
-        tree = tree[part]
-    return tree
-
-
 def to_host(x: jax.Array) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils  # collective: every process calls it
@@ -356,95 +342,3 @@ def non_finite_leaves(tree: Any) -> list[str]:
     """Param paths holding a NaN or inf (one on-device reduction per tensor)."""
     flags = jax.tree_util.tree_flatten_with_path(jax.device_get(_all_finite(tree)))[0]
     return ["/".join(str(getattr(k, "key", k)) for k in path) for path, ok in flags if not ok]
-
-
-def save_pretrained(
-    model: Decoder,
-    params: dict[str, Any],
-    path: str | os.PathLike,
-    lora: LoraParams | None = None,
-    *,
-    overwrite: bool = False,
-    dtype: Any = None,
-    max_shard_bytes: int = 5 * 2**30,
-    tokenizer_from: str | os.PathLike | None = None,
-) -> None:
-    """Writes config.json + safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
-
-    Args:
-        model: the decoder.
-        params: its params (may be sharded; gathered one tensor at a time).
-        path: output directory.
-        lora: adapters to merge into the exported kernels (one kernel at a time).
-        overwrite: allow writing into a non-empty directory (old weights are removed).
-        dtype: export dtype; defaults to each param's own dtype.
-        max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` + index above this.
-        tokenizer_from: a checkpoint dir whose tokenizer / generation files are copied.
-
-    Raises:
-        FileExistsError: ``path`` is a non-empty directory and ``overwrite`` is False.
-        CheckpointError: ``params`` lack tensors the model config needs, or hold NaN / inf.
-    """
-    path = os.fspath(path)
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not overwrite:
-        raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to write into it")
-    specs = tensor_specs(model)
-    missing = [s.hf_name + " <- " + "/".join(s.path) for s in specs if _lookup(params, s.path) is None]
-    if missing:
-        raise CheckpointError(f"params lack {len(missing)} tensors: " + ", ".join(missing))
-    bad = non_finite_leaves(params) + ([] if lora is None else ["lora/" + n for n in non_finite_leaves(lora.weights)])
-    if bad:
-        raise CheckpointError(f"refusing to export non-finite weights (NaN or inf) in {len(bad)} tensors: "
-                              + ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else ""))
-    writer = jax.process_index() == 0
-    out_dtype = None if dtype is None else np.dtype(dtype)
-
-    def produce(spec: TensorSpec):
-        def run() -> np.ndarray:
-            leaf = _lookup(params, spec.path)
-            ab = _lookup(lora.weights, spec.path[:-1]) if lora is not None and spec.path[-1] == "kernel" else None
-            if spec.layer is not None:  # one layer at a time, so the export never holds a merged stack
-                leaf = leaf[spec.layer]
-                ab = None if ab is None else jax.tree.map(lambda x: x[spec.layer], ab)
-            if ab is not None:
-                leaf = merged_kernel(leaf, ab, lora.scale)
-            host = spec.to_hf(to_host(leaf))
-            return host.astype(out_dtype or host.dtype, copy=False)
-        return run
-
-    def entry_dtype(spec: TensorSpec):
-        return out_dtype or np.dtype(_lookup(params, spec.path).dtype)
-
-    entries = [(s.hf_name, s.hf_shape, entry_dtype(s), produce(s)) for s in specs]
-    shards: list[list[Any]] = [[]]
-    shard_bytes = 0
-    for entry in entries:
-        nbytes = math.prod(entry[1]) * entry[2].itemsize
-        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(entry)
-        shard_bytes += nbytes
-    if not writer:  # other processes only join the gathers
-        for entry in entries:
-            entry[3]()
-        return
-    os.makedirs(path, exist_ok=True)
-    for old in glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, INDEX_FILE)):
-        os.remove(old)  # stale shards of an earlier export would shadow the new weights
-    names = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    total = sum(write_safetensors(os.path.join(path, name), shard) for name, shard in zip(names, shards, strict=True))
-    if len(shards) > 1:
-        weight_map = {entry[0]: name for name, shard in zip(names, shards, strict=True) for entry in shard}
-        with open(os.path.join(path, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    dtypes = {np.dtype(e[2]).name for e in entries}
-    dtype_name = "bfloat16" if "bfloat16" in dtypes else "float16" if "float16" in dtypes else "float32"
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf_dict(dtype_name), f, indent=2)
-    if tokenizer_from is not None:
-        for name in TOKENIZER_FILES:
-            source = os.path.join(os.fspath(tokenizer_from), name)
-            if os.path.isfile(source):
-                shutil.copyfile(source, os.path.join(path, name))

@@ -55,6 +55,8 @@ class LoraConfig:
             raise ValueError(f"LoRA rank must be a positive integer, got {self.rank!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < float("inf"):
             raise ValueError(f"LoRA alpha must be a finite number > 0, got {self.alpha!r}")
+        if isinstance(self.targets, str) or not isinstance(self.targets, (tuple, list)):  # "qkv": q, k and v
+            raise ValueError(f"LoRA targets must be a list of projection names {DEFAULT_TARGETS}, got {self.targets!r}")
         unknown = set(self.targets) - set(PROJECTION_LOGICAL_AXES)
         if unknown or not self.targets:
             raise ValueError(f"LoRA targets must be a non-empty subset of {DEFAULT_TARGETS}, got {self.targets}")
@@ -95,6 +97,33 @@ def lora_shapes(config, lora_config: LoraConfig) -> dict[str, Any]:
             (y, r) + out_shape, ("layers", "lora_rank") + out_names,
         )
     return out
+
+
+def check_lora_fits(model, lora: Any) -> None:
+    """``lora`` adapts ``model``: a :class:`LoraParams` whose every A and B has the shape that
+    ``model``'s config gives it (at its rank, on its projections).
+
+    Raises:
+        ValueError: ``lora`` is no LoraParams, or one made for another model config.
+    """
+    if not isinstance(lora, LoraParams):
+        raise ValueError(f"lora must be the LoraParams that init_lora makes (weights and scale); "
+                         f"got {type(lora).__name__}")
+    found = {tuple(str(getattr(k, "key", k)) for k in path): tuple(getattr(leaf, "shape", ()))
+             for path, leaf in jax.tree_util.tree_flatten_with_path(lora.weights)[0]}
+    rank = next((shape[-1] for path, shape in found.items() if path[-1] == "a" and shape), None)
+    targets = tuple(dict.fromkeys(path[2] for path in found if len(path) == 4 and path[0] == "layers"))
+    try:
+        expected = lora_shapes(model.config, LoraConfig(rank=rank, targets=targets))
+    except ValueError:
+        raise ValueError(f"lora holds no adapters of this model's projections {DEFAULT_TARGETS} "
+                         f"(its leaves: {', '.join('/'.join(p) for p in list(found)[:4]) or 'none'})") from None
+    want = {path + (name,): shape for path, (a, _, b, _) in expected.items() for name, shape in (("a", a), ("b", b))}
+    for path in sorted(set(want) | set(found)):
+        if want.get(path) != found.get(path):
+            raise ValueError(f"lora does not fit this model: {'/'.join(path)} is {found.get(path, 'missing')}, the "
+                             f"model's config gives {want.get(path, 'no such adapter')}; was it made for another "
+                             "model config?")
 
 
 def init_lora(rng: jax.Array, model, lora_config: LoraConfig, dtype=jnp.float32, mesh=None) -> LoraParams:

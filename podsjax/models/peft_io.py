@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from podsjax.models.hf_io import CheckpointError, non_finite_leaves, to_host, tensor_specs
-from podsjax.models.lora import LoraParams
+from podsjax.models.lora import LoraParams, check_lora_fits
 from podsjax.models.safetensors_io import write_safetensors
 
 CONFIG_FILE = "adapter_config.json"
@@ -50,6 +50,7 @@ def save_peft_adapter(model, lora: LoraParams, path: str | os.PathLike, *,
     path = os.fspath(path)
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)) and not overwrite:
         raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True to write into it")
+    check_lora_fits(model, lora)
     bad = non_finite_leaves(lora.weights)
     if bad:
         raise CheckpointError(f"refusing to export non-finite LoRA weights (NaN or inf) in {len(bad)} tensors: "
@@ -88,7 +89,16 @@ def save_peft_adapter(model, lora: LoraParams, path: str | os.PathLike, *,
             entry[3]()
         return config["target_modules"]
     os.makedirs(path, exist_ok=True)
-    write_safetensors(os.path.join(path, WEIGHTS_FILE), entries, metadata={"format": "pt"})
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(config, f, indent=2)
+    # Both files written aside, then moved over the old ones: a failure while writing keeps the old adapter.
+    staged = {name: os.path.join(path, f".{name}.partial") for name in (WEIGHTS_FILE, CONFIG_FILE)}
+    try:
+        write_safetensors(staged[WEIGHTS_FILE], entries, metadata={"format": "pt"})
+        with open(staged[CONFIG_FILE], "w") as f:
+            json.dump(config, f, indent=2)
+        for name, partial in staged.items():
+            os.replace(partial, os.path.join(path, name))
+    finally:
+        for partial in staged.values():
+            if os.path.exists(partial):
+                os.remove(partial)
     return config["target_modules"]

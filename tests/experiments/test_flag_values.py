@@ -11,30 +11,12 @@ import types
 
 import pytest
 
-from experiments import cli, compare, flags, run_setup, runner
+from experiments import compare, flags, run_setup
 from experiments.usage import UsageError
 from podsjax.data import prompts as prompts_lib
 from podsjax.rl import prompt_source
 from podsjax.rl.run_config import MAX_REWARD_WORKERS, RunConfig
 from podsjax.rl.trainer import Trainer
-
-
-@pytest.fixture
-def one_line(capsys, monkeypatch):
-    """cli.main on ``argv`` exits with status 2 and one line on stderr, starting no run; returns the line."""
-    def never(*args, **kwargs):
-        raise AssertionError("the command started a run")
-
-    monkeypatch.setattr(runner, "run_experiment", never)
-
-    def main(argv, out):
-        assert cli.main("gsm8k", [*argv, "--out", str(out), "--no-compile-cache"]) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and err.startswith("error: "), err
-        assert not out.exists()
-        return err
-
-    return main
 
 
 def _config(tmp_path, text: str) -> list[str]:
