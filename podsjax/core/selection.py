@@ -162,9 +162,9 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     float64) is first scaled by a power of two, so no finite spread overflows.
 
     Args:
-      rewards: [..., N] real rewards (scored in float32, or float64 when given
-        it or int64 under x64; narrower floats, other ints and bools are cast to
-        float32).
+      rewards: [..., N] real rewards (scored in float32, or in float64 under
+        JAX's x64 mode when given float64 or int64: without it JAX holds them
+        as float32; narrower floats, other ints and bools are cast to float32).
       m: static number of rollouts to keep, 1 <= m <= N.
       key: unused; accepted so all rules share one signature.
 

@@ -37,16 +37,12 @@ from jax.sharding import Mesh
 
 from podsjax.devices import mesh as mesh_lib
 from podsjax.models import lifted, token_ids, tpu_decode_kernel
-from podsjax.models.attention import (
-    LayerCache,
-    attend,
-    attend_cached,
-    attention_implementation,
-    cache_slots,
-)
+from podsjax.models.attention import (LayerCache, attend, attend_cached,  # noqa: F401 - attend_cached: rollout's
+                                      attention_implementation, cache_slots)
 from podsjax.models.cache import KVCache
 from podsjax.models.lora import PROJECTION_LOGICAL_AXES, LoraParams
 from podsjax.models.model_config import ModelConfig
+from podsjax.models.params import check_float_dtypes
 from podsjax.models.rope import apply_rope, rope_inv_freq, rope_tables
 
 _INIT = nn.initializers.normal(stddev=0.02)  # HF initializer_range default
@@ -344,6 +340,9 @@ class Decoder(nn.Module):
     rollout_layers: str = "auto"
 
     def __post_init__(self):
+        if not isinstance(self.config, ModelConfig):
+            raise TypeError(f"Decoder config must be a ModelConfig; got {type(self.config).__name__}")
+        check_float_dtypes(dtype=self.dtype, param_dtype=self.param_dtype)  # one line here, not deep in a layer
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}; got {self.remat!r}")
         if self.rollout_layers not in ROLLOUT_LAYERS:
@@ -392,7 +391,7 @@ class Decoder(nn.Module):
             ``head_VD`` [V, D] instead; ``cache`` is the updated cache when one was given.
         """
         cfg = self.config
-        input_ids_BL = jnp.asarray(input_ids_BL)
+        input_ids_BL = token_ids.as_ids(input_ids_BL, cfg.vocab_size, "input")
         attention_mask = None if attention_mask is None else jnp.asarray(attention_mask)
         if input_ids_BL.ndim != 2 or attention_mask is not None and attention_mask.shape != input_ids_BL.shape:
             raise ValueError(f"input ids must be [B, L] and the attention mask of the same shape; got "
@@ -418,6 +417,8 @@ class Decoder(nn.Module):
             layer_cache = LayerCache(cache.keys_YBSC, cache.values_YBSC, slots.slots_BL)
             cache = cache.replace(**slots.bookkeeping(cache, mask_BL))
 
+        if jnp.shape(positions_BL) != (b, length):  # the rotation would fail deep inside on a broadcast
+            raise ValueError(f"positions_BL must be [B, L] = {(b, length)}; got {jnp.shape(positions_BL)}")
         embed = Embed(cfg.vocab_size, cfg.hidden_size, self.dtype, self.param_dtype, self.mesh, name="embed")
         x_BLD = mesh_lib.constrain(embed(input_ids_BL), self.mesh, ("batch", "length", "act_embed"))
         rope = rope_tables(positions_BL, rope_inv_freq(cfg), self.dtype)

@@ -21,6 +21,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 _MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
 
+def _finite(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 class CheckpointError(ValueError):
     """A checkpoint is unreadable (config.json, index, safetensors) or does not match the model."""
 
@@ -35,6 +39,9 @@ class Llama3RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if not _finite(getattr(self, name)):
+                raise ValueError(f"llama3 rope_scaling.{name} must be a finite number, got {getattr(self, name)!r}")
         if self.factor <= 0 or self.low_freq_factor <= 0:
             raise ValueError(f"llama3 rope_scaling needs positive factors, got {self}")
         if self.high_freq_factor <= self.low_freq_factor:
@@ -97,10 +104,23 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise ValueError("rope_theta and rms_norm_eps must be positive")
+        for name in ("rope_theta", "rms_norm_eps"):  # a NaN here makes every logit NaN
+            if not _finite(getattr(self, name)) or not getattr(self, name) > 0:
+                raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ValueError(f"ModelConfig.rope_scaling must be a Llama3RopeScaling or None (from_hf_config reads "
+                             f"a config.json's), got {type(self.rope_scaling).__name__}")
+        for name in ("tie_word_embeddings", "qkv_bias"):  # bool("false") is True
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.eos_token_id, list):  # keep the config hashable (it is a jit static)
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        ids = [("bos_token_id", self.bos_token_id), ("pad_token_id", self.pad_token_id),
+               *(("eos_token_id", value) for value in eos)]
+        for name, value in ids:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"ModelConfig.{name} must be token ids (ints) or None, got {value!r}")
 
     @property
     def num_params(self) -> int:

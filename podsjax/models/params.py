@@ -22,15 +22,19 @@ def check_key(key, name: str = "rng") -> None:
         raise TypeError(f"{name} must be a PRNG key (jax.random.key(seed)); got {key!r}") from None
 
 
+# What params and activations may be: float8 types are floats too, but no layer computes in them.
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
 def check_float_dtypes(**dtypes) -> None:
-    """Each named dtype a float dtype (or None), else a one-line ValueError naming it."""
+    """Each named dtype one of :data:`FLOAT_DTYPES` (or None), else a one-line ValueError naming it."""
     for name, dtype in dtypes.items():
         try:
-            floating = dtype is None or jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+            floating = dtype is None or jnp.dtype(dtype).name in FLOAT_DTYPES
         except TypeError:
             floating = False
         if not floating:
-            raise ValueError(f"{name} must be a float dtype (jnp.float32, jnp.bfloat16, ...); got {dtype!r}")
+            raise ValueError(f"{name} must be one of jnp.{', jnp.'.join(FLOAT_DTYPES)}; got {dtype!r}")
 
 
 def _boxed_abstract(model) -> Any:

@@ -6,6 +6,7 @@ Checked where the ids are at hand: not under a trace, nor when spread over sever
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -14,15 +15,23 @@ def concrete(*arrays) -> bool:
     return not any(isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", True) for x in arrays)
 
 
-def check_in_vocab(ids_BL, vocab: int, what: str, mask_BL=None) -> None:
-    """Raises a one-line ValueError naming the first id outside ``[0, vocab)`` (where ``mask_BL``
-    is 1, when given), unless the ids are traced."""
-    if not concrete(ids_BL, *([] if mask_BL is None else [mask_BL])):
+def as_ids(ids_BL, vocab: int, what: str) -> jax.Array:
+    """``ids_BL`` as a JAX array. Host ids are checked first (:func:`check_in_vocab`): JAX's
+    int32 would wrap an int64 id of 2**32 + 7 to 7, which the check could no longer see."""
+    if not isinstance(ids_BL, (jax.Array, jax.core.Tracer)):
+        host = np.asarray(ids_BL)
+        if np.issubdtype(host.dtype, np.integer) and host.ndim == 2:
+            check_in_vocab(host, vocab, what)
+    return jnp.asarray(ids_BL)
+
+
+def check_in_vocab(ids_BL, vocab: int, what: str) -> None:
+    """Raises a one-line ValueError naming the first id outside ``[0, vocab)``, pads' too (a
+    NaN embedded there reaches the attention's values), unless the ids are traced."""
+    if not concrete(ids_BL):
         return
     ids = np.asarray(ids_BL)
     bad = (ids < 0) | (ids >= vocab)
-    if mask_BL is not None:
-        bad &= np.asarray(mask_BL) != 0
     if bad.any():
         row, col = (int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{what} token ids must be in [0, {vocab}) (the model's vocabulary); row {row} holds "

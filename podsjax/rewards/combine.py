@@ -146,9 +146,10 @@ class WeightedReward:
         if not callable(fn):
             raise TypeError(f"reward function must be callable, got {fn!r}")
         object.__setattr__(self, "fn", fn)
+        if isinstance(self.weight, (bool, str)) or not isinstance(self.weight, (int, float, np.number)) \
+                or not math.isfinite(self.weight):  # float("2") would pass, None and "abc" fail inside float()
+            raise ValueError(f"reward weight must be a finite number, got {self.weight!r}")
         weight = float(self.weight)
-        if not math.isfinite(weight):
-            raise ValueError(f"reward weight must be finite, got {self.weight!r}")
         object.__setattr__(self, "weight", weight)
         object.__setattr__(self, "name", self.name or registered or _fn_name(fn))
 
@@ -244,6 +245,17 @@ class RewardScores:
     metrics: dict[str, float]
 
 
+def as_batch(completions: Sequence[str], columns: Mapping[str, Sequence[Any]]) -> list[str]:
+    """The completions as a list, checked with their columns (:func:`check_columns`). One text
+    or a text column would otherwise be split into characters, each scored as an item."""
+    for what, value in (("completions", completions), *((f"column {n!r}", c) for n, c in columns.items())):
+        if isinstance(value, (str, bytes, Mapping, set, frozenset)):
+            raise TypeError(f"{what} must be a list with one entry per completion; got a {type(value).__name__}")
+    completions = list(completions)
+    check_columns(completions, columns)
+    return completions
+
+
 def check_columns(completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]) -> None:
     """Raises a one-line error unless every completion is text and every column has one entry
     per completion."""
@@ -267,14 +279,22 @@ def summarize(
 ) -> RewardScores:
     """Builds RewardScores from a [F, B] value matrix; shared by the pool and the in-process path."""
     # A NaN or inf reward would poison the advantages of its whole group: it scores 0 and
-    # counts as an error of its item.
-    non_finite_FB = ~np.isfinite(values_FB)
+    # counts as an error of its item. So does one past float32's range, where rewards are kept.
+    with np.errstate(over="ignore"):
+        non_finite_FB = ~np.isfinite(values_FB.astype(np.float32))
     if non_finite_FB.any():
         values_FB = np.where(non_finite_FB, 0.0, values_FB)
         failed_B = failed_B | non_finite_FB.any(axis=0)
         counts = {**counts, "errors": counts.get("errors", 0) + int(non_finite_FB.sum())}
     weights_F = np.asarray([w.weight for w in weighted], np.float64)
-    total_B = (weights_F[:, None] * values_FB).sum(axis=0).astype(np.float32)
+    with np.errstate(over="ignore"):
+        total_B = (weights_F[:, None] * values_FB).sum(axis=0).astype(np.float32)
+    overflow_B = ~np.isfinite(total_B)  # finite rewards whose weighted sum is not
+    if overflow_B.any():
+        total_B = np.where(overflow_B, np.float32(0), total_B)
+        values_FB = np.where(overflow_B, 0.0, values_FB)
+        failed_B = failed_B | overflow_B
+        counts = {**counts, "errors": counts.get("errors", 0) + int(overflow_B.sum())}
     per_function = {w.name: values_FB[f].astype(np.float32) for f, w in enumerate(weighted)}
     metrics = {f"reward/{key}": float(counts.get(key, 0))
                for key in ("timeouts", "crashes", "memory_errors", "errors", "restarts")}
@@ -298,14 +318,22 @@ def score_rewards(completions: Sequence[str], rewards: RewardsLike, **columns: S
     """
     start = time.perf_counter()
     weighted = as_weighted(rewards)
-    completions = list(completions)
-    check_columns(completions, columns)
+    completions = as_batch(completions, columns)
     columns = {name: list(column) for name, column in columns.items()}
     values_FB = np.zeros((len(weighted), len(completions)), np.float64)
     for f, w in enumerate(weighted):
-        values = list(w.fn(completions, **columns))
-        if len(values) != len(completions):
+        returned = w.fn(completions, **columns)
+        try:
+            if isinstance(returned, (str, bytes)):
+                raise TypeError
+            values = np.asarray(list(returned), np.float64)
+            if values.ndim != 1:  # a list of lists
+                raise ValueError
+        except (TypeError, ValueError):
+            raise TypeError(f"reward {w.name!r} must return a list of numbers, one per completion; got "
+                            f"{repr(returned)[:80]}") from None
+        if values.shape != (len(completions),):
             raise ValueError(f"reward {w.name!r} returned {len(values)} values for {len(completions)} completions")
-        values_FB[f] = np.asarray(values, np.float64)
+        values_FB[f] = values
     failed_B = np.zeros(len(completions), bool)
     return summarize(weighted, values_FB, failed_B, {}, time.perf_counter() - start)

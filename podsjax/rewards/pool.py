@@ -42,7 +42,7 @@ import time
 from typing import Any, Sequence
 
 from podsjax.rewards import worker_process
-from podsjax.rewards.combine import RewardScores, RewardsLike, as_weighted, check_columns, summarize
+from podsjax.rewards.combine import RewardScores, RewardsLike, as_batch, as_weighted, summarize
 from podsjax.rewards.pool_batch import Batch
 from podsjax.rewards.pool_fleet import MAX_SERVER_DEATHS, WorkerFleet  # noqa: F401 - MAX_SERVER_DEATHS: API too
 from podsjax.rewards.pool_workers import (  # noqa: F401 - DEFAULT_PRELOAD and PoolConfig are this module's API too
@@ -99,8 +99,7 @@ class RewardPool(WorkerFleet):
         """
         start = time.perf_counter()
         weighted = as_weighted(rewards)
-        completions = list(completions)
-        check_columns(completions, columns)
+        completions = as_batch(completions, columns)
         blob = _pickle_rewards(weighted)
         self.start()
         restarts_before = self.restarts

@@ -62,25 +62,38 @@ class PoolConfig:
     output_log: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_workers, int) or self.max_workers < 1:
-            raise ValueError(f"max_workers must be a positive int, got {self.max_workers!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if not self.kill_grace_s >= 0:
-            raise ValueError(f"kill_grace_s must be >= 0, got {self.kill_grace_s!r}")
-        if self.max_memory_mb is not None and self.max_memory_mb < 64:
-            raise ValueError(f"max_memory_mb must be None or >= 64, got {self.max_memory_mb!r}")
+        for name in ("max_workers", "give_up_after"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _seconds(self.timeout_s, "timeout_s")
+        _seconds(self.kill_grace_s, "kill_grace_s", zero=True)
+        _seconds(self.startup_timeout_s, "startup_timeout_s")
+        if self.batch_timeout_s is not None:
+            _seconds(self.batch_timeout_s, "batch_timeout_s")
+        for name, low in (("max_memory_mb", 64), ("output_budget_bytes", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be None or an int >= {low}, got {value!r}")
         if self.start_method not in ("forkserver", "spawn"):
             raise ValueError(
                 f"start_method must be 'forkserver' or 'spawn' (fork is unsafe under JAX), got {self.start_method!r}"
             )
-        if not self.startup_timeout_s > 0:
-            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s!r}")
-        if not isinstance(self.give_up_after, int) or self.give_up_after < 1:
-            raise ValueError(f"give_up_after must be a positive int, got {self.give_up_after!r}")
-        if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
-            raise ValueError(f"batch_timeout_s must be None or > 0, got {self.batch_timeout_s!r}")
+        if isinstance(self.preload, str) or not all(isinstance(m, str) for m in self.preload):
+            raise ValueError(f"preload must be a list of module names, got {self.preload!r}")  # "sympy": s, y, ...
         object.__setattr__(self, "preload", tuple(self.preload))
+
+
+# A timer past this overflows the worker's setitimer, after which every item would score 0.
+MAX_SECONDS = 1e6
+
+
+def _seconds(value, name: str, zero: bool = False) -> None:
+    """A finite number of seconds, > 0 (>= 0 with ``zero``) and at most MAX_SECONDS."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not (0 <= value if zero else 0 < value) or not value <= MAX_SECONDS:
+        raise ValueError(f"{name} must be a number of seconds, {'>= 0' if zero else '> 0'} and at most "
+                         f"{MAX_SECONDS:.0e}; got {value!r}")
 
 
 class WorkerHandle:

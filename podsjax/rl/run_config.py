@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from podsjax.data import prompts as prompts_lib
+from podsjax.rewards.pool_workers import MAX_SECONDS
 from podsjax.run import log_backends
 
 # Longest prompt + completion a run takes: 32x Qwen2.5's 32k context. Far past it (1e8 tokens)
@@ -114,6 +115,9 @@ class RunConfig:
                      "compile_threads", "eval_batch_size", "reward_workers", "eval_limit", "checkpoint_every_steps", "keep_last"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"RunConfig.{name} must be >= 1; got {getattr(self, name)}")
+        if self.reward_timeout_s > MAX_SECONDS:  # the reward workers' timers overflow past it
+            raise ValueError(f"RunConfig.reward_timeout_s must be at most {MAX_SECONDS:.0e} s; got "
+                             f"{self.reward_timeout_s}")
         if self.reward_workers > MAX_REWARD_WORKERS:
             raise ValueError(f"RunConfig.reward_workers must be at most {MAX_REWARD_WORKERS} (scoring is CPU work: "
                              f"one process a core is enough); got {self.reward_workers}")

@@ -83,9 +83,11 @@ class Generator:
             the scanned layout, whose decode reads the params themselves); the KV cache lives
             inside ``sample``, among its temporaries.
         """
-        cfg = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p,
-                             top_k=top_k, eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id,
-                             return_logprobs=bool(return_logprobs))
+        cfg = self._config(num_samples, max_new_tokens, 1.0, top_p, top_k, eos_token_ids, pad_token_id,
+                           return_logprobs)
+        prompts, prompt_len = _index(prompts, "prompts"), _index(prompt_len, "prompt_len")
+        if prompts < 1 or prompt_len < 1:
+            raise ValueError(f"prompts and prompt_len must be >= 1; got {prompts} and {prompt_len}")
         timings = dict.fromkeys(sampler_programs.STAGES, 0.0)
         weights, sample, cache = sampler_programs.stages(
             self._programs, self.model, cfg, params, lora, jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32),
@@ -95,6 +97,30 @@ class Generator:
         return {"weights": weights, "sample": sample, "kv_cache_bytes": mesh_lib.bytes_per_device(cache),
                 "rollout_weights_bytes": read if weights is not None else 0, "weights_read_bytes": read,
                 "compile_s": timings}
+
+    def _config(self, num_samples, max_new_tokens, temperature, top_p, top_k, eos_token_ids, pad_token_id,
+                return_logprobs) -> SamplingConfig:
+        """The sampling options, each checked by name (one line for a wrong kind or range)."""
+        if isinstance(eos_token_ids, (int, np.integer)) or getattr(eos_token_ids, "ndim", None) == 0:
+            eos_token_ids = (eos_token_ids,)  # one id (a NumPy int too); any other iterable is ids
+        try:
+            eos = tuple(operator.index(t) for t in eos_token_ids)
+        except TypeError:
+            raise TypeError(f"eos_token_ids must be ints; got {eos_token_ids!r}") from None
+        cfg = SamplingConfig(
+            num_samples=_index(num_samples, "num_samples"),
+            max_new_tokens=_index(max_new_tokens, "max_new_tokens"),
+            temperature=_number(temperature, "temperature"),
+            top_p=_number(top_p, "top_p"),
+            top_k=_index(top_k, "top_k"),
+            eos_token_ids=eos,
+            pad_token_id=_index(pad_token_id, "pad_token_id"),
+            return_logprobs=_flag(return_logprobs, "return_logprobs"),
+        )
+        vocab = self.model.config.vocab_size
+        if not 0 <= cfg.pad_token_id < vocab:  # it fills the rows' ends, which a tokenizer then decodes
+            raise ValueError(f"pad_token_id must be a token id in [0, {vocab}); got {cfg.pad_token_id}")
+        return cfg
 
     def place_rows(self, x: Any) -> jax.Array:
         """A ``[B, ...]`` host array that every process holds whole, as one global array: split
@@ -153,26 +179,10 @@ class Generator:
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(given)):
             raise TypeError("Generator.generate runs compiled programs of its own: call it outside jax.jit, "
                             "grad and vmap (it was given traced values)")
-        if isinstance(eos_token_ids, (int, np.integer)) or getattr(eos_token_ids, "ndim", None) == 0:
-            eos_token_ids = (eos_token_ids,)  # one id (a NumPy int too); any other iterable is ids
-        try:
-            eos = tuple(operator.index(t) for t in eos_token_ids)
-        except TypeError:
-            raise TypeError(f"eos_token_ids must be ints; got {eos_token_ids!r}") from None
-        cfg = SamplingConfig(
-            num_samples=_index(num_samples, "num_samples"),
-            max_new_tokens=_index(max_new_tokens, "max_new_tokens"),
-            temperature=_number(temperature, "temperature"),
-            top_p=_number(top_p, "top_p"),
-            top_k=_index(top_k, "top_k"),
-            eos_token_ids=eos,
-            pad_token_id=_index(pad_token_id, "pad_token_id"),
-            return_logprobs=_flag(return_logprobs, "return_logprobs"),
-        )
+        cfg = self._config(num_samples, max_new_tokens, temperature, top_p, top_k, eos_token_ids, pad_token_id,
+                           return_logprobs)
         vocab = self.model.config.vocab_size
-        if not 0 <= cfg.pad_token_id < vocab:  # it fills the rows' ends, which a tokenizer then decodes
-            raise ValueError(f"pad_token_id must be a token id in [0, {vocab}); got {cfg.pad_token_id}")
-        prompt_ids_BL = jnp.asarray(prompt_ids_BL)
+        prompt_ids_BL = token_ids.as_ids(prompt_ids_BL, vocab, "prompt")
         prompt_mask_BL = jnp.asarray(prompt_mask_BL)
         if prompt_ids_BL.ndim != 2 or prompt_mask_BL.shape != prompt_ids_BL.shape:
             raise ValueError(
@@ -259,9 +269,9 @@ def _index(value, name: str) -> int:
 
 
 def _check_prompts(ids_BL: jax.Array, mask_BL: jax.Array, vocab: int) -> None:
-    """Left padding and token ids in the vocabulary, checked on the host where the prompts are
-    at hand (not under a trace, nor when spread over several processes): a right-padded row
-    would continue from a pad slot, and an id past the vocabulary embeds as NaN."""
+    """Left padding and token ids in the vocabulary (pads' too), checked on the host where the
+    prompts are at hand (not under a trace, nor when spread over several processes): a
+    right-padded row would continue from a pad slot, and an id past the vocabulary embeds as NaN."""
     if not token_ids.concrete(ids_BL, mask_BL):
         return
     mask = np.asarray(mask_BL) != 0
@@ -269,7 +279,7 @@ def _check_prompts(ids_BL: jax.Array, mask_BL: jax.Array, vocab: int) -> None:
         row = int(np.argmin(mask[:, -1]))
         raise ValueError(f"prompts must be left-padded, each row's last position a real token (mask 1); row {row} "
                          f"ends in padding{' (it has no real token)' if not mask[row].any() else ''}")
-    token_ids.check_in_vocab(ids_BL, vocab, "prompt", mask_BL=mask)
+    token_ids.check_in_vocab(ids_BL, vocab, "prompt")  # pads too: a NaN embedded there reaches the values
 
 
 def generate(model, params: Any, prompt_ids_BL: jax.Array, prompt_mask_BL: jax.Array, key: jax.Array,

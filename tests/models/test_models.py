@@ -573,11 +573,18 @@ def test_keys_configs_and_dtypes_of_the_wrong_kind_are_one_line(hf_models):
     for call in (lambda: pm.init_lora(0, model, pm.LoraConfig(rank=2)), lambda: pm.init_params(model, 0)):
         with pytest.raises(TypeError, match=r"rng must be a PRNG key \(jax.random.key\(seed\)\); got 0"):
             call()
-    for dtype in (jnp.int32, "float8"):
-        with pytest.raises(ValueError, match="dtype must be a float dtype"):
+    for dtype in (jnp.int32, "float8", jnp.float8_e4m3fn, "bf16"):  # float8: a float no layer computes in
+        with pytest.raises(ValueError, match="dtype must be one of jnp.float32, jnp.bfloat16"):
             pm.from_pretrained(path, dtype=dtype)
-    with pytest.raises(ValueError, match="compute_dtype must be a float dtype"):
+        with pytest.raises(ValueError, match="param_dtype must be one of jnp.float32"):
+            pm.Decoder(model.config, param_dtype=dtype)
+    with pytest.raises(ValueError, match="compute_dtype must be one of jnp.float32"):
         pm.from_pretrained(path, compute_dtype=jnp.int8)
+    with pytest.raises(TypeError, match="Decoder config must be a ModelConfig; got dict"):
+        pm.Decoder({"arch": "qwen2"})
+    params = pm.init_params(model, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"positions_BL must be \[B, L\] = \(1, 4\); got \(1, 3\)"):
+        model.apply({"params": params}, jnp.ones((1, 4), jnp.int32), positions_BL=jnp.arange(3)[None])
     for key in (jax.random.PRNGKey(0), np.asarray(jax.random.PRNGKey(0))):  # legacy key data, NumPy's too
         assert jax.tree.leaves(pm.init_lora(key, model, pm.LoraConfig(rank=2)).weights)
     with pytest.raises(TypeError, match="rng must be a PRNG key"):

@@ -430,6 +430,21 @@ def test_bad_arguments_raise_one_line_errors(tiny, generator_for):
         jax.jit(lambda k: generator.generate(params, ids, mask, k, **base).tokens)(jax.random.key(0))
 
 
+@pytest.mark.parametrize("changes,message", [
+    (dict(eos_token_ids="2"), "eos_token_ids must be ints"),
+    (dict(prompts=0), "prompts and prompt_len must be >= 1; got 0"),
+    (dict(top_p="0.9"), "top_p must be a number; got '0.9'"),
+    (dict(pad_token_id=10**6), r"pad_token_id must be a token id in \[0, "),
+    (dict(num_samples=0), "num_samples must be >= 1"),
+])
+def test_compiling_ahead_checks_what_generate_checks(tiny, changes, message):
+    # Generator.compile had taken these to a ZeroDivisionError or a TypeError from inside, or accepted them.
+    _, model, params = tiny["qwen2_tied_gqa"]
+    options = {**dict(prompts=1, prompt_len=4, num_samples=2, max_new_tokens=2, eos_token_ids=EOS), **changes}
+    with pytest.raises((ValueError, TypeError), match=message):
+        sampling.Generator(model).compile(params, None, **options)
+
+
 def test_prompts_that_would_sample_from_padding_or_outside_the_vocabulary_are_refused(tiny):
     # Prefill continues from each row's last position: a right-padded row would continue from
     # a pad slot, and an id past the vocabulary embeds as NaN; both sampled without a word.
@@ -453,6 +468,19 @@ def test_prompts_that_would_sample_from_padding_or_outside_the_vocabulary_are_re
     far[0, -1] = -3
     with pytest.raises(ValueError, match="row 0 holds -3"):
         sampling.generate(model, params, far, mask, jax.random.key(0), **base)
+    # In a pad slot too: its NaN embedding had reached the row's values, sampling pads with NaN log-probs.
+    padded = int(np.argmin(mask[:, 0]))
+    in_pad = ids.copy()
+    in_pad[padded, 0] = model.config.vocab_size
+    with pytest.raises(ValueError, match=f"row {padded} holds {model.config.vocab_size} at position 0"):
+        sampling.generate(model, params, in_pad, mask, jax.random.key(0), **base)
+    # Past int32: JAX's conversion had wrapped 2**32 + 7 to 7 before any check could see it.
+    wide = ids.astype(np.int64)
+    wide[0, -1] = 2**32 + 7
+    with pytest.raises(ValueError, match=f"row 0 holds {2**32 + 7}"):
+        sampling.generate(model, params, wide, mask, jax.random.key(0), **base)
+    with pytest.raises(ValueError, match=f"row 0 holds {2**32 + 7}"):
+        model.apply({"params": params}, wide)
     with pytest.raises(ValueError, match=r"attention mask of the same shape; got \(1, 4\) and \(1, 3\)"):
         model.apply({"params": params}, jnp.ones((1, 4), jnp.int32), attention_mask=jnp.ones((1, 3)))
     # The decoder itself, called eagerly: an id past the vocabulary had given NaN logits and a
