@@ -126,15 +126,18 @@ def foreign_files(out: str) -> list[str]:
     """What a run directory holds that no podsjax run writes, as paths inside it: its top level,
     the exported models' files, and the checkpoint folders' entries (a step's insides are
     orbax's, and change with its version)."""
-    from podsjax.models import hf_io, peft_io  # their file names; imported only to replace a run
+    from podsjax.models import hf_export, hf_io, peft_io  # their file names; imported only to replace a run
     from podsjax.run import checkpoint_layout as layout
 
     exported = re.compile("|".join([r"config\.json", re.escape(hf_io.SINGLE_FILE), re.escape(hf_io.INDEX_FILE),
-                                    r"model-\d{5}-of-\d{5}\.safetensors", *map(re.escape, hf_io.TOKENIZER_FILES)]))
+                                    r"model-\d{5}-of-\d{5}\.safetensors", *map(re.escape, hf_export.TOKENIZER_FILES),
+                                    re.escape(hf_export.STAGING_PREFIX) + ".+"]))  # an export killed mid-write
     inside = {"final_model": exported, "best_model": exported,
-              "final_adapter": re.compile(f"{re.escape(peft_io.CONFIG_FILE)}|{re.escape(peft_io.WEIGHTS_FILE)}"),
+              # and a write killed midway (peft_io stages each file as .<name>.partial)
+              "final_adapter": re.compile(rf"(\.)?({re.escape(peft_io.CONFIG_FILE)}|{re.escape(peft_io.WEIGHTS_FILE)})"
+                                          rf"(?(1)\.partial)"),
               # steps, damaged ones moved aside (``checkpoint_layout.move_aside``), and saves under way
-              CHECKPOINTS_DIRNAME: re.compile(rf"\d+({re.escape(layout.CORRUPT_SUFFIX)}\d*)?|.+\.orbax-checkpoint-tmp.*")}
+              CHECKPOINTS_DIRNAME: layout.ENTRY}
     inside["best"] = inside[CHECKPOINTS_DIRNAME]
     foreign = [name for name in sorted(os.listdir(out)) if not is_run_entry(name)]
     for sub, allowed in inside.items():

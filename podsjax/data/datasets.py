@@ -236,11 +236,13 @@ PROMPT_FIELD = {"gsm8k": "question", "math": "problem", "chemistry": "problem"}
 
 def _renamed(row: Mapping[str, Any], columns: Mapping[str, str]) -> dict[str, Any]:
     """``row`` with each task field taken from the user's column (``columns``: field -> column)."""
-    out = dict(row)
-    for field, column in columns.items():
-        if column not in row:
-            raise DataError(f"missing column {column!r} (read as the task's {field!r})")
-        out[field] = out.pop(column)
+    missing = next(((field, column) for field, column in columns.items() if column not in row), None)
+    if missing is not None:
+        raise DataError(f"missing column {missing[1]!r} (read as the task's {missing[0]!r})")
+    # All at once, from the row as read: one at a time, {"answer": "final", "problem": "answer"}
+    # had read the problem from the answer just renamed, and a swap had lost a column.
+    out = {name: value for name, value in row.items() if name not in columns.values()}
+    out.update({field: row[column] for field, column in columns.items()})
     return out
 
 

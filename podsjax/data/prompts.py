@@ -158,6 +158,8 @@ def check_chat_template(tokenizer, question: str, *, system_prompt: str | None =
         PromptError: the template fails, or runs past the bound.
     """
     timeout_s = CHAT_TEMPLATE_TIMEOUT_S if timeout_s is None else timeout_s
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e6:
+        raise ValueError(f"timeout_s must be a number of seconds > 0; got {timeout_s!r}")  # 0 would turn the alarm off
     where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
     too_slow = PromptError(f"the chat template of {where} took more than {timeout_s:g} s to render one prompt "
                            "(a loop in the template?); fix chat_template in its tokenizer_config.json or "
@@ -196,7 +198,18 @@ def check_chat_template(tokenizer, question: str, *, system_prompt: str | None =
 
 def build_prompts(tokenizer, questions: Sequence[str], **kwargs: Any) -> list[str]:
     """``build_prompt`` over a list of questions."""
-    return [build_prompt(tokenizer, question, **kwargs) for question in questions]
+    return [build_prompt(tokenizer, question, **kwargs) for question in _texts(questions, "questions")]
+
+
+def _texts(values: Sequence[str], what: str) -> list[str]:
+    """``values`` as a list of texts: one text would be split into its characters, one prompt each."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{what} must be a list of texts; got one {type(values).__name__} ({values[:40]!r})")
+    values = list(values)
+    odd = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
+    if odd is not None:
+        raise TypeError(f"{what} must be a list of texts; item {odd} is {type(values[odd]).__name__}")
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,12 +338,13 @@ def tokenize_prompts(
     Returns:
         A PromptBatch with one row per kept prompt, in input order.
     """
-    if max_prompt_length < 1:
-        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+    if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, (int, np.integer)) \
+            or max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be an integer >= 1, got {max_prompt_length!r}")
     bucketing = bucketing or Bucketing()
     if add_special_tokens is None:
         add_special_tokens = not has_chat_template(tokenizer)
-    prompts = list(prompts)
+    prompts = _texts(prompts, "prompts")
     encoded = tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"] if prompts else []
     kept = []
     for index, ids in enumerate(encoded):

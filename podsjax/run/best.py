@@ -12,6 +12,7 @@ saved policy is its best:
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from typing import Any
@@ -21,6 +22,7 @@ import jax
 from podsjax.devices import hosts
 from podsjax.devices import mesh as mesh_lib
 from podsjax.run import checkpoint as ckpt_lib
+from podsjax.run import checkpoint_layout
 
 BEST_DIRNAME = "best"
 
@@ -41,8 +43,10 @@ class BestPolicy:
     def __init__(self, out_dir: str, recorded: tuple[int | None, float | None], resumed_step: int | None):
         self.step, self.accuracy = recorded
         self.directory = directory = os.path.join(out_dir, BEST_DIRNAME)
-        if resumed_step is None and hosts.is_primary():
-            shutil.rmtree(directory, ignore_errors=True)  # a killed first attempt's bests belong to no run
+        if resumed_step is None and hosts.is_primary() and os.path.isdir(directory):
+            for name in os.listdir(directory):  # a killed first attempt's bests belong to no run; nothing else goes
+                if checkpoint_layout.ENTRY.fullmatch(name):
+                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
         hosts.barrier("best policy directory")
         # Saved synchronously (fake CPU devices: docs/reliability.md, "Not promised"); a save
         # happens right after an evaluation, off the training clock.
@@ -55,8 +59,10 @@ class BestPolicy:
         self._recorded_by_last_checkpoint = recorded
 
     def offer(self, step: int, accuracy: float, params: Any) -> bool:
-        """Saves ``params`` as the new best when ``accuracy`` beats every earlier evaluation."""
-        if self.accuracy is not None and not accuracy > self.accuracy:
+        """Saves ``params`` as the new best when ``accuracy`` beats every earlier evaluation (a
+        NaN one never does: it would stay the best, as nothing compares greater)."""
+        accuracy = float(accuracy)  # a NumPy scalar too; its host state must be JSON
+        if math.isnan(accuracy) or self.accuracy is not None and not accuracy > self.accuracy:
             return False
         self._checkpointer.save(step, {"params": params}, {"accuracy": accuracy}, force=True)
         self.step, self.accuracy = step, accuracy

@@ -225,7 +225,8 @@ class Checkpointer:
         except CheckpointMismatch:
             raise
         except Exception as exc:  # orbax/tensorstore raise many types for damaged files
-            raise CheckpointCorrupt(f"{where} does not load ({type(exc).__name__}: {first_line(exc)})") from exc
+            raise CheckpointCorrupt(f"{where} does not load ({type(exc).__name__}: {first_line(exc)})",
+                                    proven=False) from exc
         verify_checksums(restored[STATE_ITEM], restored[CHECKSUMS_ITEM], where)
         self._last_saved_step = step
         return unflatten_state(restored[STATE_ITEM], abstract_state), dict(restored[HOST_ITEM] or {})
@@ -235,7 +236,11 @@ class Checkpointer:
         """Restores the newest checkpoint that loads and passes its checksums.
 
         A newer checkpoint that is damaged is renamed ``<step>.corrupt`` next to the
-        others (kept, not deleted) and ``warn`` is told; the one before it is tried.
+        others (kept, not deleted) and ``warn`` is told; the one before it is tried. A
+        checkpoint that failed to load without proof of damage (a checksum, unreadable
+        metadata) is moved aside only once an older one loads into the same target: when
+        none loads, the fault may be this process's (its memory, the target's shardings),
+        and those checkpoints stay as they are.
 
         Returns:
             ``(state, host_state, step)``, or None when the directory holds no checkpoint.
@@ -246,21 +251,33 @@ class Checkpointer:
         """
         self._manager.wait_until_finished()
         steps = self.all_steps()
-        moved = []
+        moved, unproven = [], []
         for step in reversed(steps):
             try:
                 state, host = self.restore(abstract_state, step)
             except CheckpointCorrupt as exc:
-                moved.append(move_aside(self.directory, step))
-                warn(f"warning: {exc}; moved it to {moved[-1]} and trying the checkpoint before it")
+                if exc.proven:
+                    moved.append(move_aside(self.directory, step))
+                    warn(f"warning: {exc}; moved it to {moved[-1]} and trying the checkpoint before it")
+                else:
+                    unproven.append((step, exc))
                 continue
+            for newer, exc in unproven:  # an older one loads into the same target: the newer files are at fault
+                moved.append(move_aside(self.directory, newer))
+                warn(f"warning: {exc}; moved it to {moved[-1]}, as step {step} loads")
             if moved:
                 self._manager.reload()
             return state, host, step
         if moved:
             self._manager.reload()
-            raise CheckpointCorrupt(f"no checkpoint in {self.directory} loads; the damaged ones were moved to "
-                                    f"*{CORRUPT_SUFFIX}; start again with --overwrite")
+        for _, exc in unproven:
+            warn(f"warning: {exc}")
+        if moved or unproven:
+            kept = (f"; steps {', '.join(str(s) for s, _ in sorted(unproven))} stay where they are (no proof of "
+                    "damage: check this machine's memory and the run's devices, then resume again)" if unproven else "")
+            aside = f"; the damaged ones were moved to *{CORRUPT_SUFFIX}" if moved else ""
+            raise CheckpointCorrupt(f"no checkpoint in {self.directory} loads{aside}{kept}; or start again with "
+                                    "--overwrite")
         return None
 
     def delete(self, step: int) -> None:

@@ -18,7 +18,15 @@ import numpy as np
 
 
 class CheckpointCorrupt(ValueError):
-    """A checkpoint's files are damaged: they do not load, or their arrays fail the checksums."""
+    """A checkpoint's files are damaged: they do not load, or their arrays fail the checksums.
+
+    ``proven`` is False where the load failed in orbax without saying why: the files, or
+    this process (memory, a target sharding), may be at fault.
+    """
+
+    def __init__(self, message: str, proven: bool = True):
+        super().__init__(message)
+        self.proven = proven
 
 
 class CheckpointMismatch(ValueError):

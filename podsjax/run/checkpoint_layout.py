@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,8 @@ STATE_ITEM = "state"
 HOST_ITEM = "host"
 CHECKSUMS_ITEM = "checksums"
 CORRUPT_SUFFIX = ".corrupt"
+# What a checkpoint folder holds: steps, damaged ones moved aside (``move_aside``), saves under way.
+ENTRY = re.compile(rf"\d+({re.escape(CORRUPT_SUFFIX)}\d*)?|.+\.orbax-checkpoint-tmp.*")
 _ROOT = "root"  # name of the only leaf when the state is a bare array
 
 

@@ -8,6 +8,7 @@ records are kept in ``<log>.superseded``.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from podsjax.devices import hosts
@@ -121,9 +122,11 @@ def history_path(out_dir) -> str:
 def read_history(out_dir) -> list[dict[str, float]]:
     """Every evaluation of the run in ``out_dir`` so far (none before the first)."""
     path = history_path(out_dir)
-    return metrics_lib.read_jsonl(path) if os.path.exists(path) else []
+    records = metrics_lib.read_jsonl(path) if os.path.exists(path) else []
+    return [{k: math.nan if v is None else v for k, v in r.items()} for r in records]  # null: a NaN written
 
 
 def append_history(out_dir, record) -> None:
+    """One evaluation as a line of strict JSON (NaN: null; NumPy scalars as numbers)."""
     with open(history_path(out_dir), "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(metrics_lib.to_jsonable(record, "evaluation"), allow_nan=False) + "\n")

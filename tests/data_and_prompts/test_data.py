@@ -274,6 +274,17 @@ def test_your_own_columns_and_bare_final_answers(tmp_path):
     assert [e.answer for e in math_task] == ["2", "1.5"]
     with pytest.raises(DataError, match="columns: 'prompt' is named for two of the task's fields"):
         load_task("gsm8k", "train", path, columns={"question": "prompt", "answer": "prompt"})
+    # Mappings that name another field's column: read from the row as it is, in either order.
+    # One at a time, the first had read the problem from the answer just renamed; the swap had failed.
+    crossed = tmp_path / "crossed.jsonl"
+    crossed.write_text(json.dumps({"answer": "Half of 3?", "final": "1.5"}) + "\n")
+    for columns in ({"answer": "final", "problem": "answer"}, {"problem": "answer", "answer": "final"}):
+        assert [(e.prompt, e.answer) for e in load_task("math", "train", crossed, columns=columns)] == [
+            ("Half of 3?", "1.5")]
+    swapped = tmp_path / "swapped.jsonl"
+    swapped.write_text(json.dumps({"question": "2", "answer": "One plus one?"}) + "\n")
+    task = load_task("gsm8k", "train", swapped, columns={"question": "answer", "answer": "question"})
+    assert [(e.prompt, e.answer) for e in task] == [("One plus one?", "2")]
 
 
 def test_gsm8k_final_answers_keep_their_sign_and_decimals_and_numbers_load_as_numbers(tmp_path):

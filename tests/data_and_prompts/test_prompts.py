@@ -227,3 +227,25 @@ def test_a_chat_template_that_loops_stops_at_the_time_bound(tmp_path, chat_token
     broken = load_tokenizer(save_tiny_tokenizer(tmp_path / "broken", chat_template="{{ messages | no_such_filter }}"))
     with pytest.raises(PromptError, match="the chat template failed"):
         check_chat_template(broken, "Q?")
+
+
+def test_one_text_where_a_list_belongs_is_refused(chat_tokenizer):
+    # "What is 2+2?" had become twelve one-character prompts.
+    with pytest.raises(TypeError, match="questions must be a list of texts; got one str"):
+        prepare_prompts(chat_tokenizer, "What is 2+2?", max_prompt_length=256)
+    with pytest.raises(TypeError, match="prompts must be a list of texts; got one str"):
+        tokenize_prompts(chat_tokenizer, "What is 2+2?", max_prompt_length=256)
+    with pytest.raises(TypeError, match="questions must be a list of texts; item 1 is NoneType"):
+        prepare_prompts(chat_tokenizer, ["a", None], max_prompt_length=256)
+    for bad in (100.5, "100", None, True):
+        with pytest.raises(ValueError, match="max_prompt_length must be an integer >= 1"):
+            tokenize_prompts(chat_tokenizer, ["a"], max_prompt_length=bad)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("nan"), float("inf")])
+def test_a_chat_template_bound_that_is_no_bound_is_refused(chat_tokenizer, timeout_s):
+    from podsjax.data.prompts import check_chat_template
+
+    # 0 had turned the alarm off: a looping template would have hung.
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0"):
+        check_chat_template(chat_tokenizer, "Q?", timeout_s=timeout_s)

@@ -100,7 +100,8 @@ def test_every_checkpoint_damaged_is_one_line(tmp_path_factory, tmp_path, data_d
         # traceback only when the exception has one), or a traceback printed from a thread
         assert str(out / "run.log") in lines[-2], lines
         assert re.search(r"^\d{4}-\d\d-\d\d \S+ (ERROR|WARNING|CRITICAL) ", log, re.M) or "Traceback" in log, log[-3000:]
-    assert sorted(os.listdir(out / "checkpoints")) == [f"{s}.corrupt" for s in steps]
+    # Nothing loads, and nothing proves the files damaged (a process out of memory fails so too): all stay.
+    assert sorted(n for n in os.listdir(out / "checkpoints") if not n.startswith(".")) == steps
     # The warnings (stdout) name each step and what failed, without tensorstore's kilobyte of spec.
     moved = [line for line in done.stdout.splitlines() if line.startswith("warning: checkpoint")]
     assert len(moved) == 3 and not any("tensorstore_spec" in line for line in moved), moved

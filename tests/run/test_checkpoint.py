@@ -407,3 +407,21 @@ def test_integrity_checks_name_the_first_leaf_that_differs():
     with pytest.raises(CheckpointCorrupt, match=r"1 array\(s\) fail their checksum, first 'w'"):
         verify_checksums(flat, {"w": 0}, "ckpt")
     assert checkpoint.CheckpointCorrupt is CheckpointCorrupt and checkpoint.CheckpointMismatch is CheckpointMismatch
+
+
+def test_a_restore_that_fails_for_the_target_moves_no_checkpoint_aside(tmp_path):
+    # A target orbax cannot place (here: 6 values over 8 devices) had renamed every good step *.corrupt.
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from podsjax.devices.mesh import make_mesh
+    from podsjax.run.checkpoint import CheckpointCorrupt
+
+    with Checkpointer(CheckpointConfig(str(tmp_path), async_save=False)) as ck:
+        for step in (1, 2):
+            ck.save(step, {"x": jnp.arange(6.0) * step}, {"pos": step}, force=True)
+    mesh = make_mesh("8")
+    odd = {"x": jax.ShapeDtypeStruct((6,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp")))}
+    with Checkpointer(CheckpointConfig(str(tmp_path))) as ck:
+        with pytest.raises(CheckpointCorrupt, match="steps 1, 2 stay where they are"):
+            ck.restore_latest(odd, warn=lambda line: None)
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
