@@ -157,7 +157,7 @@ class LossConfig:
             if value is not None:
                 object.__setattr__(self, name, int(value))
         for ok, problem in (
-                (self.epsilon >= 0, f"epsilon must be >= 0; got {self.epsilon}"),
+                (0 <= self.epsilon < 1, f"epsilon must be in [0, 1) (the ratio is clipped at 1 - it); got {self.epsilon}"),
                 (self.epsilon_high is None or self.epsilon_high >= 0, f"epsilon_high must be >= 0; got {self.epsilon_high}"),
                 (self.beta >= 0, f"beta must be >= 0; got {self.beta}"),
                 (self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}; got {self.aggregation!r}"),

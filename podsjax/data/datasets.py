@@ -252,6 +252,7 @@ _ROW_RULES: dict[str, Callable[[Mapping[str, Any]], tuple[str, str, dict[str, An
     "chemistry": _chemistry_row,
 }
 # Tasks with no Hub default, which load from local files only, and where to find theirs.
+TASKS = tuple(_ROW_RULES)  # the tasks whose rows load (and whose rewards and graders exist)
 LOCAL_ONLY_TASKS = {"chemistry": CHEMISTRY_DATA_HINT}
 
 

@@ -233,10 +233,10 @@ class Bucketing:
     def __post_init__(self):
         if self.mode not in ("multiple", "pow2"):
             raise ValueError(f"Bucketing.mode must be 'multiple' or 'pow2', got {self.mode!r}")
-        if self.multiple < 1:
-            raise ValueError(f"Bucketing.multiple must be >= 1, got {self.multiple}")
-        if self.min_length < 1:
-            raise ValueError(f"Bucketing.min_length must be >= 1, got {self.min_length}")
+        for name in ("multiple", "min_length"):  # a float had made a padded length of 64.5
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"Bucketing.{name} must be an integer >= 1, got {value!r}")
 
     def __call__(self, length: int, max_length: int | None = None) -> int:
         """The padded length for a longest prompt of ``length`` tokens (at most ``max_length``)."""

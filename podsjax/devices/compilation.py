@@ -67,7 +67,12 @@ def enable_compile_cache(directory: str | os.PathLike | None = None,
     Raises:
         ValueError: the directory cannot be created or written.
     """
-    path = os.path.abspath(os.path.expanduser(os.fspath(directory or default_cache_dir())))
+    if directory is not None and not os.fspath(directory).strip():  # "" had meant the default folder
+        raise ValueError("compile cache: the directory is empty; name one, or pass None for the default")
+    if isinstance(min_compile_time_s, bool) or not isinstance(min_compile_time_s, (int, float)) \
+            or not 0 <= min_compile_time_s < float("inf"):
+        raise ValueError(f"compile cache: min_compile_time_s must be seconds >= 0; got {min_compile_time_s!r}")
+    path = os.path.abspath(os.path.expanduser(os.fspath(directory if directory is not None else default_cache_dir())))
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:

@@ -74,6 +74,8 @@ def make_mesh(spec: str | int | None = None, devices: Sequence[Any] | None = Non
             wanted = math.prod(parse_mesh_spec(spec, None).values())
             devices = devices[:wanted] if wanted <= len(devices) else devices
     devices = list(devices)
+    if len({id(d) for d in devices}) != len(devices):  # one device in two places of the mesh
+        raise ValueError(f"make_mesh got a device twice: {devices}")
     sizes = parse_mesh_spec(len(devices) if spec is None else spec, len(devices))
     shape = tuple(sizes[axis] for axis in MESH_AXES)
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)

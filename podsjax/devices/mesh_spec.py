@@ -26,13 +26,13 @@ def parse_mesh_spec(spec: str | int, num_devices: int | None) -> dict[str, int]:
     """
     text = str(spec).strip().replace(" ", "")
     sizes = {axis: 1 for axis in MESH_AXES}
-    if text.isdigit():
+    if text.isdecimal():  # ASCII and other decimal digits; not "²", which int() refuses
         sizes["fsdp"] = int(text)
     else:
         seen: set[str] = set()
         for part in text.split(","):
             name, eq, value = part.partition("=")
-            if not eq or not value.isdigit():
+            if not eq or not value.isdecimal():
                 raise ValueError(
                     f"mesh spec {spec!r}: expected 'N' or 'axis=size,...' over {MESH_AXES}, got {part!r}"
                 )

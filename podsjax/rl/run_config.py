@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
+from podsjax.data import datasets as data_lib
 from podsjax.data import prompts as prompts_lib
 from podsjax.rewards.pool_workers import MAX_SECONDS
 from podsjax.run import log_backends
@@ -80,6 +82,13 @@ class RunConfig:
     wandb_project: str | None = None  # W&B project (null: $WANDB_PROJECT, else podsjax)
 
     def __post_init__(self):
+        if not isinstance(self.out_dir, (str, os.PathLike)):
+            raise ValueError(f"RunConfig.out_dir must be the run directory's path; got {self.out_dir!r}")
+        if self.task not in data_lib.TASKS:
+            raise ValueError(f"RunConfig.task must be one of {', '.join(data_lib.TASKS)}; got {self.task!r}")
+        for name in ("progress", "console", "keep_best"):  # "no" would read as true
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RunConfig.{name} must be true or false; got {getattr(self, name)!r}")
         try:
             object.__setattr__(self, "log", log_backends.parse_backends(self.log))
         except (ValueError, TypeError) as exc:

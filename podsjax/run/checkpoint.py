@@ -107,6 +107,8 @@ class Checkpointer:
     def __init__(self, config: CheckpointConfig, *, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.directory = os.path.abspath(os.fspath(config.directory))
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):  # orbax's threads would report it
+            raise ValueError(f"checkpoint directory {self.directory} is a file")
         self._clock = clock
         self._manager = open_manager(self.directory, config.keep_last, config.async_save)
         self._last_saved_step = self._manager.latest_step()
@@ -182,6 +184,7 @@ class Checkpointer:
             return False  # already saved (e.g. a forced final save right after a periodic one)
         flat = flat_state(state)
         # force: the decision is ours; orbax's own interval policy must not veto it.
+        self._wait()  # an earlier save's error surfaces here, with the steps on disk read again
         self._manager.save(step, args=save_args(flat, host, host_checksums(flat)), force=True)
         self._last_saved_step = step
         self._last_save_time = self._clock() if now is None else float(now)
@@ -207,7 +210,7 @@ class Checkpointer:
                 shape or dtype; the message names the first offending leaf.
             CheckpointCorrupt: its files do not load, or an array fails its checksum.
         """
-        self._manager.wait_until_finished()
+        self._wait()
         steps = self.all_steps()
         if not steps:
             raise FileNotFoundError(f"no checkpoint to restore in {self.directory}")
@@ -249,7 +252,7 @@ class Checkpointer:
             CheckpointCorrupt: checkpoints exist but none of them loads.
             CheckpointMismatch: a whole checkpoint holds another state (another config).
         """
-        self._manager.wait_until_finished()
+        self._wait()
         steps = self.all_steps()
         moved, unproven = [], []
         for step in reversed(steps):
@@ -273,8 +276,9 @@ class Checkpointer:
         for _, exc in unproven:
             warn(f"warning: {exc}")
         if moved or unproven:
-            kept = (f"; steps {', '.join(str(s) for s, _ in sorted(unproven))} stay where they are (no proof of "
-                    "damage: check this machine's memory and the run's devices, then resume again)" if unproven else "")
+            names = ", ".join(str(s) for s, _ in sorted(unproven))
+            kept = (f"; {'steps' if len(unproven) > 1 else 'step'} {names} left in place (no proof of damage: check "
+                    "this machine's memory, disk and the run's devices, then resume again)" if unproven else "")
             aside = f"; the damaged ones were moved to *{CORRUPT_SUFFIX}" if moved else ""
             raise CheckpointCorrupt(f"no checkpoint in {self.directory} loads{aside}{kept}; or start again with "
                                     "--overwrite")
@@ -282,14 +286,23 @@ class Checkpointer:
 
     def delete(self, step: int) -> None:
         """Deletes the checkpoint of ``step`` (after any pending save has committed)."""
-        self._manager.wait_until_finished()
+        self._wait()
         self._manager.delete(int(step))
 
     # -- lifecycle ---------------------------------------------------------------------
 
     def wait_until_finished(self) -> None:
         """Blocks until a background save (if any) is committed; re-raises its error."""
-        self._manager.wait_until_finished()
+        self._wait()
+
+    def _wait(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except BaseException:
+            # A failed background save (a full disk) left orbax's list of steps empty, though
+            # the committed ones are whole on disk: read them again, then raise.
+            self._manager.reload()
+            raise
 
     def close(self) -> None:
         """Waits for pending saves and releases orbax resources. Idempotent."""

@@ -46,16 +46,19 @@ def flatten_metrics(tree: Mapping[str, Any], sep: str = "/", prefix: str = "") -
         if not isinstance(key, str) or not key:
             raise ValueError(f"metric names must be non-empty strings, got {key!r}")
         name = f"{prefix}{sep}{key}" if prefix else key
-        if isinstance(value, Mapping):
-            out.update(flatten_metrics(value, sep, name))
-        else:
-            out[name] = value
+        inner = flatten_metrics(value, sep, name) if isinstance(value, Mapping) else {name: value}
+        twice = next((n for n in inner if n in out), None)
+        if twice is not None:  # {"a/b": 1, "a": {"b": 2}}: one would be lost
+            raise ValueError(f"metric {twice!r} is given twice (as a name and as a nested one)")
+        out.update(inner)
     return out
 
 
 def to_scalar(name: str, value: Any) -> int | float:
     """A Python int/float from a Python, NumPy or JAX scalar (int kinds stay int)."""
     if isinstance(value, (bool, np.bool_, int, np.integer)):
+        if not -2**63 <= int(value) < 2**63:  # a float() past it fails after the JSON line is written
+            raise ValueError(f"metric {name!r} is an integer past 64 bits: {str(int(value))[:20]}...")
         return int(value)
     if isinstance(value, float):
         return value
@@ -190,6 +193,9 @@ class MetricsWriter:
         Raises:
             ValueError: a value is not a real scalar, or a name is ``step``/``wall_time``.
         """
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+            if not (hasattr(step, "dtype") and np.ndim(step) == 0 and np.asarray(step).dtype.kind in "iu"):
+                raise ValueError(f"step must be an integer; got {step!r}")  # 7.9 had been logged as 7
         flat = {name: to_scalar(name, v) for name, v in flatten_metrics(scalars).items()}
         for reserved in ("step", "wall_time"):
             if reserved in flat:

@@ -23,6 +23,9 @@ SCHEDULES = ("constant", "cosine")
 OLD_LOGPROBS = ("recompute", "sampler")
 
 
+# Optimizer steps one generated batch may take: the update program holds each (a loop of them
+# unrolled), so 2,000 had traced for minutes before compiling. TRL's num_iterations is 1 to 4.
+MAX_UPDATES_PER_GENERATION = 64
 _INT_FIELDS = ("n", "m", "grad_accum", "groups_per_prompt", "num_iterations", "steps_per_generation", "total_steps",
                "top_k", "max_sampling_rounds")
 _FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "logprob_temperature", "top_p", "learning_rate",
@@ -118,6 +121,10 @@ class AlgorithmConfig:
             bad(f"num_iterations must be >= 1; got {self.num_iterations}")
         if self.steps_per_generation < 1:
             bad(f"steps_per_generation must be >= 1; got {self.steps_per_generation}")
+        if self.num_iterations * self.steps_per_generation > MAX_UPDATES_PER_GENERATION:  # each is traced anew
+            bad(f"num_iterations x steps_per_generation must be at most {MAX_UPDATES_PER_GENERATION} optimizer steps "
+                f"per generated batch (each is one more copy of the update in the compiled step); got "
+                f"{self.num_iterations} x {self.steps_per_generation}")
         if self.old_logprobs not in OLD_LOGPROBS:
             bad(f"old_logprobs must be one of {OLD_LOGPROBS}; got {self.old_logprobs!r}")
         if self.tis_cap is not None and self.old_logprobs == "sampler":

@@ -117,9 +117,10 @@ def build_batch(
     chosen_PM = jnp.take_along_axis(rewards_PN, idx_PM, axis=1)
     adv_PM = grpo.group_advantages(chosen_PM, eps=config.advantage_eps, std_scaling=config.std_scaling)
     tokens_PMT = jnp.take_along_axis(tokens_PNT, idx_PM[..., None], axis=1)
-    mask_PMT = jnp.take_along_axis(mask_PNT, idx_PM[..., None], axis=1).astype(jnp.int32)
+    # Nonzero is a real token, as the Decoder reads a mask: a cast would have made 0.5 no token and 2 a double one.
+    mask_PMT = (jnp.take_along_axis(mask_PNT, idx_PM[..., None], axis=1) != 0).astype(jnp.int32)
     prompt_ids = jnp.repeat(prompt_ids_PL, rows, axis=0)
-    prompt_mask = jnp.repeat(prompt_mask_PL, rows, axis=0).astype(jnp.int32)
+    prompt_mask = (jnp.repeat(prompt_mask_PL, rows, axis=0) != 0).astype(jnp.int32)
     t = tokens_PNT.shape[-1]
     completion_mask = mask_PMT.reshape(p * rows, t).astype(jnp.float32)
     advantages = adv_PM.reshape(p * rows)

@@ -383,8 +383,9 @@ def test_inputs_as_lists_give_the_arrays_loss():
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="aggregation must be one of"):
         LossConfig(aggregation="mean")
-    with pytest.raises(ValueError, match="epsilon must be >= 0"):
-        LossConfig(epsilon=-0.1)
+    for epsilon in (-0.1, 1.0, 1.5):  # 1.5 had turned the lower clip off
+        with pytest.raises(ValueError, match=r"epsilon must be in \[0, 1\)"):
+            LossConfig(epsilon=epsilon)
     with pytest.raises(ValueError, match="'group-token-mean' needs group_size >= 1; got None"):
         LossConfig(aggregation="group-token-mean")
     with pytest.raises(ValueError, match="needs whole groups of 2 rows; a batch of 3 rows is not"):

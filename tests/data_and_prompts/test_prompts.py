@@ -249,3 +249,10 @@ def test_a_chat_template_bound_that_is_no_bound_is_refused(chat_tokenizer, timeo
     # 0 had turned the alarm off: a looping template would have hung.
     with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0"):
         check_chat_template(chat_tokenizer, "Q?", timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("changes", [dict(multiple=1.5), dict(multiple="64"), dict(min_length=0),
+                                     dict(min_length=True)])
+def test_bucketing_takes_whole_lengths(changes):
+    with pytest.raises(ValueError, match="must be an integer >= 1"):  # 1.5 had padded to 64.5 tokens
+        Bucketing(mode="multiple", **changes)

@@ -123,3 +123,21 @@ def test_constrain_really_shards_on_cpu_and_is_identity_without_mesh():
     assert y.addressable_shards[0].data.shape == (2, 6, 2)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x) * 2)
     assert mesh_lib.constrain(x, None, ("batch", "length", "mlp")) is x
+
+
+def test_a_device_named_twice_or_an_odd_digit_is_one_line():
+    device = jax.devices()[0]
+    with pytest.raises(ValueError, match="make_mesh got a device twice"):  # it had built the mesh
+        mesh_lib.make_mesh("2", devices=[device, device])
+    with pytest.raises(ValueError, match="mesh spec 'fsdp=²': expected 'N' or 'axis=size"):  # int() had refused "²"
+        mesh_lib.make_mesh("fsdp=²")
+
+
+def test_an_empty_compile_cache_directory_is_refused(tmp_path):
+    from podsjax.devices import compilation
+
+    # "" had silently meant the default folder.
+    with pytest.raises(ValueError, match="compile cache: the directory is empty"):
+        compilation.enable_compile_cache("")
+    with pytest.raises(ValueError, match="min_compile_time_s must be seconds >= 0; got nan"):
+        compilation.enable_compile_cache(tmp_path, min_compile_time_s=float("nan"))

@@ -114,6 +114,7 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--setting", "z"], "unknown setting 'z'"),
     (["--setting", "c"], "is a math setting"),
     (["--mesh", "eight"], "model.mesh: mesh spec 'eight'"),
+    (["--mesh", "fsdp=²"], "model.mesh: mesh spec 'fsdp=²': expected 'N' or 'axis=size"),  # int() had refused "²"
     (["--method", "ppo"], "invalid choice"),
     (["--resume"], "holds no run to resume"),
     (["--checkpoint-every-steps", "0"], "checkpoint_every_steps must be >= 1; got 0"),

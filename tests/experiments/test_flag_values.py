@@ -148,3 +148,14 @@ def test_the_cli_checks_positions_from_the_checkpoint_s_config(tmp_path):
     tiny = flags.parse("gsm8k", ["--max-completion-length", "2000", "--max-steps", "1"])[1]
     with pytest.raises(UsageError, match="the tiny preset's model's max_position_embeddings 1024"):
         run_setup.check_sizes(tiny)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(out_dir=None), "out_dir must be the run directory's path; got None"),
+    (dict(task="gsm9k"), "task must be one of gsm8k, math, chemistry; got 'gsm9k'"),
+    (dict(keep_best="no"), "keep_best must be true or false; got 'no'"),  # "no" had kept the best
+    (dict(progress=1), "progress must be true or false"),
+])
+def test_run_config_fields_of_another_kind_are_one_line(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        RunConfig(**{"out_dir": str(tmp_path), "max_steps": 1, **changes})

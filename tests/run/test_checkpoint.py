@@ -422,6 +422,40 @@ def test_a_restore_that_fails_for_the_target_moves_no_checkpoint_aside(tmp_path)
     mesh = make_mesh("8")
     odd = {"x": jax.ShapeDtypeStruct((6,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp")))}
     with Checkpointer(CheckpointConfig(str(tmp_path))) as ck:
-        with pytest.raises(CheckpointCorrupt, match="steps 1, 2 stay where they are"):
+        with pytest.raises(CheckpointCorrupt, match="steps 1, 2 left in place"):
             ck.restore_latest(odd, warn=lambda line: None)
     assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+
+
+def test_a_checkpoint_directory_that_is_a_file_is_one_line(tmp_path):
+    # orbax's background thread had printed a 30-line traceback, and save() failed deep in etils.
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="checkpoint directory .* is a file"):
+        Checkpointer(CheckpointConfig(str(tmp_path / "f")))
+
+
+_FAILED_SAVE = """
+import os, resource, signal, sys
+import jax.numpy as jnp
+from podsjax.run.checkpoint import Checkpointer, CheckpointConfig
+ck = Checkpointer(CheckpointConfig(sys.argv[1], keep_last=1, async_save=True))
+ck.save(1, {"w": jnp.ones(1000)}, {"pos": 1}, force=True)
+ck.wait_until_finished()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))
+ck.save(2, {"w": jnp.arange(100000.0)}, {"pos": 2}, force=True)
+try:
+    ck.wait_until_finished()
+    print("no error")
+except Exception:
+    print("steps", ck.all_steps(), ck.latest_step())
+"""
+
+
+def test_a_failed_background_save_leaves_the_committed_steps_known(tmp_path):
+    # After the error orbax had listed no step at all, and a resume in the same process found nothing.
+    script = tmp_path / "failed_save.py"
+    script.write_text(_FAILED_SAVE)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=child_env(JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=120)
+    assert "steps [1] 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]

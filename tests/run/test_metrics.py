@@ -246,3 +246,18 @@ def test_the_step_line_reports_compiles_apart_from_the_phases():
     assert reporting.phases_text(scalars) == ("step 13.48 s (generation 0.80, scoring 0.10, selection 0.01, "
                                               "update 0.32; compiles 12.25)")
     assert reporting.phases_text({**scalars, "time/compile": 0.0}).endswith("update 0.32)")
+
+
+@pytest.mark.parametrize("step,scalars,message", [
+    (1, {"a/b": 1, "a": {"b": 2}}, "metric 'a/b' is given twice"),  # one of the two had been kept
+    (7.9, {"x": 1}, "step must be an integer; got 7.9"),  # logged as step 7
+    ("8", {"x": 1}, "step must be an integer"),
+    (5, {"x": 10**400}, "metric 'x' is an integer past 64 bits"),  # JSONL written, then TensorBoard failed
+])
+def test_a_record_that_would_be_logged_wrong_is_refused_before_it_is_written(tmp_path, step, scalars, message):
+    with MetricsWriter(tmp_path, backends=("jsonl", "tensorboard")) as w:
+        with pytest.raises(ValueError, match=message):
+            w.write(step, scalars)
+        w.write(np.int64(2), {"x": 1})  # NumPy and JAX integers are steps
+        w.write(jnp.int32(3), {"x": 1})
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2, 3]

@@ -235,6 +235,9 @@ def test_options_that_need_the_sampler_log_probs_say_so(model_and_params):
 def test_config_checks_of_the_off_policy_options():
     cases = [
         (dict(steps_per_generation=0), "steps_per_generation must be >= 1; got 0"),
+        # 2,000 had traced the unrolled update for minutes before compiling
+        (dict(num_iterations=2000), "num_iterations x steps_per_generation must be at most 64 optimizer steps"),
+        (dict(num_iterations=8, steps_per_generation=16), "got 8 x 16"),
         (dict(old_logprobs="vllm"), r"old_logprobs must be one of \('recompute', 'sampler'\)"),
         (dict(tis_cap=0.0), "tis_cap must be > 0"),
         (dict(tis_cap=float("inf")), "tis_cap must be finite"),

@@ -294,3 +294,13 @@ def test_the_update_takes_log_probs_at_logprob_temperature(model_and_params):
     assert abs(float(at_half.grad_norm) - float(at_one.grad_norm)) > 1e-3 * float(at_one.grad_norm)
     with pytest.raises(ValueError, match="logprob_temperature must be > 0"):
         algorithms.AlgorithmConfig(logprob_temperature=0.0)
+
+
+def test_build_batch_reads_a_nonzero_mask_as_a_real_token():
+    # A float mask had been cast: 0.5 trained nothing, 2.0 doubled its token's weight.
+    config = algorithms.AlgorithmConfig(n=2, m=2, algorithm="grpo")
+    ids, tokens = jnp.ones((1, 2), jnp.int32), jnp.ones((1, 2, 3), jnp.int32)
+    mask = jnp.array([[[0.5, 2.0, 0.0], [1.0, 1.0, 1.0]]])
+    batch, _ = train_step.build_batch(ids, ids * 3, tokens, mask, jnp.array([[1.0, 0.0]]), config)
+    np.testing.assert_array_equal(np.asarray(batch.completion_mask), [[1, 1, 0], [1, 1, 1]])
+    np.testing.assert_array_equal(np.asarray(batch.attention_mask), [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
