@@ -362,8 +362,12 @@ def load_task(
         raise DataError(f"unknown task {name!r}; expected one of {sorted(_ROW_RULES)}")
     if on_bad_row not in _BAD_ROW_MODES:
         raise DataError(f"on_bad_row must be one of {_BAD_ROW_MODES}, got {on_bad_row!r}")
-    if limit is not None and limit < 0:
-        raise DataError(f"limit must be >= 0, got {limit}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise DataError(f"limit must be an integer >= 0 or None, got {limit!r}")  # 1.5 had kept 2
+    if columns is not None and (not isinstance(columns, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in columns.items())):
+        raise DataError(f"columns must map the task's fields to your column names ({{'question': 'prompt'}}), "
+                        f"got {columns!r}")
     taken = [column for column in (columns or {}).values()]
     shared = sorted({column for column in taken if taken.count(column) > 1})
     if shared:  # a row's column can be moved onto one task field only

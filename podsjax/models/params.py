@@ -48,6 +48,25 @@ def abstract_params(model) -> Any:
     return nn.meta.unbox(_boxed_abstract(model))
 
 
+def check_params_fit(model, params: Any) -> None:
+    """``params`` hold every tensor ``model``'s config needs, each of its shape (params from
+    another checkpoint, or None, would fail deep inside a layer).
+
+    Raises:
+        ValueError: naming the first tensor missing, extra or of another shape.
+    """
+    want = {jax.tree_util.keystr(path): tuple(x.shape)
+            for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(model))[0]}
+    got = {jax.tree_util.keystr(path): tuple(getattr(x, "shape", ()))
+           for path, x in jax.tree_util.tree_flatten_with_path(params)[0]} if isinstance(params, dict) else {}
+    if not got:
+        raise ValueError(f"params must be the model's params tree (a dict of arrays); got {type(params).__name__}")
+    for name in sorted(set(want) | set(got)):
+        if want.get(name) != got.get(name):
+            raise ValueError(f"params do not fit this model: {name} is {got.get(name, 'missing')}, the model's config "
+                             f"gives {want.get(name, 'no such tensor')}; were they loaded for another config?")
+
+
 def param_logical_axes(model) -> Any:
     """Tree of logical-name tuples, e.g. ``("embed", "q_heads", "head_dim")``, per param."""
     specs = nn.get_partition_spec(_boxed_abstract(model))

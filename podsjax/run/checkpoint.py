@@ -253,36 +253,7 @@ class Checkpointer:
             CheckpointMismatch: a whole checkpoint holds another state (another config).
         """
         self._wait()
-        steps = self.all_steps()
-        moved, unproven = [], []
-        for step in reversed(steps):
-            try:
-                state, host = self.restore(abstract_state, step)
-            except CheckpointCorrupt as exc:
-                if exc.proven:
-                    moved.append(move_aside(self.directory, step))
-                    warn(f"warning: {exc}; moved it to {moved[-1]} and trying the checkpoint before it")
-                else:
-                    unproven.append((step, exc))
-                continue
-            for newer, exc in unproven:  # an older one loads into the same target: the newer files are at fault
-                moved.append(move_aside(self.directory, newer))
-                warn(f"warning: {exc}; moved it to {moved[-1]}, as step {step} loads")
-            if moved:
-                self._manager.reload()
-            return state, host, step
-        if moved:
-            self._manager.reload()
-        for _, exc in unproven:
-            warn(f"warning: {exc}")
-        if moved or unproven:
-            names = ", ".join(str(s) for s, _ in sorted(unproven))
-            kept = (f"; {'steps' if len(unproven) > 1 else 'step'} {names} left in place (no proof of damage: check "
-                    "this machine's memory, disk and the run's devices, then resume again)" if unproven else "")
-            aside = f"; the damaged ones were moved to *{CORRUPT_SUFFIX}" if moved else ""
-            raise CheckpointCorrupt(f"no checkpoint in {self.directory} loads{aside}{kept}; or start again with "
-                                    "--overwrite")
-        return None
+        return _restore_newest(self, abstract_state, warn)
 
     def delete(self, step: int) -> None:
         """Deletes the checkpoint of ``step`` (after any pending save has committed)."""
@@ -315,3 +286,38 @@ class Checkpointer:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _restore_newest(ck: Checkpointer, abstract_state: Any, warn: Callable[[str], None]
+                    ) -> tuple[Any, dict[str, Any], int] | None:
+    """:meth:`Checkpointer.restore_latest`'s walk from the newest step back."""
+    steps = ck.all_steps()
+    moved, unproven = [], []
+    for step in reversed(steps):
+        try:
+            state, host = ck.restore(abstract_state, step)
+        except CheckpointCorrupt as exc:
+            if exc.proven:
+                moved.append(move_aside(ck.directory, step))
+                warn(f"warning: {exc}; moved it to {moved[-1]} and trying the checkpoint before it")
+            else:
+                unproven.append((step, exc))
+            continue
+        for newer, exc in unproven:  # an older one loads into the same target: the newer files are at fault
+            moved.append(move_aside(ck.directory, newer))
+            warn(f"warning: {exc}; moved it to {moved[-1]}, as step {step} loads")
+        if moved:
+            ck._manager.reload()
+        return state, host, step
+    if moved:
+        ck._manager.reload()
+    for _, exc in unproven:
+        warn(f"warning: {exc}")
+    if moved or unproven:
+        names = ", ".join(str(s) for s, _ in sorted(unproven))
+        kept = (f"; {'steps' if len(unproven) > 1 else 'step'} {names} left in place (no proof of damage: check "
+                "this machine's memory, disk and the run's devices, then resume again)" if unproven else "")
+        aside = f"; the damaged ones were moved to *{CORRUPT_SUFFIX}" if moved else ""
+        raise CheckpointCorrupt(f"no checkpoint in {ck.directory} loads{aside}{kept}; or start again with "
+                                "--overwrite")
+    return None

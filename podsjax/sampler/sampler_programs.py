@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from podsjax.devices import mesh as mesh_lib
 from podsjax.models import rollout
 from podsjax.models.lora import check_lora_fits
+from podsjax.models.params import check_params_fit
 from podsjax.sampler import decoding
 
 STAGES = ("weights", "sample")
@@ -149,7 +150,8 @@ def stages(programs: Programs, model, cfg: decoding.SamplingConfig, params: Any,
     known = programs.by_key.get(call)  # one lookup: another thread may drop the entry meanwhile
     if known is not None:  # the steady state: no tracing, no lookups by abstract values
         return known
-    if lora is not None:  # one line, not a reshape error from inside the merge or a layer
+    check_params_fit(model, params)  # one line, not a shape error from inside the merge or a layer
+    if lora is not None:
         check_lora_fits(model, lora)
     layers = decoding.layers_for(model)
     weights_fn, weights = None, (params, lora)  # the scanned layout reads the params themselves

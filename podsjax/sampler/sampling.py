@@ -183,7 +183,11 @@ class Generator:
                            return_logprobs)
         vocab = self.model.config.vocab_size
         prompt_ids_BL = token_ids.as_ids(prompt_ids_BL, vocab, "prompt")
-        prompt_mask_BL = jnp.asarray(prompt_mask_BL)
+        try:
+            prompt_mask_BL = jnp.asarray(prompt_mask_BL)
+        except TypeError:  # text, objects
+            raise ValueError(f"the prompt mask must be numbers (nonzero: a real token); got "
+                             f"{np.asarray(prompt_mask_BL).dtype} values") from None
         if prompt_ids_BL.ndim != 2 or prompt_mask_BL.shape != prompt_ids_BL.shape:
             raise ValueError(
                 f"prompt ids and mask must both be [B, L]; got {prompt_ids_BL.shape} and {prompt_mask_BL.shape}"
@@ -210,6 +214,9 @@ class Generator:
         if not isinstance(key, jax.Array):
             raise TypeError(f"key must be a PRNG key (jax.random.key(seed)); got {type(key).__name__}")
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            if key.dtype != jnp.uint32 or key.shape != (2,):
+                raise ValueError(f"key must be a PRNG key (jax.random.key(seed)) or jax.random.PRNGKey's uint32[2]; "
+                                 f"got {key.dtype}{list(key.shape)}")
             key = jax.random.wrap_key_data(key)  # a jax.random.PRNGKey
         if key.shape != ():
             raise ValueError(f"key must be one PRNG key; got shape {key.shape}")

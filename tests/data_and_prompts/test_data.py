@@ -281,6 +281,10 @@ def test_your_own_columns_and_bare_final_answers(tmp_path):
     for columns in ({"answer": "final", "problem": "answer"}, {"problem": "answer", "answer": "final"}):
         assert [(e.prompt, e.answer) for e in load_task("math", "train", crossed, columns=columns)] == [
             ("Half of 3?", "1.5")]
+    for bad, message in (({"limit": 1.5}, "limit must be an integer >= 0 or None, got 1.5"),
+                         ({"columns": ["prompt"]}, "columns must map the task's fields to your column names")):
+        with pytest.raises(DataError, match=message):
+            load_task("gsm8k", "train", crossed, **bad)
     swapped = tmp_path / "swapped.jsonl"
     swapped.write_text(json.dumps({"question": "2", "answer": "One plus one?"}) + "\n")
     task = load_task("gsm8k", "train", swapped, columns={"question": "answer", "answer": "question"})

@@ -133,6 +133,11 @@ def test_lora_of_another_model_is_refused_by_both_exports(model_params, tmp_path
     with pytest.raises(ValueError, match="lora must be the LoraParams that init_lora makes"):
         pm.save_pretrained(model, params, tmp_path / "merged", lora=lora.weights)
     assert not (tmp_path / "merged").exists() and not (tmp_path / "adapter").exists()
+    wider_params = pm.init_params(wider, jax.random.key(2))  # params of another config: one line too
+    with pytest.raises(ValueError, match=r"params do not fit this model: \['layers'\]\['mlp'\]\['down'\]"):
+        sampling.Generator(model).generate(wider_params, np.ones((1, 4), np.int32), np.ones((1, 4), np.int32),
+                                           jax.random.key(0), num_samples=1, max_new_tokens=2, eos_token_ids=2,
+                                           temperature=1.0)
     with pytest.raises(ValueError, match="LoRA targets must be a list of projection names"):
         pm.LoraConfig(targets="qkv")  # had been q, k and v
 

@@ -423,6 +423,11 @@ def test_bad_arguments_raise_one_line_errors(tiny, generator_for):
     np.testing.assert_array_equal(np.asarray(as_floats.tokens), np.asarray(as_ints.tokens))
     with pytest.raises(ValueError, match="the prompt mask must be bool, integer or float"):
         sampling.generate(model, params, ids, np.asarray(mask, np.complex64), jax.random.key(0), **base)
+    with pytest.raises(ValueError, match="the prompt mask must be numbers"):  # JAX's own error had named no argument
+        sampling.generate(model, params, ids, np.asarray(mask).astype(str), jax.random.key(0), **base)
+    for key in (jnp.zeros(2, jnp.float32), jnp.zeros(3, jnp.uint32)):
+        with pytest.raises(ValueError, match=r"key must be a PRNG key \(jax.random.key\(seed\)\) or"):
+            sampling.generate(model, params, ids, mask, key, **base)
     # Under the caller's jit: one line, not a concretization error from inside.
     with pytest.raises(TypeError, match="call it outside jax.jit, grad and vmap"):
         jax.jit(lambda i: generator.generate(params, i, mask, jax.random.key(0), **base).tokens)(ids)
