@@ -21,6 +21,8 @@ def zero_variance(rewards_GN: np.ndarray) -> np.ndarray:
     """[G] bool: the groups whose rewards are all equal (no group-relative signal; TRL's
     ``frac_reward_zero_std`` counts them)."""
     rewards_GN = np.asarray(rewards_GN)
+    if rewards_GN.ndim != 2:
+        raise ValueError(f"rewards must be [groups, n]; got shape {rewards_GN.shape}")
     return np.all(rewards_GN == rewards_GN[:, :1], axis=1)
 
 
@@ -31,6 +33,8 @@ def choose_groups(zero_G: np.ndarray, wanted: int) -> tuple[np.ndarray, int]:
     earliest zero-variance groups fill the rest.
     """
     zero_G = np.asarray(zero_G, bool)
+    if isinstance(wanted, bool) or not isinstance(wanted, (int, np.integer)) or wanted < 0:
+        raise ValueError(f"wanted must be an integer >= 0; got {wanted!r}")  # -1 had taken all but the last
     if len(zero_G) < wanted:
         raise ValueError(f"{len(zero_G)} groups drawn cannot fill {wanted}")
     informative, flat = np.flatnonzero(~zero_G), np.flatnonzero(zero_G)

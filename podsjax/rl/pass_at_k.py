@@ -47,7 +47,13 @@ def pass_at_k_per_problem(num_samples: int, num_correct_E: np.ndarray, k: int) -
         num_correct_E: [E] c, the correct samples of each problem (0 <= c <= n).
         k: the samples drawn, 1 <= k <= n.
     """
-    num_correct_E = np.asarray(num_correct_E, np.int64)
+    for name, value in (("k", k), ("num_samples", num_samples)):  # k=1.5 had computed a pass@1.5
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name} must be an integer; got {value!r}")
+    counts = np.asarray(num_correct_E)
+    if counts.size and counts.dtype.kind not in "iub":  # a float count had been cut to an int
+        raise ValueError(f"correct counts must be integers; got dtype {counts.dtype}")
+    num_correct_E = counts.astype(np.int64)
     if not 1 <= k <= num_samples:
         raise ValueError(f"k must be from 1 to the {num_samples} samples per problem; got {k}")
     if num_correct_E.size and not (0 <= num_correct_E.min() and num_correct_E.max() <= num_samples):

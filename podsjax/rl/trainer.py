@@ -7,6 +7,8 @@ import os
 import time
 from typing import Callable
 
+import numpy as np
+
 from podsjax import rewards as rewards_lib
 from podsjax.data import prompts as prompts_lib
 from podsjax.devices import compilation, dry_run, hosts
@@ -45,16 +47,14 @@ class Trainer:
         log: prints one console line (default: stdout when ``run_config.console``, else nothing).
         started_at: ``time.time()`` when the process started, for the first step's report.
         generator: the :class:`podsjax.sampler.sampling.Generator` (default: a new one for ``model``).
-        scorer: scores completions, ``score(completions, rewards, **columns)`` and ``close()``
-            (default: a :class:`podsjax.rewards.RewardPool` of ``run_config.reward_workers``).
-        evaluator: ``evaluator(params, lora) -> (scalars, samples)`` (default: an
-            :class:`~podsjax.rl.Evaluator` on ``eval_examples``).
+        scorer: ``score(completions, rewards, **columns)`` and ``close()`` (default: a RewardPool).
+        evaluator: ``evaluator(params, lora) -> (scalars, samples)``, the scalars with ``eval/accuracy``
+            and ``eval/examples`` (default: an :class:`~podsjax.rl.Evaluator` on ``eval_examples``).
         update: ``(optimizer, update)`` as :func:`~podsjax.rl.update_program` makes them (default: made here).
         hooks: :class:`~podsjax.rl.hooks.Hook` s called after the run's own (see :meth:`add_hook`).
 
     Attributes:
-        compile_log: every compile of generate, selection and the update (see
-            :class:`podsjax.devices.compilation.CompileLog`); ``compile_counts`` is its counts.
+        compile_log: every compile (:class:`podsjax.devices.compilation.CompileLog`; ``compile_counts``).
         weights: the train state and the update (:class:`~podsjax.rl.weights.Weights`).
         stepper: takes one RL step (:class:`~podsjax.rl.rl_step.RLStep`).
     """
@@ -77,6 +77,7 @@ class Trainer:
         self.batch_fn = programs.batch_program(model.mesh, prompt_rows * algo.m, algo)
         self.weights = Weights(model, base_params, algo, lora, run_config.seed, self.compile_log,
                                update or programs.update_program(model, algo, lora))
+        _refuse_if_in_use(run_config.out_dir)
         os.makedirs(run_config.out_dir, exist_ok=True)
         self.host = HostState()  # replaced by a restored checkpoint's
         self.checkpointer = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(
@@ -199,6 +200,7 @@ class Trainer:
         """The evaluator's scalars for the current policy; its samples go to ``samples.jsonl``."""
         with self.signals.droppable():  # nothing is written until every pass is scored
             scalars, samples = self.evaluator(*self.policy_params())
+        scalars = _evaluation_scalars(scalars)
         self.writer.write_samples(self.step, samples[: self.run_config.log_samples])
         return scalars
 
@@ -232,3 +234,21 @@ class Trainer:
             self.scorer.close()
         finally:
             self._loop.close()
+
+
+def _refuse_if_in_use(out_dir: str) -> None:
+    """Another process's run in ``out_dir`` (its lock): its best policies and logs are not this
+    run's to rewind. The command line's runner holds the lock itself, which is no refusal."""
+    in_use = run_state.RunLock(out_dir).in_use() if hosts.is_primary() else None
+    if in_use:
+        raise run_state.RunLocked(in_use)
+
+
+def _evaluation_scalars(scalars) -> dict[str, float]:
+    """An evaluator's scalars, checked: the console line, the best policy and the history read
+    accuracy and examples; NumPy numbers become floats (the history is JSON)."""
+    missing = [k for k in ("eval/accuracy", "eval/examples") if k not in scalars]
+    if missing:
+        raise ValueError(f"the evaluator's scalars lack {', '.join(missing)}; it must return "
+                         "({'eval/accuracy': ..., 'eval/examples': ..., ...}, samples)")
+    return {k: float(v) if isinstance(v, np.number) else v for k, v in scalars.items()}

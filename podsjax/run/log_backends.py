@@ -25,7 +25,11 @@ DEFAULT_BACKENDS = ("jsonl", "tensorboard")
 
 def parse_backends(spec: str | Sequence[str]) -> tuple[str, ...]:
     """``"jsonl,tensorboard,wandb"`` (or a sequence of names) checked: known names, jsonl among them."""
-    names = tuple(n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip())
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    odd = next((n for n in items if not isinstance(n, str)), None)
+    if odd is not None:
+        raise ValueError(f"log backends are names ({', '.join(BACKENDS)}); got {odd!r}")
+    names = tuple(n.strip() for n in items if n.strip())
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown log backend {unknown[0]!r}; choose from {', '.join(BACKENDS)}")

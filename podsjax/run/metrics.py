@@ -143,6 +143,9 @@ class MetricsWriter:
         self._tensorboard: log_backends.TensorBoard | None = None
         self._wandb: log_backends.WandB | None = None
         self._closed = False
+        for what, name in (("jsonl_name", jsonl_name), ("samples_name", samples_name)):  # never outside out_dir
+            if os.path.isabs(name) or os.path.normpath(name).startswith(os.pardir):
+                raise ValueError(f"{what} must be a file name inside out_dir; got {name!r}")
         self.metrics_path = os.path.join(self.out_dir, jsonl_name)
         self.samples_path = os.path.join(self.out_dir, samples_name)
         if not enabled:

@@ -175,7 +175,13 @@ class RunLock:
     def in_use(self) -> str | None:
         """The line naming the live run that holds this lock, or None; reads the lock file only
         (a stale lock stays where it is, for the run that takes it over to say so)."""
-        verdict, _, why = self._verdict({"pid": os.getpid(), **_host_identity()})
+        me = {"pid": os.getpid(), **_host_identity()}
+        holder = _read_text(self.path) or ""
+        with contextlib.suppress(ValueError, AttributeError):
+            held = json.loads(holder)
+            if all(held.get(k) == me[k] for k in ("pid", "host", "boot", "pid_ns")):
+                return None  # this process holds it (the command line's runner, then its Trainer)
+        verdict, _, why = self._verdict(me)
         return why if verdict == "live" else None
 
     def _verdict(self, me: dict[str, Any]) -> tuple[str, str | None, str | None]:

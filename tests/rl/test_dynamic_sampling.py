@@ -118,3 +118,10 @@ def test_a_step_logs_every_failure_count_the_scorer_reports_restarts_too(monkeyp
                                     np.ones((2, 3), np.int32), np.zeros(2, bool))
     # Counts of what went wrong (restarts of dead or stuck workers among them), not timings.
     assert scored.failures == {k: float(v) for k, v in counts.items() if k != "reward/seconds"}
+
+
+def test_odd_inputs_of_the_group_helpers_are_one_line():
+    with pytest.raises(ValueError, match="wanted must be an integer >= 0; got -1"):  # had taken all but the last
+        dynamic_sampling.choose_groups(np.zeros(4, bool), -1)
+    with pytest.raises(ValueError, match=r"rewards must be \[groups, n\]; got shape \(4,\)"):
+        dynamic_sampling.zero_variance(np.zeros(4))

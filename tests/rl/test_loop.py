@@ -571,3 +571,38 @@ def test_dynamic_sampling_draws_again_until_the_groups_have_variance(setup, tmp_
         np.testing.assert_array_equal(scored.total, [0, 1, 0, 1, 1, 0, 1, 0])
     finally:
         trainer.close()
+
+
+def test_a_custom_evaluator_must_return_accuracy_and_examples(setup, tmp_path):
+    # Without eval/examples the console line had failed with a KeyError; a NumPy accuracy had stopped
+    # the run when the history was written.
+    def without_examples(params, lora):
+        return {"eval/accuracy": np.float32(0.5)}, []
+
+    trainer = make_trainer(setup, tmp_path / "run", max_steps=1, evaluator=without_examples)
+    try:
+        with pytest.raises(ValueError, match="the evaluator's scalars lack eval/examples"):
+            trainer.evaluate()
+        trainer.evaluator = lambda params, lora: ({"eval/accuracy": np.float32(0.5), "eval/examples": np.int64(2)}, [])
+        assert trainer.evaluate() == {"eval/accuracy": 0.5, "eval/examples": 2.0}
+        assert all(type(v) is float for v in trainer.evaluate().values())
+    finally:
+        trainer.close()
+
+
+def test_a_trainer_refuses_a_folder_another_live_process_holds(setup, tmp_path):
+    # A second Trainer had cleared the running job's best policies and rewound its logs.
+    import json
+
+    from podsjax.run import run_state
+
+    out = tmp_path / "run"
+    out.mkdir()
+    parent = os.getppid()  # alive for as long as this test runs
+    holder = {"pid": parent, **run_state._host_identity(), "started": run_state._process_start(parent)}
+    (out / run_state.LOCK_FILE).write_text(json.dumps(holder))
+    with pytest.raises(run_state.RunLocked, match=f"is in use by pid {parent}"):
+        make_trainer(setup, out, max_steps=1)
+    (out / run_state.LOCK_FILE).unlink()
+    with run_state.RunLock.acquire(str(out), heartbeat_s=0):  # this process's own lock, as the command line holds
+        make_trainer(setup, out, max_steps=1).close()

@@ -204,3 +204,11 @@ def test_eval_scalars_add_pass_and_maj_at_k_from_the_metric():
     assert "eval/pass_at_1" not in rl.eval_scalars(values_RE, rl.EVAL_METRICS["accuracy"])
     with pytest.raises(ValueError, match="needs each completion's answer id"):
         rl.eval_scalars({k: v for k, v in values_RE.items() if k != "answer_id"}, ("accuracy",), (1,))
+
+
+@pytest.mark.parametrize("k,counts,message", [(1.5, [1, 2], "k must be an integer; got 1.5"),
+                                              (2, [1.5, 2.0], "correct counts must be integers; got dtype float64")])
+def test_a_fractional_k_or_count_is_refused(k, counts, message):
+    # Both had computed: a pass@1.5, and 1.5 correct cut to 1.
+    with pytest.raises(ValueError, match=message):
+        pass_at_k_per_problem(4, np.asarray(counts), k)

@@ -261,3 +261,11 @@ def test_a_record_that_would_be_logged_wrong_is_refused_before_it_is_written(tmp
         w.write(np.int64(2), {"x": 1})  # NumPy and JAX integers are steps
         w.write(jnp.int32(3), {"x": 1})
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2, 3]
+
+
+def test_backends_are_names_and_the_logs_stay_inside_the_run_folder(tmp_path):
+    with pytest.raises(ValueError, match="log backends are names"):  # an AttributeError from inside had said so
+        MetricsWriter(tmp_path, backends=["jsonl", 3])
+    for name in (str(tmp_path.parent / "elsewhere.jsonl"), "../up.jsonl"):
+        with pytest.raises(ValueError, match="jsonl_name must be a file name inside out_dir"):
+            MetricsWriter(tmp_path, backends=("jsonl",), jsonl_name=name)
