@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -58,7 +59,7 @@ def check_params_fit(model, params: Any) -> None:
     want = {jax.tree_util.keystr(path): tuple(x.shape)
             for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(model))[0]}
     got = {jax.tree_util.keystr(path): tuple(getattr(x, "shape", ()))
-           for path, x in jax.tree_util.tree_flatten_with_path(params)[0]} if isinstance(params, dict) else {}
+           for path, x in jax.tree_util.tree_flatten_with_path(params)[0]} if isinstance(params, Mapping) else {}
     if not got:
         raise ValueError(f"params must be the model's params tree (a dict of arrays); got {type(params).__name__}")
     for name in sorted(set(want) | set(got)):
