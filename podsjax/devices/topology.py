@@ -47,6 +47,8 @@ def compile_only_devices(name: str) -> list:
     Raises:
         ValueError: one line, naming what is wrong with ``name`` or missing on this host.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"a topology is a name such as 'v5e:2x4' or 'h100:8'; got {name!r}")
     if gpu_topology.is_gpu_name(name):
         return gpu_topology.compile_only_devices(name)
     if name[:1] == "v":

@@ -62,7 +62,8 @@ class BestPolicy:
         """Saves ``params`` as the new best when ``accuracy`` beats every earlier evaluation (a
         NaN one never does: it would stay the best, as nothing compares greater)."""
         accuracy = float(accuracy)  # a NumPy scalar too; its host state must be JSON
-        if math.isnan(accuracy) or self.accuracy is not None and not accuracy > self.accuracy:
+        earlier = self.accuracy if self.accuracy is not None and not math.isnan(self.accuracy) else None
+        if math.isnan(accuracy) or earlier is not None and not accuracy > earlier:  # a NaN recorded before: none
             return False
         self._checkpointer.save(step, {"params": params}, {"accuracy": accuracy}, force=True)
         self.step, self.accuracy = step, accuracy

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 STATE_ITEM = "state"
@@ -86,7 +87,15 @@ def flat_state(state: Any) -> dict[str, Any]:
     paths, leaves, _ = leaf_paths(state)
     if not paths:
         raise ValueError("state has no array leaves to checkpoint")
+    odd = next((p for p, x in zip(paths, leaves) if not is_key(x) and not _numeric(x)), None)
+    if odd is not None:  # a string had failed deep in the checksum
+        raise ValueError(f"state leaf {odd!r} is no array or number: {type(dict(zip(paths, leaves))[odd]).__name__}")
     return {p: (jax.random.key_data(x) if is_key(x) else x) for p, x in zip(paths, leaves)}
+
+
+def _numeric(x: Any) -> bool:
+    """An array (its dtype is orbax's to store) or a number; text and other objects are not."""
+    return (hasattr(x, "dtype") and hasattr(x, "shape")) or isinstance(x, (bool, int, float, np.number))
 
 
 def unflatten_state(flat: Mapping[str, Any], abstract_state: Any) -> Any:

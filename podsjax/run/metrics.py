@@ -229,6 +229,8 @@ class MetricsWriter:
         """
         rows = []
         for i, r in enumerate(records):
+            if not isinstance(r, Mapping):  # a text had failed inside dict()
+                raise ValueError(f"sample {i} must be a dict of fields; got {type(r).__name__}")
             if "step" in r:
                 raise ValueError(f"sample {i} has a 'step' field; the step is added by write_samples")
             rows.append({"step": int(step), **to_jsonable(dict(r), f"sample {i}")})

@@ -211,6 +211,8 @@ class AlgorithmConfig:
 
 def make_optimizer(config: AlgorithmConfig) -> optax.GradientTransformation:
     """Clip by global norm, then AdamW on the configured schedule."""
+    if not isinstance(config, AlgorithmConfig):
+        raise TypeError(f"make_optimizer takes an AlgorithmConfig; got {type(config).__name__}")
     return optax.chain(
         optax.clip_by_global_norm(config.max_grad_norm),
         optax.adamw(

@@ -141,3 +141,13 @@ def test_an_empty_compile_cache_directory_is_refused(tmp_path):
         compilation.enable_compile_cache("")
     with pytest.raises(ValueError, match="min_compile_time_s must be seconds >= 0; got nan"):
         compilation.enable_compile_cache(tmp_path, min_compile_time_s=float("nan"))
+
+
+def test_topology_and_optimizer_arguments_of_another_kind_are_one_line():
+    from podsjax.devices import topology
+    from podsjax.update import algorithms
+
+    with pytest.raises(ValueError, match="a topology is a name such as 'v5e:2x4' or 'h100:8'; got None"):
+        topology.compile_only_devices(None)
+    with pytest.raises(TypeError, match="make_optimizer takes an AlgorithmConfig; got dict"):
+        algorithms.make_optimizer({})

@@ -24,6 +24,8 @@ def test_a_nan_evaluation_is_never_the_best(tmp_path):
     assert policy.offer(1, np.float32(0.5), params) and policy.offer(2, 0.75, params)  # a NumPy float too
     assert not policy.offer(3, 0.75, params)
     assert (policy.step, policy.accuracy) == (2, 0.75)
+    resumed = BestPolicy(str(tmp_path / "old"), (0, float("nan")), resumed_step=None)  # an older run's record
+    assert resumed.offer(1, 0.1, params)
 
 
 def test_the_eval_history_is_strict_json(tmp_path):

@@ -459,3 +459,10 @@ def test_a_failed_background_save_leaves_the_committed_steps_known(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=child_env(JAX_PLATFORMS="cpu"),
                           capture_output=True, text=True, timeout=120)
     assert "steps [1] 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_text_leaf_is_named_before_anything_is_saved(tmp_path):
+    with Checkpointer(CheckpointConfig(str(tmp_path), async_save=False)) as ck:
+        with pytest.raises(ValueError, match="state leaf 'name' is no array or number: str"):  # had failed deep inside
+            ck.save(1, {"w": jnp.ones(3), "name": "policy"}, force=True)
+        assert ck.all_steps() == []

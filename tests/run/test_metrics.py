@@ -269,3 +269,9 @@ def test_backends_are_names_and_the_logs_stay_inside_the_run_folder(tmp_path):
     for name in (str(tmp_path.parent / "elsewhere.jsonl"), "../up.jsonl"):
         with pytest.raises(ValueError, match="jsonl_name must be a file name inside out_dir"):
             MetricsWriter(tmp_path, backends=("jsonl",), jsonl_name=name)
+
+
+def test_a_sample_that_is_no_dict_is_one_line(tmp_path):
+    with MetricsWriter(tmp_path, backends=("jsonl",)) as w:
+        with pytest.raises(ValueError, match="sample 0 must be a dict of fields; got str"):
+            w.write_samples(1, ["abc"])
