@@ -53,8 +53,9 @@ def group_advantages(
       std of one value: a lone rollout carries no group-relative signal.
 
     Raises:
-      ValueError: a NaN or infinite reward (unless traced: then its group's advantages are
-        NaN, every group's with "batch", and the update skips them as non-finite).
+      ValueError: a NaN or infinite reward, or a group spanning more than float32 holds (unless
+        traced: then its advantages are NaN, every group's with "batch", and the update skips them).
+      TypeError: complex rewards.
     """
     if std_scaling not in STD_SCALINGS:
         raise ValueError(f"std_scaling must be one of {STD_SCALINGS}; got {std_scaling!r}")
@@ -64,12 +65,18 @@ def group_advantages(
     if isinstance(ddof, bool) or not isinstance(ddof, numbers.Integral) or ddof < 0:
         raise ValueError(f"ddof must be an integer >= 0; got {ddof!r}")
     ddof = int(ddof)
+    if jnp.iscomplexobj(rewards_PM):  # a cast would keep the real part without a word
+        raise TypeError(f"rewards must be real numbers; got dtype {jnp.result_type(rewards_PM)}")
     rewards = jnp.asarray(rewards_PM, dtype=jnp.float32)
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
-    if not isinstance(rewards, jax.core.Tracer) and rewards.is_fully_addressable and not np.isfinite(rewards).all():
-        where = np.argwhere(~np.isfinite(rewards))[0]
-        raise ValueError(f"rewards must be finite; got {float(rewards[tuple(where)])} at {where.tolist()}")
+    if not isinstance(rewards, jax.core.Tracer) and rewards.is_fully_addressable:
+        host, bad = np.asarray(rewards, np.float64), np.argwhere(~np.isfinite(rewards))
+        if bad.size:
+            raise ValueError(f"rewards must be finite; got {float(host[tuple(bad[0])])} at {bad[0].tolist()}")
+        if host.size and (spread := np.ptp(host, axis=-1).max()) > np.finfo(np.float32).max:  # shift: inf
+            raise ValueError(f"rewards of one group must differ by less than float32's largest value (3.4e38); "
+                             f"one group spans {spread:.3g}")
     # Mean and std are shift-invariant; shifting by one member makes equal rewards
     # exactly 0 before any averaging (mean([7.0] * 7) is not exactly 7.0 in float32).
     shifted = rewards - rewards[..., :1]
@@ -144,8 +151,7 @@ class LossConfig:
     def __post_init__(self):
         for name in ("epsilon", "epsilon_high", "beta", "tis_cap"):
             value = getattr(self, name)
-            optional = name in ("epsilon_high", "tis_cap")  # None: off
-            if value is None and optional:
+            if value is None and name in ("epsilon_high", "tis_cap"):  # None: off
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{name} must be a number; got {value!r}")
@@ -154,8 +160,7 @@ class LossConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise ValueError(f"{name} must be an integer; got {value!r}")
-            if value is not None:
-                object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, None if value is None else int(value))
         for ok, problem in (
                 (0 <= self.epsilon < 1, f"epsilon must be in [0, 1) (the ratio is clipped at 1 - it); got {self.epsilon}"),
                 (self.epsilon_high is None or self.epsilon_high >= 0, f"epsilon_high must be >= 0; got {self.epsilon_high}"),
@@ -221,8 +226,7 @@ def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:
     num_seqs = jnp.asarray(max(mask.shape[0], 1) if mask.ndim > 1 else 1, jnp.float32)
     if config.aggregation == "seq-mean-token-mean":
         return num_seqs
-    length = config.norm_length or max(mask.shape[-1], 1)
-    return num_seqs * length
+    return num_seqs * (config.norm_length or max(mask.shape[-1], 1))
 
 
 class TokenLoss(NamedTuple):
@@ -246,11 +250,10 @@ def grpo_token_loss(log_ratio_BL: jax.Array, adv_B1: jax.Array, config: LossConf
 def gspo_token_loss(logp_BL, old_BL, adv_B1, mask_BL, config: LossConfig) -> TokenLoss:
     """GSPO: the clipped surrogate of one ratio per sequence, s = exp(mean_t (logp - old)).
 
-    Every token of a sequence gets -min(s A, clip(s, 1 - eps, 1 + eps_high) A), and the
-    gradient flows through s, as TRL's ``importance_sampling_level="sequence"``. verl
-    writes it per token as sg(s) * pi / sg(pi) (the paper's GSPO-token): the same value
-    on each token and, since every aggregation weights a sequence's tokens alike, the
-    same gradient. ``mask_BL`` (float) is 1 on the tokens that count.
+    Every token of a sequence gets -min(s A, clip(s, 1 - eps, 1 + eps_high) A), the gradient
+    through s (TRL's ``importance_sampling_level="sequence"``). verl's per-token sg(s) * pi / sg(pi)
+    (GSPO-token) has the same value and, as every aggregation weights a sequence's tokens alike,
+    the same gradient. ``mask_BL`` (float) is 1 on the tokens that count.
     """
     lengths = jnp.maximum(jnp.sum(mask_BL, axis=-1, keepdims=True), 1.0)
     log_seq_ratio = jnp.sum((logp_BL - old_BL) * mask_BL, axis=-1, keepdims=True) / lengths
@@ -260,10 +263,9 @@ def gspo_token_loss(logp_BL, old_BL, adv_B1, mask_BL, config: LossConfig) -> Tok
 def cispo_token_loss(logp_BL, old_BL, adv_B1, config: LossConfig) -> TokenLoss:
     """CISPO: -sg(min(r, 1 + eps_high)) A logp, REINFORCE weighted by the capped ratio.
 
-    No token loses its gradient: the cap only bounds the weight. The bound is the
-    MiniMax-M1 paper's 1 + eps_high with no lower bound (the paper sets none; verl adds
-    1 - eps_low). TRL caps at ``epsilon_high`` itself (ScaleRL's eps_max, suggested 5.0),
-    which is ``epsilon_high=4.0`` here; ``epsilon`` is unused.
+    No token loses its gradient: the cap only bounds the weight, MiniMax-M1's 1 + eps_high with no
+    lower bound (verl adds 1 - eps_low). TRL caps at ``epsilon_high`` itself (ScaleRL's eps_max,
+    suggested 5.0), which is ``epsilon_high=4.0`` here; ``epsilon`` is unused.
     """
     ratio = jnp.exp(logp_BL - old_BL)
     cap = 1.0 + config.clip_high
@@ -291,16 +293,14 @@ def tis_weights(old_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.Array, ca
     if level == "sequence":
         log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, axis=-1, keepdims=True), log_ratio.shape)
     log_cap = jnp.log(jnp.float32(cap))
-    weights = jnp.exp(jnp.minimum(log_ratio, log_cap))
-    return jax.lax.stop_gradient(weights), log_ratio > log_cap
+    return jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_ratio, log_cap))), log_ratio > log_cap
 
 
 def _same_shape(logprobs_BL, other_BL, mask_BL) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Two log-probs of the same tokens and their mask, as arrays of one shape."""
     arrays = tuple(jnp.asarray(x) for x in (logprobs_BL, other_BL, mask_BL))
     if len({x.shape for x in arrays}) != 1:
-        got = ", ".join(str(x.shape) for x in arrays)
-        raise ValueError(f"the two log-probs and the mask must have one shape; got {got}")
+        raise ValueError(f"the two log-probs and the mask must have one shape; got {', '.join(str(x.shape) for x in arrays)}")
     return arrays
 
 

@@ -561,3 +561,13 @@ def test_wrong_kinds_of_argument_are_one_line_errors_and_lists_are_arrays():
     assert grpo.tis_weights(lp.tolist(), lp, mask.tolist(), 2.0)[0].shape == (2, 3)
     empty = logprobs.head_logprobs(jnp.zeros((2, 0, 4)), jnp.ones((5, 4)), jnp.zeros((2, 0), int))  # T = 0
     assert [x.shape for x in empty] == [(2, 0), (2, 0)]
+
+
+def test_complex_rewards_and_a_group_past_float32_are_refused():
+    # Complex rewards had lost their imaginary part; a group of 3e38 and -3e38 had given inf and NaN.
+    with pytest.raises(TypeError, match="rewards must be real numbers; got dtype complex"):
+        grpo.group_advantages(np.array([[1 + 1j, 2.0]]))
+    with pytest.raises(ValueError, match="one group spans 6e\\+38"):
+        grpo.group_advantages(jnp.array([[3e38, -3e38]]))
+    wide_but_apart = jnp.array([[3e38, 2e38], [-3e38, -2e38]])  # each group within range: fine
+    assert np.isfinite(np.asarray(grpo.group_advantages(wide_but_apart))).all()
