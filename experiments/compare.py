@@ -27,7 +27,7 @@ from experiments import flags as flags_lib
 from experiments.config import METHODS, ExperimentConfig, describe_setting
 from experiments.usage import UsageError
 from experiments import analysis
-from podsjax.run.metrics import read_jsonl
+from podsjax.run.metrics import read_jsonl, to_jsonable
 
 # label -> the AlgorithmConfig fields it sets over the shared config; the paper's sweeps
 # (n at m=16, m at n=64, the selection rule at the setting's n and m).
@@ -333,18 +333,9 @@ def report(comparison: Comparison, histories: dict[str, list[list[dict]]]) -> in
     summary = {"baseline": baseline, "seeds": args.seeds, "plot": plot_path,
                "methods": [r.__dict__ for r in rows], "steps": figures, "step_speedups": step_speedups}
     with open(os.path.join(args.out, "summary.json"), "w") as f:  # strict JSON: never reached, undefined: null
-        json.dump(_finite(json.loads(json.dumps(summary, default=str))), f, indent=2, allow_nan=False)
+        json.dump(to_jsonable(json.loads(json.dumps(summary, default=str)), "summary"), f, indent=2, allow_nan=False)
     print(f"plot: {plot_path}")
     return 0
-
-
-def _finite(value):
-    """``value`` with every infinite or NaN number as None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, (dict, list)):
-        return {k: _finite(v) for k, v in value.items()} if isinstance(value, dict) else [_finite(v) for v in value]
-    return value
 
 
 def speedups_in_steps(by_steps: dict, histories: dict, baseline: str) -> dict[str, dict[str, Any]]:

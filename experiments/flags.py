@@ -196,10 +196,11 @@ def parse(task: str, argv: list[str] | None,
     flags, flag_names = _field_flags(args, rest)
     given = _given(flags)
     if "run.out_dir" in given:  # the flag form of --out (a --config file's, an old run's directory, is not)
-        if args.out is not None and os.path.normpath(args.out) != os.path.normpath(given["run.out_dir"]):
+        out_dir = os.path.expanduser(given["run.out_dir"])
+        if args.out is not None and os.path.normpath(args.out) != os.path.normpath(out_dir):
             raise UsageError(f"--out {args.out} and --run.out_dir {given['run.out_dir']} name two run directories; "
                              "pass one")
-        args.out = os.path.expanduser(given["run.out_dir"])
+        args.out = out_dir
     file_values = _read_file(args.config) if args.config else {}
     if args.resume and _goes_on(args):
         args.field_flags = _resumed_flags(task, args, flags, given, file_values, method_given)

@@ -391,14 +391,13 @@ class Decoder(nn.Module):
             ``head_VD`` [V, D] instead; ``cache`` is the updated cache when one was given.
         """
         cfg = self.config
-        input_ids_BL = token_ids.as_ids(input_ids_BL, cfg.vocab_size, "input")
+        input_ids_BL = token_ids.as_ids(input_ids_BL, cfg.vocab_size, "input")  # pads too: NaN reaches values
         attention_mask = None if attention_mask is None else jnp.asarray(attention_mask)
         if input_ids_BL.ndim != 2 or attention_mask is not None and attention_mask.shape != input_ids_BL.shape:
             raise ValueError(f"input ids must be [B, L] and the attention mask of the same shape; got "
                              f"{input_ids_BL.shape} and {None if attention_mask is None else attention_mask.shape}")
         if not jnp.issubdtype(input_ids_BL.dtype, jnp.integer):
             raise ValueError(f"input ids must be integer token ids; got dtype {input_ids_BL.dtype}")
-        token_ids.check_in_vocab(input_ids_BL, cfg.vocab_size, "input")  # pads too: a NaN there reaches the values
         b, length = input_ids_BL.shape
         mask_BL = jnp.ones((b, length), bool) if attention_mask is None else attention_mask.astype(bool)
         layer_cache = None

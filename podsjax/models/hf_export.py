@@ -30,6 +30,7 @@ from podsjax.models.hf_io import (
     to_host,
 )
 from podsjax.models.lora import LoraParams, check_lora_fits, merged_kernel
+from podsjax.models.params import check_params_fit
 from podsjax.models.safetensors_io import write_safetensors
 
 # Files copied by save_pretrained(tokenizer_from=...) so the export is servable as is.
@@ -78,7 +79,7 @@ def save_pretrained(
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be an integer >= 1; got {max_shard_bytes!r}")
     specs = tensor_specs(model)
-    _check_params(params, specs)
+    _check_params(model, params, specs)
     if lora is not None:
         check_lora_fits(model, lora)
     bad = non_finite_leaves(params) + ([] if lora is None else ["lora/" + n for n in non_finite_leaves(lora.weights)])
@@ -130,25 +131,14 @@ def _export_dtype(dtype: Any) -> np.dtype | None:
     return out
 
 
-def _check_params(params: Any, specs: list[TensorSpec]) -> None:
+def _check_params(model: Decoder, params: Any, specs: list[TensorSpec]) -> None:
     missing = [s.hf_name + " <- " + "/".join(s.path) for s in specs if _lookup(params, s.path) is None]
     if missing:
         raise CheckpointError(f"params lack {len(missing)} tensors: " + ", ".join(missing))
-    seen = set()
-    for spec in specs:
-        if spec.path in seen:
-            continue
-        seen.add(spec.path)
-        leaf = _lookup(params, spec.path)
-        want = spec.param_shape if spec.layer is None else (_layers(specs, spec.path),) + spec.param_shape
-        if tuple(getattr(leaf, "shape", ())) != tuple(want):
-            raise CheckpointError(f"params {'/'.join(spec.path)} has shape {tuple(getattr(leaf, 'shape', ()))}, "
-                                  f"the model config's is {tuple(want)}")
-
-
-def _layers(specs: list[TensorSpec], path: tuple[str, ...]) -> int:
-    """Layers of a stacked param: how many of its HF tensors the config names."""
-    return sum(1 for s in specs if s.path == path)
+    try:
+        check_params_fit(model, params)  # shapes, and no tensor the config lacks
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _producer(params: Any, lora: LoraParams | None, spec: TensorSpec, out_dtype: np.dtype | None):

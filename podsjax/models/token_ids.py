@@ -16,12 +16,12 @@ def concrete(*arrays) -> bool:
 
 
 def as_ids(ids_BL, vocab: int, what: str) -> jax.Array:
-    """``ids_BL`` as a JAX array. Host ids are checked first (:func:`check_in_vocab`): JAX's
-    int32 would wrap an int64 id of 2**32 + 7 to 7, which the check could no longer see."""
-    if not isinstance(ids_BL, (jax.Array, jax.core.Tracer)):
-        host = np.asarray(ids_BL)
-        if np.issubdtype(host.dtype, np.integer) and host.ndim == 2:
-            check_in_vocab(host, vocab, what)
+    """``ids_BL`` as a JAX array, integer [B, L] ids checked (:func:`check_in_vocab`) as given:
+    a host array before JAX's int32 would wrap an int64 id of 2**32 + 7 to 7. Other kinds and
+    shapes are left to the caller's own one-line checks."""
+    given = ids_BL if isinstance(ids_BL, (jax.Array, jax.core.Tracer)) else np.asarray(ids_BL)
+    if np.issubdtype(given.dtype, np.integer) and given.ndim == 2:
+        check_in_vocab(given, vocab, what)
     return jnp.asarray(ids_BL)
 
 

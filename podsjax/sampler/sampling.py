@@ -181,8 +181,7 @@ class Generator:
                             "grad and vmap (it was given traced values)")
         cfg = self._config(num_samples, max_new_tokens, temperature, top_p, top_k, eos_token_ids, pad_token_id,
                            return_logprobs)
-        vocab = self.model.config.vocab_size
-        prompt_ids_BL = token_ids.as_ids(prompt_ids_BL, vocab, "prompt")
+        prompt_ids_BL = token_ids.as_ids(prompt_ids_BL, self.model.config.vocab_size, "prompt")  # pads' ids too
         try:
             prompt_mask_BL = jnp.asarray(prompt_mask_BL)
         except TypeError:  # text, objects
@@ -201,7 +200,7 @@ class Generator:
                              f"got dtype {prompt_mask_BL.dtype}")
         if 0 in prompt_ids_BL.shape:
             raise ValueError(f"prompts must hold at least one row and one position; got shape {prompt_ids_BL.shape}")
-        _check_prompts(prompt_ids_BL, prompt_mask_BL, vocab)
+        _check_left_padded(prompt_mask_BL)
         mesh: Mesh | None = self.model.mesh
         if mesh is not None:
             batch_shards = mesh_lib.shard_count(mesh, "batch")
@@ -275,18 +274,17 @@ def _index(value, name: str) -> int:
         raise ValueError(f"{name} must be an integer; got {value!r}") from None
 
 
-def _check_prompts(ids_BL: jax.Array, mask_BL: jax.Array, vocab: int) -> None:
-    """Left padding and token ids in the vocabulary (pads' too), checked on the host where the
-    prompts are at hand (not under a trace, nor when spread over several processes): a
-    right-padded row would continue from a pad slot, and an id past the vocabulary embeds as NaN."""
-    if not token_ids.concrete(ids_BL, mask_BL):
+def _check_left_padded(mask_BL: jax.Array) -> None:
+    """Left padding, checked on the host where the prompts are at hand (not under a trace, nor
+    when spread over several processes): a right-padded row would continue from a pad slot.
+    (The ids are checked against the vocabulary as they come in: ``token_ids.as_ids``.)"""
+    if not token_ids.concrete(mask_BL):
         return
     mask = np.asarray(mask_BL) != 0
     if not mask[:, -1].all():
         row = int(np.argmin(mask[:, -1]))
         raise ValueError(f"prompts must be left-padded, each row's last position a real token (mask 1); row {row} "
                          f"ends in padding{' (it has no real token)' if not mask[row].any() else ''}")
-    token_ids.check_in_vocab(ids_BL, vocab, "prompt")  # pads too: a NaN embedded there reaches the values
 
 
 def generate(model, params: Any, prompt_ids_BL: jax.Array, prompt_mask_BL: jax.Array, key: jax.Array,

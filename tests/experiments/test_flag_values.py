@@ -95,6 +95,8 @@ def test_a_quoted_home_in_out_names_the_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert flags.parse("gsm8k", ["--out", "~/runs/x"])[0].out == str(tmp_path / "runs" / "x")
     assert flags.parse("gsm8k", ["--run.out_dir", "~/runs/y"])[0].out == str(tmp_path / "runs" / "y")
+    both = ["--out", "~/runs/y", "--run.out_dir", "~/runs/y"]  # one folder, both spelled with the home
+    assert flags.parse("gsm8k", both)[0].out == str(tmp_path / "runs" / "y")
     assert compare.parse(["--out", "~/cmp"])[0].out == str(tmp_path / "cmp")
 
 
