@@ -28,13 +28,14 @@ def _check_targets(targets, vocab: int) -> None:
     """Integer ids in [-vocab, vocab): past them the gather gives a NaN without a word. A negative
     id counts from the end, as in NumPy, so an ignore index (-100) that the caller masks is
     allowed. Checked on concrete values only; under jit, the caller's."""
-    if not jnp.issubdtype(jnp.result_type(targets), jnp.integer):
-        raise ValueError(f"targets must be integer token ids; got dtype {jnp.result_type(targets)}")
-    if isinstance(targets, jax.core.Tracer) or not np.size(targets):
+    on_host = not isinstance(targets, jax.core.Tracer) and (
+        not isinstance(targets, jax.Array) or targets.is_fully_addressable)  # else another host holds part
+    # on the host: under a trace, jnp would stage the check into the program
+    ids = np.asarray(targets) if on_host else targets
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"targets must be integer token ids; got dtype {ids.dtype}")
+    if not on_host or not ids.size:
         return
-    if isinstance(targets, jax.Array) and not targets.is_fully_addressable:
-        return  # another host holds part of it
-    ids = np.asarray(targets)  # on the host: under a trace, jnp would stage the check into the program
     low, high = int(ids.min()), int(ids.max())
     if low < -vocab or high >= vocab:
         bad = low if low < -vocab else high
@@ -60,10 +61,11 @@ def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature:
       [..., L] float32 log-probs.
     """
     _check_temperature(temperature)
+    logits_shape, targets_shape = np.shape(logits_BLV), np.shape(targets_BL)
+    if len(logits_shape) < 1 or logits_shape[:-1] != targets_shape:
+        raise ValueError(f"logits {logits_shape} and targets {targets_shape} disagree on the leading axes")
+    _check_targets(targets_BL, logits_shape[-1])  # before jnp: it would wrap int64 ids past int32
     logits_BLV, targets_BL = jnp.asarray(logits_BLV), jnp.asarray(targets_BL)
-    if logits_BLV.ndim < 1 or logits_BLV.shape[:-1] != targets_BL.shape:
-        raise ValueError(f"logits {logits_BLV.shape} and targets {targets_BL.shape} disagree on the leading axes")
-    _check_targets(targets_BL, logits_BLV.shape[-1])
     scaled = logits_BLV.astype(jnp.float32) / temperature
     picked = jnp.take_along_axis(scaled, targets_BL[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(scaled, axis=-1)
@@ -127,12 +129,12 @@ def head_logprobs(
       ``(logprobs_BT, entropy_BT)`` float32; the entropy carries no gradient.
     """
     _check_temperature(temperature, static=True)
-    hidden_BTD, head_VD, targets_BT = (jnp.asarray(x) for x in (hidden_BTD, head_VD, targets_BT))
-    if hidden_BTD.ndim != 3 or head_VD.ndim != 2 or targets_BT.shape != hidden_BTD.shape[:2] \
-            or head_VD.shape[1] != hidden_BTD.shape[2]:
+    hidden, head, targets = np.shape(hidden_BTD), np.shape(head_VD), np.shape(targets_BT)
+    if len(hidden) != 3 or len(head) != 2 or targets != hidden[:2] or head[1] != hidden[2]:
         raise ValueError(f"head_logprobs wants hidden [B, T, D], head [V, D] and targets [B, T]; got hidden "
-                         f"{hidden_BTD.shape}, head {head_VD.shape}, targets {targets_BT.shape}")
-    _check_targets(targets_BT, head_VD.shape[0])
+                         f"{hidden}, head {head}, targets {targets}")
+    _check_targets(targets_BT, head[0])  # before jnp: it would wrap int64 ids past int32
+    hidden_BTD, head_VD, targets_BT = (jnp.asarray(x) for x in (hidden_BTD, head_VD, targets_BT))
     vocab = head_VD.shape[0]
     targets_BT = jnp.where(targets_BT < 0, targets_BT + vocab, targets_BT)  # the backward pass one-hots them
     b, t, _ = hidden_BTD.shape

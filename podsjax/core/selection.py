@@ -156,10 +156,9 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     rewards the (reward, index) order applies: the bottom block takes the
     lowest indices, the top block the highest.
 
-    Numerics: rewards are shifted by the group's smallest finite reward, so a
-    large common offset (1e6 + small differences) costs no precision; nothing
-    is squared, and a group whose rewards reach 2^64 in float32 (2^512 in
-    float64) is first scaled by a power of two, so no finite spread overflows.
+    Numerics: rewards are shifted by the group's smallest finite reward (a large
+    common offset costs no precision); nothing is squared; a group reaching 2^64 in
+    float32 (2^512 in float64) is first scaled by a power of two, so nothing overflows.
 
     Args:
       rewards: [..., N] real rewards (scored in float32, or in float64 under
@@ -212,10 +211,8 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
 
 
 def max_reward(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
-    """The M highest rewards; among equal rewards the higher index wins.
-
-    Returns int32 [..., M] indices in descending (reward, index) order.
-    """
+    """The M highest rewards; among equal rewards the higher index wins. Returns int32
+    [..., M] indices in descending (reward, index) order."""
     del key
     rewards, m = _validate(rewards, m)
     sorted_vals, sorted_idx, num_valid = _sorted_valid(rewards)
@@ -228,11 +225,9 @@ def max_reward(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> j
 
 
 def percentile(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
-    """M rollouts at evenly spaced ranks, the worst and the best included.
-
-    Rank j of M is round(j * (nv - 1) / (M - 1)) among the nv finite rewards;
-    M = 1 keeps the best. Returns int32 [..., M] indices in ascending order.
-    """
+    """M rollouts at evenly spaced ranks, the worst and the best included: rank j of M is
+    round(j * (nv - 1) / (M - 1)) among the nv finite rewards; M = 1 keeps the best.
+    Returns int32 [..., M] indices in ascending order."""
     del key
     rewards, m = _validate(rewards, m)
     sorted_vals, sorted_idx, num_valid = _sorted_valid(rewards)
@@ -249,10 +244,8 @@ def percentile(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> j
 
 
 def random(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
-    """A uniformly random size-M subset of each group's finite rewards.
-
-    The rewards' values are otherwise ignored. As for every rule, non-finite rewards are
-    used only when fewer than M are finite; they are then drawn at random too.
+    """A uniformly random size-M subset of each group's finite rewards (their values are
+    otherwise ignored). Non-finite ones are used only when fewer than M are finite, at random too.
 
     Args:
       rewards: [..., N]; only the shape and which rewards are finite are used.
@@ -278,10 +271,8 @@ def random(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.A
 
 
 def register_rule(name: str, fn: Callable[..., jax.Array], *, needs_key: bool = False, overwrite: bool = False) -> None:
-    """Makes ``fn(rewards, m, *, key=None) -> int32 [..., M]`` selectable by ``name``.
-
-    Names are case-insensitive and '-' equals '_' ("max-variance" works).
-    """
+    """Makes ``fn(rewards, m, *, key=None) -> int32 [..., M]`` selectable by ``name``
+    (case-insensitive, and '-' equals '_': "max-variance" works)."""
     canonical = _canonical_name(name)
     if not canonical:
         raise ValueError("selection rule name must be non-empty")
@@ -336,7 +327,7 @@ def select(
     if jnp.shape(indices) != shape or not jnp.issubdtype(jnp.result_type(indices), jnp.integer):
         raise ValueError(f"selection rule {rule!r} returned {jnp.result_type(indices)} {tuple(jnp.shape(indices))}; "
                          f"a rule returns integer indices of shape {shape} ([..., M])")
-    _check_positions(jnp.asarray(indices), jnp.shape(rewards)[-1], rule)
+    _check_positions(indices, jnp.shape(rewards)[-1], rule)
     return jnp.sort(indices, axis=-1) if in_position_order else indices
 
 
@@ -354,9 +345,12 @@ def _static_group_size(n) -> int:
 
 def _check_positions(indices: jax.Array, n: int, rule: str | None = None) -> None:
     """Indices in [0, N), checked when concrete (eager calls only: a traced one cannot raise)."""
-    if isinstance(indices, jax.core.Tracer) or not indices.is_fully_addressable or not indices.size:
+    if isinstance(indices, jax.core.Tracer) or isinstance(indices, jax.Array) and not indices.is_fully_addressable:
         return
-    low, high = int(jnp.min(indices)), int(jnp.max(indices))
+    indices = np.asarray(indices)  # the caller's values: jnp would wrap int64 past int32
+    if not indices.size:
+        return
+    low, high = int(indices.min()), int(indices.max())
     if low < 0 or high >= n:
         if rule:
             raise ValueError(f"selection rule {rule!r} returned values from {low} to {high}; a rule returns "
@@ -379,12 +373,14 @@ def flat_rows(indices: jax.Array, n: int, *, in_position_order: bool = False) ->
       int32 [..., P*M] rows p*N + indices[..., p, j], group after group.
     """
     n = _static_group_size(n)
-    indices = jnp.asarray(indices)
-    if indices.ndim < 2 or not jnp.issubdtype(indices.dtype, jnp.integer):
+    if not isinstance(indices, jax.Array):
+        indices = np.asarray(indices)  # checked before jnp, which would wrap int64 past int32
+    if indices.ndim < 2 or not np.issubdtype(indices.dtype, np.integer):
         raise ValueError(
             f"indices must be an integer array [..., P, M]; got dtype {indices.dtype}, shape {indices.shape}"
         )
     _check_positions(indices, n)
+    indices = jnp.asarray(indices)
     if in_position_order:
         indices = jnp.sort(indices, axis=-1)
     groups_P1 = lax.broadcasted_iota(jnp.int32, (*indices.shape[:-1], 1), indices.ndim - 2)
@@ -432,9 +428,13 @@ def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
       n: static group size N.
     """
     n = _static_group_size(n)
-    indices = jnp.asarray(indices)
-    if indices.ndim < 1 or not jnp.issubdtype(indices.dtype, jnp.integer):
+    if not isinstance(indices, jax.Array):
+        indices = np.asarray(indices)
+    if indices.ndim < 1 or not np.issubdtype(indices.dtype, np.integer):
         raise ValueError(f"indices must be an integer array [..., M]; got dtype {indices.dtype}, shape {indices.shape}")
+    if isinstance(indices, np.ndarray):  # jnp would wrap int64 past int32 onto a position; -1 marks the same
+        indices = np.where((indices >= 0) & (indices < n), indices.astype(np.int64), -1)
+    indices = jnp.asarray(indices)
     positions_N = jnp.arange(n, dtype=jnp.int32)  # not the indices' dtype: uint8 would wrap past 255
     return jnp.any(indices[..., :, None].astype(jnp.int32) == positions_N, axis=-2)
 

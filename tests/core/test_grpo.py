@@ -425,6 +425,14 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="targets must be integer token ids; got dtype float32"):
         logprobs.token_logprobs(logits, jnp.array([[0.0, 1.0]]))
     assert logprobs.token_logprobs(logits, jnp.array([[0, 2]])).shape == (1, 2)
+    # Host ids past int32 (NumPy int64, Python ints) are read before JAX's conversion wraps
+    # 2**32 + 1 to 1.
+    for wide in (np.array([[0, 2**32 + 1]]), [[0, 2**40]]):
+        bad = np.asarray(wide).max()
+        with pytest.raises(ValueError, match=rf"target token id {bad} is outside the vocabulary"):
+            logprobs.token_logprobs(logits, wide)
+        with pytest.raises(ValueError, match=rf"target token id {bad} is outside the vocabulary"):
+            logprobs.head_logprobs(jnp.ones((1, 2, 4)), jnp.ones((3, 4)), wide)
 
 
 def test_chunked_head_matches_full_logits_in_values_and_gradients():

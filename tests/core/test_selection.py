@@ -495,6 +495,9 @@ def test_indices_to_mask():
         selection.indices_to_mask(jnp.array([0.5]), 4)
     # Positions past a narrow index dtype's range do not wrap onto small indices.
     assert np.asarray(selection.indices_to_mask(jnp.array([[0, 1]], jnp.uint8), 300)).sum() == 2
+    # Nor do host positions past int32 (JAX's conversion wraps 2**32 + 1 to 1), a uint64's top included.
+    for wide in (np.array([2**32 + 1, 2]), np.array([2**64 - 1, 2], np.uint64), [2**40, 2]):
+        assert np.asarray(selection.indices_to_mask(wide, 4)).tolist() == [False, False, True, False]
 
 
 @pytest.mark.parametrize("m", [0, 5, -1])
@@ -552,3 +555,16 @@ def test_flat_rows_refuses_a_position_past_the_group_when_called_eagerly():
         selection.flat_rows(jnp.array([[0, 5]]), 4)
     with pytest.raises(ValueError, match="from -1 to 1"):
         selection.flat_rows(jnp.array([[-1, 1]]), 4)
+    for wide in (np.array([[0, 2**32 + 1]]), [[0, 2**40]]):  # JAX's conversion had wrapped them onto rows
+        with pytest.raises(ValueError, match=rf"got values from 0 to {np.asarray(wide).max()}"):
+            selection.flat_rows(wide, 4)
+    assert selection.flat_rows([[3, 1]], 4, in_position_order=True).tolist() == [1, 3]
+
+    def wide_rule(rewards, m, key=None):
+        return np.full((*np.shape(rewards)[:-1], m), 2**32 + 1)
+    selection.register_rule("test_wide_rule", wide_rule)
+    try:
+        with pytest.raises(ValueError, match=f"'test_wide_rule' returned values from {2**32 + 1}"):
+            selection.select("test_wide_rule", jnp.zeros((1, 4)), 2)
+    finally:
+        selection._RULES.pop("test_wide_rule")
