@@ -11,8 +11,10 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from podsjax.core import grpo, selection
+from podsjax.models import token_ids
 from podsjax.update.algorithms import AlgorithmConfig
 
 
@@ -54,6 +56,8 @@ def _checked(prompt_ids_PL, prompt_mask_PL, tokens_PNT, mask_PNT, rewards_PN, lo
     """The inputs as arrays, their shapes agreeing ([P, Lp] prompts, [P, N, T] completions,
     [P, N] rewards) and the ids integers: else the gathers below fill, broadcast or truncate
     without a word."""
+    for name, ids in (("prompt ids", prompt_ids_PL), ("completion tokens", tokens_PNT)):
+        _check_id_range(ids, name)
     arrays = [jnp.asarray(x) for x in (prompt_ids_PL, prompt_mask_PL, tokens_PNT, mask_PNT, rewards_PN)]
     prompt_ids_PL, prompt_mask_PL, tokens_PNT, mask_PNT, rewards_PN = arrays
     if rewards_PN.ndim != 2:
@@ -74,6 +78,17 @@ def _checked(prompt_ids_PL, prompt_mask_PL, tokens_PNT, mask_PNT, rewards_PN, lo
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer token ids; got dtype {x.dtype}")
     return arrays
+
+
+def _check_id_range(ids, name: str) -> None:
+    """Host ids in [0, 2**31), read before JAX's int32 conversion wraps 2**32 + 7 to 7: a negative
+    one would embed the table's last rows without a word (the vocabulary is the Decoder's check)."""
+    if not token_ids.concrete(ids):
+        return
+    ids = np.asarray(ids)
+    if ids.size and np.issubdtype(ids.dtype, np.integer) and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ValueError(f"{name} must be token ids in [0, 2**31); got {bad}")
 
 
 def build_batch(

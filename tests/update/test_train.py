@@ -228,7 +228,11 @@ def test_build_batch_refuses_inputs_whose_shapes_disagree_in_one_line():
              ((ids, ids, tokens, mask[..., :2], rewards), r"the completion mask must have shape \(2, 4, 3\)"),
              ((ids[:1], ids[:1], tokens, mask, rewards), r"prompt ids must be \[P, Lp\] with P = 2"),
              ((ids, ids[:, :1], tokens, mask, rewards), r"the prompt mask must have shape \(2, 2\)"),
-             ((ids, ids, tokens, mask, rewards[0]), r"rewards must be \[P, N\]")]
+             ((ids, ids, tokens, mask, rewards[0]), r"rewards must be \[P, N\]"),
+             # A negative id had embedded the table's last rows; 2**32 + 7 had wrapped to 7.
+             ((ids.at[1, 0].set(-3), ids, tokens, mask, rewards), r"prompt ids must be token ids in \[0, 2\*\*31\); got -3"),
+             ((ids, ids, np.asarray(tokens, np.int64) + 2**32, mask, rewards),
+              rf"completion tokens must be token ids in \[0, 2\*\*31\); got {2**32 + 23}")]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             train_step.build_batch(*args, config)
