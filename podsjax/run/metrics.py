@@ -168,20 +168,30 @@ class MetricsWriter:
     def _append(self, path: str, record: Mapping[str, Any]) -> None:
         if self._closed:
             raise RuntimeError(f"MetricsWriter for {self.out_dir} is closed")
+        data = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
         f = self._files.get(path)
         if f is None:
             # A process killed mid-line leaves a torn last line; start on a fresh line so
             # that only the torn record is unreadable, never the next one.
-            torn = False
             if os.path.exists(path) and os.path.getsize(path) > 0:
                 with open(path, "rb") as existing:
                     existing.seek(-1, os.SEEK_END)
-                    torn = existing.read(1) != b"\n"
-            f = self._files[path] = open(path, "a", encoding="utf-8")
-            if torn:
-                f.write("\n")
-        f.write(json.dumps(record, allow_nan=False) + "\n")
-        f.flush()  # a SIGKILL later must not lose this step
+                    data = (b"\n" if existing.read(1) != b"\n" else b"") + data
+            f = self._files[path] = open(path, "ab", buffering=0)  # each record reaches the OS: a SIGKILL keeps it
+        start = os.fstat(f.fileno()).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[f.write(view):]
+        except OSError:
+            # A full disk: cut the part that landed, so a retry of this step writes it once, whole
+            # (and reopens, to check the last line again).
+            try:
+                os.ftruncate(f.fileno(), start)
+            except OSError:
+                pass
+            self._files.pop(path).close()
+            raise
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
         """Appends one step's scalars (nested dicts are flattened with ``/``).

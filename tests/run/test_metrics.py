@@ -5,11 +5,14 @@ import io
 import json
 import math
 import struct
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from child_env import child_env
 from podsjax.run.metrics import (MetricsWriter, PhaseTimer, Progress, flatten_metrics, read_jsonl, to_jsonable, tokens_per_second)
 
 
@@ -275,3 +278,39 @@ def test_a_sample_that_is_no_dict_is_one_line(tmp_path):
     with MetricsWriter(tmp_path, backends=("jsonl",)) as w:
         with pytest.raises(ValueError, match="sample 0 must be a dict of fields; got str"):
             w.write_samples(1, ["abc"])
+
+
+_FULL_DISK = """
+import os, resource, signal, sys
+from podsjax.run.metrics import MetricsWriter
+out = sys.argv[1]
+with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+    f.write('{"step": 0, "r": 0.')  # a torn line from a killed run
+w = MetricsWriter(out, backends=("jsonl",))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (60, resource.RLIM_INFINITY))
+failed = []
+for step in range(1, 6):
+    try:
+        w.write(step, {"long_name_to_fill_the_file": float(step)})
+    except OSError:
+        failed.append(step)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+for step in failed:  # the disk has room again: the caller retries
+    w.write(step, {"long_name_to_fill_the_file": float(step)})
+w.close()
+print("failed", failed)
+"""
+
+
+def test_a_step_retried_after_a_full_disk_is_written_once_and_whole(tmp_path):
+    # Python's buffer had kept the failed record and written it again before the retry's: two
+    # records of one step, and the torn line of a killed run had swallowed the next record.
+    script = tmp_path / "full_disk.py"
+    script.write_text(_FULL_DISK)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=child_env(JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=120)
+    assert "failed [" in proc.stdout and "failed []" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[0] == '{"step": 0, "r": 0.' and all(json.loads(line) for line in lines[1:])
+    assert sorted(r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")) == [1, 2, 3, 4, 5]
