@@ -32,7 +32,7 @@ from podsjax.rewards.format import format_score
 from podsjax.rewards.gsm8k_grader import GSM8K_MARKER
 from podsjax.rewards.mathverify import (DEFAULT_MATH_VERIFY_TIMEOUT_S, MathVerifyTimeout, math_gold, quiet_parse,
                                         quiet_verify, signal_timeout)
-from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, check_lengths, parse_number
+from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, parse_number, texts
 
 _RELEASE_FORMAT_SCALE = 0.1  # 0.1 - 0.001 per character outside: 0.1 x format_score
 _RELEASE_TAG = 0.025
@@ -68,7 +68,7 @@ def authors_gsm8k_gold(answer: Any) -> str:
 def _gsm8k_accuracy(name: str, completions: Sequence[str], answer, last_number: re.Pattern) -> list[float]:
     if answer is None:
         raise ValueError(f"{name} needs an 'answer' column")
-    check_lengths(name, len(completions), answer=answer)
+    completions = texts(name, completions, {"answer": answer})
     return [1.0 if authors_correct(text, authors_gsm8k_gold(gold), last_number) else 0.0
             for text, gold in zip(completions, answer)]
 
@@ -76,7 +76,7 @@ def _gsm8k_accuracy(name: str, completions: Sequence[str], answer, last_number: 
 def _math_accuracy(name: str, completions: Sequence[str], answer, solution, last_number: re.Pattern) -> list[float]:
     if answer is None and solution is None:
         raise ValueError(f"{name} needs an 'answer' or 'solution' column")
-    check_lengths(name, len(completions), answer=answer, solution=solution)
+    completions = texts(name, completions, {"answer": answer, "solution": solution})
     answers = answer if answer is not None else [None] * len(completions)
     solutions = solution if solution is not None else [None] * len(completions)
     return [1.0 if authors_correct(text, math_gold(gold, worked), last_number) else 0.0
@@ -116,6 +116,7 @@ def release_format_reward(completions: Sequence[str], *, accuracy: Callable[...,
                           **columns: Any) -> list[float]:
     """[B] ``max(0, 0.1 - 0.001 x characters outside the span)`` for wrong answers, 0 for right
     ones (right as ``accuracy`` grades them)."""
+    completions = texts("release_format_reward", completions, {})
     scores = [_RELEASE_FORMAT_SCALE * format_score(text) for text in completions]
     return _wrong_only(scores, accuracy(completions, **columns))
 
@@ -124,6 +125,7 @@ def release_tag_count_reward(completions: Sequence[str], *,
                              accuracy: Callable[..., Sequence[float]] = authors_gsm8k_accuracy,
                              **columns: Any) -> list[float]:
     """[B] 0.025 per tag that appears exactly once, for wrong answers only."""
+    completions = texts("release_tag_count_reward", completions, {})
     counts = [_RELEASE_TAG * sum(text.count(tag) == 1 for tag in _TAGS) for text in completions]
     return _wrong_only(counts, accuracy(completions, **columns))
 
@@ -151,7 +153,7 @@ def r1_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None,
     (as ``RewardPool`` calls it) it raises :class:`~podsjax.rewards.mathverify.MathVerifyTimeout`."""
     if answer is None:
         raise ValueError("r1_accuracy needs an 'answer' column")
-    check_lengths("r1_accuracy", len(completions), answer=answer)
+    completions = texts("r1_accuracy", completions, {"answer": answer})
     from math_verify import parse
     from math_verify.errors import TimeoutException
 
@@ -183,9 +185,10 @@ def r1_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None,
 
 def r1_format_reward(completions: Sequence[str], **_: Any) -> list[float]:
     """[B] 1.0 for exactly ``<think>\\n..\\n</think>\\n<answer>\\n..\\n</answer>``, else 0.0."""
-    return [1.0 if _R1_FORMAT.match(text) else 0.0 for text in completions]
+    return [1.0 if _R1_FORMAT.match(text) else 0.0 for text in texts("r1_format_reward", completions, {})]
 
 
 def r1_tag_count_reward(completions: Sequence[str], **_: Any) -> list[float]:
     """[B] 0.25 for each newline-exact tag that appears exactly once."""
+    completions = texts("r1_tag_count_reward", completions, {})
     return [0.25 * sum(text.count(tag) == 1 for tag in _R1_TAGS) for text in completions]

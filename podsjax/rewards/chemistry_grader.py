@@ -21,7 +21,7 @@ import re
 from typing import Any, Sequence
 
 from podsjax.rewards.mathverify import DEFAULT_MATH_VERIFY_TIMEOUT_S, MathVerifyTimeout, quiet_parse, signal_timeout
-from podsjax.rewards.text import ascii_minus, check_lengths, extract_answer_tag, last_boxed
+from podsjax.rewards.text import ascii_minus, extract_answer_tag, last_boxed, require_text, texts
 
 REL_TOL = 0.05  # SciBench's tolerance
 _MAX_CHARS = 200  # a longer "answer" is a derivation, not a number: not worth a sympy parse
@@ -122,7 +122,8 @@ def parse_quantity(text: str, *, timeout_s: int | None = DEFAULT_MATH_VERIFY_TIM
         timeout_s: math-verify's per-call budget for LaTeX, in whole seconds (applied
             on the main thread only; None for none).
     """
-    text = _SUPERSCRIPT.sub(lambda m: "^{" + m.group(0).translate(_FROM_SUPERSCRIPT) + "}", ascii_minus(text))
+    text = ascii_minus(require_text(text))
+    text = _SUPERSCRIPT.sub(lambda m: "^{" + m.group(0).translate(_FROM_SUPERSCRIPT) + "}", text)
     text = _TEXT_COMMANDS.sub("", _NOISE.sub("", text)).strip()
     text = _THOUSANDS.sub("", text)
     parts = [part for part in _RELATIONS.split(text) if part.strip()]
@@ -180,7 +181,7 @@ def parse_reference(answer: Any) -> float:
 
 def chemistry_accuracy(
     completions: Sequence[str],
-    answer: Sequence[Any],
+    answer: Sequence[Any] | None = None,
     unit: Sequence[Any] | None = None,
     *,
     timeout_s: int = DEFAULT_MATH_VERIFY_TIMEOUT_S,
@@ -198,7 +199,9 @@ def chemistry_accuracy(
     Returns:
         [B] rewards in {0.0, 1.0}.
     """
-    check_lengths("chemistry_accuracy", len(completions), answer=answer, unit=unit)
+    if answer is None:
+        raise ValueError("chemistry_accuracy needs an 'answer' column")
+    completions = texts("chemistry_accuracy", completions, {"answer": answer, "unit": unit})
     rewards = []
     for i, completion in enumerate(completions):
         reference = parse_reference(answer[i])

@@ -25,6 +25,7 @@ from podsjax.rewards.chemistry_grader import chemistry_accuracy
 from podsjax.rewards.format import format_reward, format_score_reward, strict_format_reward, tag_count_reward
 from podsjax.rewards.gsm8k_grader import gsm8k_accuracy
 from podsjax.rewards.mathverify import math_accuracy
+from podsjax.rewards.text import texts
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -246,31 +247,10 @@ class RewardScores:
 
 
 def as_batch(completions: Sequence[str], columns: Mapping[str, Sequence[Any]]) -> list[str]:
-    """The completions as a list, checked with their columns (:func:`check_columns`). One text
-    or a text column would otherwise be split into characters, each scored as an item."""
-    for what, value in (("completions", completions), *((f"column {n!r}", c) for n, c in columns.items())):
-        if isinstance(value, (str, bytes, Mapping, set, frozenset)):
-            raise TypeError(f"{what} must be a list with one entry per completion; got a {type(value).__name__}")
-    completions = list(completions)
-    check_columns(completions, columns)
-    return completions
-
-
-def check_columns(completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]) -> None:
-    """Raises a one-line error unless every completion is text and every column has one entry
-    per completion."""
-    num_completions = len(completions)
-    odd = next((i for i, c in enumerate(completions) if not isinstance(c, str)), None)
-    if odd is not None:
-        raise TypeError(f"completions must be decoded text (str); completion {odd} is "
-                        f"{type(completions[odd]).__name__}")
-    for name, column in columns.items():
-        try:
-            length = len(column)
-        except TypeError:
-            raise TypeError(f"column {name!r} must be a list with one entry per completion") from None
-        if length != num_completions:
-            raise ValueError(f"column {name!r} has {length} entries for {num_completions} completions")
+    """The completions as a list of texts, each column one entry per completion
+    (:func:`podsjax.rewards.text.texts`): one text or a text column would otherwise be split
+    into characters, each scored as an item."""
+    return texts(None, completions, columns, missing_ok=False)
 
 
 def summarize(

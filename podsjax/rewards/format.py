@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN
+from podsjax.rewards.text import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN, require_text, texts
 
 _TAGS = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
 # The authors' evaluation format check (YixuanEvenXu/pods utils/data.py format_correct),
@@ -26,7 +26,7 @@ def follows_format(text: str) -> bool:
     once and the answer is not blank. Uses ``str.find`` instead of a regex so
     the check stays linear on adversarial input.
     """
-    if any(text.count(tag) != 1 for tag in _TAGS):
+    if any(require_text(text).count(tag) != 1 for tag in _TAGS):
         return False
     think_open, think_close = text.find(THINK_OPEN), text.find(THINK_CLOSE)
     answer_open, answer_close = text.find(ANSWER_OPEN), text.find(ANSWER_CLOSE)
@@ -52,7 +52,7 @@ def format_reward(completions: Sequence[str], **_: Any) -> list[float]:
     Returns:
         [B] rewards in {0.0, 1.0}.
     """
-    return [1.0 if follows_format(text) else 0.0 for text in completions]
+    return [1.0 if follows_format(text) else 0.0 for text in texts("format_reward", completions, {})]
 
 
 def format_score(text: str) -> float:
@@ -64,7 +64,7 @@ def format_score(text: str) -> float:
     that a later ``</answer>`` closes; 0 when there is none. Computed with ``str.find``
     in linear time instead of the backtracking regex.
     """
-    start = text.find(THINK_OPEN)
+    start = require_text(text).find(THINK_OPEN)
     end = text.rfind(ANSWER_CLOSE)
     if start < 0 or end < 0:
         return 0.0
@@ -94,7 +94,7 @@ def format_score_reward(completions: Sequence[str], **_: Any) -> list[float]:
     Returns:
         [B] rewards in [0, 1].
     """
-    return [format_score(text) for text in completions]
+    return [format_score(text) for text in texts("format_score_reward", completions, {})]
 
 
 def tag_count_reward(completions: Sequence[str], **_: Any) -> list[float]:
@@ -110,7 +110,7 @@ def tag_count_reward(completions: Sequence[str], **_: Any) -> list[float]:
     Returns:
         [B] rewards in {0, 0.25, 0.5, 0.75, 1.0}.
     """
-    return [0.25 * sum(text.count(tag) == 1 for tag in _TAGS) for text in completions]
+    return [0.25 * sum(text.count(tag) == 1 for tag in _TAGS) for text in texts("tag_count_reward", completions, {})]
 
 
 def format_correct(text: str) -> bool:
@@ -121,10 +121,10 @@ def format_correct(text: str) -> bool:
     Its backtracking costs O(length x matches of ``</think><answer>``); the reward
     pool's per-item timeout bounds a pathological text.
     """
-    return STRICT_FORMAT.match(text) is not None
+    return STRICT_FORMAT.match(require_text(text)) is not None
 
 
 def strict_format_reward(completions: Sequence[str], **_: Any) -> list[float]:
     """[B] rewards: 1.0 where ``format_correct``, else 0.0 (the format half of "answer and
     format both correct"); dataset columns are ignored, as in :func:`format_reward`."""
-    return [1.0 if format_correct(text) else 0.0 for text in completions]
+    return [1.0 if format_correct(text) else 0.0 for text in texts("strict_format_reward", completions, {})]

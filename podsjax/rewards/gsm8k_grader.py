@@ -5,7 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any, Sequence
 
-from podsjax.rewards.text import extract_answer_tag, first_number, last_number
+from podsjax.rewards.text import extract_answer_tag, first_number, last_number, texts
 
 GSM8K_MARKER = "####"
 
@@ -58,7 +58,7 @@ def parse_gsm8k_gold(gold: Any) -> Fraction:
     return value
 
 
-def gsm8k_accuracy(completions: Sequence[str], answer: Sequence[Any], **_: Any) -> list[float]:
+def gsm8k_accuracy(completions: Sequence[str], answer: Sequence[Any] | None = None, **_: Any) -> list[float]:
     """1.0 where the completion's final number equals the gold, else 0.0.
 
     Args:
@@ -69,8 +69,9 @@ def gsm8k_accuracy(completions: Sequence[str], answer: Sequence[Any], **_: Any) 
     Returns:
         [B] rewards in {0.0, 1.0}.
     """
-    if len(answer) != len(completions):
-        raise ValueError(f"gsm8k_accuracy: {len(completions)} completions but {len(answer)} answers")
+    if answer is None:
+        raise ValueError("gsm8k_accuracy needs an 'answer' column")
+    completions = texts("gsm8k_accuracy", completions, {"answer": answer})
     rewards = []
     for completion, gold in zip(completions, answer):
         expected = parse_gsm8k_gold(gold)  # first: a gold with no number is an error whatever the completion

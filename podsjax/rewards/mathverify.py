@@ -7,7 +7,7 @@ import re
 import threading
 from typing import Any, Sequence
 
-from podsjax.rewards.text import check_lengths, extract_answer_tag, last_boxed
+from podsjax.rewards.text import extract_answer_tag, last_boxed, texts
 
 # math-verify's own per-call budget, in whole seconds (it uses signal.alarm). The
 # pool's per-item timeout is the outer bound; this inner one lets a slow parse
@@ -161,7 +161,7 @@ def math_accuracy(
         :class:`MathVerifyTimeout` instead, so the pool counts it in ``reward/timeouts``.
     """
 
-    check_lengths("math_accuracy", len(completions), answer=answer, solution=solution)
+    completions = texts("math_accuracy", completions, {"answer": answer, "solution": solution})
     if answer is None and solution is None:
         raise ValueError("math_accuracy needs an 'answer' or a 'solution' column")
     timeout = signal_timeout(int(timeout_s))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
@@ -44,7 +44,7 @@ def extract_answer_tag(text: str) -> str | None:
     A last ``<answer>`` that is never closed (a truncated completion) yields
     the rest of the text.
     """
-    start = text.rfind(ANSWER_OPEN)
+    start = require_text(text).rfind(ANSWER_OPEN)
     if start < 0:
         return None
     body = text[start + len(ANSWER_OPEN):]
@@ -60,7 +60,7 @@ def last_boxed(text: str) -> str | None:
     braces) gives ``5``. Returns None when there is no box or the last box is
     never closed.
     """
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    start = max(require_text(text).rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
     i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
@@ -138,8 +138,29 @@ def first_number(text: str) -> Fraction | None:
     return parse_number(match.group(0)) if match else None
 
 
-def check_lengths(reward: str, num_completions: int, **columns: Sequence[Any] | None) -> None:
-    """One-line ValueError unless every given column has one entry per completion (None columns pass)."""
+def require_text(value: Any, what: str = "the text") -> str:
+    """``value`` if it is a str, else a one-line TypeError (None had failed inside a str method)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be decoded text (str); got {type(value).__name__}")
+    return value
+
+
+def texts(reward: str | None, completions: Sequence[str], columns: Mapping[str, Sequence[Any] | None],
+          *, missing_ok: bool = True) -> list[str]:
+    """The completions as a list of texts, and every column one entry per completion (None
+    columns pass where ``missing_ok``); else a one-line error, naming ``reward`` when given.
+    One text is refused: it would be scored character by character."""
+    prefix = f"{reward}: " if reward else ""
+    for what, value in (("completions", completions), *((f"column {n!r}", c) for n, c in columns.items())):
+        if value is None and missing_ok and what != "completions":
+            continue
+        if isinstance(value, (str, bytes, Mapping, set, frozenset)) or not hasattr(value, "__len__"):
+            raise TypeError(f"{prefix}{what} must be a list with one entry per completion; "
+                            f"got a {type(value).__name__}")
+    completions = list(completions)
+    for i, text in enumerate(completions):
+        require_text(text, f"{prefix}completion {i}")
     for name, column in columns.items():
-        if column is not None and len(column) != num_completions:
-            raise ValueError(f"{reward}: {num_completions} completions but {len(column)} entries in {name!r}")
+        if column is not None and len(column) != len(completions):
+            raise ValueError(f"{prefix}column {name!r} has {len(column)} entries for {len(completions)} completions")
+    return completions

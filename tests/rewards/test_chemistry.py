@@ -140,7 +140,7 @@ def test_where_the_answer_is_read_from():
     assert chemistry_accuracy(["the temperature is 524 K"], gold) == [0.0]  # no tag, no box: no answer
     with pytest.raises(ValueError, match="gold answer is not a number"):
         chemistry_accuracy([tagged("1")], ["n/a"])
-    with pytest.raises(ValueError, match="2 completions but 1 entries in 'answer'"):
+    with pytest.raises(ValueError, match="chemistry_accuracy: column 'answer' has 1 entries for 2 completions"):
         chemistry_accuracy(["a", "b"], ["1"])
 
 

@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 
-from podsjax.rewards.combine import as_batch, score_rewards
+from podsjax.rewards import (chemistry_accuracy, extract_answer_tag, extract_chemistry_answer, extract_gsm8k_answer,
+                             follows_format, format_correct, format_score, gsm8k_accuracy, last_boxed, parse_quantity)
+from podsjax.rewards.authors import release_format_reward, release_tag_count_reward
+from podsjax.rewards.combine import as_batch, get_reward, score_rewards
 from podsjax.rewards.pool_workers import MAX_SECONDS, PoolConfig
 
 
@@ -73,3 +76,37 @@ def test_a_reward_weight_that_is_no_finite_number_is_one_line(weight):
     with pytest.raises(ValueError, match="reward weight must be a finite number"):
         WeightedReward(constant([1.0]), weight)
     assert WeightedReward(constant([1.0]), np.float32(0.5)).weight == 0.5
+
+
+_BUILT_IN_REWARDS = ["gsm8k_accuracy", "math_accuracy", "chemistry_accuracy", "format", "format_score", "tag_count",
+                     "strict_format", "authors_gsm8k_accuracy", "authors_math_accuracy", "llama_gsm8k_accuracy",
+                     "llama_math_accuracy", "r1_accuracy", "r1_format", "r1_tag_count"]
+
+
+@pytest.mark.parametrize("reward", [get_reward(name) for name in _BUILT_IN_REWARDS]
+                         + [release_format_reward, release_tag_count_reward], ids=lambda f: f.__name__)
+def test_a_built_in_reward_called_on_no_text_names_it_in_one_line(reward):
+    # None had failed inside a str method ('NoneType' object has no attribute 'rfind'), one
+    # text had been scored per character, and a short column had been zipped short.
+    columns = {"answer": ["1", "2"], "solution": ["\\boxed{1}", "\\boxed{2}"]}
+    with pytest.raises(TypeError, match=rf"{reward.__name__}: completion 1 must be decoded text \(str\); got NoneType"):
+        reward(["<answer>1</answer>", None], **columns)
+    with pytest.raises(TypeError, match=rf"{reward.__name__}: completions must be a list with one entry per "
+                                        r"completion; got a (str|NoneType)"):
+        reward("<answer>1</answer>", **columns)
+    assert len(reward(["<answer>1</answer>", "<answer>2</answer>"], **columns)) == 2
+
+
+@pytest.mark.parametrize("function", [extract_answer_tag, last_boxed, follows_format, format_score, format_correct,
+                                      extract_gsm8k_answer, parse_quantity, extract_chemistry_answer])
+def test_a_text_helper_given_none_says_so(function):
+    with pytest.raises(TypeError, match="the text must be decoded text \\(str\\); got NoneType"):
+        function(None)
+
+
+@pytest.mark.parametrize("reward", [gsm8k_accuracy, chemistry_accuracy])
+def test_an_accuracy_without_its_gold_column_says_so(reward):
+    with pytest.raises(ValueError, match=f"{reward.__name__} needs an 'answer' column"):
+        reward(["<answer>1</answer>"])
+    with pytest.raises(ValueError, match=f"{reward.__name__}: column 'answer' has 2 entries for 1 completions"):
+        reward(["<answer>1</answer>"], answer=["1", "2"])
