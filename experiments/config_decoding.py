@@ -168,6 +168,8 @@ def _check_values(values: dict[str, Any], where: str | None) -> None:
                     raise UsageError(_where(where, f"{path} must be a number, not a boolean ({str(value).lower()})"))
                 if value is None and type(None) not in typing.get_args(tp):
                     raise UsageError(_where(where, f"{path} must be a number, not null"))
+                if isinstance(value, str):  # Python's int() would read 1_6 as 16 and ' 7' as 7
+                    raise UsageError(_where(where, f"{path} must be a number written in decimal; got {value!r}"))
 
 
 def _check_plain(value: Any, path: str, where: str | None, depth: int) -> None:

@@ -32,9 +32,10 @@ def test_an_integer_with_leading_zeros_is_decimal(tmp_path, source):
     assert flags.parse("gsm8k", argv)[1].algorithm.n == 10
 
 
-@pytest.mark.parametrize("text", ["1:30", "0x10", "0b11"])
+@pytest.mark.parametrize("text", ["1:30", "0x10", "0b11", "1_6", "\u0661\u0666", "1.5_0"])
 def test_a_number_yaml_1_1_would_read_otherwise_is_refused(tmp_path, one_line, text):
-    # 1:30 was sexagesimal 90; 0x10 and 0b11 were 16 and 3.
+    # 1:30 was sexagesimal 90; 0x10 and 0b11 were 16 and 3. YAML 1.2 reads 1_6 as text, and
+    # Python's int() then made it 16, as it made Arabic-Indic digits a number.
     err = one_line(["--n", text], tmp_path / "never")
     assert "algorithm.n" in err and repr(text) in err, err
 
