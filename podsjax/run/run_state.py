@@ -37,14 +37,35 @@ class HostState:
     best_accuracy: float | None = None
     log_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self):
+        # Each field of its kind: a damaged or edited checkpoint's "5" had failed later, deep in the loop.
+        for name in ("data_position", "nonfinite_in_a_row", "best_step"):
+            value = getattr(self, name)
+            if not (value is None and name == "best_step") and not _count(value):
+                raise ValueError(f"host state: {name} must be an integer >= 0; got {value!r}")
+        for name in ("elapsed_train_s", "last_eval_s", "best_accuracy"):
+            value = getattr(self, name)
+            if not (value is None and name != "elapsed_train_s") and (
+                    isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"host state: {name} must be a number; got {value!r}")
+        if not isinstance(self.log_sizes, dict) or not all(
+                isinstance(k, str) and _count(v) for k, v in self.log_sizes.items()):
+            raise ValueError(f"host state: log_sizes must map log names to sizes in bytes; got {self.log_sizes!r}")
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, values: dict[str, Any]) -> HostState:
         """From a checkpoint's JSON; fields an older checkpoint lacks keep their defaults."""
+        if not isinstance(values, dict):
+            raise ValueError(f"host state: a checkpoint's host state is a JSON object; got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # -- one writer per run directory ---------------------------------------------------------
