@@ -66,9 +66,20 @@ def token_logprobs(logits_BLV: jax.Array, targets_BL: jax.Array, *, temperature:
         raise ValueError(f"logits {logits_shape} and targets {targets_shape} disagree on the leading axes")
     _check_targets(targets_BL, logits_shape[-1])  # before jnp: it would wrap int64 ids past int32
     logits_BLV, targets_BL = jnp.asarray(logits_BLV), jnp.asarray(targets_BL)
-    scaled = logits_BLV.astype(jnp.float32) / temperature
-    picked = jnp.take_along_axis(scaled, targets_BL[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(scaled, axis=-1)
+    x, top, lse = _shifted_logsumexp(logits_BLV, temperature)
+    picked = jnp.take_along_axis(x, targets_BL[..., None].astype(jnp.int32), axis=-1)
+    return ((picked - top) / temperature - lse)[..., 0]
+
+
+def _shifted_logsumexp(logits, temperature):
+    """The logits in float32, their maximum and the logsumexp of (logits - max) / T. Shifted
+    before the division, so a small T sends the other tokens to -inf (their limit) instead of
+    overflowing every logit to ±inf (NaN); the shifted maximum is exactly 0, so the logsumexp
+    needs no pass of its own for it, and (x - max) / T fuses into the one reduction."""
+    x = logits.astype(jnp.float32)
+    top = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    return x, top, jnp.log(jnp.sum(jnp.exp((x - top) / temperature), axis=-1, keepdims=True))
 
 
 def token_entropy(logits_BLV: jax.Array, *, temperature: float = 1.0) -> jax.Array:
@@ -81,9 +92,8 @@ def token_entropy(logits_BLV: jax.Array, *, temperature: float = 1.0) -> jax.Arr
     logits_BLV = jnp.asarray(logits_BLV)
     if logits_BLV.ndim < 1:
         raise ValueError(f"logits must have a vocabulary axis [..., V]; got shape {logits_BLV.shape}")
-    scaled = logits_BLV.astype(jnp.float32) / temperature
-    scaled = scaled - jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))
-    lse = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    x, top, lse = _shifted_logsumexp(logits_BLV, temperature)
+    scaled = (x - top) / temperature
     # A -inf logit (top-k / top-p filtered) has probability 0 and adds 0, not 0 * -inf = NaN;
     # the inner where keeps its gradient finite too.
     kept = scaled > -jnp.inf
@@ -195,9 +205,9 @@ def _chunked_head_bwd(temperature, chunk, residuals, cotangents):
 
     def block(d_head, xs):
         h_BCD, targets_BC, g_BC = xs
-        scaled = _head_logits(h_BCD, head_VD) / temperature
-        probs = jax.nn.softmax(scaled, axis=-1)
-        picked = jax.nn.one_hot(targets_BC, scaled.shape[-1], dtype=jnp.float32)
+        x, top, lse = _shifted_logsumexp(_head_logits(h_BCD, head_VD), temperature)
+        probs = jnp.exp((x - top) / temperature - lse)
+        picked = jax.nn.one_hot(targets_BC, x.shape[-1], dtype=jnp.float32)
         d_logits = ((picked - probs) * (g_BC[..., None] / temperature)).astype(compute)
         d_h = jnp.einsum("bcv,vd->bcd", d_logits, head_VD.astype(compute), preferred_element_type=jnp.float32)
         d_head = d_head + jnp.einsum("bcv,bcd->vd", d_logits, h_BCD, preferred_element_type=jnp.float32,

@@ -113,6 +113,19 @@ def test_token_logprobs_and_entropy_match_float64_numpy():
     assert got_bf16.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("temperature", [1e-20, 1e-37])
+def test_a_tiny_temperature_gives_the_greedy_limit_not_nan(temperature):
+    # logits / T had overflowed to +-inf before the logsumexp: inf - inf, NaN log-probs.
+    logits = jnp.array([[[3.0, -2.0, 1.0, 0.5], [-1.0, 4.0, 2.0, -30.0]]])
+    top = jnp.argmax(logits, axis=-1)
+    for logp in (logprobs.token_logprobs(logits, top, temperature=temperature),
+                 logprobs.head_logprobs(logits, jnp.eye(4), top, temperature=temperature)[0]):
+        assert np.asarray(logp).tolist() == [[0.0, 0.0]]
+    others = logprobs.token_logprobs(logits, jnp.array([[1, 3]]), temperature=temperature)
+    assert np.all(np.asarray(others) < -1e18) and not np.isnan(np.asarray(others)).any()
+    assert np.asarray(logprobs.token_entropy(logits, temperature=temperature)).tolist() == [[0.0, 0.0]]
+
+
 def test_entropy_of_filtered_logits_is_the_kept_tokens_entropy_with_finite_gradients():
     # top-k / top-p filtering (decoding.filter_logits) leaves -inf logits: 0 * -inf had given NaN.
     kept = jnp.array([[2.0, 1.0, 0.5]])
