@@ -9,7 +9,7 @@
 #      programs compiled before it, the steady step and its phases, and the plan's roofline
 #      beside them. Each run is ended once its last step lands.
 # Before them, optionally: the decode kernel compiled through Triton against the XLA form (stage kernel:
-# tests/models/test_decode_kernel.py, which needs pytest), and one layer's decode attention under several splits
+# tests/models/test_decode_kernel.py; pytest comes with .whl/), and one layer's decode attention under several splits
 # (stage attention: benchmarks/kernel_variants.py) against the XLA form, JAX's own Pallas kernels and its floor.
 # The decode and CLI stages run under the attention stage's pick (the plan, unless another split matches the XLA
 # form and is 5 % faster), else $KERNEL_VARIANT, else the plan.

@@ -11,9 +11,10 @@ PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )} 
 rm -rf .whl && mkdir -p .whl
 # draccus (flags and config files) with its needs, the graders (math-verify, its LaTeX
 # parser and ANTLR runtime, pylatexenc), TensorBoard's writer. Versions: what `pip install
-# -e '.[run]'` resolves here, so both machines run the same graders.
+# -e '.[run]'` resolves here, so both machines run the same graders. pytest and xdist (the
+# project's pytest options name -n) for the check's kernel stage.
 for pkg in draccus mergedeep pyyaml-include toml typing-inspect mypy-extensions math-verify latex2sympy2_extended \
-           antlr4-python3-runtime pylatexenc tensorboardX; do
+           antlr4-python3-runtime pylatexenc tensorboardX pytest pluggy iniconfig pytest-xdist execnet; do
   version=$("$PY" -m pip show "$pkg" 2>/dev/null | sed -n 's/^Version: //p' || true)
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
     --platform manylinux2014_x86_64 --platform any -d .whl "$pkg${version:+==$version}"
