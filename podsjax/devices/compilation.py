@@ -112,11 +112,34 @@ def _stack() -> list:
     return _local.stack
 
 
+# A compile still running this long is said on the console as it runs: a cold start's
+# minutes-long compiles had shown nothing until they ended (only with the compile cache on:
+# JAX says a compile begins only through the cache's request).
+STILL_COMPILING_S = 20.0
+
+
 def _on_event(event: str, **kwargs) -> None:
     if event == _CACHE_REQUEST_EVENT:
         _local.hit, _local.saved = False, None
+        _watch(start=True)
     elif event == _CACHE_HIT_EVENT:
         _local.hit = True
+
+
+def _watch(start: bool) -> None:
+    """Starts (or stops) this thread's timer that says the labelled compile is still running."""
+    timer = getattr(_local, "timer", None)
+    if timer is not None:
+        timer.cancel()
+    _local.timer = None
+    stack = _stack()
+    if start and stack and stack[-1][0].log is not None:
+        log, name, detail = stack[-1]
+        what = f"{name} ({detail})" if detail else name
+        _local.timer = threading.Timer(STILL_COMPILING_S, log.log,
+                                       (f"compiling {what}: {STILL_COMPILING_S:.0f} s so far",))
+        _local.timer.daemon = True
+        _local.timer.start()
 
 
 def _on_duration(event: str, seconds: float, **kwargs) -> None:
@@ -125,6 +148,7 @@ def _on_duration(event: str, seconds: float, **kwargs) -> None:
         return
     if event != BACKEND_COMPILE_EVENT:
         return
+    _watch(start=False)
     hit, _local.hit = getattr(_local, "hit", False), False
     saved, _local.saved = getattr(_local, "saved", None), None
     stack = _stack()
@@ -193,6 +217,7 @@ class CompileLog:
         try:
             yield
         finally:
+            _watch(start=False)  # a compile that failed says nothing later
             stack.pop()
 
     def _record(self, name: str, detail: str, fun_name: str, seconds: float, hit: bool,

@@ -1,5 +1,6 @@
 """MetricsWriter (JSONL, TensorBoard events, samples), Progress and timers."""
 
+import functools
 import glob
 import io
 import json
@@ -211,6 +212,35 @@ def test_the_compile_log_counts_again_after_another_library_clears_jax_s_listene
     with log.label("second"):
         jax.jit(lambda x: jnp.cos(x) * 7.0 + 3.0)(x).block_until_ready()
     assert log.counts == {"first[<lambda>]": 1, "second[<lambda>]": 1}, log.counts
+
+
+def test_a_long_compile_is_said_while_it_runs_and_a_short_one_is_not(tmp_path, monkeypatch):
+    # A cold start's compiles of minutes had shown nothing until each ended.
+    import time
+
+    import jax
+
+    from podsjax.devices import compilation
+
+    lines = []
+    log = compilation.CompileLog(lines.append, min_report_s=0.0)
+    slow_body = jax.jit(lambda x: functools.reduce(lambda y, i: jnp.sin(y) * (i + 1.5), range(300), x))
+    compilation.disable_compile_cache()
+    compilation.enable_compile_cache(tmp_path / "cache", min_compile_time_s=0)
+    try:
+        monkeypatch.setattr(compilation, "STILL_COMPILING_S", 0.01)
+        with log.label("slow", "300 ops"):
+            slow_body(jnp.ones(7)).block_until_ready()
+        monkeypatch.setattr(compilation, "STILL_COMPILING_S", 1.0)
+        with log.label("quick"):
+            jax.jit(lambda x: x * 2.0 + 1.0)(jnp.ones(9)).block_until_ready()
+        time.sleep(1.5)  # the quick compile's timer, had it not been stopped, would have fired by now
+    finally:
+        compilation.disable_compile_cache()
+    assert "compiling slow (300 ops): 0 s so far" in lines, lines
+    assert not any(line.startswith("compiling quick") for line in lines), lines
+    assert lines.index("compiling slow (300 ops): 0 s so far") < next(
+        i for i, line in enumerate(lines) if line.startswith("compiled slow"))
 
 
 def test_compiles_ending_on_several_threads_at_once_are_each_counted():
