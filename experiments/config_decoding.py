@@ -163,6 +163,9 @@ def _check_values(values: dict[str, Any], where: str | None) -> None:
             _check_plain(value, path, where, 2)
             tp = fields_of.get(section, {}).get(name, Any)
             _check_shape(value, tp, path, where)
+            if _kinds(tp) == {str} and isinstance(value, (bool, int, float)):  # off had become 'False'
+                raise UsageError(_where(where, f"{path} takes text, not the {_kind(value)} {show_value(value)}; "
+                                               "quote it to mean the text"))
             if _kinds(tp) and _kinds(tp) <= {int, float}:
                 if isinstance(value, bool):
                     raise UsageError(_where(where, f"{path} must be a number, not a boolean ({str(value).lower()})"))
@@ -224,20 +227,24 @@ def _flag_values(flags: list[str], where: str | None = None) -> dict[str, Any]:
     return tree
 
 
+_YAML_NULLS = ("null", "Null", "NULL", "~")
+
+
 def _flag_value(text: str, what: str, tp: Any) -> Any:
     """A flag's text as YAML (``[a, b]``, ``null``, ``0.5``), read within the bounds.
 
-    A string field takes the text itself unless it reads as a string or null: a prompt such
-    as ``Answer: a number`` is not a mapping, ``yes`` is not true, and no value is a file to
-    include (draccus's ``include`` keyword and ``!include`` tag are not read)."""
+    A string field takes the text itself, but for null and a quoted text (``'null'``): YAML
+    would cut a prompt at `` #`` (a comment) and read ``&``, ``|`` and ``>`` as its own
+    syntax, ``Answer: a number`` would be a mapping and ``yes`` true, and no value is a file
+    to include (draccus's ``include`` keyword and ``!include`` tag are not read)."""
     if text == "":
         return text  # as draccus: the empty string, not null
     if _kinds(tp) == {str}:
-        try:
-            value = _load(text, what)
-        except UsageError:
-            return text
-        return value if value is None or isinstance(value, str) else text
+        if text in _YAML_NULLS:
+            return None
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+        value = _load(text, what) if quoted else text
+        return value if isinstance(value, str) else text
     return _load(text, what, "not a YAML value")
 
 

@@ -162,3 +162,29 @@ def test_the_cli_checks_positions_from_the_checkpoint_s_config(tmp_path):
 def test_run_config_fields_of_another_kind_are_one_line(tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
         RunConfig(**{"out_dir": str(tmp_path), "max_steps": 1, **changes})
+
+
+@pytest.mark.parametrize("text", [
+    "Reason step by step, then write the final answer after #### on the last line.",  # YAML had cut it at " #"
+    "# Role\nYou are a careful math tutor.",  # had lost its first line
+    "# Instructions: solve the problem",  # had been null: no system prompt at all
+    "&anchor text", "|", ">", "Answer: a number", "yes", "010", "[a, b]",
+])
+def test_a_text_flag_is_taken_as_written(text):
+    assert flags.parse("gsm8k", ["--system-prompt", text])[1].run.system_prompt == text
+
+
+def test_a_text_flag_reads_null_and_a_quoted_text():
+    assert flags.parse("gsm8k", ["--system-prompt", "null"])[1].run.system_prompt is None
+    assert flags.parse("gsm8k", ["--system-prompt", "'null'"])[1].run.system_prompt == "null"
+    assert flags.parse("gsm8k", ["--wandb-project", "exp #3"])[1].run.wandb_project == "exp #3"
+
+
+@pytest.mark.parametrize("value,shown", [("off", "bool false"), ("yes", "bool true"), ("1.50", "float 1.5"),
+                                         ("12", "int 12")])
+def test_a_config_file_s_bare_number_or_boolean_for_a_text_field_is_refused(tmp_path, one_line, value, shown):
+    # `system_prompt: off` had become the prompt 'False', and 1.50 the text '1.5'.
+    err = one_line(_config(tmp_path, f"run: {{system_prompt: {value}}}\n"), tmp_path / "never")
+    assert f"run.system_prompt takes text, not the {shown}; quote it to mean the text" in err, err
+    quoted = _config(tmp_path, f"run: {{system_prompt: '{value}'}}\n")
+    assert flags.parse("gsm8k", quoted)[1].run.system_prompt == value
