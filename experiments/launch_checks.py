@@ -79,14 +79,20 @@ def check_processes(coordinator: str, processes: int, process_id: int) -> None:
 def _check_resumable(out: str) -> None:
     """A run whose exports a resume would replace has a checkpoint to continue from: without
     one the resume would train again from step 0 over them."""
-    folder = os.path.join(out, run_dir.CHECKPOINTS_DIRNAME)
-    steps = [name for name in os.listdir(folder) if name.isdigit()] if os.path.isdir(folder) else []
-    exports = [name for name in (*completed.EXPORTS, "best")  # best/: the best policy's params (podsjax.run.best)
-               if os.path.exists(os.path.join(out, name))]
+    steps = _steps(os.path.join(out, run_dir.CHECKPOINTS_DIRNAME))
+    exports = [name for name in completed.EXPORTS if os.path.exists(os.path.join(out, name))]
+    # best/<step>: the best policy's params (podsjax.run.best). The untrained one of step 0, which
+    # a run killed before its first checkpoint leaves, is evaluated again: nothing is lost.
+    if any(int(step) > 0 for step in _steps(os.path.join(out, "best"))):
+        exports.append("best")
     if not steps and exports:
         raise UsageError(f"--resume: {out} has no checkpoint to continue from, and a resume would train again from "
                          f"step 0 over its {', '.join(exports)}; pass --overwrite to start the run again, or choose "
                          "another --out")
+
+
+def _steps(folder: str) -> list[str]:
+    return [name for name in os.listdir(folder) if name.isdigit()] if os.path.isdir(folder) else []
 
 
 def _check_model_config(path: str) -> None:

@@ -105,3 +105,27 @@ def test_a_resume_without_a_checkpoint_never_trains_again_over_the_run_s_exports
     # Complete and not extended: it says so, as with a checkpoint.
     assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 0
     assert "holds a complete run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("best_steps,resumes", [(["0"], True), (["0", "7"], False)])
+def test_a_run_killed_before_its_first_checkpoint_resumes_unless_a_trained_best_would_go(
+        tmp_path, monkeypatch, capsys, best_steps, resumes):
+    # The step-0 evaluation had saved best/0, and --resume then refused every run killed in its
+    # first 30 minutes (before the first checkpoint), even with auto.
+    out = tmp_path / "run"
+    _, config = flags.parse("gsm8k", ["--out", str(out)])
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config_decoding.as_json(config)))
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/accuracy": 0.1}) + "\n")
+    for step in best_steps:
+        (out / "best" / step).mkdir(parents=True)
+    started = []
+    monkeypatch.setattr(runner, "run_experiment", lambda config, *args, **kwargs: started.append(config) or 0)
+    for resume in (["--resume"], ["--resume", "auto"]):
+        code = cli.main("gsm8k", ["--out", str(out), *resume])
+        err = capsys.readouterr().err
+        if resumes:
+            assert code == 0 and not err, err
+        else:
+            assert code == 2 and "has no checkpoint to continue from" in err and "step 0 over its best" in err, err
+    assert len(started) == (2 if resumes else 0)
