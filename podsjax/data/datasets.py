@@ -113,6 +113,10 @@ class Task:
         return self.examples[index]
 
 
+# Names the reward scorer and functions take for their own arguments, so no data column can be one.
+REWARD_ARGUMENTS = frozenset({"completions", "rewards"})
+
+
 def reward_columns(examples: Sequence[Example], num_samples: int = 1) -> dict[str, list[Any]]:
     """Builds reward-function columns ([P * num_samples] lists) from examples.
 
@@ -409,6 +413,10 @@ def load_task(
             num_skipped += 1
             if len(skipped) < max_skipped_reasons:
                 skipped.append(message)
+    clash = sorted(REWARD_ARGUMENTS.intersection(*(e.columns for e in examples))) if examples else []
+    if clash:  # the scorer's call would fail at the first evaluation: score(completions, rewards, **columns)
+        raise DataError(f"{origin}: column {clash[0]!r} has the name of the rewards' own argument "
+                        f"({', '.join(sorted(REWARD_ARGUMENTS))}); rename it in your data")
     if not examples and limit != 0:
         source = origin if path is not None else f"{origin} split {split!r}"
         detail = f"{num_skipped} skipped" + (f": {skipped[0]}" if skipped else "") if num_skipped else "it is empty"

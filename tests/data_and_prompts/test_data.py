@@ -291,6 +291,17 @@ def test_your_own_columns_and_bare_final_answers(tmp_path):
     assert [(e.prompt, e.answer) for e in task] == [("One plus one?", "2")]
 
 
+@pytest.mark.parametrize("name", ["completions", "rewards"])
+def test_a_column_named_as_the_rewards_own_argument_is_refused_at_load(tmp_path, name):
+    # It had loaded, and the first evaluation failed with "score() got multiple values for argument".
+    rows = [{"question": "One plus one?", "answer": "2", name: "x"}, {"question": "Q?", "answer": "3", name: "y"}]
+    path = _write_jsonl(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(DataError, match=f"column '{name}' has the name of the rewards' own argument"):
+        load_task("gsm8k", "train", path)
+    mixed = _write_jsonl(tmp_path / "mixed.jsonl", [rows[0], {"question": "Q?", "answer": "3"}])
+    assert len(load_task("gsm8k", "train", mixed)) == 2  # not shared by every row: no reward sees it
+
+
 def test_gsm8k_final_answers_keep_their_sign_and_decimals_and_numbers_load_as_numbers(tmp_path):
     answers = [".5", "#### -.5", "-$5", "#### - 7", 42, 3.5, "#### 1,234", "#### 18 dollars", "#### 18."]
     path = _write_jsonl(tmp_path / "rows.jsonl", [{"question": "Q?", "answer": a} for a in answers])
