@@ -106,8 +106,9 @@ class AlgorithmConfig:
                     bad(f"{field.name} must be finite; got {value}")
         if self.algorithm not in ALGORITHMS:
             bad(f"algorithm must be one of {ALGORITHMS}; got {self.algorithm!r}")
-        if not 1 <= self.m <= self.n:
-            bad(f"need 1 <= m <= n; got n={self.n}, m={self.m}")
+        if not 2 <= self.m <= self.n:  # a group's advantage is its rewards less their mean: one rollout's is 0
+            bad(f"need 2 <= m <= n (a group of one rollout has advantage 0 and trains nothing); "
+                f"got n={self.n}, m={self.m}")
         if self.algorithm in ("grpo", "grpo-ga") and self.m != self.n:
             split = " (split the update into micro-batches with grad_accum)" if self.algorithm == "grpo-ga" else ""
             bad(f"{self.algorithm} trains every rollout, so m must equal n{split}; got n={self.n}, m={self.m}")

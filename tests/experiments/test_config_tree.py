@@ -120,7 +120,7 @@ def test_help_lists_launch_flags_shortcuts_and_every_field_with_its_comment(caps
 
 @pytest.mark.parametrize("argv,message", [
     (["--config", "{file}"], "not YAML or JSON"),
-    (["--algorithm.n", "16", "--algorithm.m", "32"], "AlgorithmConfig: need 1 <= m <= n; got n=16, m=32"),
+    (["--algorithm.n", "16", "--algorithm.m", "32"], "AlgorithmConfig: need 2 <= m <= n (a group of one rollout has advantage 0 and trains nothing); got n=16, m=32"),
     (["--model.dtype", "float16"], "model.dtype must be one of float32, bfloat16; got 'float16'"),
     (["--rewards.format_style", "loose"], "rewards.format_style must be one of exact, score"),
     (["--rewards.extra", "[x=abc]"], "the weight after '=' must be a number"),

@@ -108,7 +108,7 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--n", "0"], "need 1 <= m <= n; got n=0"),
+    (["--n", "0"], "need 2 <= m <= n (a group of one rollout has advantage 0 and trains nothing); got n=0"),
     (["--model", "/no/such/dir", "--max-steps", "1"], "no such file or directory"),
     (["--full", "--lora-rank", "4"], "exclude each other"),
     (["--setting", "z"], "unknown setting 'z'"),

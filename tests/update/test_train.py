@@ -253,7 +253,10 @@ def test_config_validation_errors():
     cases = [
         (dict(algorithm="grpo", n=8, m=4), "m must equal n"),
         (dict(algorithm="grpo-ga", n=16, m=4), "m must equal n \\(split the update into micro-batches"),
-        (dict(algorithm="pods", n=4, m=8), "1 <= m <= n"),
+        (dict(algorithm="pods", n=4, m=8), "2 <= m <= n"),
+        # A group of one had trained nothing for a whole run: loss and gradient 0 at every step.
+        (dict(algorithm="pods", n=8, m=1), r"need 2 <= m <= n \(a group of one rollout has advantage 0"),
+        (dict(algorithm="grpo", n=1, m=1), "need 2 <= m <= n"),
         (dict(algorithm="pods", n=8, m=4, rule="best"), "unknown selection rule 'best'"),
         (dict(algorithm="ppo"), "algorithm must be one of"),
         (dict(aggregation="sum"), "aggregation must be one of"),
