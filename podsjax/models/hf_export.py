@@ -12,6 +12,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -190,11 +191,16 @@ def _copy_tokenizer(source_dir: str, staging: str) -> None:
             shutil.copyfile(source, os.path.join(staging, name))
 
 
+_EXPORT_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # the names save_pretrained writes
+
+
 def _replace(path: str, staging: str, weights: list[str]) -> None:
     """The staged files over ``path``'s, each whole; then the old export's other weight files."""
     for name in os.listdir(staging):
         os.replace(os.path.join(staging, name), os.path.join(path, name))
-    stale = glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, INDEX_FILE))
-    for old in stale:  # an earlier export's shards would shadow the new weights
-        if os.path.basename(old) not in weights:
-            os.remove(old)
+    # An earlier export's weights would shadow the new ones; other files (a PEFT adapter's
+    # adapter_model.safetensors) are not an export's, and stay.
+    stale = [name for name in os.listdir(path) if _EXPORT_WEIGHTS.fullmatch(name) or name == INDEX_FILE]
+    for old in stale:
+        if old not in weights:
+            os.remove(os.path.join(path, old))

@@ -89,6 +89,19 @@ def test_a_new_export_replaces_the_old_one_and_drops_its_shards(model_params, ex
     np.testing.assert_array_equal(loaded["embed"]["embedding"], doubled["embed"]["embedding"])
 
 
+def test_an_export_over_a_folder_keeps_files_that_are_no_export_s_weights(model_params, tmp_path):
+    # Every *.safetensors had gone, a PEFT adapter's weights too (its config left pointing at nothing).
+    model, params = model_params
+    lora = pm.init_lora(jax.random.key(1), model, pm.LoraConfig(rank=2, alpha=4.0))
+    pm.save_peft_adapter(model, lora, tmp_path)
+    (tmp_path / "notes.safetensors").write_bytes(b"the user's")
+    adapter = _contents(tmp_path)
+    pm.save_pretrained(model, params, tmp_path, lora=lora, overwrite=True)
+    after = _contents(tmp_path)
+    assert {name: after.get(name) for name in adapter} == adapter
+    assert "model.safetensors" in after
+
+
 def test_a_leftover_staging_folder_is_cleared_by_the_next_export(model_params, exported):
     model, params = model_params
     leftover = exported / (hf_export.STAGING_PREFIX + "killed")
