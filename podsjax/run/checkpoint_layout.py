@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -87,10 +88,36 @@ def flat_state(state: Any) -> dict[str, Any]:
     paths, leaves, _ = leaf_paths(state)
     if not paths:
         raise ValueError("state has no array leaves to checkpoint")
-    odd = next((p for p, x in zip(paths, leaves) if not is_key(x) and not _numeric(x)), None)
-    if odd is not None:  # a string had failed deep in the checksum
-        raise ValueError(f"state leaf {odd!r} is no array or number: {type(dict(zip(paths, leaves))[odd]).__name__}")
+    for p, x in zip(paths, leaves):
+        if not is_key(x):
+            _check_storable(p, x)
     return {p: (jax.random.key_data(x) if is_key(x) else x) for p, x in zip(paths, leaves)}
+
+
+def _check_storable(path: str, x: Any) -> None:
+    """One line for a leaf a save would fail on deep inside (text, an empty array: orbax left its
+    temporary folder; complex or 4-bit values: the checksum) or restore changed (an int64 past
+    int32's range comes back cut when JAX holds 32-bit integers)."""
+    if not _numeric(x):
+        raise ValueError(f"state leaf {path!r} is no array or number: {type(x).__name__}")
+    dtype = np.result_type(x)
+    if np.size(x) == 0:
+        raise ValueError(f"state leaf {path!r} has no elements (shape {np.shape(x)}): orbax saves no empty array")
+    if jnp.issubdtype(dtype, jnp.complexfloating) or _bits(dtype) < 8:
+        raise ValueError(f"state leaf {path!r} is {dtype}, which a checkpoint does not store")
+    if dtype.kind in "iu" and dtype.itemsize == 8 and not jax.config.jax_enable_x64 and not isinstance(x, jax.Array):
+        narrow = np.iinfo(np.int32 if dtype.kind == "i" else np.uint32)
+        low, high = int(np.min(x)), int(np.max(x))
+        if low < narrow.min or high > narrow.max:
+            raise ValueError(f"state leaf {path!r} holds {high if high > narrow.max else low}, past {narrow.dtype}: "
+                             "JAX without x64 (jax_enable_x64) would restore it cut")
+
+
+def _bits(dtype: np.dtype) -> int:
+    """Bits a value takes (4 for int4, whose NumPy itemsize is a byte); 8 for other kinds."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    return jnp.finfo(dtype).bits if jnp.issubdtype(dtype, jnp.floating) else 8
 
 
 def _numeric(x: Any) -> bool:

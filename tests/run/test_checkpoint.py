@@ -466,3 +466,21 @@ def test_a_text_leaf_is_named_before_anything_is_saved(tmp_path):
         with pytest.raises(ValueError, match="state leaf 'name' is no array or number: str"):  # had failed deep inside
             ck.save(1, {"w": jnp.ones(3), "name": "policy"}, force=True)
         assert ck.all_steps() == []
+
+
+@pytest.mark.parametrize("leaf,message", [
+    # orbax had raised 17 frames deep and left its temporary folder (an async save then hung at exit).
+    (jnp.zeros((0, 4)), r"state leaf 'odd' has no elements \(shape \(0, 4\)\)"),
+    # the checksum had failed inside lax.bitcast_convert_type
+    (jnp.ones(3, jnp.complex64), "state leaf 'odd' is complex64, which a checkpoint does not store"),
+    (jnp.arange(4, dtype=jnp.int4), "state leaf 'odd' is int4, which a checkpoint does not store"),
+    # restored as int32 5 and 7, the checksum agreeing (it too was taken after the cut)
+    (np.array([2**40 + 5, 7], np.int64), f"state leaf 'odd' holds {2**40 + 5}, past int32"),
+])
+def test_a_leaf_a_checkpoint_would_fail_on_or_cut_is_named_before_anything_is_saved(tmp_path, leaf, message):
+    with Checkpointer(CheckpointConfig(str(tmp_path), async_save=False)) as ck:
+        with pytest.raises(ValueError, match=message):
+            ck.save(1, {"w": jnp.ones(3), "odd": leaf}, force=True)
+        assert ck.all_steps() == [] and os.listdir(tmp_path) == []
+        ck.save(2, {"w": jnp.ones(3), "fits": np.array([2**31 - 1, -(2**31)], np.int64)}, force=True)
+        assert ck.all_steps() == [2]
