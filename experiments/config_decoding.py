@@ -171,8 +171,21 @@ def _check_values(values: dict[str, Any], where: str | None) -> None:
                     raise UsageError(_where(where, f"{path} must be a number, not a boolean ({str(value).lower()})"))
                 if value is None and type(None) not in typing.get_args(tp):
                     raise UsageError(_where(where, f"{path} must be a number, not null"))
-                if isinstance(value, str):  # Python's int() would read 1_6 as 16 and ' 7' as 7
+                if isinstance(value, str) and _read_otherwise(value):
                     raise UsageError(_where(where, f"{path} must be a number written in decimal; got {value!r}"))
+
+
+def _read_otherwise(text: str) -> bool:
+    """Whether Python's float() and int(), which draccus calls on a number field's text, would read
+    as a number a text that YAML 1.2 reads as none: 1_6 as 16, ' 7' as 7, Arabic-Indic digits.
+    inf and nan pass, for the fields' own finiteness checks; other text is draccus's to refuse."""
+    if text.strip().lstrip("+-").lower() in ("inf", "infinity", "nan"):
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_plain(value: Any, path: str, where: str | None, depth: int) -> None:

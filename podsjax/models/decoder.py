@@ -40,7 +40,7 @@ from podsjax.models import lifted, token_ids, tpu_decode_kernel
 from podsjax.models.attention import (LayerCache, attend, attend_cached,  # noqa: F401 - attend_cached: rollout's
                                       attention_implementation, cache_slots)
 from podsjax.models.cache import KVCache
-from podsjax.models.lora import PROJECTION_LOGICAL_AXES, LoraParams
+from podsjax.models.lora import PROJECTION_LOGICAL_AXES, LoraParams, check_lora_fits
 from podsjax.models.model_config import ModelConfig
 from podsjax.models.params import check_float_dtypes
 from podsjax.models.rope import apply_rope, rope_inv_freq, rope_tables
@@ -422,6 +422,8 @@ class Decoder(nn.Module):
         x_BLD = mesh_lib.constrain(embed(input_ids_BL), self.mesh, ("batch", "length", "act_embed"))
         rope = rope_tables(positions_BL, rope_inv_freq(cfg), self.dtype)
         implementation = attention_implementation(self.attention, self.dtype, cfg.head_dim, mesh_lib.platform(self.mesh))
+        if lora is not None:
+            check_lora_fits(self, lora)  # at trace time, from shapes: a mismatch had failed deep in a reshape
         lora_layers = lora.weights.get("layers", {}) if lora is not None else {}
         lora_scale = lora.scale if lora is not None else 1.0
         blocks = scanned_blocks(self.remat)(cfg, self.dtype, self.param_dtype, self.mesh, implementation, lora_scale,

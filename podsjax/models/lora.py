@@ -205,6 +205,9 @@ def merge_lora(params: dict[str, Any], lora: LoraParams) -> dict[str, Any]:
 
     This materialises a full copy of the params; training and sampling never need it.
     """
+    if not isinstance(lora, LoraParams):  # a bare weights dict had failed on .weights
+        raise ValueError(f"lora must be the LoraParams that init_lora makes; got {type(lora).__name__}")
+
     def merge(path, leaf):
         keys = tuple(getattr(p, "key", p) for p in path)
         if keys[-1] != "kernel":
@@ -214,6 +217,11 @@ def merge_lora(params: dict[str, Any], lora: LoraParams) -> dict[str, Any]:
             if not isinstance(node, dict) or part not in node:
                 return leaf
             node = node[part]
+        a, b = jnp.shape(node["a"]), jnp.shape(node["b"])
+        stacked = len(a) + len(b) - 2 > jnp.ndim(leaf)
+        if a[:-1] + b[1 + stacked:] != jnp.shape(leaf) or a[-1:] != b[stacked:stacked + 1]:  # else a deep reshape
+            raise ValueError(f"lora does not fit the kernel {'/'.join(map(str, keys))}: A {a} and B {b} do not make "
+                             f"its {jnp.shape(leaf)}; was it made for another model config?")
         return merged_kernel(leaf, node, lora.scale)
 
     return jax.tree_util.tree_map_with_path(merge, params)

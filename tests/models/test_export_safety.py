@@ -145,6 +145,16 @@ def test_lora_of_another_model_is_refused_by_both_exports(model_params, tmp_path
         peft_io.save_peft_adapter(model, lora, tmp_path / "adapter")
     with pytest.raises(ValueError, match="lora must be the LoraParams that init_lora makes"):
         pm.save_pretrained(model, params, tmp_path / "merged", lora=lora.weights)
+    # The forward and merge_lora had failed deep inside a reshape, or on a dict's missing .weights.
+    ids = jnp.array([[3, 4, 5]])
+    with pytest.raises(ValueError, match=r"lora does not fit this model: layers/mlp/down/a"):
+        model.apply({"params": params}, ids, lora=lora)
+    with pytest.raises(ValueError, match="lora must be the LoraParams that init_lora makes"):
+        model.apply({"params": params}, ids, lora=lora.weights)
+    with pytest.raises(ValueError, match=r"lora does not fit the kernel layers/mlp/down/kernel: A \(2, 96, 2\)"):
+        pm.merge_lora(params, lora)
+    with pytest.raises(ValueError, match="lora must be the LoraParams that init_lora makes; got dict"):
+        pm.merge_lora(params, lora.weights)
     assert not (tmp_path / "merged").exists() and not (tmp_path / "adapter").exists()
     wider_params = pm.init_params(wider, jax.random.key(2))  # params of another config: one line too
     with pytest.raises(ValueError, match=r"params do not fit this model: \['layers'\]\['mlp'\]\['down'\]"):
