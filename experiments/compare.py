@@ -24,28 +24,16 @@ from typing import Any
 
 from experiments import cli, completed, config_decoding, launch_checks, run_dir
 from experiments import flags as flags_lib
-from experiments.config import METHODS, ExperimentConfig, describe_setting
+from experiments.config import ExperimentConfig, describe_setting
+from experiments.compare_args import ABLATIONS, parse
 from experiments.usage import UsageError
 from experiments import analysis
 from podsjax.run.metrics import read_jsonl, to_jsonable
 
-# label -> the AlgorithmConfig fields it sets over the shared config; the paper's sweeps
-# (n at m=16, m at n=64, the selection rule at the setting's n and m).
-ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
-    "n": {f"n={n}": {"algorithm": "pods", "n": n, "m": 16} for n in (16, 32, 64, 128, 256)},
-    "m": {f"m={m}": {"algorithm": "pods", "n": 64, "m": m} for m in (2, 4, 8, 16)},
-    "rule": {rule: {"algorithm": "pods", "rule": rule}
-             for rule in ("max_variance", "max_reward", "random", "percentile")},
-    # PODS's in-group selection with and without DAPO's dynamic sampling of groups
-    "dynamic_sampling": {"pods": {"algorithm": "pods"},
-                         "pods+dynamic": {"algorithm": "pods", "dynamic_sampling": True}},
-}
 # The per-step figures the second table averages: what the groups held, and where a step's time went.
 STEP_FIGURES = {"zero-variance groups drawn": "data/zero_std_groups_drawn",
                 "before selection": "reward/zero_std_groups", "after selection": "reward/zero_std_groups_selected"}
 PHASES = ("generation", "scoring", "selection", "update")
-# Set per run by compare itself, so refused among the shared flags.
-OWN_FLAGS = ("--out", "--seed", "--resume", "--overwrite", "--method", "--warmup-dir")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,43 +53,6 @@ class Comparison:
     shared: ExperimentConfig
     variants: dict[str, ExperimentConfig]
     baseline: str
-
-
-def parse(argv):
-    """compare's own flags, and the rest (the flags every run shares)."""
-    parser = flags_lib.UsageParser(prog="python -m experiments.compare", description=__doc__, allow_abbrev=False,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=("gsm8k", "math", "chemistry"), default="gsm8k", help="default: gsm8k")
-    parser.add_argument("--methods", help="comma-separated methods (grpo, grpo-ga, pods; default: grpo,pods)")
-    parser.add_argument("--ablation", choices=sorted(ABLATIONS), help="run a sweep instead of --methods")
-    parser.add_argument("--baseline", help="label whose peak sets the target (default: grpo, or the first)")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: 0,1,2)")
-    parser.add_argument("--out", required=True)
-    args, passthrough = parser.parse_known_args(argv)
-    args.out = os.path.expanduser(args.out)  # a quoted "~/runs" names the home's folder, not a "~" here
-    try:
-        args.seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        raise UsageError(f"--seeds wants comma-separated integers; got {args.seeds!r}") from None
-    repeated = sorted({s for s in args.seeds if args.seeds.count(s) > 1})
-    if repeated:  # two runs of a seed would share one directory, and count twice in the statistics
-        raise UsageError(f"--seeds names seed {repeated[0]} twice; each seed is one run")
-    if args.methods is not None and args.ablation:
-        raise UsageError("--methods and --ablation exclude each other: an ablation sweeps one method's setting")
-    methods = [m.strip() for m in (args.methods if args.methods is not None else "grpo,pods").split(",") if m.strip()]
-    if not methods or set(methods) - set(METHODS):
-        raise UsageError(f"--methods must name grpo, grpo-ga or pods; got {args.methods!r}")
-    twice = sorted({m for m in methods if methods.count(m) > 1})
-    if twice:  # its runs would be one run, read twice
-        raise UsageError(f"--methods names {twice[0]} twice; each method is one run a seed")
-    args.methods = methods
-    for flag in OWN_FLAGS:
-        if flag in passthrough:
-            if flag == "--warmup-dir":
-                raise UsageError("--warmup-dir names one warm-up, but each seed has its own (the tiny preset "
-                                 "keeps them in its shared warm-up cache); remove it")
-            raise UsageError(f"{flag} is set by compare itself; remove it")
-    return args, passthrough
 
 
 # What a comparison writes in --out: its runs (and the tiny preset's warm-ups), the plot, the summary.
@@ -125,6 +76,8 @@ def prepare(argv) -> Comparison:
     # PODS's config: --method is compare's to set, so the parser's default method applies.
     run_args, shared = flags_lib.parse(args.task, passthrough)
     launch_checks.check(run_args, shared)
+    if shared.run.eval_every_s is None:  # each run would train, and the comparison then find nothing to read
+        raise UsageError("compare reads each run's evaluations, and --eval-every null turns them off")
     for seed in args.seeds:  # a seed the run config refuses is one line before any run
         try:
             flags_lib.replace_run(shared, seed=seed)

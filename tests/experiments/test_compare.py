@@ -79,6 +79,18 @@ def test_a_setting_without_a_method_and_bad_lists_give_one_line_and_exit_2(tmp_p
         (["--seed", "1"], "--seed is set by compare itself"),
         (["--baseline", "grpo-ga"], "--baseline 'grpo-ga' is not among"),
         (["--ablation", "m", "--lr", "inf"], "learning_rate must be finite"),
+        # Spelled otherwise, these had been ignored: seeds 0.. and both methods ran regardless.
+        (["--seed=5"], "--seed is set by compare itself"),
+        (["--run.seed", "5"], "--run.seed is set by compare itself"),
+        (["--method=grpo"], "--method is set by compare itself"),
+        (["--run.out_dir", "x"], "--run.out_dir is set by compare itself"),
+        # A swept field given too had been overwritten in every run, or had made both arms one.
+        (["--ablation", "n", "--m", "8"], "--ablation n sets algorithm.m in each run; remove --m"),
+        (["--ablation", "dynamic_sampling", "--algorithm.dynamic_sampling", "true"],
+         "--ablation dynamic_sampling sets algorithm.dynamic_sampling in each run; remove --algorithm.dynamic_sampling"),
+        (["--ablation", "rule", "--rule=random"], "--ablation rule sets algorithm.rule in each run; remove --rule"),
+        # Every run had trained, then the comparison found no evaluation to read.
+        (["--eval-every", "null"], "compare reads each run's evaluations, and --eval-every null turns them off"),
     ]:
         assert compare.main([*argv, "--out", str(tmp_path / "cmp")]) == 2
         err = capsys.readouterr().err
