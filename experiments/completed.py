@@ -29,12 +29,24 @@ def is_complete(config: ExperimentConfig, out: str) -> bool:
     return os.path.isfile(os.path.join(out, EXPORTED_FILE)) and not extends(config, out)
 
 
-def mark_exported(out: str, exports: list[str]) -> None:
-    """Records that the run in ``out`` wrote its last export (``exports``: the folders)."""
+def mark_exported(out: str, exports: list[str], run=None) -> None:
+    """Records that the run in ``out`` wrote its last export (``exports``: the folders), and the
+    budgets it ended under (``run``: its RunConfig, a resume's own where it changed them)."""
     path = os.path.join(out, EXPORTED_FILE)
+    budgets = {field: getattr(run, field) for field, _, _ in _BUDGETS} if run is not None else {}
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"exports": exports}, f)
+        json.dump({"exports": exports, "budgets": budgets}, f)
     os.replace(path + ".tmp", path)
+
+
+def _ended_under(out: str) -> dict:
+    """The budgets the run's last export was made under (none recorded: an older run's)."""
+    try:
+        with open(os.path.join(out, EXPORTED_FILE), encoding="utf-8") as f:
+            budgets = json.load(f).get("budgets")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return budgets if isinstance(budgets, dict) else {}
 
 
 def _last_step(out: str) -> dict:
@@ -50,9 +62,13 @@ def extends(config: ExperimentConfig, out: str) -> bool:
     """Whether ``config`` continues the complete run in ``out``: a longer --time-budget or
     --max-steps than the run was started with, which its last training step has not reached."""
     last = _last_step(out)
-    started = config_decoding.read_run_config(out).run
+    started, ended = config_decoding.read_run_config(out).run, _ended_under(out)
     for field, _, key in _BUDGETS:
-        wanted, before = getattr(config.run, field), getattr(started, field)
+        # a resume that lowered a budget ended the run under it: the started one is not spent
+        before = ended.get(field, getattr(started, field))
+        if isinstance(before, bool) or not isinstance(before, (int, float, type(None))):
+            before = getattr(started, field)  # a damaged record: the started budget, as before
+        wanted = getattr(config.run, field)
         if wanted is not None and before is not None and wanted > before and last.get(key, 0) < wanted:
             return True
     return False

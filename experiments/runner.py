@@ -216,7 +216,8 @@ def _train_and_export(config: ExperimentConfig, out_dir: str, mesh, started_at: 
         export_dir += (f"\nbest model ({trainer.best.accuracy:.1%} at step {trainer.best.step}; "
                        f"chosen on the eval split): {best_dir}")
     if hosts.is_primary():
-        completed.mark_exported(out_dir, [name for name in completed.EXPORTS if os.path.isdir(os.path.join(out_dir, name))])
+        completed.mark_exported(out_dir, [name for name in completed.EXPORTS if os.path.isdir(os.path.join(out_dir, name))],
+                                config.run)
         print_summary(config, history, trainer.step, trainer.host.elapsed_train_s,
                       time.time() - start, export_dir)
     return 0

@@ -129,3 +129,20 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_unless_a_trained_best_
         else:
             assert code == 2 and "has no checkpoint to continue from" in err and "step 0 over its best" in err, err
     assert len(started) == (2 if resumes else 0)
+
+
+def test_a_run_ended_by_a_resume_that_lowered_its_budget_resumes_to_the_budget_it_started_with(
+        tmp_path, monkeypatch, capsys):
+    # It had been called complete with "its --time-budget 1000 is spent" after 241 s of 1000, so
+    # the 300 steps it was started with could not be reached without asking for more.
+    out = _complete_run(tmp_path / "run", "--max-steps", "300", "--time-budget", "1000")
+    _, lowered = flags.parse("gsm8k", ["--out", str(out), "--max-steps", "100", "--time-budget", "1000"])
+    completed.mark_exported(str(out), ["final_model", "best_model"], lowered.run)  # ended under --max-steps 100
+    started = []
+    monkeypatch.setattr(runner, "run_experiment", lambda config, *args, **kwargs: started.append(config) or 0)
+    assert cli.main("gsm8k", ["--out", str(out), "--resume", "--max-steps", "100"]) == 0
+    assert "holds a complete run" in capsys.readouterr().out and not started
+    for resume in (["--resume"], ["--resume", "--max-steps", "300"]):
+        assert cli.main("gsm8k", ["--out", str(out), *resume]) == 0
+        assert "complete run" not in capsys.readouterr().out
+    assert [config.run.max_steps for config in started] == [300, 300]
