@@ -18,6 +18,11 @@ def check(args, config: ExperimentConfig) -> None:
         raise UsageError("--resume and --overwrite exclude each other")
     if args.resume:
         _check_resumable(args.out)
+    if config.run.eval_every_s is None:  # the evaluation's own flags would be ignored without a word
+        flag = next((origin for field, origin in getattr(args, "origins", {}).items() if field in _EVAL_FIELDS
+                     and origin.startswith("--") and not origin.startswith("--config")), None)
+        if flag is not None:
+            raise UsageError(f"{flag} sets the evaluation, which --eval-every null turns off; remove one of them")
     if config.model.mesh is not None:  # before a CPU makes the mesh's host devices (100,000 of them, say)
         sizes = parse_mesh_spec(config.model.mesh, None)
         # rl.prompt_rows x n, whose module imports JAX
@@ -74,6 +79,9 @@ def check_processes(coordinator: str, processes: int, process_id: int) -> None:
         raise UsageError(f"--num-processes must be >= 1; got {processes}")
     if not 0 <= process_id < processes:
         raise UsageError(f"--process-id must be in 0..{processes - 1}; got {process_id}")
+
+
+_EVAL_FIELDS = ("run.eval_limit", "run.eval_temperature", "run.eval_repeats", "run.eval_metric", "run.eval_k")
 
 
 def _check_resumable(out: str) -> None:

@@ -137,6 +137,9 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--temperature", "0"], "training temperature must be > 0; got 0.0"),
     (["--eval-repeats", "3"], "eval_repeats 3 needs eval_temperature > 0"),
     (["--eval-metric", "both"], "eval_metric must be one of accuracy, accuracy_and_format"),
+    # With evaluation off, these had been taken and ignored without a word.
+    (["--eval-every", "null", "--eval-limit", "4"], "--eval-limit sets the evaluation, which --eval-every null"),
+    (["--eval-every", "null", "--run.eval_metric", "accuracy"], "--run.eval_metric sets the evaluation"),
     (["--lr", "inf"], "learning_rate must be finite"),  # before the warm-up, not after it
     (["--lr", "-1e-4"], "learning_rate must be > 0; got -0.0001"),  # a negative number is a value, not a flag
     (["--algorithm.beta", "-1e-3"], "beta must be >= 0; got -0.001"),
