@@ -183,6 +183,19 @@ def _check(path: str, specs: list[TensorSpec], files: dict[str, SafetensorsFile]
                 if items]
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match the model config: " + "; ".join(problems))
+    if tied and "lm_head.weight" in files and not _same_tensor(files, "lm_head.weight", "model.embed_tokens.weight"):
+        # transformers 4 ties them; 5 loads the file's head: logits would depend on the version.
+        raise CheckpointError(f"checkpoint {path}: config.json ties the LM head to the embedding, but the weights "
+                              "hold an lm_head.weight that differs from it; set tie_word_embeddings to false to use "
+                              "it, or remove it to use the embedding")
+
+
+def _same_tensor(files: dict[str, SafetensorsFile], a: str, b: str, rows: int = 4096) -> bool:
+    """Whether tensors ``a`` and ``b`` are equal, compared a block of rows at a time (no full copy)."""
+    if b not in files or files[a].shape(a) != files[b].shape(b) or files[a].dtype(a) != files[b].dtype(b):
+        return False
+    x, y = files[a].get(a), files[b].get(b)
+    return all(np.array_equal(x[i:i + rows], y[i:i + rows]) for i in range(0, x.shape[0], rows))
 
 
 def _place(host: np.ndarray, sharding) -> jax.Array:

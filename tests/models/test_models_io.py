@@ -208,6 +208,22 @@ def test_one_error_lists_missing_unexpected_and_misshaped(checkpoints, tmp_path)
     assert "model.layers.0.self_attn.q_proj.weight: expected [64, 64], found [64, 32]" in message
 
 
+def test_a_tied_checkpoint_s_own_lm_head_loads_only_when_it_is_the_embedding(checkpoints, tmp_path):
+    # It had been dropped without a word, while transformers 5 loads it: the logits then differed by 0.84.
+    config = json.loads((checkpoints["qwen2"] / "config.json").read_text())
+    assert config["tie_word_embeddings"]
+
+    def head(offset):
+        def add(t):
+            t["lm_head.weight"] = np.ascontiguousarray(t["model.embed_tokens.weight"] + offset)
+        return add
+
+    pm.from_pretrained(copy_with(checkpoints["qwen2"], tmp_path / "same", head(0.0)))
+    with pytest.raises(pm.CheckpointError, match="ties the LM head to the embedding, but the weights hold an "
+                                                 "lm_head.weight that differs from it"):
+        pm.from_pretrained(copy_with(checkpoints["qwen2"], tmp_path / "other", head(0.5)))
+
+
 def test_incomplete_checkpoints_raise_clear_errors(checkpoints, tmp_path):
     # Config and weights of different models: every mismatch reported, nothing loaded.
     mixed = tmp_path / "mixed"
