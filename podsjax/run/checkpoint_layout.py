@@ -61,6 +61,8 @@ def key_impl(abstract_key: jax.ShapeDtypeStruct) -> Any:
 
 def abstract_leaf(path: str, leaf: Any) -> jax.ShapeDtypeStruct:
     """The orbax restore target for one leaf of the caller's abstract state."""
+    if isinstance(leaf, (bool, int, float)):  # a Python number save() took: restored as JAX holds it
+        leaf = jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(np.result_type(leaf)))
     if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
         raise TypeError(f"abstract state leaf {path!r} must be a jax.ShapeDtypeStruct or array, got {type(leaf).__name__}")
     sharding = getattr(leaf, "sharding", None)
@@ -91,7 +93,15 @@ def flat_state(state: Any) -> dict[str, Any]:
     for p, x in zip(paths, leaves):
         if not is_key(x):
             _check_storable(p, x)
-    return {p: (jax.random.key_data(x) if is_key(x) else x) for p, x in zip(paths, leaves)}
+    return {p: (jax.random.key_data(x) if is_key(x) else _as_jax_holds(x)) for p, x in zip(paths, leaves)}
+
+
+def _as_jax_holds(x: Any) -> Any:
+    """A Python number in the dtype JAX gives it (0.5 is float32 without x64), so that it is saved as
+    it is restored; arrays as they are."""
+    if isinstance(x, (bool, int, float)):
+        return np.asarray(x, jax.dtypes.canonicalize_dtype(np.result_type(x)))
+    return x
 
 
 def _check_storable(path: str, x: Any) -> None:

@@ -484,3 +484,13 @@ def test_a_leaf_a_checkpoint_would_fail_on_or_cut_is_named_before_anything_is_sa
         assert ck.all_steps() == [] and os.listdir(tmp_path) == []
         ck.save(2, {"w": jnp.ones(3), "fits": np.array([2**31 - 1, -(2**31)], np.int64)}, force=True)
         assert ck.all_steps() == [2]
+
+
+def test_python_numbers_in_a_state_restore_into_the_same_tree(tmp_path):
+    # save() had taken them (0.5 as float64) and restore() refused the same tree in one line.
+    state = {"w": jnp.ones(3), "lr": 0.5, "count": 7, "flag": True}
+    with Checkpointer(CheckpointConfig(str(tmp_path), async_save=False)) as ck:
+        ck.save(1, state, force=True)
+        restored, _ = ck.restore(state)
+    assert {k: (np.asarray(v).dtype.name, np.asarray(v).tolist()) for k, v in restored.items() if k != "w"} == {
+        "lr": ("float32", 0.5), "count": ("int32", 7), "flag": ("bool", True)}
