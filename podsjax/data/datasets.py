@@ -33,6 +33,7 @@ there is no Hub default here: pass a local file or directory.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import logging
 import math
 import os
@@ -177,8 +178,11 @@ def _math_row(row: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:
     answer = row.get("answer")
     if isinstance(answer, float) and not math.isfinite(answer):
         raise DataError(f"field 'answer' is {answer}, not a finite number")
-    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-        answer = str(answer)
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float, type(None))):
+        raise DataError(f"field 'answer' is {type(answer).__name__}, not text")
+    if isinstance(answer, (int, float)):
+        # In plain decimals: str() writes 0.00005 as 5e-05, whose e the grader reads as Euler's number.
+        answer = format(decimal.Decimal(repr(answer)), "f")
     if not (isinstance(answer, str) and answer.strip()):
         if "answer" in row and "solution" not in row:
             raise DataError("field 'answer' is empty and there is no 'solution'")

@@ -30,7 +30,9 @@ _NUMBER = re.compile(
     r"(?:[eE][+-]?[0-9]+(?![0-9A-Za-z]))?(?:/[0-9]+(?![0-9.,/]))?"
 )
 # \frac{3}{4} (and \dfrac, \tfrac) of plain numbers, read as 3/4.
-_FRAC = re.compile(r"\\[dt]?frac\{\s*(-?[0-9.]+)\s*\}\{\s*([0-9.]+)\s*\}")
+# TeX's unbraced \frac12 too (its arguments one digit each), which had read as 12; a negative
+# denominator moves its sign to the numerator (\frac{1}{-2} is -1/2).
+_FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*(-?[0-9.]+)\s*\}|([0-9]))\s*(?:\{\s*(-?[0-9.]+)\s*\}|([0-9])(?![0-9]))")
 # Longer tokens are not answers; capping them keeps Fraction() cheap and clear of
 # Python's int-from-str digit limit.
 _MAX_NUMBER_CHARS = 64
@@ -117,7 +119,15 @@ def parse_number(text: str) -> Fraction | None:
 
 def _prepared(text: str) -> str:
     """``text`` as the number tokens are read from: ASCII minus signs, ``\frac{a}{b}`` as a/b."""
-    return _FRAC.sub(r"\1/\2", text.translate(_MINUS_SIGNS))
+    return _FRAC.sub(_fraction, text.translate(_MINUS_SIGNS))
+
+
+def _fraction(match: re.Match) -> str:
+    numerator, denominator = match.group(1) or match.group(2), match.group(3) or match.group(4)
+    if denominator.startswith("-"):
+        denominator = denominator[1:]
+        numerator = numerator[1:] if numerator.startswith("-") else "-" + numerator
+    return f"{numerator}/{denominator}"
 
 
 def find_numbers(text: str) -> list[str]:

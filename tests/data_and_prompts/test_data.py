@@ -8,6 +8,7 @@ import pytest
 
 from podsjax.data import datasets as data
 from podsjax.data.datasets import DataError, Example, load_task, reward_columns
+from podsjax.rewards import math_accuracy
 
 
 def _write_jsonl(path, rows):
@@ -170,6 +171,18 @@ def test_math_bad_rows(tmp_path):
     assert [example.answer for example in task] == ["3"] and task.num_skipped == 4
     with pytest.raises(DataError, match=re.escape(f"{path}:2: no 'answer' field and no \\boxed")):
         load_task("math", "test", path)
+
+
+def test_a_math_gold_number_loads_in_plain_decimals_and_other_kinds_are_named(tmp_path):
+    # str() had written 0.00005 as 5e-05, whose e the grader reads as Euler's number: never right.
+    path = _write_jsonl(tmp_path / "m.jsonl", [{"problem": "P", "answer": 0.00005}, {"problem": "Q", "answer": 1e16},
+                                               {"problem": "R", "answer": 3}, {"problem": "S", "answer": -2.5}])
+    golds = [example.answer for example in load_task("math", "train", path)]
+    assert golds == ["0.00005", "10000000000000000", "3", "-2.5"]
+    assert math_accuracy([f"<answer>{gold}</answer>" for gold in golds], answer=golds) == [1.0] * 4
+    listed = _write_jsonl(tmp_path / "l.jsonl", [{"problem": "P", "answer": [1, 2]}])
+    with pytest.raises(DataError, match="l.jsonl:1: field 'answer' is list, not text"):  # had said it was empty
+        load_task("math", "train", listed)
 
 
 def test_math_gold_answers_the_grader_cannot_read_are_refused_with_file_and_line(tmp_path):

@@ -117,6 +117,11 @@ def pool():
         ("<answer>1.2E+3</answer>", 1200),
         ("<answer>3/4</answer>", Fraction(3, 4)),
         ("<answer>\\frac{3}{4}</answer>", Fraction(3, 4)),
+        # TeX's unbraced fraction had read as 12; a negative denominator as two numbers.
+        ("<answer>\\frac12</answer>", Fraction(1, 2)),
+        ("The answer is $\\tfrac 3 4$.", Fraction(3, 4)),
+        ("<answer>\\frac{1}{-2}</answer>", Fraction(-1, 2)),
+        ("<answer>\\dfrac{-3}{-4}</answer>", Fraction(3, 4)),
     ],
 )
 def test_extract_gsm8k_answer(text, expected):
