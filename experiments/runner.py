@@ -55,7 +55,9 @@ def run_experiment(config: ExperimentConfig, out_dir: str, *, overwrite: bool, r
     check_reward_imports(config)
     make_rewards(config)
     tasks = tokenizer = model_load = None
-    if tokenizer_load is not None:
+    # A dry run reads local data files too: it had passed data the run then refused.
+    local_data = config.model.path is not None and None not in (config.data.train, config.data.test)
+    if tokenizer_load is not None or (dry_run and local_data):
         tasks = _load_tasks(config)  # a bad data file is refused before any weight is read
         prompt_source.check_step_size(len(tasks[0]), config.run.prompts_per_step)
     if tokenizer_load is not None and hosts.count() == 1:

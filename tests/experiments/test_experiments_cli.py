@@ -12,7 +12,7 @@ from test_log_backends import wait_for_wandb
 from test_metrics import read_events
 from tiny_checkpoint import save_tiny_checkpoint
 
-from experiments import cli
+from experiments import cli, runner
 from child_env import child_env
 
 pytestmark = pytest.mark.cpu_mesh
@@ -341,3 +341,18 @@ def test_without_a_setting_the_rewards_are_the_defaults(tmp_path):
     assert config.rewards == RewardSection()
     assert [(w.name, w.weight) for w in run_setup.make_rewards(config)] == [("accuracy", 1.0), ("format", 1.0),
                                                                          ("tag_count", 1.0)]
+
+
+def test_a_dry_run_reads_local_data_as_the_run_would(checkpoint, data_dir, tmp_path, monkeypatch, capsys):
+    # It had compiled, printed "dry run done" and written config.json for data the run refuses at once.
+    def planned(*args, **kwargs):
+        raise AssertionError("the dry run went on past bad data")
+
+    monkeypatch.setattr(runner, "_dry_run", planned)
+    out = tmp_path / "plan"
+    argv = ["--model", checkpoint, "--dataset", os.path.join(data_dir, "gsm8k"), "--prompt-column", "nope",
+            "--max-steps", "2", "--dry-run", "--no-compile-cache", "--out", str(out)]
+    assert cli.main("gsm8k", argv) == 2
+    err = capsys.readouterr().err
+    assert "missing column 'nope'" in err and err.count("\n") == 1, err
+    assert not out.exists()
