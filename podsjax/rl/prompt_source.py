@@ -19,14 +19,27 @@ class DataStream:
         self.examples, self.seed, self.position = list(examples), seed, position
 
     def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        if getattr(self, "_epoch", None) != epoch:
+            self._epoch, self._permutation = epoch, np.random.default_rng([self.seed, epoch]).permutation(
+                len(self.examples))
+        return self._permutation
 
-    def take(self, count: int) -> list[data_lib.Example]:
+    def take(self, count: int, avoid: Sequence[data_lib.Example] = ()) -> list[data_lib.Example]:
+        """The next ``count`` examples, all different and none of ``avoid``: a step that runs into
+        the next epoch passes over what it already holds (it had drawn such an example twice,
+        as two groups of one step)."""
+        held = {id(example) for example in avoid}
+        if count > len(self.examples) - len(held):
+            raise ValueError(f"cannot draw {count} more different examples from {len(self.examples)}, "
+                             f"{len(held)} of them drawn already")
         out = []
-        for _ in range(count):
+        while len(out) < count:
             epoch, offset = divmod(self.position, len(self.examples))
-            out.append(self.examples[int(self._order(epoch)[offset])])
+            example = self.examples[int(self._order(epoch)[offset])]
             self.position += 1
+            if id(example) not in held:
+                held.add(id(example))
+                out.append(example)
         return out
 
 
@@ -83,7 +96,7 @@ class PromptSource:
         kept: list[data_lib.Example] = []
         skipped = 0
         while len(kept) < wanted:
-            drawn = self.stream.take(wanted - len(kept))
+            drawn = self.stream.take(wanted - len(kept), avoid=kept)
             batch = self.prepare(drawn)
             kept += [drawn[i] for i in batch.kept_P]
             skipped += batch.num_dropped
