@@ -43,10 +43,12 @@ def compile_only_devices(topology: str) -> list:
     dims = [int(d) for d in match.group(2).split("x")]
     dims += [1] * (3 - len(dims))
     per_host = tuple(min(d, h) for d, h in zip(dims, _CHIPS_PER_HOST))
+    # A v4 chip's two cores are one device to JAX ("megacore"): per core, a mesh refuses them.
+    chip = "megacore" if match.group(1).lower() == "v4" else "default"
     try:
         with _without_tpu_probes():
             description = topologies.get_topology_desc(platform="tpu", topology_name=topology,
-                                                       chip_config_name="default", chips_per_host_bounds=per_host,
+                                                       chip_config_name=chip, chips_per_host_bounds=per_host,
                                                        num_slices=1)
     except Exception as exc:  # noqa: BLE001 - libtpu reports an unknown slice as a runtime error
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

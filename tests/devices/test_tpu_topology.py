@@ -95,3 +95,13 @@ def test_sampling_keeps_the_kv_cache_in_one_layout_without_a_copy():
     assert re.search(r"bf16\[2,64,1024,\d+\]", text)
     copies = re.findall(r"= bf16\[2,64,1024,\d+\]\S* copy(?:-start)?\(", text)
     assert not copies, copies
+
+
+@needs_libtpu
+def test_a_v4_slice_is_one_device_a_chip_and_makes_a_mesh():
+    # Its devices had been the chips' cores, and make_mesh failed with an AssertionError inside JAX.
+    from podsjax.devices import mesh as mesh_lib
+
+    devices = topology.compile_only_devices("v4:2x2x1")
+    assert len(devices) == 4 and {d.core_on_chip for d in devices} == {0}
+    assert dict(mesh_lib.make_mesh(None, devices=devices).shape) == {"data": 1, "fsdp": 4, "tensor": 1}
