@@ -74,6 +74,15 @@ def init_state(params: Any, optimizer: optax.GradientTransformation, master_dtyp
     )
 
 
+def _injected_rate(opt_state):
+    """The learning rate an ``optax.inject_hyperparams`` optimizer's state holds, or None."""
+    kinds = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds)):
+        if isinstance(node, kinds) and "learning_rate" in node.hyperparams:
+            return node.hyperparams["learning_rate"]
+    return None
+
+
 def make_train_step(
     apply_fn: Callable,
     optimizer: optax.GradientTransformation,
@@ -95,7 +104,9 @@ def make_train_step(
         the step leaves the state as it was and counts the groups in
         ``StepMetrics.mismatched_prompt_groups`` (``check_prompt_groups`` raises on them;
         called without jit, the step raises at once).
-      optimizer: the optax transformation whose state is in ``TrainState``.
+      optimizer: the optax transformation whose state is in ``TrainState``. ``StepMetrics.learning_rate``
+        reports the rate it holds when made with ``optax.inject_hyperparams``, else the rate of
+        ``config``'s schedule, which is ``make_optimizer(config)``'s (it cannot see another's).
       config: the algorithm.
       reference_fn: ``reference_fn(frozen, ids_BL, mask_BL, positions) -> (hidden_BTD, head_VD)``
         of the reference policy, needed iff ``config.beta > 0`` (for LoRA: the base with
@@ -193,8 +204,10 @@ def make_train_step(
         # A cond, not a where over every leaf: the skip branch costs nothing and the
         # update branch writes params and moments once.
         new_params, new_opt = jax.lax.cond(apply, apply_update, lambda _: (state.params, state.opt_state), None)
-        # The rate of this optimizer step: optax's schedule counts the updates applied, not the skipped.
-        lr = jnp.asarray(schedule(state.step - state.skipped_updates), jnp.float32)
+        # The rate of this optimizer step: an optimizer's own where it holds one (optax.inject_hyperparams),
+        # else the config's schedule, which counts the updates applied, not the skipped.
+        injected = _injected_rate(new_opt)
+        lr = jnp.asarray(schedule(state.step - state.skipped_updates) if injected is None else injected, jnp.float32)
         skipped = (~apply).astype(jnp.int32)
         # A batch of mismatched prompt groups leaves the whole state as it was, counters too.
         counted = jnp.asarray(prompts_match, jnp.int32)

@@ -261,3 +261,19 @@ def test_config_checks_of_the_off_policy_options():
     default = algorithms.AlgorithmConfig()
     assert default.updates_per_step == 1 and not default.sampler_logprobs and default.tis_cap is None
     assert algorithms.AlgorithmConfig(num_iterations=2, steps_per_generation=3).updates_per_step == 6
+
+
+def test_the_step_reports_the_rate_an_injected_optimizer_used(model_and_params):
+    # It had reported the config's 1e-2 while the optimizer stepped at 0.5.
+    import optax
+
+    model, params = model_and_params
+    config = algorithms.AlgorithmConfig(**COMMON)
+    batch = batch_with(model, params, {})
+    policy, reference = train_step.full_apply_fn(model)
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+    step = jax.jit(train_step.make_train_step(policy, optimizer, config, reference))
+    _, metrics = step(train_step.init_state(params, optimizer), batch, None)
+    assert float(metrics.learning_rate) == 0.5
+    _, metrics = run_step(model, params, batch)  # make_optimizer's: the config's schedule
+    assert float(metrics.learning_rate) == pytest.approx(COMMON["learning_rate"])
