@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from podsjax import models as pm
 from podsjax.devices import compilation, hlo_cost, topology
@@ -196,7 +197,8 @@ def rollout_options(algo: algorithms.AlgorithmConfig, max_new_tokens: int, eos_t
     :meth:`podsjax.sampler.sampling.Generator.compile` and ``generate``: compiling with them ahead
     of time gives the programs the steps run."""
     return dict(num_samples=algo.n, max_new_tokens=max_new_tokens, top_p=algo.top_p, top_k=algo.top_k,
-                eos_token_ids=tuple(eos_token_ids), pad_token_id=pad_token_id, return_logprobs=algo.sampler_logprobs)
+                eos_token_ids=(eos_token_ids,) if isinstance(eos_token_ids, (int, np.integer)) else tuple(eos_token_ids),
+                pad_token_id=pad_token_id, return_logprobs=algo.sampler_logprobs)
 
 
 @contextlib.contextmanager

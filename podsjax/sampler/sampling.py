@@ -107,6 +107,9 @@ class Generator:
             eos = tuple(operator.index(t) for t in eos_token_ids)
         except TypeError:
             raise TypeError(f"eos_token_ids must be ints; got {eos_token_ids!r}") from None
+        # An id past int32 is outside every vocabulary, so it never ends a completion, as -1 never
+        # does; as itself it had failed inside the trace (int32 overflow).
+        eos = tuple(t if -2**31 <= t < 2**31 else -1 for t in eos)
         cfg = SamplingConfig(
             num_samples=_index(num_samples, "num_samples"),
             max_new_tokens=_index(max_new_tokens, "max_new_tokens"),

@@ -334,3 +334,13 @@ def test_a_dry_run_in_a_new_directory_records_its_config_and_the_run_follows(tmp
     assert json.load(open(out / "config.json"))["algorithm"]["n"] == 8
     monkeypatch.setattr(runner, "_train_and_export", lambda *args: 0)
     assert cli.main("gsm8k", ["--no-compile-cache", "--out", str(out), *SHAPES]) == 0
+
+
+def test_the_rollout_options_take_one_eos_id_as_the_generator_does():
+    # An int had failed in tuple() ("'int' object is not iterable"), where Generator takes it.
+    from podsjax.devices import dry_run
+    from podsjax.update import algorithms
+
+    algo = algorithms.AlgorithmConfig(n=4, m=2, algorithm="pods")
+    assert dry_run.rollout_options(algo, 8, 2, 0)["eos_token_ids"] == (2,)
+    assert dry_run.rollout_options(algo, 8, [2, 5], 0)["eos_token_ids"] == (2, 5)

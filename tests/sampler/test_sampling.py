@@ -155,6 +155,15 @@ def test_mask_lengths_and_truncation_follow_the_first_eos(tiny, generator_for):
     assert saw_eos and saw_truncated, "the seed should give both kinds of rows"
 
 
+def test_an_eos_id_past_int32_never_ends_a_completion(tiny, generator_for):
+    # It had failed inside the trace with an int32 OverflowError; outside the vocabulary, it is EOS off.
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(2)
+    r = generator_for(model).generate(params, ids, mask, jax.random.key(0), num_samples=2, max_new_tokens=3,
+                                      temperature=1.0, eos_token_ids=(2**31,), pad_token_id=PAD)
+    assert np.asarray(r.mask).all() and np.asarray(r.truncated).all()
+
+
 def test_steps_between_stop_checks_divide_the_length():
     assert [decoding.steps_per_check(t) for t in (512, 12, 7, 11, 1)] == [8, 6, 7, 1, 1]
 
