@@ -270,8 +270,9 @@ def tiny_tasks(seed: int = 0, *, task: str = "gsm8k", num_train: int = TRAIN_PRO
             (``RunConfig.eval_limit`` may evaluate fewer).
         max_operations: gsm8k only: at most this many operations per problem (``iter_problems``).
     """
-    if num_test < 1:
-        raise ValueError(f"num_test must be >= 1, got {num_test}")
+    for name, value, least in (("seed", seed, 0), ("num_train", num_train, 1), ("num_test", num_test, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")  # 2.5 had given 3
     splits = make_splits(seed, task=task, num_train=num_train, num_validation=1, num_test=1,
                          max_operations=max_operations)
     # A task with fewer distinct test problems than asked gives all it has (chemistry-like: 505).

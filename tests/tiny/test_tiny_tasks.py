@@ -135,8 +135,15 @@ def test_a_larger_test_split_extends_the_default_one_and_stops_where_the_task_do
     assert tiny.TEST_PROBLEMS < len(larger) <= 512 and len({e.prompt for e in larger}) == len(larger)
     assert (len(larger) == 512) == (task != "chemistry")
     assert not {e.prompt for e in train} & {e.prompt for e in larger}
-    with pytest.raises(ValueError, match="num_test must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_test must be an integer >= 1, got 0"):
         tiny.tiny_tasks(0, task=task, num_test=0)
+    # 2.5 had given 3 test problems, and a negative seed failed inside NumPy.
+    for kwargs, message in ((dict(num_test=2.5), "num_test must be an integer >= 1, got 2.5"),
+                            (dict(num_train=True), "num_train must be an integer >= 1, got True")):
+        with pytest.raises(ValueError, match=message):
+            tiny.tiny_tasks(0, task=task, **kwargs)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0, got -1"):
+        tiny.tiny_tasks(-1, task=task)
 
 
 def test_an_absurd_test_split_stops_at_its_cap(monkeypatch):
