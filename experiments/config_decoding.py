@@ -163,7 +163,8 @@ def _check_values(values: dict[str, Any], where: str | None) -> None:
             _check_plain(value, path, where, 2)
             tp = fields_of.get(section, {}).get(name, Any)
             _check_shape(value, tp, path, where)
-            if _kinds(tp) == {str} and isinstance(value, (bool, int, float)):  # off had become 'False'
+            # off had become the text 'False' and 1.50 '1.5'; an int reads as written (mesh: 8)
+            if _kinds(tp) == {str} and isinstance(value, (bool, float)):
                 raise UsageError(_where(where, f"{path} takes text, not the {_kind(value)} {show_value(value)}; "
                                                "quote it to mean the text"))
             if _kinds(tp) and _kinds(tp) <= {int, float}:
