@@ -24,22 +24,26 @@ class DataStream:
                 len(self.examples))
         return self._permutation
 
-    def take(self, count: int, avoid: Sequence[data_lib.Example] = ()) -> list[data_lib.Example]:
-        """The next ``count`` examples, all different and none of ``avoid``: a step that runs into
-        the next epoch passes over what it already holds (it had drawn such an example twice,
-        as two groups of one step)."""
-        held = {id(example) for example in avoid}
+    def take(self, count: int, avoid: Sequence[int] = ()) -> list[data_lib.Example]:
+        """The examples of :meth:`take_indices`."""
+        return [self.examples[i] for i in self.take_indices(count, avoid)]
+
+    def take_indices(self, count: int, avoid: Sequence[int] = ()) -> list[int]:
+        """The next ``count`` examples' indices, all different and none in ``avoid``: a step that
+        runs into the next epoch passes over what it already holds (it had drawn such an example
+        twice, as two groups of one step). Indices, not the examples: a list may hold one twice."""
+        held = set(avoid)
         if count > len(self.examples) - len(held):
             raise ValueError(f"cannot draw {count} more different examples from {len(self.examples)}, "
                              f"{len(held)} of them drawn already")
-        out = []
+        out: list[int] = []
         while len(out) < count:
             epoch, offset = divmod(self.position, len(self.examples))
-            example = self.examples[int(self._order(epoch)[offset])]
+            index = int(self._order(epoch)[offset])
             self.position += 1
-            if id(example) not in held:
-                held.add(id(example))
-                out.append(example)
+            if index not in held:
+                held.add(index)
+                out.append(index)
         return out
 
 
@@ -93,11 +97,11 @@ class PromptSource:
                 once) were too long to fill one step.
         """
         limit = 2 * len(self.stream.examples)
-        kept: list[data_lib.Example] = []
+        kept: list[int] = []  # indices into the stream's examples
         skipped = 0
         while len(kept) < wanted:
-            drawn = self.stream.take(wanted - len(kept), avoid=kept)
-            batch = self.prepare(drawn)
+            drawn = self.stream.take_indices(wanted - len(kept), avoid=kept)
+            batch = self.prepare([self.stream.examples[i] for i in drawn])
             kept += [drawn[i] for i in batch.kept_P]
             skipped += batch.num_dropped
             if len(kept) < wanted and skipped >= limit:
@@ -105,6 +109,7 @@ class PromptSource:
                     f"too few training prompts fit in max_prompt_length {self.max_prompt_length} tokens: "
                     f"{skipped} of {skipped + len(kept)} drawn for one step of {wanted} were longer; "
                     "raise --max-prompt-length or filter the training set")
+        kept = [self.stream.examples[i] for i in kept]
         if skipped and not self._skips_reported:
             self._log(f"skipped {skipped} training prompt(s) longer than max_prompt_length "
                       f"{self.max_prompt_length} tokens and drew others (each step's count: data/prompts_skipped)")

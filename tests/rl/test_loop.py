@@ -283,7 +283,9 @@ def test_a_step_draws_past_prompts_that_do_not_fit_and_says_how_many(setup, tmp_
             before = mixed.prompts.stream.position
             scalars = mixed.rl_step()
             skipped.append(scalars["data/prompts_skipped"])
-            assert mixed.prompts.stream.position - before == 2 + skipped[-1]  # every skipped draw replaced
+            # every skipped draw replaced; a step that runs into the next epoch also passes over the
+            # examples it holds (tests/rl/test_data_stream.py)
+            assert mixed.prompts.stream.position - before >= 2 + skipped[-1]
     finally:
         mixed.close()
     assert sum(skipped) > 0 and mixed.compile_counts["generate[sample]"] == 1
