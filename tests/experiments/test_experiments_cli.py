@@ -86,8 +86,9 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     assert (adapter["r"], adapter["base_model_name_or_path"]) == (2, checkpoint)
     assert os.path.isfile(os.path.join(out, "best_model", "config.json")) and "best model (" in first.stdout
     # Written after the last export: what makes the run complete for --resume.
-    assert json.load(open(os.path.join(out, "exported.json"))) == {"exports": ["final_model", "final_adapter",
-                                                                                "best_model"]}
+    assert json.load(open(os.path.join(out, "exported.json"))) == {
+        "exports": ["final_model", "final_adapter", "best_model"],
+        "budgets": {"time_budget_s": None, "max_steps": 2}}  # what it ended under
     assert os.path.isfile(os.path.join(out, "metrics.jsonl"))
     events = read_events(glob.glob(os.path.join(out, "events.out.tfevents.*"))[0])
     histograms = [(e.step, v.tag, v.histo.num) for e in events for v in e.summary.value if v.HasField("histo")]

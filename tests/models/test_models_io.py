@@ -171,9 +171,12 @@ def test_export_refuses_non_empty_dir_unless_overwrite(checkpoints, tmp_path):
         pm.save_pretrained(model, params, out)
     assert os.listdir(out) == ["notes.txt"]
     pm.save_pretrained(model, params, out / "empty_ok")  # new dirs are fine
-    (out / "stale.safetensors").write_bytes(b"old")
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old")  # an earlier export's shard goes ...
+    (out / "stale.safetensors").write_bytes(b"old")  # ... a file of another name is not an export's, and stays
     pm.save_pretrained(model, params, out, overwrite=True)
-    assert "stale.safetensors" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+    written = os.listdir(out)
+    assert "model-00001-of-00002.safetensors" not in written and "model.safetensors" in written
+    assert "stale.safetensors" in written
     with pytest.raises(pm.CheckpointError, match="model.layers.0.self_attn.q_proj.weight"):
         broken = jax.tree.map(lambda x: x, params)
         del broken["layers"]["attn"]["q"]
