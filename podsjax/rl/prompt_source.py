@@ -17,9 +17,10 @@ class DataStream:
         if not examples:
             raise ValueError("the training set is empty")
         self.examples, self.seed, self.position = list(examples), seed, position
+        self._epoch, self._permutation = -1, np.arange(0)  # the last epoch's order, kept: a draw reads it per example
 
     def _order(self, epoch: int) -> np.ndarray:
-        if getattr(self, "_epoch", None) != epoch:
+        if self._epoch != epoch:
             self._epoch, self._permutation = epoch, np.random.default_rng([self.seed, epoch]).permutation(
                 len(self.examples))
         return self._permutation
