@@ -17,6 +17,9 @@ from jax import lax
 from podsjax.devices import mesh as mesh_lib
 from podsjax.models import cache as cache_lib
 from podsjax.models import rollout
+
+# Below this (float32's smallest normal) a temperature is no number the sampler can divide by.
+SMALLEST_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)
 from podsjax.models.decoder import rollout_layers_for
 
 
@@ -71,6 +74,9 @@ class SamplingConfig:
             raise ValueError(f"max_new_tokens must be >= 1; got {self.max_new_tokens}")
         if not 0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature}")
+        if 0 < self.temperature < SMALLEST_TEMPERATURE:
+            raise ValueError(f"temperature {self.temperature} is below float32's smallest normal number "
+                             f"({SMALLEST_TEMPERATURE:.4g}); use 0 for greedy")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
         if self.top_k < 0:
@@ -107,8 +113,12 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
     ``temperature`` is a traced scalar; 0 is greedy and reports log-probs at temperature 1.
     """
     logits_BV = logits_BV.astype(jnp.float32)
-    greedy = temperature <= 0
-    scaled_BV = logits_BV / jnp.where(greedy, 1.0, temperature)
+    # A subnormal temperature counts as 0: XLA flushes it to 0 in some ops and not in others.
+    greedy = temperature < SMALLEST_TEMPERATURE
+    # Shifted by the row's max first, so a tiny temperature sends the others to -inf, never
+    # the top logit to +inf (a NaN log-prob, or every logit -inf and token 0 drawn).
+    shifted_BV = logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)
+    scaled_BV = shifted_BV / jnp.where(greedy, 1.0, temperature)
     # Both draws, then a select: XLA runs a lax.cond on a GPU by reading its predicate on the
     # host, a wait in every decode step. The extra draw is one pass over [B, V].
     sampled_B = jax.random.categorical(key, filter_logits(scaled_BV, cfg.top_k, cfg.top_p), axis=-1)
