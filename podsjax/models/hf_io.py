@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import json
 import math
 import os
@@ -142,28 +141,27 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
 
 
 def _open_checkpoint(path: str) -> dict[str, SafetensorsFile]:
-    """Maps every tensor name in the checkpoint dir to the (lazily mapped) file holding it."""
+    """Maps every tensor name in the checkpoint dir to the (lazily mapped) file holding it.
+
+    The files are the ones transformers reads: ``model.safetensors`` when it is there, else the
+    index's shards. Any other ``*.safetensors`` (a PEFT adapter, a user's file) is not the model's.
+    """
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        st = SafetensorsFile(single)
+        return {name: st for name in st.header}
     index_path = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index_path):
-        weight_map = _read_weight_map(index_path)
-        missing_files = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
-        if missing_files:
-            raise CheckpointError(f"{path}: {INDEX_FILE} names shard files that do not exist: {missing_files}")
-        files = {name: SafetensorsFile(os.path.join(path, name)) for name in sorted(set(weight_map.values()))}
-        # Trust the files' own headers, not only the index, so an index/shard mismatch
-        # surfaces as missing tensors rather than a crash mid-load.
-        return {name: files[file] for name, file in weight_map.items() if name in files[file].header}
-    paths = sorted(p for p in glob.glob(os.path.join(path, "*.safetensors")) if os.path.isfile(p))
-    if not paths:
-        raise CheckpointError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
-    out: dict[str, SafetensorsFile] = {}
-    for file_path in paths:
-        st = SafetensorsFile(file_path)
-        for name in st.header:
-            if name in out:  # without an index, which copy is meant is unknowable
-                raise CheckpointError(f"{path}: tensor {name!r} is in both {out[name].path} and {file_path}")
-            out[name] = st
-    return out
+    if not os.path.isfile(index_path):
+        raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} is there "
+                              "(PyTorch .bin checkpoints are not supported)")
+    weight_map = _read_weight_map(index_path)
+    missing_files = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
+    if missing_files:
+        raise CheckpointError(f"{path}: {INDEX_FILE} names shard files that do not exist: {missing_files}")
+    files = {name: SafetensorsFile(os.path.join(path, name)) for name in sorted(set(weight_map.values()))}
+    # Trust the files' own headers, not only the index, so an index/shard mismatch
+    # surfaces as missing tensors rather than a crash mid-load.
+    return {name: files[file] for name, file in weight_map.items() if name in files[file].header}
 
 
 def _check(path: str, specs: list[TensorSpec], files: dict[str, SafetensorsFile], tied: bool) -> None:

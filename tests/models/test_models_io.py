@@ -177,6 +177,9 @@ def test_export_refuses_non_empty_dir_unless_overwrite(checkpoints, tmp_path):
     written = os.listdir(out)
     assert "model-00001-of-00002.safetensors" not in written and "model.safetensors" in written
     assert "stale.safetensors" in written
+    # The loader reads model.safetensors alone, as transformers does: the kept file is no weights of its.
+    _, loaded = pm.from_pretrained(out)
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), params, loaded)))
     with pytest.raises(pm.CheckpointError, match="model.layers.0.self_attn.q_proj.weight"):
         broken = jax.tree.map(lambda x: x, params)
         del broken["layers"]["attn"]["q"]
@@ -184,6 +187,25 @@ def test_export_refuses_non_empty_dir_unless_overwrite(checkpoints, tmp_path):
 
 
 # --------------------------------------------------------------------------- bad checkpoints
+
+
+def test_the_weights_are_the_files_transformers_reads(checkpoints, tmp_path):
+    path = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["qwen2"], path)
+    tensors = safetensors.numpy.load_file(path / "model.safetensors")
+    _, expected = pm.from_pretrained(path)
+    same = lambda a, b: all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), a, b)))
+    # Another .safetensors beside model.safetensors (an adapter, a user's file) is not read.
+    safetensors.numpy.save_file({"model.norm.weight": tensors["model.norm.weight"] + 1}, path / "extra.safetensors")
+    assert same(pm.from_pretrained(path)[1], expected)
+    # With both model.safetensors and an index, model.safetensors is the checkpoint, as in transformers.
+    shard = "model-00001-of-00001.safetensors"
+    safetensors.numpy.save_file({k: v + 1 for k, v in tensors.items()}, path / shard)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard for k in tensors}}))
+    assert same(pm.from_pretrained(path)[1], expected)
+    os.remove(path / "model.safetensors")  # now the index is the checkpoint
+    np.testing.assert_allclose(np.asarray(pm.from_pretrained(path)[1]["final_norm"]["scale"]),
+                               tensors["model.norm.weight"] + 1)
 
 
 def copy_with(src, dst, edit):
@@ -238,7 +260,7 @@ def test_incomplete_checkpoints_raise_clear_errors(checkpoints, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     shutil.copy(checkpoints["qwen2"] / "config.json", empty / "config.json")
-    with pytest.raises(pm.CheckpointError, match="no \\*.safetensors"):
+    with pytest.raises(pm.CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
         pm.from_pretrained(empty)
     with pytest.raises(FileNotFoundError, match="config.json"):
         pm.from_pretrained(tmp_path / "nowhere")
