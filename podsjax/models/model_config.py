@@ -216,15 +216,31 @@ def _token_ids(hf: dict[str, Any], key: str, source: str, many: bool = False) ->
     return value
 
 
+def _one_value(sources: list[tuple[str, dict[str, Any]]], key: str, kind: str, source: str, default: Any) -> Any:
+    """``key`` from wherever a config gives it; places that give different values are refused,
+    since transformers' versions differ on which one wins."""
+    found = {f"{where}{key}": _get(d, key, kind, source, None, where) for where, d in sources}
+    given = {name: value for name, value in found.items() if value is not None}
+    if len(set(given.values())) > 1:
+        raise CheckpointError(f"{source}: " + " and ".join(f"{k} {v!r:.30}" for k, v in given.items())
+                              + " disagree; keep one")
+    return next(iter(given.values()), default)
+
+
 def _read_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     """RoPE theta and the llama3 scaling arguments (None for plain RoPE)."""
     # transformers >= 5 writes "rope_parameters" (theta inside); older files and the Hub
     # checkpoints use top-level "rope_theta" plus "rope_scaling". Accept both.
     params = _object(hf, "rope_parameters", source)
-    where = "rope_scaling" if _object(hf, "rope_scaling", source) else "rope_parameters"
-    scaling = _object(hf, where, source)
-    theta = _get(hf, "rope_theta", _POSITIVE_NUMBER, source,
-                 _get(params, "rope_theta", _POSITIVE_NUMBER, source, 10000.0, "rope_parameters."))
+    legacy = _object(hf, "rope_scaling", source)
+    where = "rope_scaling" if legacy else "rope_parameters"
+    scaling = legacy or params
+    scaled = {k: v for k, v in params.items() if k != "rope_theta"}
+    if legacy and scaled not in ({}, {"rope_type": "default"}) and scaled != {
+            k: v for k, v in legacy.items() if k != "rope_theta"}:
+        raise CheckpointError(f"{source}: rope_scaling and rope_parameters disagree; keep one")
+    theta = _one_value([("", hf), ("rope_parameters.", params), ("rope_scaling.", legacy)], "rope_theta",
+                       _POSITIVE_NUMBER, source, 10000.0)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in (None, "default"):
         return float(theta), None
@@ -232,8 +248,11 @@ def _read_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] |
         raise CheckpointError(f"{source}: rope scaling type {kind!r:.60} is not supported (only 'llama3' and none)")
     args = {key: float(_get(scaling, key, _POSITIVE_NUMBER, source, prefix=where + "."))
             for key in ("factor", "low_freq_factor", "high_freq_factor")}
-    args["original_max_position_embeddings"] = _get(
-        scaling, "original_max_position_embeddings", _POSITIVE_INT, source, prefix=where + ".")
+    # transformers lets a top-level original_max_position_embeddings stand in for the scaling's.
+    args["original_max_position_embeddings"] = _one_value(
+        [("", hf), (where + ".", scaling)], "original_max_position_embeddings", _POSITIVE_INT, source, None)
+    if args["original_max_position_embeddings"] is None:
+        raise CheckpointError(f"{source}: missing required key '{where}.original_max_position_embeddings'")
     return float(theta), args
 
 
@@ -272,6 +291,9 @@ def from_hf_config(hf: dict[str, Any] | str | os.PathLike) -> ModelConfig:
     arch = SUPPORTED_ARCHITECTURES.get(archs[0])
     if arch is None:
         raise _unsupported(source, f"architecture {archs[0]!r:.60} is not supported")
+    # transformers builds the model model_type names (a "mistral" one has a sliding window).
+    if hf.get("model_type") is not None and model_type != arch:
+        raise _unsupported(source, f"model_type {hf['model_type']!r:.60} is not {archs[0]}'s {arch!r}")
     if hf.get("hidden_act", "silu") != "silu":
         raise _unsupported(source, f"{archs[0]} with hidden_act={hf['hidden_act']!r:.60} is not supported")
     if arch == "qwen2" and hf.get("use_sliding_window", False):

@@ -224,6 +224,9 @@ def drop(key):
     return make
 
 
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
 CONFIG_CASES = {
     "not_json": (lambda c: b'{"hidden_size": ', ["not valid JSON"]),
     "binary_garbage": (lambda c: b"\xff\xfe\x00\x81garbage\x9c", ["not valid JSON"]),
@@ -268,6 +271,18 @@ CONFIG_CASES = {
                                  ["'GPT2LMHeadModel' is not supported", "Qwen2ForCausalLM"]),
     "model_type_list_fallback": (edit_config(architectures=None, model_type=["qwen2"]), ["is not supported"]),
     "hidden_act_gelu": (edit_config(hidden_act="gelu"), ["hidden_act"]),
+    # transformers builds what model_type names: a Mistral with a sliding window, or nothing.
+    "model_type_mistral": (edit_config(model_type="mistral", sliding_window=8), ["model_type 'mistral'", "'qwen2'"]),
+    "model_type_unknown": (edit_config(model_type="foo"), ["model_type 'foo'"]),
+    # Where transformers' versions differ on which value wins, differing values are refused.
+    "theta_disagrees": (edit_config(rope_theta=500000.0),
+                        ["rope_theta 500000.0", "rope_parameters.rope_theta 10000.0", "disagree"]),
+    "scaling_theta_disagrees": (edit_config(rope_scaling={"rope_type": "default", "rope_theta": 1e6}),
+                                ["rope_scaling.rope_theta 1000000.0", "disagree"]),
+    "scaling_and_parameters_disagree": (edit_config(rope_parameters=LLAMA3, rope_scaling={**LLAMA3, "factor": 4.0}),
+                                        ["rope_scaling and rope_parameters"]),
+    "llama3_original_max_disagrees": (edit_config(rope_parameters=LLAMA3, original_max_position_embeddings=16),
+                                      ["original_max_position_embeddings 16", "64", "disagree"]),
 }
 
 
@@ -285,6 +300,18 @@ def test_bad_config_json_names_file_and_key(source, tmp_path, case):
         runner._dry_run_model(ExperimentConfig(run=RunConfig(out_dir="run", max_steps=1),
                                                model=ModelSection(path=str(path))), None)
     assert "\n" not in str(err.value) and config_path in str(err.value), err.value
+
+
+def test_rope_settings_given_once_anywhere_are_read(source):
+    config = json.loads(open(os.path.join(source, "config.json")).read())
+    del config["rope_parameters"]
+    # A legacy rope_scaling's own theta, and a top-level original_max_position_embeddings.
+    config["rope_scaling"] = {key: value for key, value in LLAMA3.items() if key != "original_max_position_embeddings"}
+    config.update(original_max_position_embeddings=64, rope_scaling={**config["rope_scaling"], "rope_theta": 5e5})
+    loaded = pm.from_hf_config(config)
+    assert loaded.rope_theta == 5e5 and loaded.rope_scaling.original_max_position_embeddings == 64
+    config["rope_theta"] = 5e5  # the same value in two places is one value
+    assert pm.from_hf_config(config).rope_theta == 5e5
 
 
 def test_config_dicts_are_checked_too():
