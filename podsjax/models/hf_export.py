@@ -69,7 +69,8 @@ def save_pretrained(
 
     Raises:
         FileExistsError: ``path`` is a non-empty directory and ``overwrite`` is False.
-        ValueError: ``dtype``, ``max_shard_bytes`` or ``lora`` is not one the export takes.
+        ValueError: ``dtype``, ``max_shard_bytes`` or ``lora`` is not one the export takes, or
+            ``tokenizer_from`` is no directory holding a tokenizer.
         CheckpointError: ``params`` lack tensors the model config needs, have other shapes,
             or hold NaN / inf.
     """
@@ -79,6 +80,7 @@ def save_pretrained(
     out_dtype = _export_dtype(dtype)
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be an integer >= 1; got {max_shard_bytes!r}")
+    tokenizer_files = None if tokenizer_from is None else _tokenizer_files(os.fspath(tokenizer_from))
     specs = tensor_specs(model)
     _check_params(model, params, specs)
     if lora is not None:
@@ -100,8 +102,8 @@ def save_pretrained(
     staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=path)
     try:
         names = _write(staging, entries, max_shard_bytes, model)
-        if tokenizer_from is not None:
-            _copy_tokenizer(os.fspath(tokenizer_from), staging)
+        for source in tokenizer_files or ():
+            shutil.copyfile(source, os.path.join(staging, os.path.basename(source)))
         _replace(path, staging, names)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -184,11 +186,16 @@ def _write(staging: str, entries: list, max_shard_bytes: int, model: Decoder) ->
     return [*names, "config.json"]
 
 
-def _copy_tokenizer(source_dir: str, staging: str) -> None:
-    for name in TOKENIZER_FILES:
-        source = os.path.join(source_dir, name)
-        if os.path.isfile(source):
-            shutil.copyfile(source, os.path.join(staging, name))
+def _tokenizer_files(source_dir: str) -> list[str]:
+    """The tokenizer and generation files in ``source_dir``; a dir without any is refused, since
+    an export without its tokenizer cannot be served."""
+    if not os.path.isdir(source_dir):
+        raise ValueError(f"tokenizer_from {source_dir} is not a directory")
+    found = [os.path.join(source_dir, name) for name in TOKENIZER_FILES
+             if os.path.isfile(os.path.join(source_dir, name))]
+    if not found:
+        raise ValueError(f"tokenizer_from {source_dir} holds none of the tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    return found
 
 
 _EXPORT_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")  # the names save_pretrained writes

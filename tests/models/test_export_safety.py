@@ -83,10 +83,23 @@ def test_a_failure_while_writing_keeps_the_old_export_whole(model_params, export
 def test_a_new_export_replaces_the_old_one_and_drops_its_shards(model_params, exported):
     model, params = model_params
     doubled = jax.tree.map(lambda x: x * 2, params)
+    (exported / "generation_config.json").write_text('{"do_sample": true}')
     pm.save_pretrained(model, doubled, exported, overwrite=True, tokenizer_from=exported)  # its own folder
-    assert sorted(os.listdir(exported)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(exported)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert (exported / "generation_config.json").read_text() == '{"do_sample": true}'
     _, loaded = pm.from_pretrained(exported)
     np.testing.assert_array_equal(loaded["embed"]["embedding"], doubled["embed"]["embedding"])
+
+
+def test_a_tokenizer_source_that_holds_no_tokenizer_is_refused_before_anything_is_written(model_params, tmp_path):
+    # A mistyped path had given an export without its tokenizer, which no server can run.
+    model, params = model_params
+    (tmp_path / "empty").mkdir()
+    for source, message in ((tmp_path / "no" / "such", "is not a directory"),
+                            (tmp_path / "empty", "holds none of the tokenizer files")):
+        with pytest.raises(ValueError, match=f"tokenizer_from {source} {message}"):
+            pm.save_pretrained(model, params, tmp_path / "out", tokenizer_from=source)
+        assert not (tmp_path / "out").exists()
 
 
 def test_an_export_over_a_folder_keeps_files_that_are_no_export_s_weights(model_params, tmp_path):
