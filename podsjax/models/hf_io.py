@@ -58,10 +58,11 @@ class TensorSpec:
     layer: int | None = None
 
     def to_param(self, hf: np.ndarray, dtype: Any) -> np.ndarray:
-        if self.kind == "kernel":
-            # One C-ordered copy (with the dtype cast folded in); the reshape is then free.
-            return np.ascontiguousarray(hf.T, dtype=dtype).reshape(self.param_shape)
-        return np.array(hf, dtype=dtype).reshape(self.param_shape)
+        with np.errstate(over="ignore"):  # a value past dtype's range is refused by name after the load
+            if self.kind == "kernel":
+                # One C-ordered copy (with the dtype cast folded in); the reshape is then free.
+                return np.ascontiguousarray(hf.T, dtype=dtype).reshape(self.param_shape)
+            return np.array(hf, dtype=dtype).reshape(self.param_shape)
 
     def to_hf(self, param: np.ndarray) -> np.ndarray:
         if self.kind == "kernel":
@@ -304,8 +305,11 @@ def _check_finite(path: str, specs: list[TensorSpec], files: dict[str, Safetenso
         raise CheckpointError(f"checkpoint {path}: non-finite (NaN or inf) weights in {sorted(bad_paths)}")
     first = bad[0]
     more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-    raise CheckpointError(f"checkpoint {path}: tensor {first.hf_name} in {files[first.hf_name].path} holds NaN or "
-                          f"inf values in {dtype.name}{more}; the file is damaged, or was saved from a run that "
+    where = f"checkpoint {path}: tensor {first.hf_name} in {files[first.hf_name].path}"
+    if np.isfinite(files[first.hf_name].get(first.hf_name)).all():  # finite as stored: the cast overflowed
+        raise CheckpointError(f"{where} holds values past {dtype.name}'s range (largest {np.finfo(dtype).max:.6g})"
+                              f"{more}; load it in bfloat16 or float32")
+    raise CheckpointError(f"{where} holds NaN or inf values{more}; the file is damaged, or was saved from a run that "
                           "diverged")
 
 
@@ -331,6 +335,8 @@ def from_pretrained(
         ``model.apply({"params": params}, ids_BL, attention_mask=mask_BL).logits_BLV``.
     """
     check_float_dtypes(dtype=dtype, compute_dtype=compute_dtype)
+    if os.path.isfile(path):
+        raise CheckpointError(f"{os.fspath(path)}: from_pretrained takes the checkpoint's directory, not a file in it")
     config = from_hf_config(path)
     model = Decoder(config, dtype=compute_dtype or dtype, param_dtype=dtype, remat=remat, mesh=mesh)
     return model, load_params(path, model, mesh)

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -92,6 +93,21 @@ def test_non_finite_weights_are_refused_at_load_naming_file_and_tensor(source, t
         pm.from_pretrained(model)
     message = str(err.value)
     assert "\n" not in message and O_PROJ in message and weights in message and "NaN or inf" in message
+
+
+def test_finite_weights_past_the_load_dtype_s_range_are_named_so_not_called_damaged(source, tmp_path):
+    model = shutil.copytree(source, tmp_path / "model")
+    weights = os.path.join(model, "model.safetensors")
+    tensors = safetensors.numpy.load_file(weights)
+    tensors[O_PROJ][1, 2] = 1e5  # float16 ends at 65504
+    safetensors.numpy.save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(pm.CheckpointError, match="past float16's range.*load it in bfloat16 or float32") as err:
+        pm.from_pretrained(model, dtype=jnp.float16)
+    assert "damaged" not in str(err.value) and O_PROJ in str(err.value)
+    pm.from_pretrained(model, dtype=jnp.bfloat16)
+    # A file where the directory belongs is named as such, not read as a config.
+    with pytest.raises(pm.CheckpointError, match="takes the checkpoint's directory, not a file in it"):
+        pm.from_pretrained(weights)
 
 
 def test_ff_bytes_in_tensor_data_are_refused_through_the_cli(source, tmp_path, data_dir, capsys):
