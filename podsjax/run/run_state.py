@@ -268,8 +268,13 @@ class RunLock:
         except (json.JSONDecodeError, AttributeError):
             mine = False
         if mine:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # never in place of the error the run is ending on
+                self._warn(f"warning: could not remove the run lock {self.path} ({exc.strerror}); the next run "
+                           "takes it over once this process has ended")
 
     def __enter__(self) -> RunLock:
         if not self.held:

@@ -100,6 +100,26 @@ def test_a_stale_lock_on_this_host_is_taken_over_with_a_warning(tmp_path):
     assert len(warnings) == 1 and "no longer running" in warnings[0]
 
 
+def test_a_lock_that_cannot_be_removed_warns_instead_of_replacing_the_run_s_error(tmp_path, monkeypatch):
+    # In an unwritable run directory the unlink's PermissionError had replaced the write error
+    # the run was ending on, so the line named run.lock instead of the file that failed.
+    out = tmp_path / "run"
+    warnings = []
+    lock = RunLock.acquire(out, warn=warnings.append)
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    with pytest.raises(OSError, match="eval_history.jsonl"):
+        try:
+            raise OSError("cannot write eval_history.jsonl")
+        finally:
+            lock.release()
+    assert warnings == [f"warning: could not remove the run lock {out / LOCK_FILE} (Permission denied); the next "
+                        "run takes it over once this process has ended"]
+
+
 def test_a_lock_from_another_host_is_respected_until_it_goes_stale(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
