@@ -145,7 +145,11 @@ def unflatten_state(flat: Mapping[str, Any], abstract_state: Any) -> Any:
 
 def open_manager(directory: str, keep_last: int | None, async_save: bool) -> ocp.CheckpointManager:
     """An orbax manager of ``directory``'s step directories, each holding the three items."""
-    options = dict(enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True)
+    # Step directories are made in the caller's thread: made in the background, a failed mkdir
+    # (a read-only or full disk) left orbax's writer threads waiting for them, and the process
+    # never exited.
+    options = dict(enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True,
+                   async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     if keep_last is not None:
         options["preservation_policy"] = ocp.checkpoint_managers.LatestN(keep_last)
     return ocp.CheckpointManager(

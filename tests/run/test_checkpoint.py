@@ -461,6 +461,40 @@ def test_a_failed_background_save_leaves_the_committed_steps_known(tmp_path):
     assert "steps [1] 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
+_FAILED_MKDIR = """
+import errno, os, sys
+import jax.numpy as jnp
+from podsjax.run.checkpoint import Checkpointer, CheckpointConfig
+ck = Checkpointer(CheckpointConfig(sys.argv[1], keep_last=2, async_save=True))
+ck.save(1, {"w": jnp.ones(10)}, {"pos": 1}, force=True)
+ck.wait_until_finished()
+make_dir = os.mkdir
+def full_disk(path, *args, **kwargs):  # no room for step 2's folder (ENOSPC, or a read-only disk)
+    if "2.orbax-checkpoint-tmp" in os.fspath(path):
+        raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path))
+    return make_dir(path, *args, **kwargs)
+os.mkdir = full_disk
+try:
+    ck.save(2, {"w": jnp.ones(10)}, {"pos": 2}, force=True)
+    ck.wait_until_finished()
+    print("no error")
+except OSError as exc:
+    print("error", exc.strerror, "steps", ck.all_steps(), flush=True)
+ck.close()
+"""
+
+
+def test_a_step_folder_that_cannot_be_made_fails_the_save_and_the_process_still_exits(tmp_path):
+    # Made in the background, the failed folder had left orbax's writer threads waiting for it
+    # forever: the run printed its error, then never exited.
+    script = tmp_path / "failed_mkdir.py"
+    script.write_text(_FAILED_MKDIR)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=child_env(JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=120)
+    assert "error No space left on device steps [1]" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_a_text_leaf_is_named_before_anything_is_saved(tmp_path):
     with Checkpointer(CheckpointConfig(str(tmp_path), async_save=False)) as ck:
         with pytest.raises(ValueError, match="state leaf 'name' is no array or number: str"):  # had failed deep inside
