@@ -21,6 +21,7 @@ class TrainingLoop:
     def __init__(self, trainer):
         self.trainer = trainer
         self.hooks: list[Hook] = []
+        self._history: list[dict[str, float]] = []  # the run's evaluations, read when it runs
 
     def add_hook(self, hook: Hook) -> None:
         """Calls ``hook`` at the loop's events, after the hooks added before it."""
@@ -38,8 +39,12 @@ class TrainingLoop:
         return run.time_budget_s is not None and host.elapsed_train_s >= run.time_budget_s
 
     def eval_due(self) -> bool:
-        """Whether ``eval_every_s`` of training clock passed since the last evaluation (or none was run)."""
+        """Whether ``eval_every_s`` of training clock passed since the last evaluation (or none was
+        run), and this step has none yet: a checkpoint taken after a step's evaluation resumes
+        with it done, even at ``eval_every_s`` 0."""
         every, host = self.trainer.run_config.eval_every_s, self.trainer.host
+        if self._history and self._history[-1].get("step") == self.trainer.step:
+            return False
         return every is not None and (host.last_eval_s is None or host.elapsed_train_s - host.last_eval_s >= every)
 
     def run(self, on_exit: Callable[[], None]) -> list[dict[str, float]]:
@@ -51,7 +56,7 @@ class TrainingLoop:
                 is checkpointed first (see ``podsjax.run.run_state.StopSignals``).
         """
         trainer = self.trainer
-        history = run_files.read_history(trainer.run_config.out_dir)
+        history = self._history = run_files.read_history(trainer.run_config.out_dir)
         try:
             self._call("on_start", trainer.step, history)
             with trainer.signals:

@@ -43,12 +43,12 @@ def setup(tmp_path_factory, data_dir):
 shared_generator = functools.cache(sampling.Generator)
 
 
-def make_trainer(setup, out_dir, max_steps, lora=None, **parts):
+def make_trainer(setup, out_dir, max_steps, lora=None, checkpoint_every_steps=1, **parts):
     model, params, tokenizer, train_set, test_set = setup
     algo = paper_settings.method_config("pods", n=4, m=2, learning_rate=1e-3)
     run = rl.RunConfig(out_dir=str(out_dir), max_steps=max_steps, prompts_per_step=2, max_new_tokens=8,
-                       eval_every_s=0.0, eval_batch_size=2, checkpoint_every_steps=1, reward_workers=1,
-                       progress=False)
+                       eval_every_s=0.0, eval_batch_size=2, checkpoint_every_steps=checkpoint_every_steps,
+                       reward_workers=1, progress=False)
     return rl.Trainer(model, params, tokenizer, train_set, test_set, algo, run, lora=lora,
                       **{"generator": shared_generator(model), **parts})
 
@@ -79,6 +79,18 @@ def test_steps_write_metrics_checkpoints_and_resume_exactly(setup, tmp_path):
     # Step 3 compiles in the new process (off the clock), step 4 counts.
     assert history[-1]["step"] == 4 and history[-1]["time/elapsed_train_s"] > elapsed
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_jsonl(out / "eval_history.jsonl")] == [0, 1, 2, 3, 4]
+
+
+def test_a_step_evaluated_before_the_run_s_last_checkpoint_is_not_evaluated_again_on_resume(setup, tmp_path):
+    # The end (or stop) checkpoint comes after the last step's evaluation; at eval_every_s 0 the
+    # resume had evaluated that step again, logging it twice.
+    out = tmp_path / "run"
+    make_trainer(setup, out, max_steps=1, checkpoint_every_steps=10).run()
+    assert os.listdir(out / "checkpoints") == ["1"]  # the end checkpoint alone, after step 1's evaluation
+    history = make_trainer(setup, out, max_steps=2, checkpoint_every_steps=10).run()
+    assert [h["step"] for h in history] == [0, 1, 2]
+    assert [r["step"] for r in read_jsonl(out / "eval_history.jsonl")] == [0, 1, 2]
 
 
 @pytest.mark.parametrize("kwargs,message", [
