@@ -25,13 +25,8 @@ TisLevel = Literal["token", "sequence"]
 TIS_LEVELS = ("token", "sequence")
 
 
-def group_advantages(
-    rewards_PM: jax.Array,
-    *,
-    eps: float = 1e-4,
-    std_scaling: StdScaling = "group",
-    ddof: int = 1,
-) -> jax.Array:
+def group_advantages(rewards_PM: jax.Array, *, eps: float = 1e-4, std_scaling: StdScaling = "group",
+                     ddof: int = 1) -> jax.Array:
     """Group-relative advantages a_i = (r_i - mean_group) / (std + eps).
 
     Call it on the rewards of the *selected* rollouts, so PODS normalizes over
@@ -67,7 +62,10 @@ def group_advantages(
     ddof = int(ddof)
     if jnp.iscomplexobj(rewards_PM):  # a cast would keep the real part without a word
         raise TypeError(f"rewards must be real numbers; got dtype {jnp.result_type(rewards_PM)}")
-    rewards = jnp.asarray(rewards_PM, dtype=jnp.float32)
+    wide = jnp.asarray(rewards_PM)  # float64 under x64 is shifted before it becomes float32
+    if not jnp.issubdtype(wide.dtype, jnp.floating) or jnp.finfo(wide.dtype).bits < 32:
+        wide = wide.astype(jnp.float32)
+    rewards = wide.astype(jnp.float32)
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
     if not isinstance(rewards, jax.core.Tracer) and rewards.is_fully_addressable:
@@ -79,14 +77,14 @@ def group_advantages(
                              f"one group spans {spread:.3g}")
     # Mean and std are shift-invariant; shifting by one member makes equal rewards
     # exactly 0 before any averaging (mean([7.0] * 7) is not exactly 7.0 in float32).
-    shifted = rewards - rewards[..., :1]
+    shifted = (wide - wide[..., :1]).astype(jnp.float32)
     centered = shifted - jnp.mean(shifted, axis=-1, keepdims=True)
     if std_scaling == "none":
         return centered
     if std_scaling == "group":
         std = _std(shifted, centered, axis=-1, ddof=ddof)
     else:  # shifted by one reward of the batch, for the same reason
-        batch = rewards - (jnp.max(rewards) if rewards.size else 0.0)  # a reduction: no slice of a sharded axis
+        batch = (wide - (jnp.max(wide) if wide.size else 0.0)).astype(jnp.float32)  # a reduction: no sharded slice
         std = _std(batch, batch - jnp.mean(batch), axis=None, ddof=ddof)
         # A traced non-finite reward: NaN, not a NaN variance's 0 (the other groups over eps alone).
         std = jnp.where(jnp.all(jnp.isfinite(rewards)), std, jnp.nan)
@@ -164,7 +162,7 @@ class LossConfig:
         for ok, problem in (
                 (0 <= self.epsilon < 1, f"epsilon must be in [0, 1) (the ratio is clipped at 1 - it); got {self.epsilon}"),
                 (self.epsilon_high is None or self.epsilon_high >= 0, f"epsilon_high must be >= 0; got {self.epsilon_high}"),
-                (self.beta >= 0, f"beta must be >= 0; got {self.beta}"),
+                (0 <= self.beta < np.inf, f"beta must be >= 0 and finite; got {self.beta}"),
                 (self.aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}; got {self.aggregation!r}"),
                 (self.norm_length is None or self.norm_length >= 1, f"norm_length must be >= 1; got {self.norm_length}"),
                 (self.aggregation != "group-token-mean" or (self.group_size or 0) >= 1,
@@ -183,11 +181,8 @@ class LossConfig:
 
 @flax.struct.dataclass
 class LossTerms:
-    """What the loss reduces, kept apart so micro-batches can share one normalizer.
-
-    ``loss = numerator / denominator``; summing numerators over micro-batches and
-    dividing by the whole batch's denominator gives the big-batch loss exactly.
-    """
+    """``loss = numerator / denominator``, kept apart: summing micro-batches' numerators and dividing
+    by the whole batch's denominator gives the big-batch loss exactly."""
 
     numerator: jax.Array
     denominator: jax.Array
@@ -213,6 +208,15 @@ def _groups(rows: int, config: LossConfig) -> int:
         raise ValueError(f"aggregation 'group-token-mean' needs whole groups of {config.group_size} rows; "
                          f"a batch of {rows} rows is not (the rows of each micro-batch must be whole groups)")
     return rows // config.group_size
+
+
+def _by_group(x_B: jax.Array, groups: int, size: int) -> jax.Array:
+    """[B] as [groups, size]; replicated first on a mesh of Explicit axes whose devices do not
+    divide the groups, where JAX cannot reshape a sharded axis."""
+    mesh = getattr(getattr(jax.typeof(x_B), "sharding", None), "mesh", None)
+    if jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ()) and groups % mesh.size:
+        x_B = jax.sharding.reshard(x_B, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return x_B.reshape(groups, size)
 
 
 def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:
@@ -324,16 +328,9 @@ def sampler_mismatch(update_BL: jax.Array, sampler_BL: jax.Array, mask_BL: jax.A
                                           tokens=jnp.sum(valid.astype(jnp.float32))))
 
 
-def grpo_loss_terms(
-    logprobs_BL: jax.Array,
-    advantages_B: jax.Array,
-    mask_BL: jax.Array,
-    config: LossConfig,
-    *,
-    old_logprobs_BL: jax.Array | None = None,
-    ref_logprobs_BL: jax.Array | None = None,
-    sampler_logprobs_BL: jax.Array | None = None,
-) -> tuple[LossTerms, LossMetrics]:
+def grpo_loss_terms(logprobs_BL: jax.Array, advantages_B: jax.Array, mask_BL: jax.Array, config: LossConfig, *,
+                    old_logprobs_BL: jax.Array | None = None, ref_logprobs_BL: jax.Array | None = None,
+                    sampler_logprobs_BL: jax.Array | None = None) -> tuple[LossTerms, LossMetrics]:
     """The policy loss with k3 KL, as (numerator, denominator) plus metrics.
 
     Per token: the ``config.loss_type`` term (GRPO's -min(ratio * A, clip(ratio, 1 - eps,
@@ -410,8 +407,8 @@ def grpo_loss_terms(
         numerator = jnp.sum(jnp.sum(per_token, axis=-1) / lengths)
     elif config.aggregation == "group-token-mean":
         groups = _groups(per_token.shape[0], config)
-        group_sums = jnp.sum(per_token, axis=-1).reshape(groups, config.group_size).sum(axis=-1)
-        group_tokens = jnp.sum(weight, axis=-1).reshape(groups, config.group_size).sum(axis=-1)
+        group_sums = _by_group(jnp.sum(per_token, axis=-1), groups, config.group_size).sum(axis=-1)
+        group_tokens = _by_group(jnp.sum(weight, axis=-1), groups, config.group_size).sum(axis=-1)
         numerator = jnp.sum(group_sums / jnp.maximum(group_tokens, 1.0))
     else:
         numerator = jnp.sum(per_token)

@@ -179,7 +179,10 @@ def _contraction_spec(operand, like):
     sharding: ``like``'s, or replicated. None elsewhere (the compiler chooses)."""
     if not _explicit(operand):
         return None
-    return jax.typeof(like).sharding.spec if _explicit(like) else jax.sharding.PartitionSpec()
+    # A sharding on the operand's mesh, not a bare spec: that one needs a jax.set_mesh around the call.
+    if _explicit(like):
+        return jax.typeof(like).sharding
+    return jax.sharding.NamedSharding(jax.typeof(operand).sharding.mesh, jax.sharding.PartitionSpec())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -70,13 +70,7 @@ def _validate(rewards, m) -> tuple[jax.Array, int]:
     if not jnp.issubdtype(rewards.dtype, jnp.floating) or jnp.finfo(rewards.dtype).bits < 32:
         wide = jnp.issubdtype(rewards.dtype, jnp.integer) and rewards.dtype.itemsize == 8  # int64 under x64
         rewards = rewards.astype(jnp.float64 if wide and jax.config.jax_enable_x64 else jnp.float32)
-    n = rewards.shape[-1]
-    try:
-        if isinstance(m, bool):
-            raise TypeError
-        m = operator.index(m)
-    except TypeError:
-        raise TypeError(f"m must be a static Python int (mark it static under jit); got {type(m).__name__}") from None
+    n, m = rewards.shape[-1], _static_int(m, "m")
     if not 1 <= m <= n:
         raise ValueError(f"m must satisfy 1 <= m <= N={n} (rollouts per group); got m={m}")
     return rewards, m
@@ -98,15 +92,8 @@ def _sort_last_axis(values):
 
 
 def sort_with_indices(values: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sorts the last axis by the total order (value, index).
-
-    Args:
-      values: [..., N] floats without NaN.
-
-    Returns:
-      (sorted_values [..., N], int32 sorted_indices [..., N]); equal values keep
-      their original order, exactly like a stable argsort.
-    """
+    """Sorts ``values`` [..., N] (floats without NaN) on the last axis by the total order (value,
+    index): ``(sorted_values, int32 sorted_indices)``, equal values in their order, as a stable argsort."""
     values = jnp.asarray(values)
     if values.ndim < 1:
         raise ValueError(f"values must have a last axis [..., N]; got a scalar of shape {values.shape}")
@@ -224,6 +211,9 @@ def max_reward(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> j
     return jnp.take_along_axis(sorted_idx, ranks, axis=-1)
 
 
+_PERCENTILE_MAX_M = 32768  # 2*M*M < 2**31
+
+
 def percentile(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
     """M rollouts at evenly spaced ranks, the worst and the best included: rank j of M is
     round(j * (nv - 1) / (M - 1)) among the nv finite rewards; M = 1 keeps the best.
@@ -235,26 +225,19 @@ def percentile(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> j
     if m == 1:
         ranks = jnp.maximum(nv - 1, 0)
     else:
-        j = jnp.arange(m, dtype=jnp.int32)
-        # Integer arithmetic: round-half-up of j*(nv-1)/(m-1), exact and distinct
-        # because the spacing (nv-1)/(m-1) is >= 1 whenever nv >= m.
-        ranks = (2 * j * (nv - 1) + (m - 1)) // (2 * (m - 1))
-        ranks = jnp.where(nv >= m, ranks, j)
+        if m > _PERCENTILE_MAX_M:
+            raise ValueError(f"percentile keeps at most M={_PERCENTILE_MAX_M} (its ranks are int32); got m={m}")
+        j, a, b = jnp.arange(m, dtype=jnp.int32), nv - 1, m - 1
+        # Round-half-up of j*a/b in int32, exact and distinct (the spacing a/b is >= 1 when nv >= m);
+        # split as j*(a//b) + j*(a%b)/b, since 2*j*a overflows int32 at N*M past 2**30.
+        ranks = jnp.where(nv >= m, j * (a // b) + (2 * j * (a % b) + b) // (2 * b), j)
     return jnp.take_along_axis(sorted_idx, ranks, axis=-1)
 
 
 def random(rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array:
-    """A uniformly random size-M subset of each group's finite rewards (their values are
-    otherwise ignored). Non-finite ones are used only when fewer than M are finite, at random too.
-
-    Args:
-      rewards: [..., N]; only the shape and which rewards are finite are used.
-      m: static subset size.
-      key: a PRNG key (required).
-
-    Returns:
-      int32 [..., M] indices, in random order.
-    """
+    """A uniformly random size-M subset of each group's finite rewards (their values are otherwise
+    ignored; non-finite ones only when fewer than M are finite, at random too), drawn with ``key``
+    (required). Returns int32 [..., M] indices, in random order."""
     rewards, m = _validate(rewards, m)
     if key is None:
         raise ValueError("selection rule 'random' needs a PRNG key: pass key=jax.random.key(...)")
@@ -302,9 +285,8 @@ def rule_needs_key(name: str) -> bool:
     return _RULES[_canonical_name(name)].needs_key
 
 
-def select(
-    rule: str, rewards: jax.Array, m: int, *, key: jax.Array | None = None, in_position_order: bool = False
-) -> jax.Array:
+def select(rule: str, rewards: jax.Array, m: int, *, key: jax.Array | None = None,
+           in_position_order: bool = False) -> jax.Array:
     """Dispatches to a registered rule by name.
 
     Args:
@@ -331,13 +313,18 @@ def select(
     return jnp.sort(indices, axis=-1) if in_position_order else indices
 
 
-def _static_group_size(n) -> int:
+def _static_int(value, name: str) -> int:
     try:
-        if isinstance(n, bool):
+        if isinstance(value, bool):
             raise TypeError
-        n = operator.index(n)
+        return operator.index(value)
     except TypeError:
-        raise TypeError(f"n must be a static Python int; got {type(n).__name__}") from None
+        raise TypeError(f"{name} must be a static Python int (mark it static under jit); "
+                        f"got {type(value).__name__}") from None
+
+
+def _static_group_size(n) -> int:
+    n = _static_int(n, "n")
     if n < 1:
         raise ValueError(f"n must be >= 1; got {n}")
     return n
@@ -376,9 +363,7 @@ def flat_rows(indices: jax.Array, n: int, *, in_position_order: bool = False) ->
     if not isinstance(indices, jax.Array):
         indices = np.asarray(indices)  # checked before jnp, which would wrap int64 past int32
     if indices.ndim < 2 or not np.issubdtype(indices.dtype, np.integer):
-        raise ValueError(
-            f"indices must be an integer array [..., P, M]; got dtype {indices.dtype}, shape {indices.shape}"
-        )
+        raise ValueError(f"indices must be an integer array [..., P, M]; got dtype {indices.dtype}, shape {indices.shape}")
     _check_positions(indices, n)
     indices = jnp.asarray(indices)
     if in_position_order:
@@ -388,15 +373,8 @@ def flat_rows(indices: jax.Array, n: int, *, in_position_order: bool = False) ->
     return rows.reshape(*indices.shape[:-2], -1)
 
 
-def select_flat(
-    rule: str,
-    rewards: jax.Array,
-    n: int,
-    m: int,
-    *,
-    key: jax.Array | None = None,
-    in_position_order: bool = False,
-) -> jax.Array:
+def select_flat(rule: str, rewards: jax.Array, n: int, m: int, *, key: jax.Array | None = None,
+                in_position_order: bool = False) -> jax.Array:
     """``select`` for rewards kept flat, prompt after prompt.
 
     Args:
@@ -415,9 +393,19 @@ def select_flat(
     rewards = jnp.asarray(rewards)
     if rewards.ndim < 1 or rewards.shape[-1] % n:
         raise ValueError(f"rewards must be flat [..., P*N] with N={n} rollouts per prompt; got shape {rewards.shape}")
-    rewards_PN = rewards.reshape(*rewards.shape[:-1], rewards.shape[-1] // n, n)
+    rewards_PN = _replicated_unless_divides(rewards, rewards.shape[-1] // n).reshape(
+        *rewards.shape[:-1], rewards.shape[-1] // n, n)
     indices_PM = select(rule, rewards_PN, m, key=key)
     return flat_rows(indices_PM, n, in_position_order=in_position_order)
+
+
+def _replicated_unless_divides(x: jax.Array, groups: int) -> jax.Array:
+    """``x``, replicated first on a mesh of Explicit axes whose devices do not divide ``groups``,
+    where JAX cannot reshape a sharded axis into [groups, N]."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ()) and groups % mesh.size:
+        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return x
 
 
 def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
@@ -434,9 +422,12 @@ def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
         raise ValueError(f"indices must be an integer array [..., M]; got dtype {indices.dtype}, shape {indices.shape}")
     if isinstance(indices, np.ndarray):  # jnp would wrap int64 past int32 onto a position; -1 marks the same
         indices = np.where((indices >= 0) & (indices < n), indices.astype(np.int64), -1)
-    indices = jnp.asarray(indices)
-    positions_N = jnp.arange(n, dtype=jnp.int32)  # not the indices' dtype: uint8 would wrap past 255
-    return jnp.any(indices[..., :, None].astype(jnp.int32) == positions_N, axis=-2)
+    indices = jnp.asarray(indices).astype(jnp.int32)  # not uint8, which would wrap past 255
+    # A scatter into [..., N] (O(N) memory, where a comparison held [..., M, N]); a negative or
+    # too large index goes to slot N, which the scatter drops (a negative one would wrap).
+    slots = jnp.where((indices >= 0) & (indices < n), indices, n)
+    mark = lambda slots_M: jnp.zeros(n, jnp.bool_).at[slots_M].set(True, mode="drop")  # noqa: E731
+    return jax.vmap(mark)(slots.reshape(-1, slots.shape[-1])).reshape(*slots.shape[:-1], n)
 
 
 for _name, _fn, _needs_key in (

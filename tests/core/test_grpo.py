@@ -401,6 +401,8 @@ def test_bad_inputs_raise_clear_errors():
             LossConfig(epsilon=epsilon)
     with pytest.raises(ValueError, match="'group-token-mean' needs group_size >= 1; got None"):
         LossConfig(aggregation="group-token-mean")
+    with pytest.raises(ValueError, match="beta must be >= 0 and finite; got inf"):  # had given an inf loss
+        LossConfig(beta=float("inf"))
     with pytest.raises(ValueError, match="needs whole groups of 2 rows; a batch of 3 rows is not"):
         grpo.grpo_loss(jnp.zeros((3, 2)), jnp.zeros(3), jnp.ones((3, 2)),
                        LossConfig(aggregation="group-token-mean", group_size=2))
@@ -525,6 +527,19 @@ def test_advantages_of_a_spread_past_float32s_square_are_not_zero():
                 - grpo.group_advantages(jnp.asarray([[0.0, 1.0, 3.0]]).at[0, i].add(-eps))[0, 1]) / (2 * eps)
                for i in range(3)]
     np.testing.assert_allclose(np.asarray(grad)[0], np.asarray(numeric), atol=2e-2)
+
+
+def test_float64_rewards_under_x64_are_shifted_before_they_become_float32():
+    rewards = 1e6 + np.array([[0.0, 0.1, 0.2, 0.3]])  # float32 holds 1e6 + 0.1 as 1000000.125
+    centered = rewards - rewards.mean(-1, keepdims=True)
+    expected = centered / (centered.std(-1, ddof=1, keepdims=True) + 1e-4)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        for scaling in ("group", "batch"):
+            got = grpo.group_advantages(jnp.asarray(rewards), std_scaling=scaling)
+            np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, err_msg=scaling)
+    finally:
+        jax.config.update("jax_enable_x64", False)
 
 
 def test_batch_scaling_keeps_its_precision_under_a_large_common_offset():

@@ -1,5 +1,6 @@
 """Selection rules: the PODS theorems, invariances, transforms and edge cases."""
 
+import contextlib
 import itertools
 from fractions import Fraction
 
@@ -433,9 +434,47 @@ def test_the_core_composes_under_a_mesh_of_explicit_axes():
     place = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))  # noqa: E731
     with jax.set_mesh(mesh):
         got = jax.jit(each)(place(rewards), place(hidden), head, place(targets))
+    # Without jax.set_mesh too: the head's gradient had named a bare PartitionSpec, which needs one.
+    got_plain = jax.jit(each)(place(rewards), place(hidden), jax.device_put(head, NamedSharding(mesh, PartitionSpec())),
+                              place(targets))
     for name in expected:
-        np.testing.assert_allclose(np.asarray(got[name]), np.asarray(expected[name]), rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
+        for result in (got, got_plain):
+            np.testing.assert_allclose(np.asarray(result[name]), np.asarray(expected[name]), rtol=1e-5, atol=1e-6,
+                                       err_msg=name)
+
+
+@pytest.mark.parametrize("in_mesh", [False, True])
+def test_fewer_groups_than_devices_on_a_mesh_of_explicit_axes(in_mesh):
+    # Rows sharded over 8 devices in fewer than 8 groups: the reshape into groups had failed inside
+    # JAX, in select_flat and in the loss's group-token-mean.
+    from podsjax.core import grpo
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    place = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))  # noqa: E731
+    rng = np.random.default_rng(7)
+    flat = rng.integers(0, 4, 4 * 16).astype(np.float32)  # 4 prompts x 16 rollouts
+    logp, adv = -rng.random((8, 6)).astype(np.float32), rng.normal(size=8).astype(np.float32)
+    mask = (rng.random((8, 6)) > 0.3).astype(np.float32)
+    config = grpo.LossConfig(aggregation="group-token-mean", group_size=4)  # 2 groups
+    pick = jax.jit(lambda r: selection.select_flat("max_variance", r, 16, 4))
+    loss = jax.jit(lambda lp, a, mk: grpo.grpo_loss(lp, a, mk, config, old_logprobs_BL=lp + 0.1)[0])
+    with jax.set_mesh(mesh) if in_mesh else contextlib.nullcontext():
+        rows = pick(place(flat))
+        value = loss(place(logp), place(adv), place(mask))
+        eager_rows = selection.select_flat("max_variance", place(flat), 16, 4)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(pick(flat)))
+    np.testing.assert_array_equal(np.asarray(eager_rows), np.asarray(pick(flat)))
+    np.testing.assert_allclose(float(value), float(loss(logp, adv, mask)), rtol=1e-6)
+
+
+def test_percentile_ranks_stay_exact_and_distinct_where_two_j_times_n_passes_int32():
+    # 2 * j * (nv - 1) had overflowed int32 from N * M of about 2**30: slots repeated.
+    n, m = 50_000, 25_000
+    indices = np.asarray(selection.percentile(jnp.arange(n, dtype=jnp.float32), m))
+    j = np.arange(m, dtype=np.int64)
+    np.testing.assert_array_equal(indices, (2 * j * (n - 1) + (m - 1)) // (2 * (m - 1)))
+    with pytest.raises(ValueError, match="percentile keeps at most M=32768"):
+        selection.percentile(jnp.zeros(40_000), 32_769)
 
 
 def test_sort_with_indices_matches_stable_argsort():
@@ -498,6 +537,16 @@ def test_indices_to_mask():
     # Nor do host positions past int32 (JAX's conversion wraps 2**32 + 1 to 1), a uint64's top included.
     for wide in (np.array([2**32 + 1, 2]), np.array([2**64 - 1, 2], np.uint64), [2**40, 2]):
         assert np.asarray(selection.indices_to_mask(wide, 4)).tolist() == [False, False, True, False]
+    # Negative and too large positions mark nothing (a scatter would wrap -1 onto N - 1).
+    assert np.asarray(selection.indices_to_mask(jnp.array([[-1, 4, 1]]), 4)).tolist() == [[False, True, False, False]]
+
+
+def test_indices_to_mask_holds_the_mask_not_a_comparison_of_every_index_with_every_position():
+    # [P, M, N] booleans had been compared: 537 MB of scratch at P 64, M 2048, N 4096.
+    p, m, n = 64, 2048, 4096
+    compiled = jax.jit(lambda i: selection.indices_to_mask(i, n)).lower(
+        jax.ShapeDtypeStruct((p, m), jnp.int32)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < p * m * n // 16
 
 
 @pytest.mark.parametrize("m", [0, 5, -1])
@@ -522,7 +571,7 @@ def test_traced_m_and_scalar_rewards_raise_clear_errors():
     assert selection.select("random", jnp.zeros((1, 4)), 2, key=jax.random.PRNGKey(0)).shape == (1, 2)  # legacy key
     for call in (lambda: selection.select_flat("max_variance", jnp.zeros(4), True, 1),
                  lambda: selection.flat_rows(jnp.zeros((1, 1), jnp.int32), True)):
-        with pytest.raises(TypeError, match="n must be a static Python int; got bool"):
+        with pytest.raises(TypeError, match="n must be a static Python int.*got bool"):
             call()
     with pytest.raises(TypeError, match="needs_key must be True or False; got 'no'"):
         selection.register_rule("test_bad_flag", lambda r, m, key=None: r, needs_key="no")
