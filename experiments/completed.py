@@ -60,18 +60,21 @@ def _last_step(out: str) -> dict:
 
 def extends(config: ExperimentConfig, out: str) -> bool:
     """Whether ``config`` continues the complete run in ``out``: a longer --time-budget or
-    --max-steps than the run was started with, which its last training step has not reached."""
+    --max-steps than the run was started with, and neither of ``config``'s budgets reached by
+    its last training step (a run ended by its steps trains no step on a larger time budget)."""
     last = _last_step(out)
     started, ended = config_decoding.read_run_config(out).run, _ended_under(out)
+    raised = False
     for field, _, key in _BUDGETS:
         # a resume that lowered a budget ended the run under it: the started one is not spent
         before = ended.get(field, getattr(started, field))
         if isinstance(before, bool) or not isinstance(before, (int, float, type(None))):
             before = getattr(started, field)  # a damaged record: the started budget, as before
         wanted = getattr(config.run, field)
-        if wanted is not None and before is not None and wanted > before and last.get(key, 0) < wanted:
-            return True
-    return False
+        if wanted is not None and last.get(key, 0) >= wanted:
+            return False
+        raised = raised or (wanted is not None and before is not None and wanted > before)
+    return raised
 
 
 def _past(budget, done):
@@ -88,18 +91,31 @@ def complete_line(config: ExperimentConfig, out: str) -> str:
     last, run = _last_step(out), config.run
     done = f"{out} holds a complete run ({last.get('step', '?')} steps, "
     done += f"{last.get('time/elapsed_train_s', 0.0):.0f} s of training clock)" if last else "no steps logged)"
-    by_steps = run.max_steps is not None and (run.time_budget_s is None or last.get("step", 0) >= run.max_steps)
-    if by_steps:
-        trained = last.get("step", 0)
-        flag, more = "--max-steps", str(_past(run.max_steps, trained))
-        budget = f"its --max-steps {run.max_steps}" + (f" (a resume trained it on to step {trained})"
-                                                       if trained > run.max_steps else "")
-    else:
-        flag, more = "--time-budget", f"{_past(run.time_budget_s, last.get('time/elapsed_train_s', 0.0)):g}"
-        budget = f"its --time-budget {run.time_budget_s:g}"  # every run ends a little past it: no clause
-    command = f"python -m experiments.{run.task} --out {shlex.quote(out)} --resume {flag} {more}"
-    return (f"{done}: {budget} is spent, so there is nothing to resume and nothing was changed; to train it "
-            f"further, resume with a larger --time-budget or --max-steps, e.g. {command}")
+    spent = [field for field, _, key in _BUDGETS
+             if getattr(run, field) is not None and last.get(key, 0) >= getattr(run, field)]
+    if not spent:  # nothing logged: the budget that ends a run first
+        spent = ["max_steps" if run.max_steps is not None and run.time_budget_s is None else "time_budget_s"]
+    try:
+        started = config_decoding.read_run_config(out).run
+    except Exception:  # noqa: BLE001 - the line is advice; without the stored config it keeps no raised flag
+        started = run
+    budgets, raised = [], []
+    for field, flag, key in _BUDGETS:
+        budget, trained = getattr(run, field), last.get(key, 0)
+        if field not in spent:  # a budget this resume raised, which the command must say again
+            if budget is not None and (getattr(started, field) is None or budget > getattr(started, field)):
+                raised.append(f"{flag} {budget:g}")
+            continue
+        if field == "max_steps":
+            budgets.append(f"its --max-steps {budget}" + (f" (a resume trained it on to step {trained})"
+                                                          if trained > budget else ""))
+        else:  # every run ends a little past its time budget: no clause
+            budgets.append(f"its --time-budget {budget:g}")
+        raised.append(f"{flag} {_past(budget, trained):g}")
+    command = f"python -m experiments.{run.task} --out {shlex.quote(out)} --resume {' '.join(raised)}"
+    return (f"{done}: {' and '.join(budgets)} {'is' if len(budgets) == 1 else 'are'} spent, so there is nothing "
+            f"to resume and nothing was changed; to train it further, resume with a larger --time-budget or "
+            f"--max-steps, e.g. {command}")
 
 
 def _extension_flags(config, out: str) -> str:

@@ -146,6 +146,8 @@ def check_out(args) -> None:
     _check_writable(out)
     if args.resume and not has_run(out):
         raise UsageError(f"--resume: {out} holds no run to resume (no config.json of a run)")
+    if args.resume and not args.dry_run:
+        _refuse_if_in_use(out)  # before anything loads, and before a complete run is reported as untouched
     if args.dry_run and run_dir.foreign_dry_run_file(out):
         raise UsageError(f"--dry-run: {os.path.join(out, DRY_RUN_FILE)} is not a podsjax dry run's, and the dry run "
                          "would replace it; choose another --out")

@@ -49,19 +49,35 @@ def test_resuming_a_complete_run_says_it_is_complete_and_touches_nothing(tmp_pat
 
 def test_a_larger_budget_resumes_a_complete_run(tmp_path, monkeypatch, capsys):
     out = _complete_run(tmp_path / "run", "--max-steps", "104")
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 104, "time/elapsed_train_s": 100.0}) + "\n")
     started = []
     monkeypatch.setattr(runner, "run_experiment", lambda config, *args, **kwargs: started.append(config) or 0)
     assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 0
     printed = capsys.readouterr().out
     assert not started and "--max-steps 208" in printed and "its --max-steps 104 is spent" in printed
     with open(out / "metrics.jsonl", "a") as f:  # a resume with --max-steps 150 trained on
-        f.write(json.dumps({"step": 150, "time/elapsed_train_s": 300.0}) + "\n")
+        f.write(json.dumps({"step": 150, "time/elapsed_train_s": 150.0}) + "\n")
     assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 0
     printed = capsys.readouterr().out
     assert "its --max-steps 104 (a resume trained it on to step 150) is spent" in printed and "--max-steps 208" in printed
-    (out / "metrics.jsonl").write_text(json.dumps({"step": 104, "time/elapsed_train_s": 241.0}) + "\n")
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 104, "time/elapsed_train_s": 100.0}) + "\n")
+    # A larger time budget trains no step of a run its --max-steps ended: it is still complete.
+    assert cli.main("gsm8k", ["--out", str(out), "--resume", "--time-budget", "480"]) == 0
+    assert not started and "its --max-steps 104 is spent" in capsys.readouterr().out
     assert cli.main("gsm8k", ["--out", str(out), "--resume", "--max-steps", "200"]) == 0
     assert [config.run.max_steps for config in started] == [200]
+
+
+def test_a_run_whose_both_budgets_are_spent_names_both(tmp_path, monkeypatch, capsys):
+    out = _complete_run(tmp_path / "run", "--max-steps", "104")  # step 104 at 241 s of 240
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **k: pytest.fail("a resume that trains no step"))
+    for more, spent, command in (
+            ([], "its --time-budget 240 and its --max-steps 104 are", "--time-budget 480 --max-steps 208"),
+            (["--max-steps", "200"], "its --time-budget 240 is", "--time-budget 480 --max-steps 200"),
+            (["--time-budget", "480"], "its --max-steps 104 is", "--time-budget 480 --max-steps 208")):
+        assert cli.main("gsm8k", ["--out", str(out), "--resume", *more]) == 0
+        printed = capsys.readouterr().out
+        assert f"{spent} spent" in printed and printed.strip().endswith(f"--resume {command}"), printed
 
 
 def test_the_suggested_budget_is_past_what_a_raised_budget_already_trained(tmp_path, monkeypatch, capsys):
@@ -94,6 +110,7 @@ def test_a_run_stopped_during_its_exports_is_resumed_not_called_complete(tmp_pat
 
 def test_a_resume_without_a_checkpoint_never_trains_again_over_the_run_s_exports(tmp_path, monkeypatch, capsys):
     out = _complete_run(tmp_path / "run", "--max-steps", "104")
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 104, "time/elapsed_train_s": 100.0}) + "\n")
     for name in ("checkpoints/104", "checkpoints"):
         (out / name).rmdir()  # e.g. removed to save disk, keeping the exports
     before = _snapshot(out)

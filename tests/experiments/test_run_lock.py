@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from experiments import cli, runner
+from experiments import cli, config_decoding, flags, runner
 from podsjax.run import run_state
 from podsjax.run.run_state import LOCK_FILE, RunLock, RunLocked
 
@@ -58,6 +58,13 @@ def test_a_live_holder_refuses_a_second_writer_with_one_line_naming_it(tmp_path,
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"in use by pid {child.pid} on host {HOST}" in err, err
         assert holder(out)["pid"] == child.pid
+        # --resume of a complete run its holder is training further: named, not "complete, nothing changed".
+        _, config = flags.parse("gsm8k", ["--out", str(out), "--max-steps", "1"])
+        (out / "config.json").write_text(json.dumps(config_decoding.as_json(config)))
+        (out / "exported.json").write_text(json.dumps({"exports": []}))
+        assert cli.main("gsm8k", ["--out", str(out), "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"in use by pid {child.pid} on host {HOST}" in err, err
     finally:
         child.kill()
         child.wait()
