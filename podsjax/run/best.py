@@ -15,13 +15,14 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
 from podsjax.devices import hosts
 from podsjax.devices import mesh as mesh_lib
 from podsjax.run import checkpoint as ckpt_lib
+from podsjax.run import checkpoint_integrity as integrity
 from podsjax.run import checkpoint_layout
 
 BEST_DIRNAME = "best"
@@ -40,7 +41,8 @@ class BestPolicy:
         step, accuracy: the best evaluation so far, which the run's next checkpoint records.
     """
 
-    def __init__(self, out_dir: str, recorded: tuple[int | None, float | None], resumed_step: int | None):
+    def __init__(self, out_dir: str, recorded: tuple[int | None, float | None], resumed_step: int | None,
+                 like_params: Any = None, warn: Callable[[str], None] = print):
         self.step, self.accuracy = recorded
         self.directory = directory = os.path.join(out_dir, BEST_DIRNAME)
         if resumed_step is None and hosts.is_primary() and os.path.isdir(directory):
@@ -57,6 +59,33 @@ class BestPolicy:
             if resumed_step is not None and step > resumed_step or recorded is None or step < recorded:
                 self._checkpointer.delete(step)
         self._recorded_by_last_checkpoint = recorded
+        if resumed_step is not None and recorded is not None and like_params is not None:
+            self._check_recorded(like_params, warn)
+
+    def _check_recorded(self, like_params: Any, warn: Callable[[str], None]) -> None:
+        """Reads the recorded best back once on resume: one that is gone or damaged would
+        otherwise fail the run's last export after all its training, on every resume."""
+        try:
+            self._read(like_params)
+            return
+        except (FileNotFoundError, integrity.CheckpointCorrupt) as exc:
+            problem = exc
+        where = os.path.join(self.directory, str(self.step))
+        if getattr(problem, "proven", False) and hosts.is_primary():
+            where = "moved to " + checkpoint_layout.move_aside(self.directory, self.step)
+        hosts.barrier("best policy moved aside")
+        self._checkpointer._manager.reload()
+        why = str(problem).splitlines()[0] if str(problem) else type(problem).__name__
+        why = why if len(why) <= 200 else why[:197] + "..."
+        warn(f"warning: the best policy of step {self.step} ({self.accuracy:.1%}) does not load ({where}: {why}); "
+             "the best is chosen again from the evaluations after this resume")
+        self.step = self.accuracy = self._recorded_by_last_checkpoint = None
+
+    def _read(self, like_params: Any) -> Any:
+        abstract = {"params": jax.tree.map(mesh_lib.abstract, like_params)}
+        with ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(self.directory, keep_last=None)) as reader:
+            state, _ = reader.restore(abstract, self.step)
+        return state["params"]
 
     def offer(self, step: int, accuracy: float, params: Any) -> bool:
         """Saves ``params`` as the new best when ``accuracy`` beats every earlier evaluation (a
@@ -87,10 +116,7 @@ class BestPolicy:
         if self.step is None:
             return None
         self._checkpointer.close()  # waits for a pending save; a fresh one reads it back
-        abstract = {"params": jax.tree.map(mesh_lib.abstract, like_params)}
-        with ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(self.directory, keep_last=None)) as reader:
-            state, _ = reader.restore(abstract, self.step)
-        return state["params"]
+        return self._read(like_params)
 
     def close(self) -> None:
         self._checkpointer.close()

@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import shutil
 import threading
 import time
 
@@ -418,6 +419,31 @@ def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path
     # The last checkpoint (step 4, saved before its evaluation) still records step 1 as the best,
     # so that one stays on disk until a later checkpoint records step 4.
     assert sorted(os.listdir(out / "best")) == ["1", "4"]
+
+
+@pytest.mark.parametrize("damage", ["removed", "overwritten"])
+def test_a_recorded_best_that_does_not_load_is_chosen_again_after_the_resume(setup, tmp_path, damage):
+    # It had failed the run's last export after all its training, on every resume; removed, with
+    # a traceback asking for a bug report.
+    out = tmp_path / "run"
+    accuracies = iter([0.5, 0.1])
+    scripted_eval = lambda params, lora: ({"eval/accuracy": next(accuracies), "eval/examples": 2.0}, [])  # noqa: E731
+    make_trainer(setup, out, max_steps=1, evaluator=scripted_eval).run()  # the checkpoint of step 1 records best 0
+    if damage == "removed":
+        shutil.rmtree(out / "best" / "0")
+    else:  # every data file's bytes replaced, its size kept
+        for path in (out / "best" / "0").rglob("*"):
+            if path.is_file() and "/d/" in str(path):
+                path.write_bytes(bytes(255 - b for b in path.read_bytes()))
+    lines = []
+    accuracies = iter([0.2, 0.3])  # steps 1 (again: its evaluation came after the checkpoint) and 2
+    resumed = make_trainer(setup, out, max_steps=2, evaluator=scripted_eval, log=lines.append)
+    warning = [line for line in lines if "best policy of step 0" in line]
+    assert len(warning) == 1 and "(50.0%) does not load" in warning[0] and "chosen again" in warning[0], lines
+    assert (resumed.best.step, resumed.best.accuracy) == (None, None)
+    resumed.run()
+    assert (resumed.best.step, resumed.best.accuracy) == (2, 0.3)
+    assert resumed.best.restore(resumed.state.params) is not None
 
 
 class RecordingHook(rl.Hook):
