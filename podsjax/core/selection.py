@@ -427,7 +427,9 @@ def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:
     # too large index goes to slot N, which the scatter drops (a negative one would wrap).
     slots = jnp.where((indices >= 0) & (indices < n), indices, n)
     mark = lambda slots_M: jnp.zeros(n, jnp.bool_).at[slots_M].set(True, mode="drop")  # noqa: E731
-    return jax.vmap(mark)(slots.reshape(-1, slots.shape[-1])).reshape(*slots.shape[:-1], n)
+    for _ in range(slots.ndim - 1):  # a vmap an axis, not a reshape, which a sharded minor axis refuses
+        mark = jax.vmap(mark)
+    return mark(slots)
 
 
 for _name, _fn, _needs_key in (

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from podsjax.data.prompts import VOCABULARY_FILES
 from podsjax.models.decoder import Decoder
 from podsjax.models.hf_io import (
     INDEX_FILE,
@@ -35,7 +36,7 @@ from podsjax.models.params import check_params_fit
 from podsjax.models.safetensors_io import write_safetensors
 
 # Files copied by save_pretrained(tokenizer_from=...) so the export is servable as is.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
                    "generation_config.json")
 # What an export may store weights as: what config.json's torch_dtype can name.
@@ -193,8 +194,8 @@ def _tokenizer_files(source_dir: str) -> list[str]:
         raise ValueError(f"tokenizer_from {source_dir} is not a directory")
     found = [os.path.join(source_dir, name) for name in TOKENIZER_FILES
              if os.path.isfile(os.path.join(source_dir, name))]
-    if not found:
-        raise ValueError(f"tokenizer_from {source_dir} holds none of the tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    if not any(os.path.basename(path) in VOCABULARY_FILES for path in found):
+        raise ValueError(f"tokenizer_from {source_dir} holds no tokenizer vocabulary ({', '.join(VOCABULARY_FILES)})")
     return found
 
 

@@ -101,7 +101,7 @@ class Trainer:
             rows=prompt_rows * algo.n, rewards=self.rewards, eos_ids=self.eos_ids,
             compile_log=self.compile_log, buckets=self.buckets, log=self.log)
         self.best = (best_lib.BestPolicy(run_config.out_dir, (self.host.best_step, self.host.best_accuracy), restored,
-                                         self.state.params, warn=self.log) if run_config.keep_best else None)
+                                         warn=self.log) if run_config.keep_best else None)
         self.writer = metrics_lib.MetricsWriter(
             run_config.out_dir, backends=run_config.log,
             config={"algorithm": dataclasses.asdict(algo), "run": dataclasses.asdict(run_config)},

@@ -42,7 +42,7 @@ class BestPolicy:
     """
 
     def __init__(self, out_dir: str, recorded: tuple[int | None, float | None], resumed_step: int | None,
-                 like_params: Any = None, warn: Callable[[str], None] = print):
+                 warn: Callable[[str], None] = print):
         self.step, self.accuracy = recorded
         self.directory = directory = os.path.join(out_dir, BEST_DIRNAME)
         if resumed_step is None and hosts.is_primary() and os.path.isdir(directory):
@@ -59,26 +59,15 @@ class BestPolicy:
             if resumed_step is not None and step > resumed_step or recorded is None or step < recorded:
                 self._checkpointer.delete(step)
         self._recorded_by_last_checkpoint = recorded
-        if resumed_step is not None and recorded is not None and like_params is not None:
-            self._check_recorded(like_params, warn)
+        self._warn = warn
+        if resumed_step is not None and recorded is not None and recorded not in self._checkpointer.all_steps():
+            self._forget(FileNotFoundError(f"{os.path.join(directory, str(recorded))} is gone"),
+                         "a best is chosen again from the evaluations after this resume")
 
-    def _check_recorded(self, like_params: Any, warn: Callable[[str], None]) -> None:
-        """Reads the recorded best back once on resume: one that is gone or damaged would
-        otherwise fail the run's last export after all its training, on every resume."""
-        try:
-            self._read(like_params)
-            return
-        except (FileNotFoundError, integrity.CheckpointCorrupt) as exc:
-            problem = exc
-        where = os.path.join(self.directory, str(self.step))
-        if getattr(problem, "proven", False) and hosts.is_primary():
-            where = "moved to " + checkpoint_layout.move_aside(self.directory, self.step)
-        hosts.barrier("best policy moved aside")
-        self._checkpointer._manager.reload()
-        why = str(problem).splitlines()[0] if str(problem) else type(problem).__name__
-        why = why if len(why) <= 200 else why[:197] + "..."
-        warn(f"warning: the best policy of step {self.step} ({self.accuracy:.1%}) does not load ({where}: {why}); "
-             "the best is chosen again from the evaluations after this resume")
+    def _forget(self, problem: BaseException, then: str) -> None:
+        """Warns that the recorded best does not load, and forgets it."""
+        why = integrity.first_line(problem) or type(problem).__name__
+        self._warn(f"warning: the best policy of step {self.step} ({self.accuracy:.1%}) does not load ({why}); {then}")
         self.step = self.accuracy = self._recorded_by_last_checkpoint = None
 
     def _read(self, like_params: Any) -> Any:
@@ -112,11 +101,29 @@ class BestPolicy:
                 self._checkpointer.delete(step)
 
     def restore(self, like_params: Any) -> Any | None:
-        """The best params (shaped and sharded like ``like_params``), or None when none was saved."""
+        """The best params (shaped and sharded like ``like_params``), or None when none was saved,
+        or the saved one is gone or proven damaged (a warning says so).
+
+        Raises:
+            CheckpointCorrupt: it fails to load without proof of damage (which may be this
+                process's memory or devices): the line says how to export without it.
+        """
         if self.step is None:
             return None
         self._checkpointer.close()  # waits for a pending save; a fresh one reads it back
-        return self._read(like_params)
+        try:
+            return self._read(like_params)
+        except FileNotFoundError as exc:
+            problem = exc
+        except integrity.CheckpointCorrupt as exc:
+            if not exc.proven:
+                raise integrity.CheckpointCorrupt(
+                    f"{integrity.first_line(exc)}; if its files are damaged, move "
+                    f"{os.path.join(self.directory, str(self.step))} aside and resume again to finish without a "
+                    "best_model export", proven=False) from None
+            problem = exc
+        self._forget(problem, "the run ends without a best_model export")
+        return None
 
     def close(self) -> None:
         self._checkpointer.close()

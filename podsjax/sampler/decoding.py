@@ -126,7 +126,8 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
     if not cfg.return_logprobs:
         return tokens_B, None
     picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, picked_B - jax.nn.logsumexp(scaled_BV, axis=-1)
+    # Each row's largest is already 0: its log-sum-exp needs no second max pass over [B, V].
+    return tokens_B, picked_B - jnp.log(jnp.sum(jnp.exp(scaled_BV), axis=-1))
 
 
 class Layers:

@@ -26,6 +26,7 @@ OLD_LOGPROBS = ("recompute", "sampler")
 # Optimizer steps one generated batch may take: the update program holds each (a loop of them
 # unrolled), so 2,000 had traced for minutes before compiling. TRL's num_iterations is 1 to 4.
 MAX_UPDATES_PER_GENERATION = 64
+_SMALLEST_TEMPERATURE = 2.0 ** -126  # float32's smallest normal number
 _INT_FIELDS = ("n", "m", "grad_accum", "groups_per_prompt", "num_iterations", "steps_per_generation", "total_steps",
                "top_k", "max_sampling_rounds")
 _FLOAT_FIELDS = ("beta", "epsilon", "epsilon_high", "temperature", "logprob_temperature", "top_p", "learning_rate",
@@ -144,11 +145,12 @@ class AlgorithmConfig:
             bad(f"total_steps must be >= 1; got {self.total_steps}")
         if not self.learning_rate > 0:
             bad(f"learning_rate must be > 0; got {self.learning_rate}")
-        if not self.temperature > 0:
-            bad(f"training temperature must be > 0; got {self.temperature}")
-        if self.logprob_temperature is not None and not self.logprob_temperature > 0:
-            bad("logprob_temperature must be > 0, or null for the sampling temperature; "
-                f"got {self.logprob_temperature}")
+        # float32's smallest normal: XLA flushes a smaller one to 0, and divides by it.
+        if not self.temperature >= _SMALLEST_TEMPERATURE:
+            bad(f"training temperature must be > 0 (and at least {_SMALLEST_TEMPERATURE:.4g}); got {self.temperature}")
+        if self.logprob_temperature is not None and not self.logprob_temperature >= _SMALLEST_TEMPERATURE:
+            bad(f"logprob_temperature must be > 0 (and at least {_SMALLEST_TEMPERATURE:.4g}), or null for the "
+                f"sampling temperature; got {self.logprob_temperature}")
         if self.sampler_logprobs and self.update_temperature != self.temperature:
             bad(f"{self.sampler_logprobs_reason} compares the sampler's log-probs with the update's, which needs "
                 f"them at one temperature: logprob_temperature {self.logprob_temperature} is not the sampling "

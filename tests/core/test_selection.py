@@ -539,6 +539,13 @@ def test_indices_to_mask():
         assert np.asarray(selection.indices_to_mask(wide, 4)).tolist() == [False, False, True, False]
     # Negative and too large positions mark nothing (a scatter would wrap -1 onto N - 1).
     assert np.asarray(selection.indices_to_mask(jnp.array([[-1, 4, 1]]), 4)).tolist() == [[False, True, False, False]]
+    assert not np.asarray(selection.indices_to_mask(jnp.zeros((3, 0), jnp.int32), 4)).any()  # M = 0: nothing
+    # A batch axis sharded after the first, on a mesh of Explicit axes.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    idx = np.random.default_rng(8).integers(-1, 5, (2, 8, 3)).astype(np.int32)
+    placed = jax.device_put(idx, NamedSharding(mesh, PartitionSpec(None, "data")))
+    np.testing.assert_array_equal(np.asarray(selection.indices_to_mask(placed, 4)),
+                                  np.asarray(selection.indices_to_mask(idx, 4)))
 
 
 def test_indices_to_mask_holds_the_mask_not_a_comparison_of_every_index_with_every_position():

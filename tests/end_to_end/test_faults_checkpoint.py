@@ -312,6 +312,10 @@ def test_rope_settings_given_once_anywhere_are_read(source):
     assert loaded.rope_theta == 5e5 and loaded.rope_scaling.original_max_position_embeddings == 64
     config["rope_theta"] = 5e5  # the same value in two places is one value
     assert pm.from_hf_config(config).rope_theta == 5e5
+    # A legacy "type" is transformers' "rope_type": the same scaling written both ways agrees.
+    legacy = {("type" if k == "rope_type" else k): v for k, v in config["rope_scaling"].items()}
+    config.update(rope_scaling=legacy, rope_parameters=dict(config["rope_scaling"]))
+    assert pm.from_hf_config(config).rope_scaling.factor == 8.0
 
 
 def test_config_dicts_are_checked_too():

@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
       "--algorithm.aggregation", "group-token-mean"],
      "group-token-mean averages whole groups, but an update's 3 groups (prompts_per_step x groups_per_prompt) "
      "do not split into its 2 micro-batches"),
-    (["--beta", "-1"], "beta must be >= 0; got -1.0"),
+    (["--beta", "-1"], "beta must be >= 0 and finite; got -1.0"),
     (["--groups-per-prompt", "0"], "groups_per_prompt must be >= 1; got 0"),
     (["--max-prompt-length", "100000000", "--dry-run"],  # XLA's compiler had aborted the process
      "max_prompt_length + max_new_tokens must be at most 1048576 tokens; got 100000000 + "),

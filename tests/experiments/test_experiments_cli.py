@@ -135,7 +135,7 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--dataset", ROOT], f"--dataset {ROOT}: no train.jsonl or train.parquet in {ROOT}"),
     (["--dataset", os.path.join(ROOT, "README.md")], "is one file, the train split: pass --eval-data"),
     (["--eval-temperature", "-1"], "eval_temperature must be >= 0 (0 = greedy); got -1.0"),
-    (["--temperature", "0"], "training temperature must be > 0; got 0.0"),
+    (["--temperature", "0"], "training temperature must be > 0 (and at least 1.175e-38); got 0.0"),
     (["--eval-repeats", "3"], "eval_repeats 3 needs eval_temperature > 0"),
     (["--eval-metric", "both"], "eval_metric must be one of accuracy, accuracy_and_format"),
     # With evaluation off, these had been taken and ignored without a word.
@@ -143,7 +143,7 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--eval-every", "null", "--run.eval_metric", "accuracy"], "--run.eval_metric sets the evaluation"),
     (["--lr", "inf"], "learning_rate must be finite"),  # before the warm-up, not after it
     (["--lr", "-1e-4"], "learning_rate must be > 0; got -0.0001"),  # a negative number is a value, not a flag
-    (["--algorithm.beta", "-1e-3"], "beta must be >= 0; got -0.001"),
+    (["--algorithm.beta", "-1e-3"], "beta must be >= 0 and finite; got -0.001"),
     (["--lr", "-inf"], "learning_rate must be finite; got -inf"),
     (["--beta", "nan"], "beta must be finite"),
     (["--method", "pods", "--rule", "best"], "unknown selection rule 'best'"),

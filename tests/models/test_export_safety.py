@@ -83,10 +83,10 @@ def test_a_failure_while_writing_keeps_the_old_export_whole(model_params, export
 def test_a_new_export_replaces_the_old_one_and_drops_its_shards(model_params, exported):
     model, params = model_params
     doubled = jax.tree.map(lambda x: x * 2, params)
-    (exported / "generation_config.json").write_text('{"do_sample": true}')
+    (exported / "vocab.txt").write_text("a\nb\n")
     pm.save_pretrained(model, doubled, exported, overwrite=True, tokenizer_from=exported)  # its own folder
-    assert sorted(os.listdir(exported)) == ["config.json", "generation_config.json", "model.safetensors"]
-    assert (exported / "generation_config.json").read_text() == '{"do_sample": true}'
+    assert sorted(os.listdir(exported)) == ["config.json", "model.safetensors", "vocab.txt"]
+    assert (exported / "vocab.txt").read_text() == "a\nb\n"
     _, loaded = pm.from_pretrained(exported)
     np.testing.assert_array_equal(loaded["embed"]["embedding"], doubled["embed"]["embedding"])
 
@@ -95,8 +95,11 @@ def test_a_tokenizer_source_that_holds_no_tokenizer_is_refused_before_anything_i
     # A mistyped path had given an export without its tokenizer, which no server can run.
     model, params = model_params
     (tmp_path / "empty").mkdir()
+    (tmp_path / "generation_only").mkdir()  # a generation config is no tokenizer
+    (tmp_path / "generation_only" / "generation_config.json").write_text("{}")
     for source, message in ((tmp_path / "no" / "such", "is not a directory"),
-                            (tmp_path / "empty", "holds none of the tokenizer files")):
+                            (tmp_path / "empty", "holds no tokenizer vocabulary"),
+                            (tmp_path / "generation_only", "holds no tokenizer vocabulary")):
         with pytest.raises(ValueError, match=f"tokenizer_from {source} {message}"):
             pm.save_pretrained(model, params, tmp_path / "out", tokenizer_from=source)
         assert not (tmp_path / "out").exists()

@@ -421,20 +421,15 @@ def test_the_best_evaluated_policy_is_kept_and_survives_a_resume(setup, tmp_path
     assert sorted(os.listdir(out / "best")) == ["1", "4"]
 
 
-@pytest.mark.parametrize("damage", ["removed", "overwritten"])
-def test_a_recorded_best_that_does_not_load_is_chosen_again_after_the_resume(setup, tmp_path, damage):
-    # It had failed the run's last export after all its training, on every resume; removed, with
-    # a traceback asking for a bug report.
+@pytest.mark.slow
+def test_a_recorded_best_that_is_gone_or_damaged_never_blocks_the_run_s_end(setup, tmp_path):
+    # A damaged best had failed the run's last export after all its training, on every resume;
+    # a removed one, with a traceback asking for a bug report.
     out = tmp_path / "run"
     accuracies = iter([0.5, 0.1])
     scripted_eval = lambda params, lora: ({"eval/accuracy": next(accuracies), "eval/examples": 2.0}, [])  # noqa: E731
     make_trainer(setup, out, max_steps=1, evaluator=scripted_eval).run()  # the checkpoint of step 1 records best 0
-    if damage == "removed":
-        shutil.rmtree(out / "best" / "0")
-    else:  # every data file's bytes replaced, its size kept
-        for path in (out / "best" / "0").rglob("*"):
-            if path.is_file() and "/d/" in str(path):
-                path.write_bytes(bytes(255 - b for b in path.read_bytes()))
+    shutil.rmtree(out / "best" / "0")
     lines = []
     accuracies = iter([0.2, 0.3])  # steps 1 (again: its evaluation came after the checkpoint) and 2
     resumed = make_trainer(setup, out, max_steps=2, evaluator=scripted_eval, log=lines.append)
@@ -443,7 +438,17 @@ def test_a_recorded_best_that_does_not_load_is_chosen_again_after_the_resume(set
     assert (resumed.best.step, resumed.best.accuracy) == (None, None)
     resumed.run()
     assert (resumed.best.step, resumed.best.accuracy) == (2, 0.3)
-    assert resumed.best.restore(resumed.state.params) is not None
+
+    # Damaged without proof (orbax fails inside): the files may be fine, so the line says what to do.
+    for path in (out / "best" / "2").rglob("*"):
+        if path.is_file() and "/d/" in str(path):
+            path.write_bytes(bytes(255 - b for b in path.read_bytes()))
+    with pytest.raises(ckpt_lib.CheckpointCorrupt, match="move .*best/2 aside and resume again") as error:
+        resumed.best.restore(resumed.state.params)
+    assert "\n" not in str(error.value)
+    shutil.move(out / "best" / "2", tmp_path / "moved")
+    assert resumed.best.restore(resumed.state.params) is None  # warned: the run ends without best_model
+    assert "the run ends without a best_model export" in lines[-1] and resumed.best.step is None
 
 
 class RecordingHook(rl.Hook):

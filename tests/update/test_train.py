@@ -301,6 +301,10 @@ def test_the_update_takes_log_probs_at_logprob_temperature(model_and_params):
     assert abs(float(at_half.grad_norm) - float(at_one.grad_norm)) > 1e-3 * float(at_one.grad_norm)
     with pytest.raises(ValueError, match="logprob_temperature must be > 0"):
         algorithms.AlgorithmConfig(logprob_temperature=0.0)
+    # A subnormal float32, which XLA flushes to 0 and divides by: refused before anything loads.
+    for field in ("temperature", "logprob_temperature"):
+        with pytest.raises(ValueError, match=f"{field} must be > 0 \\(and at least 1.175e-38\\).*got 1e-39"):
+            algorithms.AlgorithmConfig(**{field: 1e-39})
 
 
 def test_build_batch_reads_a_nonzero_mask_as_a_real_token():
