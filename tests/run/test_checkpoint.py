@@ -452,12 +452,17 @@ except Exception:
 """
 
 
+def run_script(tmp_path, source: str) -> subprocess.CompletedProcess:
+    """``source`` run in a child process on the CPU, with a checkpoint directory as its argument."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=child_env(JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_a_failed_background_save_leaves_the_committed_steps_known(tmp_path):
     # After the error orbax had listed no step at all, and a resume in the same process found nothing.
-    script = tmp_path / "failed_save.py"
-    script.write_text(_FAILED_SAVE)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=child_env(JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_script(tmp_path, _FAILED_SAVE)
     assert "steps [1] 1" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
@@ -487,10 +492,7 @@ ck.close()
 def test_a_step_folder_that_cannot_be_made_fails_the_save_and_the_process_still_exits(tmp_path):
     # Made in the background, the failed folder had left orbax's writer threads waiting for it
     # forever: the run printed its error, then never exited.
-    script = tmp_path / "failed_mkdir.py"
-    script.write_text(_FAILED_MKDIR)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], env=child_env(JAX_PLATFORMS="cpu"),
-                          capture_output=True, text=True, timeout=120)
+    proc = run_script(tmp_path, _FAILED_MKDIR)
     assert "error No space left on device steps [1]" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert proc.returncode == 0, proc.stderr[-2000:]
 
