@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -331,7 +332,7 @@ def main(argv=None):
                        "--run.keep_best", "false",  # a second merged export at the end, timed by nothing
                        *cache_flags, *remat, *args.cli_flags]
             if i == 0:
-                print("command: " + " ".join(command))
+                print("command: " + shlex.join(command))
             # The CLI as a user runs it: JAX takes its memory up front (the benchmarks share the GPU with torch).
             env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
             run = run_cli(command, out, env, f"run {i + 1}", args.max_steps)
@@ -339,7 +340,7 @@ def main(argv=None):
             summaries.append(summarize(run))
             # Each row as its run ends: a time limit that stops a later run keeps the earlier ones.
             print((TABLE_HEADER + "\n" if i == 0 else "") + table_row(label, summaries[-1]), flush=True)
-        if len(summaries) > 1:
+        if args.runs >= 2 and len(summaries) > 1:  # run 2 is the warm run of run 1's cache (a variant runs cold)
             print(f"warm/cold start to first step: {summaries[1]['first_step_s'] / summaries[0]['first_step_s']:.2f}")
     finally:
         if args.work is None:

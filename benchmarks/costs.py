@@ -56,9 +56,9 @@ def kv_bytes_per_token(s: Shape, itemsize: int) -> int:
     return 2 * s.layers * s.kv_heads * s.head_dim * itemsize
 
 
-def decode_step_bytes(s: Shape, itemsize: int, rows: int, prompt_len: int, new_tokens: int) -> float:
-    mean_filled = prompt_len + new_tokens / 2
-    return matmul_params(s) * itemsize + kv_bytes_per_token(s, itemsize) * rows * mean_filled
+def decode_step_bytes(s: Shape, itemsize: int, rows: int, prompt_len: int, new_tokens: int, samples: int = 1) -> float:
+    """The weights, each of ``rows`` prompts' cache once, and its ``samples`` completions at their mean fill."""
+    return matmul_params(s) * itemsize + kv_bytes_per_token(s, itemsize) * rows * (prompt_len + samples * new_tokens / 2)
 
 
 def update_flops(s: Shape, rows: int, prompt_len: int, completion_len: int, lora_rank: int | None) -> float:

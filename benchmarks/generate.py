@@ -4,8 +4,8 @@ Generation: a random Qwen2-shaped model (--shape: small ~98M by default, or
 qwen2.5-0.5b / 1.5b / 3b, made from the config with no download) is built with
 transformers and loaded into podsjax with ``podsjax.models.from_pretrained``, in
 --dtype (bfloat16 on GPU/TPU, float32 on CPU by default). Both sides sample
-P rows of L random prompt tokens x T new tokens at temperature 1 (no top-k, no
-top-p), end to end (prefill included):
+S samples of each of P prompts of L random tokens, T new tokens each, at temperature 1
+(no top-k, no top-p), end to end (prefill included):
   (a) podsjax: ``podsjax.sampler.sampling.Generator.generate`` (one program: prefill, then a while_loop decode)
   (b) transformers: ``model.generate(do_sample=True, ...)`` in eager PyTorch under
       ``torch.no_grad()``, sdpa attention and its default dynamic cache, on CUDA when
@@ -20,7 +20,8 @@ sequences (max abs diff printed).
 Decode against the memory floor: each side's prefill is timed on its own (podsjax:
 jit ``prefill`` into a fresh cache; transformers: the base model with
 ``use_cache=True``), and a decode step is (generate - prefill) / T. Its floor is
-the bytes a step must read, weights + the KV cache at its mean fill L + T/2
+the bytes a step must read, weights + the KV cache at its mean fill (each prompt once, P L,
+and its samples' completions, P S T/2)
 (``benchmarks/costs.py``), over the device's peak memory bandwidth
 (``benchmarks/machine.py``; on CPU a NumPy memcpy measured here).
 
@@ -89,7 +90,7 @@ def run_generate(args) -> dict:
     num_params = sum(p.numel() for p in hf_model.parameters())  # tied weights counted once
     model, params = to_podsjax(hf_model, args.dtype)
 
-    p, length, t_new = args.rows, args.prompt_len, args.new_tokens
+    p, samples, length, t_new = args.rows, args.samples, args.prompt_len, args.new_tokens
     rng = np.random.default_rng(args.seed)
     ids_np = rng.integers(0, spec.vocab, (p, length), dtype=np.int64)
     mask_np = np.ones((p, length), np.int64)
@@ -103,12 +104,12 @@ def run_generate(args) -> dict:
         calls[0] += 1
         rollouts = generator.generate(
             params, ids, mask, jax.random.key(calls[0]),
-            num_samples=1, max_new_tokens=t_new, temperature=1.0, top_p=1.0, top_k=0,
+            num_samples=samples, max_new_tokens=t_new, temperature=1.0, top_p=1.0, top_k=0,
             eos_token_ids=(never_eos,), return_logprobs=return_logprobs,
         )
         return jax.block_until_ready(rollouts)
 
-    # What generate's prefill stage does for one sample per prompt: a fresh cache for L + T slots.
+    # What generate's prefill stage does: each prompt once, into a fresh cache of L + T slots.
     prefill_fn = jax.jit(lambda params, ids, mask: prefill(
         model, params, ids, mask, init_cache(model.config, p, length + t_new, dtype=model.dtype), last_only=True))
 
@@ -120,6 +121,7 @@ def run_generate(args) -> dict:
             return hf_model.generate(
                 input_ids=ids_pt, attention_mask=mask_pt, do_sample=True, temperature=1.0, top_k=0,
                 top_p=1.0, max_new_tokens=t_new, min_new_tokens=t_new, eos_token_id=None, pad_token_id=0,
+                num_return_sequences=samples,
             )
 
     def torch_prefill():
@@ -136,11 +138,13 @@ def run_generate(args) -> dict:
     lp_diff = None
     if args.reference:
         checked = podsjax_generate(return_logprobs=True)  # untimed: the sampled tokens' log-probs against torch's
-        lp_diff = logprob_diff(hf_model, ids_pt, np.asarray(checked.tokens, np.int64), np.asarray(checked.logprobs))
+        # Rollout row b * S + j is sample j of prompt b.
+        lp_diff = logprob_diff(hf_model, ids_pt.repeat_interleave(samples, 0), np.asarray(checked.tokens, np.int64),
+                               np.asarray(checked.logprobs))
         del checked
         out = torch_generate()
-        if tuple(out.shape) != (p, length + t_new):
-            raise SystemExit(f"error: transformers returned {tuple(out.shape)}, expected {(p, length + t_new)}")
+        if tuple(out.shape) != (p * samples, length + t_new):
+            raise SystemExit(f"error: transformers returned {tuple(out.shape)}, expected {(p * samples, length + t_new)}")
         del out
 
     contenders = [podsjax_generate, lambda: jax.block_until_ready(prefill_fn(params, ids, mask))]
@@ -206,23 +210,24 @@ def decode_floor_s(args) -> float | None:
     if bandwidth is None:
         return None
     itemsize = jax_dtype(args.dtype).itemsize
-    return decode_step_bytes(args.spec, itemsize, args.rows, args.prompt_len, args.new_tokens) / bandwidth
+    return decode_step_bytes(args.spec, itemsize, args.rows, args.prompt_len, args.new_tokens,
+                             samples=args.samples) / bandwidth
 
 
 def format_generate_table(args, r) -> str:
-    tokens = args.rows * args.new_tokens
+    tokens = args.rows * args.samples * args.new_tokens
     tps_jax = tokens / r["t_jax"]
+    shape = f"{args.rows} x {args.samples} x ({args.prompt_len} + {args.new_tokens})"
     if r["t_pt"] is None:
-        return (f"podsjax generate, {args.shape} {r['num_params'] / 1e6:.1f}M, {args.dtype}, {args.rows} x "
-                f"({args.prompt_len} + {args.new_tokens}): {tps_jax:,.0f} tok/s ({r['t_jax']:.2f} s); no reference")
+        return (f"podsjax generate, {args.shape} {r['num_params'] / 1e6:.1f}M, {args.dtype}, {shape}: "
+                f"{tps_jax:,.0f} tok/s ({r['t_jax']:.2f} s); no reference")
     tps_pt = tokens / r["t_pt"]
     return "\n".join([
-        "| model | P x (prompt + new) | (a) podsjax generate | (b) transformers generate | a/b speed-up "
+        "| model | P x S x (prompt + new) | (a) podsjax generate | (b) transformers generate | a/b speed-up "
         "| max abs logprob diff |",
         "|---|---|---|---|---|---|",
-        f"| {args.shape} {r['num_params'] / 1e6:.1f}M, {args.dtype} | {args.rows} x ({args.prompt_len} + "
-        f"{args.new_tokens}) | {tps_jax:,.0f} tok/s ({r['t_jax']:.2f} s) | {tps_pt:,.0f} tok/s ({r['t_pt']:.2f} s) "
-        f"| {tps_jax / tps_pt:.2f}x | {r['lp_diff']:.1e} |",
+        f"| {args.shape} {r['num_params'] / 1e6:.1f}M, {args.dtype} | {shape} | {tps_jax:,.0f} tok/s "
+        f"({r['t_jax']:.2f} s) | {tps_pt:,.0f} tok/s ({r['t_pt']:.2f} s) | {tps_jax / tps_pt:.2f}x | {r['lp_diff']:.1e} |",
     ])
 
 
@@ -313,7 +318,10 @@ def format_reward_table(args, rows) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", "--prompts", dest="rows", type=int, default=32,
-                        help="P, rows decoded together (one sample per prompt)")
+                        help="P, prompts decoded together")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="S, samples per prompt (P x S rows; setting a is --prompts 1 --samples 64, each prompt "
+                             "held once in the cache for its samples)")
     parser.add_argument("--prompt-len", type=int, default=64, help="L, tokens per prompt")
     parser.add_argument("--new-tokens", type=int, default=128, help="T, tokens sampled per prompt")
     add_model_args(parser)
@@ -334,6 +342,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit("error: --repeats must be >= 1")
+    if args.rows < 1 or args.samples < 1:
+        raise SystemExit("error: --prompts and --samples must be >= 1")
     if args.steps_per_check is not None and args.steps_per_check < 1:
         raise SystemExit("error: --steps-per-check must be >= 1")
     unknown = sorted(set(args.tasks) - set(TASK_DIRS))

@@ -11,8 +11,8 @@
 # Before them, optionally: the decode kernel compiled through Triton against the XLA form (stage kernel:
 # tests/models/test_decode_kernel.py; pytest comes with .whl/), and one layer's decode attention under several splits
 # (stage attention: benchmarks/kernel_variants.py) against the XLA form, JAX's own Pallas kernels and its floor.
-# The decode and CLI stages run under the attention stage's pick (the plan, unless another split matches the XLA
-# form and is 5 % faster), else $KERNEL_VARIANT, else the plan.
+# The decode and CLI stages run under $KERNEL_VARIANT, else the attention stage's pick (the plan, unless another
+# split matches the XLA form and is 5 % faster), else the plan.
 #
 #   bash benchmarks/gpu_wheels.sh     # once, on any host with pip: the run extra's wheels into .whl/
 #   bash benchmarks/gpu_check.sh      # on the GPU host; installs .whl/ first when it is there
@@ -21,12 +21,12 @@
 # carries .whl/, which git ignores (the device tool's carry [".whl"]; without it the check
 # stops at once), and runs under a timeout of its stages' limits plus 30 s (printed first):
 #   1. The main job's own XLA flags (GEMMs as cuBLAS calls: podsjax.devices.accelerators.GPU_XLA_FLAGS):
-#      decode under the plan, then the CLI cold then warm (timeout 330 s):
-#        STAGES="decode cli" T_DECODE=110 T_CLI=190 DECODE=--no-reference bash benchmarks/gpu_check.sh
+#      decode under the plan, then the CLI cold then warm (timeout 330 s: the limits sum to 300 s):
+#        STAGES="decode cli" T_DECODE=100 T_CLI=190 DECODE=--no-reference bash benchmarks/gpu_check.sh
 #   2. One layer's attention under each split, beside JAX's own Pallas decode kernels
 #      (benchmarks/jax_decode_kernels.py); then decode under the sweep's pick, with cuBLAS and with
-#      Triton's GEMMs (timeout 330 s):
-#        STAGES="attention decode decode_triton" T_ATTENTION=90 T_DECODE=100 T_DECODE_TRITON=100 \
+#      Triton's GEMMs (timeout 330 s: the limits sum to 295 s):
+#        STAGES="attention decode decode_triton" T_ATTENTION=90 T_DECODE=95 T_DECODE_TRITON=95 \
 #          DECODE=--no-reference bash benchmarks/gpu_check.sh
 # A cold CLI start with Triton's GEMMs took 212 s and more than 310 s before; it wants a call of its own:
 #   STAGES=cli T_CLI=290 RUNS=1 XLA_FLAGS_CLI=--xla_gpu_enable_triton_gemm=true bash benchmarks/gpu_check.sh
@@ -41,11 +41,12 @@
 # STAGES="decode cli"). XLA_FLAGS passes through to every stage; XLA_FLAGS_<STAGE> (e.g.
 # XLA_FLAGS_CLI) replaces it for that stage alone.
 # RUNS sets the CLI stage's runs on one compile cache (default 2: cold, then warm).
+# PROMPTS and SAMPLES set the decode stages' shape (default 1 x 64, setting a's: the prompt held once for its samples).
 # DECODE adds flags to the decode stages (e.g. DECODE=--no-reference: podsjax alone, no transformers).
 # STEPS_PER_CHECK sets the decode stages' steps between two stop checks (1: a check every token, as before).
 # A dry run on a CPU, cut down: ATTENTION="--rows 8 --prompt-len 32 --slots 32 --filled 16 --head-dim 16
 # --sets 1 --iters 1 --dtype float32" MODEL="--layers 1 --hidden 64 --intermediate 128 --heads 4
-# --kv-heads 2 --vocab 1024" DTYPE=float32 ROWS=8 PL=32 NT=16 CLI="--n 8 --m 4
+# --kv-heads 2 --vocab 1024" DTYPE=float32 SAMPLES=8 PL=32 NT=16 CLI="--n 8 --m 4
 # --max-completion-length 16" bash benchmarks/gpu_check.sh
 set -o pipefail
 OUT=${OUT:-/tmp/podsjax-gpu-check}
@@ -61,7 +62,7 @@ for pair in "kernel $T_KERNEL" "attention $T_ATTENTION" "decode $T_DECODE" "deco
   if selected "$1"; then limits=$(( limits + $2 + 5 )); fi
 done
 stamp "the stages' limits: $limits s in all (a caller's own time limit wants about 30 s more)"
-stage kernel "$T_KERNEL" "$PY" -m pytest -q -n 0 -p no:cacheprovider tests/models/test_decode_kernel.py -k on_a_gpu
+stage kernel "$T_KERNEL" "$PY" -m pytest -rs -n 0 -p no:cacheprovider tests/models/test_decode_kernel.py -k on_a_gpu
 pick="$OUT/split_for_decoding.txt"
 if selected attention; then rm -f "$pick"; fi  # an earlier sweep's pick must not stand in for this one's
 stage attention "$T_ATTENTION" "$PY" -m benchmarks.decode_attention --best-to "$pick" ${ATTENTION:-}
@@ -70,7 +71,8 @@ variant=${KERNEL_VARIANT:-$(cat "$pick" 2>/dev/null || echo "the plan")}
 stamp "kernel variant: $variant"
 model=(${MODEL:---shape qwen2.5-1.5b} --dtype "${DTYPE:-bfloat16}")
 decode() {  # stage name, time limit
-  stage "$1" "$2" "$PY" -m benchmarks.kernel_variants "$variant" benchmarks.generate "${model[@]}" --rows "${ROWS:-64}" \
+  stage "$1" "$2" "$PY" -m benchmarks.kernel_variants "$variant" benchmarks.generate "${model[@]}" \
+    --prompts "${PROMPTS:-1}" --samples "${SAMPLES:-64}" \
     --prompt-len "${PL:-512}" --new-tokens "${NT:-512}" --tasks '' --repeats 1 --profile "/tmp/podsjax-trace-$1" \
     ${DECODE:-} ${STEPS_PER_CHECK:+--steps-per-check $STEPS_PER_CHECK}
 }
