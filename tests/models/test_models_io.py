@@ -77,7 +77,9 @@ IDS_BL = np.random.RandomState(0).randint(0, VOCAB, (2, 24)).astype(np.int32)
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_round_trip_hf_podsjax_hf_is_identical(checkpoints, tmp_path, family):
     model, params = pm.from_pretrained(checkpoints[family])
-    pm.save_pretrained(model, params, tmp_path / "out", tokenizer_from=checkpoints[family])
+    source = shutil.copytree(checkpoints[family], tmp_path / "source")
+    (source / "vocab.json").write_text('{"a": 0}')  # a tokenizer's vocabulary, which tokenizer_from requires
+    pm.save_pretrained(model, params, tmp_path / "out", tokenizer_from=source)
     original, reloaded = hf_load(checkpoints[family]), hf_load(tmp_path / "out")
     assert type(reloaded) is type(original)
     before, after = original.state_dict(), reloaded.state_dict()
@@ -85,7 +87,8 @@ def test_round_trip_hf_podsjax_hf_is_identical(checkpoints, tmp_path, family):
     for key in before:  # pure transposes and reshapes: bit-identical
         assert torch.equal(before[key], after[key]), key
     np.testing.assert_array_equal(hf_logits(reloaded, IDS_BL), hf_logits(original, IDS_BL))
-    assert os.path.isfile(tmp_path / "out" / "generation_config.json")  # copied with tokenizer_from
+    for name in ("generation_config.json", "vocab.json"):  # copied with tokenizer_from
+        assert os.path.isfile(tmp_path / "out" / name), name
 
 
 @pytest.mark.slow

@@ -66,9 +66,12 @@ def test_forward_benchmark_checks_logits_and_prints_a_ratio():
 
 
 def test_generate_benchmark_runs_both_contenders(data_dir):
-    printed = run("benchmarks.generate", "--rows", "2", "--prompt-len", "8", "--new-tokens", "4", *TINY_MODEL,
-                  "--data", data_dir, "--reward-limit", "8", "--workers", "1")
-    assert "a/b speed-up" in printed and "| gsm8k |" in printed
+    # Two samples of one prompt, as setting a samples 64: transformers' rows and log-probs line up with podsjax's.
+    printed = run("benchmarks.generate", "--prompts", "1", "--samples", "2", "--prompt-len", "8", "--new-tokens", "4",
+                  *TINY_MODEL, "--data", data_dir, "--reward-limit", "8", "--workers", "1")
+    assert "a/b speed-up" in printed and "| gsm8k |" in printed and "| 1 x 2 x (8 + 4) |" in printed, printed
+    row = next(line for line in printed.splitlines() if "| 1 x 2 x (8 + 4) |" in line)
+    assert last_column(row) < 1e-4, row
     assert "% of floor" in printed and "| (a) podsjax |" in printed and "measured here" in printed
 
 
@@ -174,7 +177,7 @@ def test_cli_step_benchmark_times_a_cold_and_a_warm_run_then_a_cold_one_with_oth
                         r"first step ([0-9.]+) s", printed)
     assert len(starts) == 3 and all(0 < float(a) <= float(b) <= float(c) for a, b, c in starts), printed
     # The console echoed as it lands, each line with its time since the launch, under the variant's wrapper.
-    assert "benchmarks.kernel_variants a launch a pass experiments.gsm8k" in printed, printed
+    assert "benchmarks.kernel_variants 'a launch a pass' experiments.gsm8k" in printed, printed
     assert re.search(r"^  run 2 \[[0-9.]+ s\] loaded \S+ params in ", printed, re.M), printed
 
 
