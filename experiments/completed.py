@@ -63,18 +63,24 @@ def extends(config: ExperimentConfig, out: str) -> bool:
     --max-steps than the run was started with, and neither of ``config``'s budgets reached by
     its last training step (a run ended by its steps trains no step on a larger time budget)."""
     last = _last_step(out)
+    if _spent(config.run, last):
+        return False
     started, ended = config_decoding.read_run_config(out).run, _ended_under(out)
-    raised = False
-    for field, _, key in _BUDGETS:
+    for field, _, _ in _BUDGETS:
         # a resume that lowered a budget ended the run under it: the started one is not spent
         before = ended.get(field, getattr(started, field))
         if isinstance(before, bool) or not isinstance(before, (int, float, type(None))):
             before = getattr(started, field)  # a damaged record: the started budget, as before
         wanted = getattr(config.run, field)
-        if wanted is not None and last.get(key, 0) >= wanted:
-            return False
-        raised = raised or (wanted is not None and before is not None and wanted > before)
-    return raised
+        if wanted is not None and before is not None and wanted > before:
+            return True
+    return False
+
+
+def _spent(run, last: dict) -> list[str]:
+    """The budget fields of ``run`` that the last training record ``last`` has reached."""
+    return [field for field, _, key in _BUDGETS
+            if getattr(run, field) is not None and last.get(key, 0) >= getattr(run, field)]
 
 
 def _past(budget, done):
@@ -91,19 +97,15 @@ def complete_line(config: ExperimentConfig, out: str) -> str:
     last, run = _last_step(out), config.run
     done = f"{out} holds a complete run ({last.get('step', '?')} steps, "
     done += f"{last.get('time/elapsed_train_s', 0.0):.0f} s of training clock)" if last else "no steps logged)"
-    spent = [field for field, _, key in _BUDGETS
-             if getattr(run, field) is not None and last.get(key, 0) >= getattr(run, field)]
+    spent = _spent(run, last)
     if not spent:  # nothing logged: the budget that ends a run first
         spent = ["max_steps" if run.max_steps is not None and run.time_budget_s is None else "time_budget_s"]
-    try:
-        started = config_decoding.read_run_config(out).run
-    except Exception:  # noqa: BLE001 - the line is advice; without the stored config it keeps no raised flag
-        started = run
+    kept = _raised_budgets(config, out)  # a budget this resume raised, which the command must say again
     budgets, raised = [], []
     for field, flag, key in _BUDGETS:
         budget, trained = getattr(run, field), last.get(key, 0)
-        if field not in spent:  # a budget this resume raised, which the command must say again
-            if budget is not None and (getattr(started, field) is None or budget > getattr(started, field)):
+        if field not in spent:
+            if field in kept:
                 raised.append(f"{flag} {budget:g}")
             continue
         if field == "max_steps":
@@ -118,19 +120,22 @@ def complete_line(config: ExperimentConfig, out: str) -> str:
             f"--max-steps, e.g. {command}")
 
 
-def _extension_flags(config, out: str) -> str:
-    """`` --time-budget X`` / `` --max-steps N`` where ``config`` raises the budget the run in
-    ``out`` was started with (a resume that trains it further): the resume must say them again."""
+def _raised_budgets(config, out: str) -> list[str]:
+    """The budget fields ``config`` raises over those the run in ``out`` was started with (a
+    resume that trains it further), which a resume must say again; none without its stored config."""
     try:
         started = config_decoding.read_run_config(out).run
-    except Exception:  # noqa: BLE001 - the line is advice; without the stored config it names no flags
-        return ""
-    flags_ = ""
-    for field, flag, _ in _BUDGETS:
-        wanted, before = getattr(config.run, field), getattr(started, field)
-        if wanted is not None and (before is None or wanted > before):
-            flags_ += f" {flag} {wanted:g}"
-    return flags_
+    except Exception:  # noqa: BLE001 - the lines these feed are advice; without the stored config they name no flags
+        return []
+    return [field for field, _, _ in _BUDGETS
+            if getattr(config.run, field) is not None
+            and (getattr(started, field) is None or getattr(config.run, field) > getattr(started, field))]
+
+
+def _extension_flags(config, out: str) -> str:
+    """`` --time-budget X`` / `` --max-steps N`` for each budget ``config`` raises (:func:`_raised_budgets`)."""
+    raised = _raised_budgets(config, out)
+    return "".join(f" {flag} {getattr(config.run, field):g}" for field, flag, _ in _BUDGETS if field in raised)
 
 
 def interrupted_line(exc: KeyboardInterrupt, task: str, out: str | None, config=None) -> str:

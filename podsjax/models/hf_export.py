@@ -36,9 +36,8 @@ from podsjax.models.params import check_params_fit
 from podsjax.models.safetensors_io import write_safetensors
 
 # Files copied by save_pretrained(tokenizer_from=...) so the export is servable as is.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "vocab.txt",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = (*VOCABULARY_FILES, "tokenizer_config.json", "special_tokens_map.json", "merges.txt",
+                   "added_tokens.json", "chat_template.jinja", "generation_config.json")
 # What an export may store weights as: what config.json's torch_dtype can name.
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 STAGING_PREFIX = ".podsjax-export-"  # the staging folder inside the output directory
@@ -188,8 +187,8 @@ def _write(staging: str, entries: list, max_shard_bytes: int, model: Decoder) ->
 
 
 def _tokenizer_files(source_dir: str) -> list[str]:
-    """The tokenizer and generation files in ``source_dir``; a dir without any is refused, since
-    an export without its tokenizer cannot be served."""
+    """The tokenizer and generation files in ``source_dir``; a dir without a vocabulary is refused,
+    since an export without its tokenizer cannot be served."""
     if not os.path.isdir(source_dir):
         raise ValueError(f"tokenizer_from {source_dir} is not a directory")
     found = [os.path.join(source_dir, name) for name in TOKENIZER_FILES

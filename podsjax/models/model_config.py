@@ -237,7 +237,9 @@ def _read_rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] |
     scaling = legacy or params
     def settings(d):  # the scaling's own settings; transformers reads a legacy "type" as "rope_type"
         return {("rope_type" if k == "type" else k): v for k, v in d.items() if k != "rope_theta"}
-    if legacy and settings(params) not in ({}, {"rope_type": "default"}) and settings(params) != settings(legacy):
+
+    scaled = settings(params)
+    if legacy and scaled not in ({}, {"rope_type": "default"}) and scaled != settings(legacy):
         raise CheckpointError(f"{source}: rope_scaling and rope_parameters disagree; keep one")
     theta = _one_value([("", hf), ("rope_parameters.", params), ("rope_scaling.", legacy)], "rope_theta",
                        _POSITIVE_NUMBER, source, 10000.0)

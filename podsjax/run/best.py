@@ -70,12 +70,6 @@ class BestPolicy:
         self._warn(f"warning: the best policy of step {self.step} ({self.accuracy:.1%}) does not load ({why}); {then}")
         self.step = self.accuracy = self._recorded_by_last_checkpoint = None
 
-    def _read(self, like_params: Any) -> Any:
-        abstract = {"params": jax.tree.map(mesh_lib.abstract, like_params)}
-        with ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(self.directory, keep_last=None)) as reader:
-            state, _ = reader.restore(abstract, self.step)
-        return state["params"]
-
     def offer(self, step: int, accuracy: float, params: Any) -> bool:
         """Saves ``params`` as the new best when ``accuracy`` beats every earlier evaluation (a
         NaN one never does: it would stay the best, as nothing compares greater)."""
@@ -111,8 +105,10 @@ class BestPolicy:
         if self.step is None:
             return None
         self._checkpointer.close()  # waits for a pending save; a fresh one reads it back
+        abstract = {"params": jax.tree.map(mesh_lib.abstract, like_params)}
         try:
-            return self._read(like_params)
+            with ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(self.directory, keep_last=None)) as reader:
+                return reader.restore(abstract, self.step)[0]["params"]
         except FileNotFoundError as exc:
             problem = exc
         except integrity.CheckpointCorrupt as exc:

@@ -17,10 +17,10 @@ from jax import lax
 from podsjax.devices import mesh as mesh_lib
 from podsjax.models import cache as cache_lib
 from podsjax.models import rollout
+from podsjax.models.decoder import rollout_layers_for
 
 # Below this (float32's smallest normal) a temperature is no number the sampler can divide by.
 SMALLEST_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)
-from podsjax.models.decoder import rollout_layers_for
 
 
 @flax.struct.dataclass
