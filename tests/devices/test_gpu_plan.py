@@ -131,6 +131,22 @@ def test_the_h100_weights_merge_is_a_few_batched_gemms_of_few_shapes(shape, gemm
 
 
 @needs_cuda_plugin
+def test_an_h100_sampling_draw_reads_the_logits_once():
+    # The draw and the greedy argmax read a step's [64, V] logits in one kernel. Shifting the
+    # logits by their max first had cost a second pass (39 MB a step at Qwen's vocabulary).
+    from podsjax.sampler import decoding
+
+    placed = jax.sharding.SingleDeviceSharding(topology.compile_only_devices("h100")[0])
+    cfg = decoding.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=1.0, eos_token_ids=(1,))
+    logits = jax.ShapeDtypeStruct((64, 151936), jnp.bfloat16, sharding=placed)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=placed)
+    temperature = jax.ShapeDtypeStruct((), jnp.float32, sharding=placed)
+    draw = jax.jit(lambda x, k, t: decoding.sample_tokens(x, k, t, cfg)).lower(logits, key, temperature)
+    cost = hlo_cost.program_cost(draw.compile({"xla_gpu_enable_triton_gemm": False}).as_text())
+    assert cost.bytes < 1.2 * 64 * 151936 * 2, cost.bytes / (64 * 151936 * 2)
+
+
+@needs_cuda_plugin
 @pytest.mark.slow
 def test_an_h100_decode_step_of_qwen_1_5b_moves_at_most_1_3x_its_floor_as_one_cuda_graph(tmp_path):
     # Setting a's rollouts: 64 rows of 512 + 512 tokens, bf16, LoRA r64 merged for sampling.

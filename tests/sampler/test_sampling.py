@@ -588,12 +588,13 @@ def test_a_tiny_temperature_draws_the_top_token_with_a_finite_log_prob():
     # Large logits over a temperature of 1e-37 had overflowed: the top logit to +inf (a NaN
     # log-prob), or, for negative logits, every logit to -inf and token 0 drawn.
     logits = jnp.asarray([[300.0, 310.0, 200.0], [-300.0, -310.0, -200.0]])
-    cfg = decoding.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=1e-37, eos_token_ids=(EOS,),
-                                  return_logprobs=True)
-    tokens, logprobs = jax.jit(lambda lg, k: decoding.sample_tokens(lg, k, jnp.float32(cfg.temperature), cfg))(
-        logits, jax.random.key(0))
-    assert np.asarray(tokens).tolist() == [1, 2]
-    np.testing.assert_array_equal(np.asarray(logprobs), [0.0, 0.0])
+    for top_k, top_p in ((0, 1.0), (2, 0.9)):  # the nucleus of the tempered policy too
+        cfg = decoding.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=1e-37, eos_token_ids=(EOS,),
+                                      return_logprobs=True, top_k=top_k, top_p=top_p)
+        tokens, logprobs = jax.jit(lambda lg, k: decoding.sample_tokens(lg, k, jnp.float32(cfg.temperature), cfg))(
+            logits, jax.random.key(0))
+        assert np.asarray(tokens).tolist() == [1, 2], (top_k, top_p)
+        np.testing.assert_array_equal(np.asarray(logprobs), [0.0, 0.0])
     # A subnormal float32, which XLA flushes to 0 in some ops only, is refused in one line.
     with pytest.raises(ValueError, match="below float32's smallest normal number.*use 0 for greedy"):
         decoding.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=1e-39, eos_token_ids=(EOS,))
