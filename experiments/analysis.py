@@ -247,8 +247,11 @@ def _draw_panel(ax, groups: Mapping[str, Sequence[Curve]], xlabel: str, colours:
     for label, curves in groups.items():
         # Drawn up to the label's earliest-ending run: past it the band would hold that run's
         # last evaluation flat (a faster method's runs end at fewer steps).
-        shown = grid[grid <= min(float(c.times[-1]) for c in curves)]
+        end = min(float(c.times[-1]) for c in curves)
+        # The runs' own evaluations are points too, drawn as steps: on the grid alone a last
+        # evaluation between two grid points was never drawn.
+        shown = np.union1d(grid[grid <= end], np.concatenate([c.times[c.times <= end] for c in curves]))
         b = band(curves, shown)
-        ax.plot(shown, b.mean, color=colours[label], label=f"{label} (n={len(curves)} seeds)")
-        ax.fill_between(shown, b.low, b.high, color=colours[label], alpha=0.2)
+        ax.plot(shown, b.mean, color=colours[label], label=f"{label} (n={len(curves)} seeds)", drawstyle="steps-post")
+        ax.fill_between(shown, b.low, b.high, color=colours[label], alpha=0.2, step="post")
     ax.legend()

@@ -187,3 +187,20 @@ def test_compare_says_whether_each_method_still_gained_at_the_end():
     assert pods.startswith("  pods: -0.1 (") and pods.endswith("no trend its interval can tell from 0")
     single = format_late_gains(analysis.summarize({"grpo": [run(0.0005, 0.0)]}, "grpo"))
     assert single.splitlines()[1] == "  grpo: - (needs 2 seeds, each with 3 evaluations in its last third)"
+
+
+def test_a_panel_draws_each_method_up_to_and_including_its_runs_last_evaluation():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # grpo's last evaluation (0.9 at x = 10) falls between two points of the shared grid,
+    # which runs to pods' 10.5: it had never been drawn (the line ended at x 9.97, y 0.2).
+    groups = {"grpo": [analysis.Curve(np.array([0.0, 10.0]), np.array([0.2, 0.9]))],
+              "pods": [analysis.Curve(np.array([0.0, 10.5]), np.array([0.2, 0.3]))]}
+    fig, ax = plt.subplots()
+    analysis._draw_panel(ax, groups, "t", {"grpo": "C0", "pods": "C1"})
+    ends = {line.get_label().split()[0]: (line.get_xdata()[-1], line.get_ydata()[-1]) for line in ax.get_lines()}
+    plt.close(fig)
+    assert ends == {"grpo": (10.0, 0.9), "pods": (10.5, 0.3)}
