@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from podsjax.core import arrays
+
 StdScaling = Literal["group", "batch", "none"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "group-token-mean"]
 STD_SCALINGS = ("group", "batch", "none")
@@ -60,9 +62,10 @@ def group_advantages(rewards_PM: jax.Array, *, eps: float = 1e-4, std_scaling: S
     if isinstance(ddof, bool) or not isinstance(ddof, numbers.Integral) or ddof < 0:
         raise ValueError(f"ddof must be an integer >= 0; got {ddof!r}")
     ddof = int(ddof)
-    if jnp.iscomplexobj(rewards_PM):  # a cast would keep the real part without a word
-        raise TypeError(f"rewards must be real numbers; got dtype {jnp.result_type(rewards_PM)}")
-    wide = jnp.asarray(rewards_PM)  # float64 under x64 is shifted before it becomes float32
+    # float64 is shifted before it becomes float32: on the host without x64, by JAX under it
+    wide = jnp.asarray(arrays.host_rewards(rewards_PM, per_group=std_scaling != "batch"))
+    if jnp.iscomplexobj(wide):  # a cast would keep the real part without a word
+        raise TypeError(f"rewards must be real numbers; got dtype {wide.dtype}")
     if not jnp.issubdtype(wide.dtype, jnp.floating) or jnp.finfo(wide.dtype).bits < 32:
         wide = wide.astype(jnp.float32)
     rewards = wide.astype(jnp.float32)
@@ -213,10 +216,7 @@ def _groups(rows: int, config: LossConfig) -> int:
 def _by_group(x_B: jax.Array, groups: int, size: int) -> jax.Array:
     """[B] as [groups, size]; replicated first on a mesh of Explicit axes whose devices do not
     divide the groups, where JAX cannot reshape a sharded axis."""
-    mesh = getattr(getattr(jax.typeof(x_B), "sharding", None), "mesh", None)
-    if jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ()) and groups % mesh.size:
-        x_B = jax.sharding.reshard(x_B, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return x_B.reshape(groups, size)
+    return arrays.replicated_unless_divides(x_B, groups).reshape(groups, size)
 
 
 def loss_denominator(mask_BL: jax.Array, config: LossConfig) -> jax.Array:

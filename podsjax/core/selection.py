@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from podsjax.core import arrays
+
 
 class Rule(Protocol):
     def __call__(self, rewards: jax.Array, m: int, *, key: jax.Array | None = None) -> jax.Array: ...
@@ -57,10 +59,7 @@ def _canonical_name(name: str) -> str:
 
 def _validate(rewards, m) -> tuple[jax.Array, int]:
     """Returns rewards as float32 or wider, and N; raises one-line errors at trace time."""
-    try:
-        rewards = jnp.asarray(rewards)
-    except TypeError:
-        raise TypeError(f"rewards must be real numbers; got {np.asarray(rewards).dtype} values") from None
+    rewards = jnp.asarray(arrays.host_rewards(rewards, per_group=True))
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a last axis of rollouts [..., N]; got a scalar of shape {rewards.shape}")
     if jnp.issubdtype(rewards.dtype, jnp.complexfloating):
@@ -149,8 +148,9 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
 
     Args:
       rewards: [..., N] real rewards (scored in float32, or in float64 under
-        JAX's x64 mode when given float64 or int64: without it JAX holds them
-        as float32; narrower floats, other ints and bools are cast to float32).
+        JAX's x64 mode when given float64 or int64; without it, NumPy's are shifted
+        by each group's smallest in float64 first; narrower floats, other ints and
+        bools are cast to float32).
       m: static number of rollouts to keep, 1 <= m <= N.
       key: unused; accepted so all rules share one signature.
 
@@ -390,22 +390,13 @@ def select_flat(rule: str, rewards: jax.Array, n: int, m: int, *, key: jax.Array
       group: gather any [P*N, ...] tensor with them to get its [P*M, ...] batch.
     """
     n = _static_group_size(n)
-    rewards = jnp.asarray(rewards)
+    rewards = jnp.asarray(arrays.host_rewards(rewards, per_group=True))  # a shift of whole groups
     if rewards.ndim < 1 or rewards.shape[-1] % n:
         raise ValueError(f"rewards must be flat [..., P*N] with N={n} rollouts per prompt; got shape {rewards.shape}")
-    rewards_PN = _replicated_unless_divides(rewards, rewards.shape[-1] // n).reshape(
+    rewards_PN = arrays.replicated_unless_divides(rewards, rewards.shape[-1] // n).reshape(
         *rewards.shape[:-1], rewards.shape[-1] // n, n)
     indices_PM = select(rule, rewards_PN, m, key=key)
     return flat_rows(indices_PM, n, in_position_order=in_position_order)
-
-
-def _replicated_unless_divides(x: jax.Array, groups: int) -> jax.Array:
-    """``x``, replicated first on a mesh of Explicit axes whose devices do not divide ``groups``,
-    where JAX cannot reshape a sharded axis into [groups, N]."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    if jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ()) and groups % mesh.size:
-        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    return x
 
 
 def indices_to_mask(indices: jax.Array, n: int) -> jax.Array:

@@ -542,6 +542,20 @@ def test_float64_rewards_under_x64_are_shifted_before_they_become_float32():
         jax.config.update("jax_enable_x64", False)
 
 
+def test_numpy_64_bit_rewards_without_x64_are_shifted_on_the_host():
+    # Without x64 JAX had rounded 1e8 + k to 1e8 (all advantages 0) and wrapped int64 2**32 + 1
+    # to 1 (the advantage of reward 1).
+    assert not jax.config.jax_enable_x64
+    for rewards in (1e8 + np.array([[0.0, 1.0, 2.0, 3.0]]), np.array([[2**32 + 1, 1, 0, 1]])):
+        centered = rewards - rewards.mean(-1, keepdims=True)
+        expected = centered / (centered.std(-1, ddof=1, keepdims=True) + 1e-4)
+        for scaling in ("group", "batch"):
+            got = grpo.group_advantages(rewards, std_scaling=scaling)
+            np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, err_msg=scaling)
+    with pytest.raises(TypeError, match="rewards must be real numbers"):
+        grpo.group_advantages([[1.0, None, 0.0]])
+
+
 def test_batch_scaling_keeps_its_precision_under_a_large_common_offset():
     small = np.array([[0.0, 0.25], [0.5, 0.125]])
     for offset in (0.0, 1e4, 1e6):

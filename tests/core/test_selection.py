@@ -258,6 +258,26 @@ def test_int64_rewards_under_x64_are_scored_in_float64():
         jax.config.update("jax_enable_x64", False)
 
 
+def test_numpy_64_bit_rewards_without_x64_are_neither_wrapped_nor_rounded_first():
+    # JAX without x64 had wrapped int64 2**32 + 1 to 1, and rounded float64 1e8 + k to 1e8,
+    # before any shift: a silently worse subset. NumPy and Python inputs are shifted on the host
+    # (an eager call's: jax.jit converts its arguments itself).
+    assert not jax.config.jax_enable_x64
+    assert np.asarray(selection.max_variance(np.array([[1, 2**32 + 1, 0, 1]]), 2)).tolist() == [[2, 1]]
+    assert np.asarray(selection.max_variance([[1, 2**32 + 1, 0, 1]], 2)).tolist() == [[2, 1]]
+    offset = 1e8 + np.array([[0.0, 1.0, 2.0, 3.0], [3.0, 0.0, np.nan, 1.0]])
+    assert np.asarray(selection.max_variance(offset, 2)).tolist() == [[0, 3], [1, 0]]
+    rows = selection.select_flat("max_variance", offset.reshape(-1), n=4, m=2)
+    assert np.asarray(rows).tolist() == [0, 3, 5, 4]
+
+
+def test_rewards_that_are_no_numbers_are_refused_in_one_line():
+    for bad, named in (([[1.0, None, 0.0]], "object"), ([[1, 2], [3]], "ragged"), ([["a", "b"]], "<U1"),
+                       ([[b"a"]], "S1")):
+        with pytest.raises(TypeError, match=f"rewards must be real numbers; got .*{named}"):
+            selection.max_variance(bad, 1)
+
+
 def test_large_common_offset_is_stable():
     rng = np.random.default_rng(0)
     small = rng.permutation(np.arange(-32, 32, dtype=np.float32) * 0.25).reshape(4, 16)

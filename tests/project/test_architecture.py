@@ -16,7 +16,7 @@ PACKAGES = ("podsjax", "experiments", "benchmarks")
 # Bottom to top: layer -> (its modules, the layers it may import). A subpackage's name covers
 # every module in it; the root "podsjax" is its __init__ alone, which loads the rest lazily.
 LAYERS = {
-    "core": (("podsjax.core",), ()),
+    "core": (("podsjax.core",), ("core",)),
     "base": (("podsjax", "podsjax.moved", "podsjax.devices", "podsjax.run", "podsjax.data.prompts",
               "podsjax.data.data_files"), ("base",)),
     "tasks": (("podsjax.rewards", "podsjax.data"), ("base", "tasks")),
@@ -120,8 +120,8 @@ def layer_violations(module: str) -> list[str]:
             why = f"a higher layer ({target_layer})"
         else:
             why = f"layer {target_layer}, outside its allowed set"
-        rule = f"layer {layer} may import {', '.join(allowed) or 'nothing else of podsjax'}"
-        problems.append(f"{where(module, line)}: `{text}` imports {target}, {why}; {rule}")
+        problems.append(f"{where(module, line)}: `{text}` imports {target}, {why}; "
+                        f"layer {layer} may import {rule_text(layer, allowed)}")
     return problems
 
 
@@ -169,19 +169,21 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def rule_text(layer: str, allowed: tuple[str, ...]) -> str:
+    """What a layer may import, in words."""
+    if list(allowed) == [layer]:
+        return "itself, nothing else of podsjax"
+    return "every layer below, itself" if list(allowed) == ORDER[:ORDER.index(layer) + 1] else ", ".join(allowed)
+
+
 def layers_table() -> str:
     """``LAYERS`` as the markdown table docs/architecture.md shows."""
     def short(name):
         return name if name == "podsjax" else name.removeprefix("podsjax.")
 
-    def rule(layer, allowed):
-        if not allowed:
-            return "nothing else of podsjax"
-        return "every layer below, itself" if list(allowed) == ORDER[:ORDER.index(layer) + 1] else ", ".join(allowed)
-
     rows = ["| layer | modules | may import |", "|---|---|---|"]
     for layer, (entries, allowed) in reversed(LAYERS.items()):
-        rows.append(f"| {layer} | {', '.join(f'`{short(e)}`' for e in entries)} | {rule(layer, allowed)} |")
+        rows.append(f"| {layer} | {', '.join(f'`{short(e)}`' for e in entries)} | {rule_text(layer, allowed)} |")
     return "\n".join(rows)
 
 
@@ -227,7 +229,7 @@ def test_the_checks_catch_a_forbidden_import_and_a_cycle(tmp_path, monkeypatch):
     source.write_text(MODULES["podsjax.core.selection"].read_text() + "\nfrom podsjax.rl import trainer\n")
     monkeypatch.setitem(MODULES, "podsjax.core.selection", source)
     [problem] = layer_violations("podsjax.core.selection")
-    assert problem.startswith(f"{source}:") and problem.endswith("layer core may import nothing else of podsjax")
+    assert problem.startswith(f"{source}:") and problem.endswith("layer core may import itself, nothing else of podsjax")
     assert "`from podsjax.rl import trainer` imports podsjax.rl.trainer, a higher layer (rl)" in problem
     cycle = find_cycle(import_graph("podsjax"))  # selection -> loop -> ... -> train -> selection
     assert cycle is not None and "podsjax.core.selection" in cycle
