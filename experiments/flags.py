@@ -218,7 +218,8 @@ def parse(task: str, argv: list[str] | None,
     layers.append(Layer("", {"run": {"task": task, "out_dir": args.out or ""}},
                         {"run.task": f"experiments.{task}", "run.out_dir": "--out"}))
     values, _ = stack(layers)
-    flags = _paired_sizes(values["algorithm"].get("algorithm", args.method), given, flags, flag_names)
+    flags = _paired_sizes(values["algorithm"].get("algorithm", args.method), given, flags, flag_names,
+                          refuse_both=method is None)  # compare's grpo arm trains the m of its pods arm
     if args.dataset is not None:
         layers.append(Layer("--dataset", {"data": _dataset(args, values.get("data", {}), given)}))
     if args.reward:
@@ -261,12 +262,17 @@ def _presets(task: str, method: str, setting: str | None) -> list[Layer]:
 
 
 def _paired_sizes(algorithm: str, given: dict[str, str], flags: list[str],
-                  flag_names: dict[str, str] | None = None) -> list[str]:
+                  flag_names: dict[str, str] | None = None, refuse_both: bool = False) -> list[str]:
     """GRPO and GRPO-GA train every rollout (the paper's GRPO n=16 against PODS n=64, m=16),
-    so one of --n / --m sets both, and --m wins (``flag_names`` then says so for both)."""
+    so one of --n / --m sets both (``flag_names`` then says so for both); of two, --m does,
+    and with ``refuse_both`` two that differ are refused."""
     chosen = "algorithm.m" if "algorithm.m" in given else "algorithm.n" if "algorithm.n" in given else None
     if algorithm not in ("grpo", "grpo-ga") or chosen is None:
         return flags
+    if (refuse_both and {"algorithm.n", "algorithm.m"} <= given.keys()
+            and given["algorithm.n"].strip() != given["algorithm.m"].strip()):
+        raise UsageError(f"--method {algorithm} trains every rollout (n = m), and --n {given['algorithm.n']} and "
+                         f"--m {given['algorithm.m']} differ: give one of them, or use --method pods")
     if flag_names is not None:
         flag_names["algorithm.n"] = flag_names["algorithm.m"] = f"{flag_names[chosen]} ({algorithm}: n = m)"
     return [*flags, "--algorithm.n", given[chosen], "--algorithm.m", given[chosen]]

@@ -38,6 +38,11 @@ def test_one_of_n_and_m_sets_both_for_grpo_and_says_so():
     args, config = parse("--method", "grpo", "--m", "8")
     assert (config.algorithm.n, config.algorithm.m) == (8, 8)
     assert args.origins["algorithm.n"] == args.origins["algorithm.m"] == "--m (grpo: n = m)"
+    assert parse("--method", "grpo-ga", "--n", "8", "--m", "8")[1].algorithm.n == 8
+    # Both, differing: --m had won without a word (n 16, m 4 ran as n = m = 4).
+    with pytest.raises(UsageError, match=r"--method grpo trains every rollout \(n = m\), and --n 16 and --m 4 "
+                                         r"differ: give one of them, or use --method pods"):
+        parse("--method", "grpo", "--n", "16", "--m", "4")
 
 
 def test_the_listing_shows_every_value_once_with_its_origin(tmp_path):
