@@ -252,6 +252,8 @@ def _draw_panel(ax, groups: Mapping[str, Sequence[Curve]], xlabel: str, colours:
         # evaluation between two grid points was never drawn.
         shown = np.union1d(grid[grid <= end], np.concatenate([c.times[c.times <= end] for c in curves]))
         b = band(curves, shown)
-        ax.plot(shown, b.mean, color=colours[label], label=f"{label} (n={len(curves)} seeds)", drawstyle="steps-post")
+        # A dot on the last: a run of one evaluation is a point, which a line would not show.
+        ax.plot(shown, b.mean, color=colours[label], label=f"{label} (n={len(curves)} seeds)", drawstyle="steps-post",
+                marker="o", markevery=[len(shown) - 1], markersize=4)
         ax.fill_between(shown, b.low, b.high, color=colours[label], alpha=0.2, step="post")
     ax.legend()

@@ -269,13 +269,22 @@ def _paired_sizes(algorithm: str, given: dict[str, str], flags: list[str],
     chosen = "algorithm.m" if "algorithm.m" in given else "algorithm.n" if "algorithm.n" in given else None
     if algorithm not in ("grpo", "grpo-ga") or chosen is None:
         return flags
-    if (refuse_both and {"algorithm.n", "algorithm.m"} <= given.keys()
-            and given["algorithm.n"].strip() != given["algorithm.m"].strip()):
-        raise UsageError(f"--method {algorithm} trains every rollout (n = m), and --n {given['algorithm.n']} and "
-                         f"--m {given['algorithm.m']} differ: give one of them, or use --method pods")
+    if refuse_both and {"algorithm.n", "algorithm.m"} <= given.keys() and _differ(given["algorithm.n"],
+                                                                                  given["algorithm.m"]):
+        n_flag, m_flag = ((flag_names or {}).get(f, "--" + f.split(".")[1]) for f in ("algorithm.n", "algorithm.m"))
+        raise UsageError(f"{algorithm} trains every rollout (n = m), and {n_flag} {given['algorithm.n']} and "
+                         f"{m_flag} {given['algorithm.m']} differ: give one of them, or use --method pods")
     if flag_names is not None:
         flag_names["algorithm.n"] = flag_names["algorithm.m"] = f"{flag_names[chosen]} ({algorithm}: n = m)"
     return [*flags, "--algorithm.n", given[chosen], "--algorithm.m", given[chosen]]
+
+
+def _differ(a: str, b: str) -> bool:
+    """Whether two values given for integer fields differ (016 and 16 do not)."""
+    try:
+        return int(a.strip()) != int(b.strip())
+    except ValueError:
+        return a.strip() != b.strip()
 
 
 def _goes_on(args) -> bool:

@@ -144,6 +144,40 @@ def _pin_mesh_tests_to_cpu(request, monkeypatch):
         jax.config.update("jax_default_device", previous)
 
 
+class _OneLineRaises:
+    """``pytest.raises``'s context, which also checks that the error it caught is one line."""
+
+    def __init__(self, context):
+        self._context = context
+
+    def __enter__(self):
+        self._info = self._context.__enter__()
+        return self._info
+
+    def __exit__(self, *exc):
+        caught = self._context.__exit__(*exc)
+        message = str(self._info.value).strip()
+        assert "\n" not in message, f"a test of one-line errors caught a message of several lines:\n{message}"
+        return caught
+
+
+@pytest.fixture(autouse=True)
+def _errors_are_one_line(request, monkeypatch):
+    """In a test whose name promises one-line errors, every ``pytest.raises`` checks it."""
+    if "one_line" not in request.node.name:
+        return
+    real = pytest.raises
+
+    def raises(expected, *args, **kwargs):
+        if args:  # the call form, raises(Error, fn, *args): its info, checked the same way
+            with _OneLineRaises(real(expected, **kwargs)) as info:
+                args[0](*args[1:])
+            return info
+        return _OneLineRaises(real(expected, **kwargs))
+
+    monkeypatch.setattr(pytest, "raises", raises)
+
+
 @pytest.fixture(scope="session")
 def data_dir():
     """tests/data: real GSM8K and MATH-500 rows kept in the repository (see its README)."""

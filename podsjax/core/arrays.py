@@ -4,33 +4,52 @@ numbers without JAX's x64 mode, and sharded axes that a reshape cannot split."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
 def host_rewards(rewards, *, per_group: bool):
-    """Rewards as given, checked to be real numbers when they are NumPy's or Python's; 64-bit
-    ones, when JAX runs without x64, as float32 after a float64 shift by the smallest finite
-    reward (of each group on the last axis with ``per_group``, else of all): JAX would wrap
-    int64 past int32 (2**32 + 1 is 1) and round float64 before any shift (1e8 + 1 is 1e8).
-    JAX's arrays and tracers are returned as they are, and so is a shift float32 cannot hold."""
-    if isinstance(rewards, jax.Array):
+    """Rewards as given, checked to be numbers when they are NumPy's or Python's; 64-bit ones,
+    when JAX runs without x64, as float32 after a shift by the smallest finite reward (of each
+    group on the last axis with ``per_group``, else of all), exact for integers and in float64
+    for floats: JAX would wrap int64 past int32 (2**32 + 1 is 1) and round float64 before any
+    shift (1e8 + 1 is 1e8). JAX's arrays, tracers (a list of them too) and a shift float32
+    cannot hold are returned as they are."""
+    host = as_host_array(rewards)
+    if host is None or jax.config.jax_enable_x64 or host.dtype.kind not in "iuf" or host.dtype.itemsize < 8:
         return rewards
-    try:
-        host = np.asarray(rewards)
-    except ValueError:
-        raise TypeError("rewards must be real numbers; got a ragged nest of lists") from None
-    if host.dtype.kind not in "biufc":  # complex: the caller names it
-        raise TypeError(f"rewards must be real numbers; got {host.dtype} values")
-    if (jax.config.jax_enable_x64 or host.dtype.kind not in "iuf" or host.dtype.itemsize < 8 or host.ndim < 1
-            or not host.size):
+    if host.ndim < 1 or not host.size:
         return rewards
-    host = host.astype(np.float64)
+    axis = -1 if per_group else None
+    if host.dtype.kind in "iu":
+        low = host.min(axis=axis, keepdims=True)
+        spread = host.astype(np.float64).max(axis=axis, keepdims=True) - low.astype(np.float64)
+        # Subtracted as integers where the difference cannot overflow them: exact past 2**53.
+        shifted = (host - low) if host.dtype.kind == "u" or np.all(spread < 2.0**62) else (
+            host.astype(np.float64) - low.astype(np.float64))
+        return shifted.astype(np.float32)
     finite = np.isfinite(host)
-    low = np.min(np.where(finite, host, np.inf), axis=-1 if per_group else None, keepdims=True)
+    low = np.min(np.where(finite, host, np.inf), axis=axis, keepdims=True)
     shifted = host - np.where(np.isfinite(low), low, 0.0)
     if np.any(np.abs(shifted[finite]) > np.finfo(np.float32).max):
         return rewards
     return shifted.astype(np.float32)
+
+
+def as_host_array(rewards) -> np.ndarray | None:
+    """NumPy's or Python's rewards as a NumPy array, checked to be numbers (complex is the
+    caller's to name); None for JAX's arrays and tracers, in a list or not."""
+    if isinstance(rewards, jax.Array):
+        return None
+    try:
+        host = np.asarray(rewards)
+    except jax.errors.TracerArrayConversionError:
+        return None
+    except ValueError:
+        raise TypeError("rewards must be real numbers; got a ragged nest of lists") from None
+    if host.dtype != bool and not jnp.issubdtype(host.dtype, jnp.number):  # ml_dtypes' bfloat16 is a number
+        raise TypeError(f"rewards must be real numbers; got {host.dtype} values")
+    return host
 
 
 def replicated_unless_divides(x: jax.Array, groups: int) -> jax.Array:

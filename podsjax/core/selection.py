@@ -390,11 +390,12 @@ def select_flat(rule: str, rewards: jax.Array, n: int, m: int, *, key: jax.Array
       group: gather any [P*N, ...] tensor with them to get its [P*M, ...] batch.
     """
     n = _static_group_size(n)
-    rewards = jnp.asarray(arrays.host_rewards(rewards, per_group=True))  # a shift of whole groups
+    host = arrays.as_host_array(rewards)  # reshaped as given: each rule converts its own groups
+    rewards = jnp.asarray(rewards) if host is None else host
     if rewards.ndim < 1 or rewards.shape[-1] % n:
         raise ValueError(f"rewards must be flat [..., P*N] with N={n} rollouts per prompt; got shape {rewards.shape}")
-    rewards_PN = arrays.replicated_unless_divides(rewards, rewards.shape[-1] // n).reshape(
-        *rewards.shape[:-1], rewards.shape[-1] // n, n)
+    rows = rewards if host is not None else arrays.replicated_unless_divides(rewards, rewards.shape[-1] // n)
+    rewards_PN = rows.reshape(*rewards.shape[:-1], rewards.shape[-1] // n, n)
     indices_PM = select(rule, rewards_PN, m, key=key)
     return flat_rows(indices_PM, n, in_position_order=in_position_order)
 

@@ -90,18 +90,14 @@ class SamplingConfig:
         return dataclasses.replace(self, temperature=1.0)
 
 
-def filter_logits(logits_BV: jax.Array, top_k: int, top_p: float, temperature: jax.Array | float = 1.0
-                  ) -> jax.Array:
-    """Sets logits outside the top-k / nucleus of the policy at ``temperature`` to -inf (the
-    highest one always survives)."""
+def filter_logits(logits_BV: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Sets logits outside the top-k / nucleus to -inf (the highest one always survives)."""
     if top_k > 0 and top_k < logits_BV.shape[-1]:
         kth_B1 = lax.top_k(logits_BV, top_k)[0][..., -1:]
         logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
     if top_p < 1.0:
         sorted_BV = jnp.sort(logits_BV, axis=-1)[..., ::-1]
-        # Shifted by the largest (sorted first) before the division: a tiny temperature
-        # sends the others to -inf rather than the largest to +inf.
-        probs_BV = jax.nn.softmax((sorted_BV - sorted_BV[..., :1]) / temperature, axis=-1)
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
         # Mass strictly before each token; a token stays while that is < top_p.
         before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
         cutoff_B1 = jnp.min(jnp.where(before_BV < top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
@@ -119,22 +115,21 @@ def sample_tokens(logits_BV: jax.Array, key: jax.Array, temperature: jax.Array,
     logits_BV = logits_BV.astype(jnp.float32)
     # A subnormal temperature counts as 0: XLA flushes it to 0 in some ops and not in others.
     greedy = temperature < SMALLEST_TEMPERATURE
-    t = jnp.where(greedy, 1.0, temperature)
-    candidates_BV = filter_logits(logits_BV, cfg.top_k, cfg.top_p, t)
-    # The categorical draw at temperature t is argmax(x / t + g) for Gumbel noise g
-    # (jax.random.categorical's). Below t = 1 it is taken as argmax(x + t g), the same
-    # order, so a tiny t cannot overflow x / t; above, x / t cannot. Neither needs the
-    # row's max first, so the draw and the greedy argmax read the logits once.
-    noise_BV = jax.random.gumbel(key, logits_BV.shape, jnp.float32)
-    noisy_BV = jnp.where(t < 1.0, candidates_BV + t * noise_BV, candidates_BV / t + noise_BV)
+    # Shifted by the row's max first, so a tiny temperature sends the others to -inf, never
+    # the top logit to +inf (a NaN log-prob, or every logit -inf and token 0 drawn), and
+    # tied top logits stay exact ties for the noise to break. The max costs a pass over
+    # [B, V] that argmax(x + t * noise) would not, but that form rounds t * noise away
+    # beside a large logit: at t 1e-8 two tied tokens came out 94:6.
+    shifted_BV = logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)
+    scaled_BV = shifted_BV / jnp.where(greedy, 1.0, temperature)
     # Both draws, then a select: XLA runs a lax.cond on a GPU by reading its predicate on the
-    # host, a wait in every decode step.
-    tokens_B = jnp.where(greedy, jnp.argmax(logits_BV, axis=-1), jnp.argmax(noisy_BV, axis=-1))
+    # host, a wait in every decode step. The extra draw is one pass over [B, V].
+    sampled_B = jax.random.categorical(key, filter_logits(scaled_BV, cfg.top_k, cfg.top_p), axis=-1)
+    tokens_B = jnp.where(greedy, jnp.argmax(logits_BV, axis=-1), sampled_B)
     if not cfg.return_logprobs:
         return tokens_B, None
-    # Shifted by the row's max, so the largest is 0 and a tiny t gives 0 and -inf, not NaN.
-    scaled_BV = (logits_BV - jnp.max(logits_BV, axis=-1, keepdims=True)) / t
     picked_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
+    # Each row's largest is already 0: its log-sum-exp needs no second max pass over [B, V].
     return tokens_B, picked_B - jnp.log(jnp.sum(jnp.exp(scaled_BV), axis=-1))
 
 

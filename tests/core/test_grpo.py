@@ -181,6 +181,9 @@ def test_loss_by_hand(aggregation, expected):
     assert float(metrics.clip_frac_high) == pytest.approx(1 / 3)
     assert float(metrics.advantage_mean) == 0.0
     assert float(metrics.num_tokens) == 3
+    # The mean over rows (not tokens), with a sign: [1, -1] above could not tell.
+    lopsided = LOSS(logp, jnp.array([1.0, 0.5]), mask, LossConfig(aggregation=aggregation), old_logprobs_BL=old)[1]
+    assert float(lopsided.advantage_mean) == 0.75
 
 
 def test_group_token_mean_by_hand_on_two_groups_of_different_lengths():
@@ -231,7 +234,7 @@ def groups_for(aggregation, rows):
     return (2 if rows % 2 == 0 else rows) if aggregation == "group-token-mean" else None
 
 
-def numpy_loss_f64(logp, old, ref, adv, mask, eps, eps_high, beta, aggregation, group_size=None):
+def numpy_loss_f64(logp, old, ref, adv, mask, eps, eps_high, beta, aggregation, group_size=None, norm_length=None):
     logp, old, ref = (np.where(mask > 0, x, 0.0).astype(np.float64) for x in (logp, old, ref))
     adv = adv.astype(np.float64)[:, None]
     ratio = np.exp(logp - old)
@@ -245,12 +248,14 @@ def numpy_loss_f64(logp, old, ref, adv, mask, eps, eps_high, beta, aggregation, 
     if aggregation == "group-token-mean":
         groups = [slice(start, start + group_size) for start in range(0, len(mask), group_size)]
         return np.mean([per_token[g].sum() / max(mask[g].sum(), 1) for g in groups])
-    return per_token.sum() / (mask.shape[0] * mask.shape[1])
+    return per_token.sum() / (mask.shape[0] * (norm_length or mask.shape[1]))
 
 
-@pytest.mark.parametrize("aggregation", grpo.AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", [*grpo.AGGREGATIONS, "seq-mean-token-sum-norm:12"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_loss_matches_float64_numpy(aggregation, beta):
+    aggregation, _, norm_length = aggregation.partition(":")  # Dr. GRPO's constant length, when given
+    norm_length = int(norm_length) if norm_length else None
     rng = np.random.default_rng(2)
     b, l = 6, 9
     old = rng.normal(-2, 1, (b, l)).astype(np.float32)
@@ -259,9 +264,10 @@ def test_loss_matches_float64_numpy(aggregation, beta):
     adv = rng.normal(size=b).astype(np.float32)
     mask = (np.arange(l)[None] < rng.integers(1, l + 1, b)[:, None]).astype(np.float32)
     config = LossConfig(epsilon=0.2, epsilon_high=0.28, beta=beta, aggregation=aggregation,
-                        group_size=groups_for(aggregation, b))
+                        group_size=groups_for(aggregation, b), norm_length=norm_length)
     loss, _ = LOSS(logp, adv, mask, config, old_logprobs_BL=old, ref_logprobs_BL=ref)
-    expected = numpy_loss_f64(logp, old, ref, adv, mask, 0.2, 0.28, beta, aggregation, config.group_size)
+    expected = numpy_loss_f64(logp, old, ref, adv, mask, 0.2, 0.28, beta, aggregation, config.group_size,
+                              norm_length)
     assert float(loss) == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
@@ -552,8 +558,20 @@ def test_numpy_64_bit_rewards_without_x64_are_shifted_on_the_host():
         for scaling in ("group", "batch"):
             got = grpo.group_advantages(rewards, std_scaling=scaling)
             np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, err_msg=scaling)
+    # Batch scaling shifts every group alike: its std is over all of them.
+    rewards = np.array([[0, 1], [5, 7]])
+    centered = rewards - rewards.mean(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages(rewards, std_scaling="batch")),
+                               centered / (rewards.std(ddof=1) + 1e-4), rtol=1e-6)
+    # Integers past 2**53 are shifted as integers (float64 would have made them equal).
+    np.testing.assert_allclose(np.asarray(grpo.group_advantages(np.array([[2**53, 2**53 + 1]]))),
+                               [[-0.7070, 0.7070]], rtol=1e-4)
     with pytest.raises(TypeError, match="rewards must be real numbers"):
         grpo.group_advantages([[1.0, None, 0.0]])
+    # NumPy's bfloat16 is a number; a list of tracers converts under jit.
+    assert np.asarray(grpo.group_advantages(np.ones((2, 4), jnp.bfloat16))).tolist() == [[0.0] * 4] * 2
+    traced = jax.jit(lambda a, b: grpo.group_advantages([a, b]))(jnp.ones(3), jnp.arange(3.0))
+    np.testing.assert_allclose(np.asarray(traced)[1], [-0.9999, 0.0, 0.9999], rtol=1e-4)
 
 
 def test_batch_scaling_keeps_its_precision_under_a_large_common_offset():

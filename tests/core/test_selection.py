@@ -269,6 +269,22 @@ def test_numpy_64_bit_rewards_without_x64_are_neither_wrapped_nor_rounded_first(
     assert np.asarray(selection.max_variance(offset, 2)).tolist() == [[0, 3], [1, 0]]
     rows = selection.select_flat("max_variance", offset.reshape(-1), n=4, m=2)
     assert np.asarray(rows).tolist() == [0, 3, 5, 4]
+    # Groups far apart: each is shifted by its own smallest (the flat row's had lost group 2).
+    rows = selection.select_flat("max_variance", [0, 0, 0, 0, 1e8, 1e8, 1e8 + 1, 1e8 + 1], n=4, m=2)
+    assert np.asarray(rows).tolist() == [0, 1, 4, 7]
+    # Integers are shifted as integers: exact past 2**53, where float64 is not.
+    assert np.asarray(selection.max_variance(np.array([[2**53] * 2 + [2**53 + 1] * 2]), 2)).tolist() == [[0, 3]]
+    # A rule of the user's sees the rewards as given, not shifted.
+    selection.register_rule("test_above_half", lambda r, m, key=None: jnp.argsort(
+        -(jnp.asarray(r) > 0.5).astype(jnp.int32), axis=-1, stable=True)[..., :m].astype(jnp.int32))
+    try:
+        assert np.asarray(selection.select_flat("test_above_half", [0.4, 0.3, 0.6, 0.2], n=4, m=1)).tolist() == [2]
+    finally:
+        selection._RULES.pop("test_above_half")
+    # NumPy's bfloat16 (ml_dtypes) is a number, and a list of tracers converts under jit.
+    assert np.asarray(selection.max_variance(np.array([[1, 0, 1, 0]], jnp.bfloat16), 2)).tolist() == [[1, 2]]
+    flat = jax.jit(lambda a, b: selection.select_flat("max_variance", [a, b, a, b], n=2, m=1))
+    assert np.asarray(flat(jnp.float32(1), jnp.float32(2))).shape == (2,)
 
 
 def test_rewards_that_are_no_numbers_are_refused_in_one_line():

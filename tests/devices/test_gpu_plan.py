@@ -131,9 +131,9 @@ def test_the_h100_weights_merge_is_a_few_batched_gemms_of_few_shapes(shape, gemm
 
 
 @needs_cuda_plugin
-def test_an_h100_sampling_draw_reads_the_logits_once():
-    # The draw and the greedy argmax read a step's [64, V] logits in one kernel. Shifting the
-    # logits by their max first had cost a second pass (39 MB a step at Qwen's vocabulary).
+def test_an_h100_sampling_draw_reads_the_logits_twice_at_most():
+    # The row's max with the greedy argmax, then the draw: two reads of a step's [64, V]
+    # logits (39 MB each at Qwen's vocabulary), and no third.
     from podsjax.sampler import decoding
 
     placed = jax.sharding.SingleDeviceSharding(topology.compile_only_devices("h100")[0])
@@ -143,7 +143,7 @@ def test_an_h100_sampling_draw_reads_the_logits_once():
     temperature = jax.ShapeDtypeStruct((), jnp.float32, sharding=placed)
     draw = jax.jit(lambda x, k, t: decoding.sample_tokens(x, k, t, cfg)).lower(logits, key, temperature)
     cost = hlo_cost.program_cost(draw.compile({"xla_gpu_enable_triton_gemm": False}).as_text())
-    assert cost.bytes < 1.2 * 64 * 151936 * 2, cost.bytes / (64 * 151936 * 2)
+    assert cost.bytes < 2.2 * 64 * 151936 * 2, cost.bytes / (64 * 151936 * 2)
 
 
 @needs_cuda_plugin

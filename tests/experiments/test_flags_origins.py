@@ -40,9 +40,12 @@ def test_one_of_n_and_m_sets_both_for_grpo_and_says_so():
     assert args.origins["algorithm.n"] == args.origins["algorithm.m"] == "--m (grpo: n = m)"
     assert parse("--method", "grpo-ga", "--n", "8", "--m", "8")[1].algorithm.n == 8
     # Both, differing: --m had won without a word (n 16, m 4 ran as n = m = 4).
-    with pytest.raises(UsageError, match=r"--method grpo trains every rollout \(n = m\), and --n 16 and --m 4 "
-                                         r"differ: give one of them, or use --method pods"):
+    with pytest.raises(UsageError, match=r"^grpo trains every rollout \(n = m\), and --n 16 and --m 4 "
+                                         r"differ: give one of them, or use --method pods$"):
         parse("--method", "grpo", "--n", "16", "--m", "4")
+    with pytest.raises(UsageError, match=r"and --algorithm.n 16 and --m 8 differ"):  # the flags as typed
+        parse("--algorithm.algorithm", "grpo", "--algorithm.n=16", "--m", "8")
+    assert parse("--method", "grpo", "--n", "16", "--m", "016")[1].algorithm.m == 16
 
 
 def test_the_listing_shows_every_value_once_with_its_origin(tmp_path):

@@ -119,12 +119,14 @@ def test_sampled_logprobs_match_a_full_forward_pass(tiny, generator_for):
     gen = generator_for(model)
     ids, mask = left_padded_prompts(2)
     n, temperature = 3, 0.8
-    rollouts = gen.generate(params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
-                            temperature=temperature, top_p=0.9, eos_token_ids=EOS, return_logprobs=True)
-    recomputed = completion_logprobs(model, params, ids, mask, rollouts, n, temperature)
-    valid = np.asarray(rollouts.mask)
-    np.testing.assert_allclose(np.asarray(rollouts.logprobs)[valid], recomputed[valid], atol=1e-5)
-    assert np.all(np.asarray(rollouts.logprobs)[~valid] == 0)
+    # Greedy (temperature 0) reports log-probs at temperature 1; above 1 the draw divides.
+    for t, top_p, reported in ((0.0, 1.0, 1.0), (1.5, 1.0, 1.5), (temperature, 0.9, temperature)):
+        rollouts = gen.generate(params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
+                                temperature=t, top_p=top_p, eos_token_ids=EOS, return_logprobs=True)
+        recomputed = completion_logprobs(model, params, ids, mask, rollouts, n, reported)
+        valid = np.asarray(rollouts.mask)
+        np.testing.assert_allclose(np.asarray(rollouts.logprobs)[valid], recomputed[valid], atol=1e-5, err_msg=t)
+        assert np.all(np.asarray(rollouts.logprobs)[~valid] == 0)
     # Off by default (the update recomputes them), and the tokens do not depend on it.
     plain = gen.generate(params, ids, mask, jax.random.key(1), num_samples=n, max_new_tokens=10,
                          temperature=temperature, top_p=0.9, eos_token_ids=EOS)
@@ -598,6 +600,18 @@ def test_a_tiny_temperature_draws_the_top_token_with_a_finite_log_prob():
     # A subnormal float32, which XLA flushes to 0 in some ops only, is refused in one line.
     with pytest.raises(ValueError, match="below float32's smallest normal number.*use 0 for greedy"):
         decoding.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=1e-39, eos_token_ids=(EOS,))
+
+def test_tied_top_logits_are_drawn_evenly_at_any_temperature():
+    # argmax(x + t * noise) had rounded the noise away beside the logits: at t 1e-8 two
+    # tied tokens came out 94:6, and at logits of 1e8 and t 1, 98:2.
+    from podsjax.sampler import decoding
+
+    cfg = decoding.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=1.0, eos_token_ids=(EOS,))
+    draw = jax.jit(lambda lg, t: decoding.sample_tokens(lg, jax.random.key(3), t, cfg)[0])
+    for value, t in ((0.5, 1e-8), (20.0, 1e-6), (1e8, 1.0), (3.0, 0.7)):
+        share = float(np.mean(np.asarray(draw(jnp.full((20000, 2), value), jnp.float32(t))) == 0))
+        assert abs(share - 0.5) < 0.02, (value, t, share)  # 5.7 standard deviations
+
 
 @pytest.mark.slow
 def test_bf16_generation_runs_and_follows_the_bf16_forward(tiny, generator_for):

@@ -116,6 +116,12 @@ def test_the_tis_loss_weights_each_policy_term_as_trl_does_and_not_the_kl():
     assert float(metrics.tis_truncated_frac) == pytest.approx((w[valid] == 1.5).mean())
     with pytest.raises(ValueError, match="tis_cap=1.5 needs sampler_logprobs_BL"):
         grpo.grpo_loss(logp, adv, mask, config, ref_logprobs_BL=ref)
+    # Per sequence: every token of a row weighs the capped product of its valid tokens' ratios.
+    config = grpo.LossConfig(beta=0.05, tis_cap=1.5, tis_level="sequence")
+    log_ratio = np.where(np.asarray(mask) > 0, np.asarray(logp) - np.asarray(sampler), 0.0).sum(-1, keepdims=True)
+    w_seq = np.minimum(np.exp(log_ratio), 1.5)
+    expected = (-np.asarray(adv)[:, None] * w_seq + 0.05 * k3_grad) * np.asarray(mask) / np.asarray(mask).sum()
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(logp)), expected, rtol=1e-5, atol=1e-7)
 
 
 def test_sampler_mismatch_sums_by_hand():
