@@ -59,3 +59,15 @@ def replicated_unless_divides(x: jax.Array, groups: int) -> jax.Array:
     if jax.sharding.AxisType.Explicit in getattr(mesh, "axis_types", ()) and groups % mesh.size:
         x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return x
+
+
+def finite_on_host(x: jax.Array, name: str) -> np.ndarray | None:
+    """``x`` as float64 on the host, with a one-line error naming its first non-finite value;
+    None where it is traced or not all here (a traced value cannot raise)."""
+    if isinstance(x, jax.core.Tracer) or not x.is_fully_addressable:
+        return None
+    host = np.asarray(x, np.float64)
+    bad = np.argwhere(~np.isfinite(host))
+    if bad.size:
+        raise ValueError(f"{name} must be finite; got {float(host[tuple(bad[0])])} at {bad[0].tolist()}")
+    return host

@@ -71,10 +71,7 @@ def group_advantages(rewards_PM: jax.Array, *, eps: float = 1e-4, std_scaling: S
     rewards = wide.astype(jnp.float32)
     if rewards.ndim < 1:
         raise ValueError(f"rewards must have a group axis [..., M]; got shape {rewards.shape}")
-    if not isinstance(rewards, jax.core.Tracer) and rewards.is_fully_addressable:
-        host, bad = np.asarray(rewards, np.float64), np.argwhere(~np.isfinite(rewards))
-        if bad.size:
-            raise ValueError(f"rewards must be finite; got {float(host[tuple(bad[0])])} at {bad[0].tolist()}")
+    if (host := arrays.finite_on_host(rewards, "rewards")) is not None:
         if host.size and (spread := np.ptp(host, axis=-1).max()) > np.finfo(np.float32).max:  # shift: inf
             raise ValueError(f"rewards of one group must differ by less than float32's largest value (3.4e38); "
                              f"one group spans {spread:.3g}")
@@ -374,6 +371,7 @@ def grpo_loss_terms(logprobs_BL: jax.Array, advantages_B: jax.Array, mask_BL: ja
         raise ValueError(f"beta={config.beta} > 0 needs ref_logprobs_BL")
     if config.tis_cap is not None and sampler_logprobs_BL is None:
         raise ValueError(f"tis_cap={config.tis_cap} needs sampler_logprobs_BL (the sampler's log-probs)")
+    arrays.finite_on_host(advantages_B, "advantages")  # an eager call's NaN had made the loss NaN
 
     valid = mask_BL.astype(bool)
     weight = valid.astype(jnp.float32)

@@ -563,6 +563,9 @@ def test_numpy_64_bit_rewards_without_x64_are_shifted_on_the_host():
     centered = rewards - rewards.mean(-1, keepdims=True)
     np.testing.assert_allclose(np.asarray(grpo.group_advantages(rewards, std_scaling="batch")),
                                centered / (rewards.std(ddof=1) + 1e-4), rtol=1e-6)
+    # An eager loss refuses a NaN advantage, as group_advantages refuses a NaN reward.
+    with pytest.raises(ValueError, match=r"advantages must be finite; got nan at \[1\]"):
+        grpo.grpo_loss(jnp.zeros((2, 3)), jnp.array([1.0, jnp.nan]), jnp.ones((2, 3)))
     # Integers past 2**53 are shifted as integers (float64 would have made them equal).
     np.testing.assert_allclose(np.asarray(grpo.group_advantages(np.array([[2**53, 2**53 + 1]]))),
                                [[-0.7070, 0.7070]], rtol=1e-4)
