@@ -44,6 +44,16 @@ def test_a_new_bucket_runs_at_a_compiled_length_until_its_nth_draw():
     assert reuse.fit(batch_of(300)).ids_PL.shape[1] == 512  # the smallest compiled length that holds it
 
 
+def test_a_bucket_runs_at_the_smallest_compiled_length_that_holds_it_and_evaluation_does_not_count():
+    reuse = buckets.BucketReuse(compile_after=2)
+    reuse.compiled(256)
+    reuse.compiled(1024)
+    assert reuse.fit(batch_of(64), count=False).ids_PL.shape[1] == 256  # not 1024: 4x the prefill
+    # The evaluation's draw above did not count: this training draw is 64's first, not its second.
+    assert reuse.fit(batch_of(64)).ids_PL.shape[1] == 256
+    assert reuse.fit(batch_of(64)).ids_PL.shape[1] == 64
+
+
 def test_compile_after_1_compiles_every_bucket_at_once():
     reuse = buckets.BucketReuse(compile_after=1)
     reuse.compiled(512)

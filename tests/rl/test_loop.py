@@ -110,6 +110,35 @@ def test_run_config_rejects_bad_budgets(kwargs, message):
         rl.RunConfig(out_dir="unused", **kwargs)
 
 
+def test_the_loop_is_done_at_its_step_limit_or_its_training_clock_budget():
+    from types import SimpleNamespace
+
+    from podsjax.rl.run_loop import TrainingLoop
+
+    def done(step, elapsed, **budgets):
+        trainer = SimpleNamespace(run_config=rl.RunConfig(out_dir="unused", **budgets), step=step,
+                                  host=SimpleNamespace(elapsed_train_s=elapsed))
+        return TrainingLoop(trainer).done()
+
+    assert not done(3, 9.9, max_steps=None, time_budget_s=10) and done(3, 10.0, max_steps=None, time_budget_s=10)
+    assert not done(4, 1e6, max_steps=5, time_budget_s=None) and done(5, 0.0, max_steps=5, time_budget_s=None)
+    assert done(2, 10.0, max_steps=5, time_budget_s=10)  # whichever comes first
+
+
+def test_evaluation_takes_the_first_eval_limit_examples():
+    from types import SimpleNamespace
+
+    from podsjax.rewards import default_rewards
+
+    examples = [data.Example(prompt=f"q{i}", answer=str(i)) for i in range(10)]
+    generator = SimpleNamespace(model=SimpleNamespace(mesh=None))
+    for limit, taken in ((2, ["q0", "q1"]), (None, [f"q{i}" for i in range(10)])):
+        run_config = rl.RunConfig(out_dir="unused", max_steps=1, eval_limit=limit)
+        evaluator = rl.Evaluator(generator, None, None, examples, run_config, rows=8,
+                                 rewards=default_rewards("gsm8k"), eos_ids=(1,))
+        assert [e.prompt for e in evaluator.examples] == taken
+
+
 def test_resume_rewinds_logs_to_the_checkpoint_and_keeps_the_cut_tail(tmp_path):
     # What a killed run logged after its checkpoint (here: one whole record and a torn
     # line, plus a log born after it) moves to <log>.superseded; the redo logs it once.

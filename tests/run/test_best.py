@@ -41,3 +41,15 @@ def test_the_eval_history_is_strict_json(tmp_path):
                                                                "step": 3, "eval/mean": 0.5}
     back = run_files.read_history(str(tmp_path))[0]  # read back as the run wrote it: NaN again
     assert np.isnan(back["eval/accuracy"]) and back["eval/mean"] == 0.5
+
+
+def test_a_resume_keeps_the_best_saved_at_its_checkpoint_s_own_step(tmp_path):
+    # The run's last evaluation and its end checkpoint at one step: a resume with a larger
+    # budget had deleted that best (only later ones belong to no checkpoint) and warned.
+    params = {"w": jnp.ones(3)}
+    first = BestPolicy(str(tmp_path), (None, None), resumed_step=None)
+    assert first.offer(2, 0.25, params) and first.offer(4, 0.5, params)
+    warnings = []
+    resumed = BestPolicy(str(tmp_path), (4, 0.5), resumed_step=4, warn=warnings.append)
+    assert (resumed.step, resumed.accuracy) == (4, 0.5) and not warnings
+    assert (tmp_path / BEST_DIRNAME / "4").is_dir() and not (tmp_path / BEST_DIRNAME / "2").exists()
