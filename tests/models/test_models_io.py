@@ -252,6 +252,25 @@ def test_a_tied_checkpoint_s_own_lm_head_loads_only_when_it_is_the_embedding(che
         pm.from_pretrained(copy_with(checkpoints["qwen2"], tmp_path / "other", head(0.5)))
 
 
+def test_heads_compared_block_by_block_differ_in_any_block_and_rope_buffers_are_ignored(checkpoints, tmp_path):
+    from podsjax.models import hf_io
+    from podsjax.models.safetensors_io import SafetensorsFile
+
+    # Compared 2 rows at a time, a difference in the last block only (real vocabularies span 37 blocks).
+    head = np.arange(15, dtype=np.float32).reshape(5, 3)
+    other = head.copy()
+    other[4, 2] += 1
+    safetensors.numpy.save_file({"a": head, "b": head.copy(), "c": other}, tmp_path / "t.safetensors")
+    files = dict.fromkeys("abc", SafetensorsFile(str(tmp_path / "t.safetensors")))
+    assert hf_io._same_tensor(files, "a", "b", rows=2) and not hf_io._same_tensor(files, "a", "c", rows=2)
+
+    # Older Llama saves keep RoPE's inv_freq buffers: they load, ignored.
+    def with_rope_buffer(t):
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+
+    pm.from_pretrained(copy_with(checkpoints["llama"], tmp_path / "rope", with_rope_buffer))
+
+
 def test_incomplete_checkpoints_raise_clear_errors(checkpoints, tmp_path):
     # Config and weights of different models: every mismatch reported, nothing loaded.
     mixed = tmp_path / "mixed"

@@ -58,6 +58,16 @@ def test_no_hub_default_and_scibench_column_names(tmp_path):
     assert example.answer == "5.5" and example.columns["unit"] == "$10^3 K$"
 
 
+def test_a_row_without_a_unit_keeps_the_unit_column_for_every_row(tmp_path):
+    # A row without one gets "": had it no column, the column would be shared by no step
+    # that held it, and the grader would read no row's unit (3.52 x 10^-19 J not 3.52).
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(json.dumps({"problem": "How much?", "answer": "3.52", "unit": "$10^{-19}$ J"}) + "\n"
+                    + json.dumps({"problem": "How many?", "answer": "2"}) + "\n")
+    examples = data.load_task("chemistry", "train", str(path))
+    assert data.reward_columns(examples)["unit"] == ["$10^{-19}$ J", ""]
+
+
 @pytest.mark.parametrize("row,reason", [
     ({"problem": "q", "answer": "about five"}, "not a number"),
     ({"problem": "q", "answer": ""}, "missing or empty"),

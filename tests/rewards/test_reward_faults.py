@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from podsjax.rewards import RewardPool, RewardPoolError, WeightedReward
+from podsjax.rewards import RewardPool, RewardPoolError
 from child_env import child_env
 
 # Module level so that worker processes can import them by name.
@@ -212,3 +212,17 @@ def test_the_cli_run_with_a_hanging_and_a_loud_reward_finishes_and_says_so_once(
     assert len(printed) < 200_000  # not the 4 MB a call of loud prints
     assert (out / "run.log").stat().st_size > 4_000_000
     assert time.monotonic() - start < 300
+
+
+def test_a_batch_gives_up_on_timeouts_in_a_row_not_on_timeouts_in_all():
+    from podsjax.rewards import pool_batch, worker_process
+
+    def run(statuses):
+        batch = pool_batch.Batch(["r"], len(statuses), give_up_after=4)
+        for item, status in enumerate(statuses):
+            batch.record(item, [(1.0 if status == worker_process.OK else 0.0, status, "")])
+        return batch.given_up
+
+    timeout, ok = worker_process.TIMEOUT, worker_process.OK
+    assert run([timeout, ok] * 6) == []  # 6 hangs, never 2 in a row
+    assert run([ok, timeout, timeout, timeout, timeout, ok]) == [0]

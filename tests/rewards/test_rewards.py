@@ -122,6 +122,10 @@ def pool():
         ("The answer is $\\tfrac 3 4$.", Fraction(3, 4)),
         ("<answer>\\frac{1}{-2}</answer>", Fraction(-1, 2)),
         ("<answer>\\dfrac{-3}{-4}</answer>", Fraction(3, 4)),
+        # After ####, the first number is the answer, and the last #### counts.
+        ("<answer>#### 18 (3 apples)</answer>", 18),
+        ("#### 5 was wrong, so\n#### 18", 18),
+        ("<answer>#### 5, no: #### 18 (2 left)</answer>", 18),
     ],
 )
 def test_extract_gsm8k_answer(text, expected):

@@ -125,3 +125,27 @@ def test_odd_inputs_of_the_group_helpers_are_one_line():
         dynamic_sampling.choose_groups(np.zeros(4, bool), -1)
     with pytest.raises(ValueError, match=r"rewards must be \[groups, n\]; got shape \(4,\)"):
         dynamic_sampling.zero_variance(np.zeros(4))
+
+
+def test_a_step_s_mfu_counts_each_prompt_once_per_trained_row(monkeypatch):
+    # 2 prompts of 10 and 6 tokens, n 4, m 2: the update trains each prompt m times (not n),
+    # plus the selected completions' 3 + 5 + 1 + 8 tokens.
+    from types import SimpleNamespace
+
+    from podsjax.devices import topology
+    from podsjax.rl import rl_step
+
+    monkeypatch.setattr(topology, "chip", lambda kind: SimpleNamespace(peak_flops=1e12))
+    algo = SimpleNamespace(n=4, m=2, beta=0.0, old_logprobs="reuse", updates_per_step=1, num_iterations=1)
+    model = SimpleNamespace(config=SimpleNamespace(num_params=10**6), mesh=None)
+    prompts = SimpleNamespace(lengths_P=np.array([10, 6]))
+    draw = SimpleNamespace(prompts=prompts)
+    lengths = np.array([3, 9, 5, 2, 7, 4, 1, 8])
+    selected = np.array([[True, False, True, False], [False, False, True, True]])
+    out = rl_step.RLStep._perf(SimpleNamespace(parts=SimpleNamespace(algo=algo, model=model)), {"generate": 2.0},
+                               [draw], draw, Scored(np.zeros(8), lengths, np.ones(8)), selected, generated=39)
+    trained = (10 + 6) * 2 + (3 + 5 + 1 + 8)
+    flops = perf.step_flops(10**6, prompt_tokens=16, completion_tokens=39, trained_tokens=trained, passes=1,
+                            extra_forwards=0)
+    assert out["perf/mfu"] == pytest.approx(flops / (2.0 * 1e12))
+    assert out["perf/throughput"] == pytest.approx((16 * 4 + 39) / 2.0)

@@ -148,6 +148,7 @@ def test_maj_at_k_hand_values():
     (chemistry_answer_key, ["<answer>3.52</answer>", r"\boxed{3.520}", r"<answer>3.52 \mathrm{~J}</answer>",
                             "<answer>3.5200000001</answer>"],
      ["<answer>3.53</answer>", "<answer>-3.52</answer>"]),
+    (chemistry_answer_key, ["<answer>0</answer>", "<answer>-0</answer>", r"\boxed{0.0}"], ["<answer>1e-9</answer>"]),
 ])
 def test_answer_keys_agree_on_equal_answers_and_only_those(key, same, different):
     keys = {key(text) for text in same}
