@@ -264,27 +264,28 @@ def _presets(task: str, method: str, setting: str | None) -> list[Layer]:
 def _paired_sizes(algorithm: str, given: dict[str, str], flags: list[str],
                   flag_names: dict[str, str] | None = None, refuse_both: bool = False) -> list[str]:
     """GRPO and GRPO-GA train every rollout (the paper's GRPO n=16 against PODS n=64, m=16),
-    so one of --n / --m sets both (``flag_names`` then says so for both); of two, --m does,
-    and with ``refuse_both`` two that differ are refused."""
+    so one of --n / --m sets both (``flag_names`` then says so for both). Of two, --m does;
+    with ``refuse_both`` two that differ are refused, and two alike stay as given (each
+    value then checked as any flag's)."""
     chosen = "algorithm.m" if "algorithm.m" in given else "algorithm.n" if "algorithm.n" in given else None
     if algorithm not in ("grpo", "grpo-ga") or chosen is None:
         return flags
-    if refuse_both and {"algorithm.n", "algorithm.m"} <= given.keys() and _differ(given["algorithm.n"],
-                                                                                  given["algorithm.m"]):
-        n_flag, m_flag = ((flag_names or {}).get(f, "--" + f.split(".")[1]) for f in ("algorithm.n", "algorithm.m"))
-        raise UsageError(f"{algorithm} trains every rollout (n = m), and {n_flag} {given['algorithm.n']} and "
-                         f"{m_flag} {given['algorithm.m']} differ: give one of them, or use --method pods")
+    if refuse_both and {"algorithm.n", "algorithm.m"} <= given.keys():
+        if _differ(given["algorithm.n"], given["algorithm.m"]):
+            n_flag, m_flag = ((flag_names or {}).get(f, "--" + f.split(".")[1]) for f in ("algorithm.n", "algorithm.m"))
+            raise UsageError(f"{algorithm} trains every rollout (n = m), and {n_flag} {given['algorithm.n']} and "
+                             f"{m_flag} {given['algorithm.m']} differ: give one of them, or use --method pods")
+        return flags
     if flag_names is not None:
         flag_names["algorithm.n"] = flag_names["algorithm.m"] = f"{flag_names[chosen]} ({algorithm}: n = m)"
     return [*flags, "--algorithm.n", given[chosen], "--algorithm.m", given[chosen]]
 
 
 def _differ(a: str, b: str) -> bool:
-    """Whether two values given for integer fields differ (016 and 16 do not)."""
-    try:
-        return int(a.strip()) != int(b.strip())
-    except ValueError:
-        return a.strip() != b.strip()
+    """Whether two decimal integers given as text differ (016 and 16 do not); anything else
+    (1_6, 16.0) is left to the value checks, which name it."""
+    decimal = re.compile(r"\s*[+-]?[0-9]+\s*")
+    return bool(decimal.fullmatch(a) and decimal.fullmatch(b)) and int(a) != int(b)
 
 
 def _goes_on(args) -> bool:

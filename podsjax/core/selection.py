@@ -149,8 +149,8 @@ def max_variance(rewards: jax.Array, m: int, *, key: jax.Array | None = None) ->
     Args:
       rewards: [..., N] real rewards (scored in float32, or in float64 under
         JAX's x64 mode when given float64 or int64; without it, NumPy's are shifted
-        by each group's smallest in float64 first; narrower floats, other ints and
-        bools are cast to float32).
+        by each group's smallest on the host first, integers as integers; narrower
+        floats, other ints and bools are cast to float32).
       m: static number of rollouts to keep, 1 <= m <= N.
       key: unused; accepted so all rules share one signature.
 

@@ -46,6 +46,9 @@ def test_one_of_n_and_m_sets_both_for_grpo_and_says_so():
     with pytest.raises(UsageError, match=r"and --algorithm.n 16 and --m 8 differ"):  # the flags as typed
         parse("--algorithm.algorithm", "grpo", "--algorithm.n=16", "--m", "8")
     assert parse("--method", "grpo", "--n", "16", "--m", "016")[1].algorithm.m == 16
+    # A value the project refuses anywhere is refused here too, not dropped for the other flag's.
+    with pytest.raises(UsageError, match="algorithm.n must be a number written in decimal; got '1_6'"):
+        parse("--method", "grpo", "--n", "1_6", "--m", "16")
 
 
 def test_the_listing_shows_every_value_once_with_its_origin(tmp_path):
