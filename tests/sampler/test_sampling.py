@@ -601,6 +601,7 @@ def test_a_tiny_temperature_draws_the_top_token_with_a_finite_log_prob():
     with pytest.raises(ValueError, match="below float32's smallest normal number.*use 0 for greedy"):
         decoding.SamplingConfig(num_samples=1, max_new_tokens=1, temperature=1e-39, eos_token_ids=(EOS,))
 
+
 def test_tied_top_logits_are_drawn_evenly_at_any_temperature():
     # argmax(x + t * noise) had rounded the noise away beside the logits: at t 1e-8 two
     # tied tokens came out 94:6, and at logits of 1e8 and t 1, 98:2.
