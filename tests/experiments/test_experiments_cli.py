@@ -112,6 +112,8 @@ def test_real_checkpoint_run_on_mesh_8_then_resume(checkpoint, data_dir, tmp_pat
     (["--n", "0"], "need 2 <= m <= n (a group of one rollout has advantage 0 and trains nothing); got n=0"),
     (["--model", "/no/such/dir", "--max-steps", "1"], "no such file or directory"),
     (["--full", "--lora-rank", "4"], "exclude each other"),
+    (["--full", "--model.lora_rank", "4"], "exclude each other"),  # the dotted flag had won: a LoRA run
+    (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
     (["--setting", "z"], "unknown setting 'z'"),
     (["--setting", "c"], "is a math setting"),
     (["--mesh", "eight"], "model.mesh: mesh spec 'eight'"),
