@@ -344,3 +344,9 @@ def test_the_rollout_options_take_one_eos_id_as_the_generator_does():
     algo = algorithms.AlgorithmConfig(n=4, m=2, algorithm="pods")
     assert dry_run.rollout_options(algo, 8, 2, 0)["eos_token_ids"] == (2,)
     assert dry_run.rollout_options(algo, 8, [2, 5], 0)["eos_token_ids"] == (2, 5)
+
+
+@pytest.mark.parametrize("n, printed", [(3 * 2**20, "3.0 MiB"), (5 * 2**30, "5.00 GiB"), (1536, "1.5 KiB"),
+                                        (2**30 - 2**20, "1023.0 MiB")])
+def test_sizes_print_in_binary_units(n, printed):
+    assert dry_run_lib.human_bytes(n) == printed

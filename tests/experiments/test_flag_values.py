@@ -191,3 +191,9 @@ def test_a_config_file_s_bare_number_or_boolean_for_a_text_field_is_refused(tmp_
 
 def test_a_config_file_s_integer_for_a_text_field_reads_as_written(tmp_path):
     assert flags.parse("gsm8k", _config(tmp_path, "model: {mesh: 8}\n"))[1].model.mesh == "8"
+
+
+def test_lora_alpha_reaches_the_lora_config():
+    # The default alpha equals the default rank, so only other values show the scale.
+    config = flags.parse("gsm8k", ["--lora-rank", "8", "--lora-alpha", "16"])[1]
+    assert (config.lora.rank, config.lora.alpha) == (8, 16)

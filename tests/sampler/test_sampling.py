@@ -203,6 +203,19 @@ def test_same_key_same_rollouts_and_samples_differ(tiny, generator_for):
     assert len({tuple(row) for row in first_prompt}) > 1
 
 
+def test_each_step_draws_with_a_key_of_its_own(tiny, generator_for):
+    # All-zero weights give uniform logits at every step: two steps drawn with one key would
+    # pick the same token in every row, not in about 1 of V.
+    _, model, params = tiny["qwen2_tied_gqa"]
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    ids, mask = left_padded_prompts(4)
+    r = generator_for(model).generate(zeros, ids, mask, jax.random.key(5), num_samples=32, max_new_tokens=8,
+                                      temperature=1.0, eos_token_ids=EOS)
+    tokens = np.asarray(r.tokens)
+    same = [(tokens[:, t] == tokens[:, t + 1]).mean() for t in range(7)]
+    assert max(same) < 0.1, same
+
+
 def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
     from podsjax.sampler import decoding
 
