@@ -198,6 +198,11 @@ def test_non_finite_loss_skips_the_update(model_and_params):
     assert int(good.skipped) == 0 and tree_max_diff(good_state.params, params) > 0
     # The schedule follows the updates applied, as optax counts them: the skip did not move it.
     assert float(good.learning_rate) == float(metrics.learning_rate) == pytest.approx(1e-2)
+    # A finite loss whose gradient's norm is not finite (its squares pass float32's range) skips too.
+    huge = batch.replace(advantages=batch.advantages * 1e25)
+    huge_state, huge_metrics = jax.jit(step)(good_state, huge, None)
+    assert np.isfinite(float(huge_metrics.loss)) and int(huge_metrics.skipped) == 1
+    assert tree_max_diff(huge_state.params, good_state.params) == 0.0
     _, after = jax.jit(step)(good_state, batch, None)
     assert float(after.learning_rate) < 1e-2
 
