@@ -225,6 +225,18 @@ def test_build_batch_selects_and_normalizes_over_the_subset():
         np.testing.assert_array_equal(np.asarray(batch.completion_mask[rows]), mask[p, idx[p]].astype(np.float32))
 
 
+@pytest.mark.parametrize("scaling, eps", [("none", 1e-4), ("batch", 0.5), ("group", 0.5)])
+def test_build_batch_scales_advantages_as_configured(scaling, eps):
+    prompt_ids, prompt_mask, tokens, mask, rewards = random_rollouts(5)
+    config = paper_settings.method_config("pods", n=N, m=M, std_scaling=scaling, advantage_eps=eps)
+    batch, idx = train_step.build_batch(prompt_ids, prompt_mask, tokens, mask, rewards, config)
+    chosen = np.take_along_axis(rewards.astype(np.float64), np.asarray(idx), axis=1)
+    centred = chosen - chosen.mean(axis=1, keepdims=True)
+    scale = {"none": 1.0, "batch": chosen.std(ddof=1) + eps,
+             "group": chosen.std(axis=1, ddof=1, keepdims=True) + eps}[scaling]
+    np.testing.assert_allclose(np.asarray(batch.advantages), (centred / scale).ravel(), rtol=1e-5, atol=1e-6)
+
+
 def test_build_batch_refuses_inputs_whose_shapes_disagree_in_one_line():
     # Too short completions had filled rows with int32's minimum; too few prompts had been
     # broadcast over every prompt's rewards; float ids had been truncated.
