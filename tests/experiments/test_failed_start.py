@@ -50,6 +50,14 @@ def test_a_failed_start_keeps_what_was_there_and_its_run_log(tmp_path, capsys, m
     assert cli.main("gsm8k", [*ARGS, "--out", str(out)]) == 0  # a run log does not make it "not empty"
 
 
+def test_a_failed_start_keeps_the_empty_directory_the_user_made(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    monkeypatch.setattr(runner, "_train_and_export", failing({"config.json": "{}"}))
+    assert cli.main("gsm8k", [*ARGS, "--out", str(out)]) == 1
+    assert out.is_dir() and os.listdir(out) == []
+
+
 @pytest.mark.parametrize("progress", [{"checkpoints/1/x": ""}, {"metrics.jsonl": json.dumps({"step": 1}) + "\n"}])
 def test_a_run_that_got_somewhere_keeps_everything(tmp_path, capsys, monkeypatch, progress):
     out = tmp_path / "run"

@@ -66,6 +66,16 @@ def test_a_folder_of_user_files_is_not_deleted(tmp_path, data_dir, capsys, never
     assert tree(out) == before
 
 
+def test_a_folder_of_run_entries_without_a_run_config_is_not_deleted(tmp_path, capsys, never_trains):
+    # A run log beside them does not make it a run: only the config.json a run writes first.
+    out = tmp_path / "looks_like_a_run"
+    write(out, {"run.log": "", "metrics.jsonl": "{}\n", "checkpoints/7/x": ""})
+    before = tree(out)
+    err = refused(["--out", str(out)], capsys)
+    assert "no podsjax run directory" in err
+    assert tree(out) == before
+
+
 def test_the_model_directory_is_not_deleted(tmp_path, data_dir, capsys, never_trains):
     model = tmp_path / "model"
     write(model, {"config.json": json.dumps(HF_CONFIG), "model.safetensors": "weights", "tokenizer.json": "{}"})
