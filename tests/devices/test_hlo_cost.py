@@ -110,6 +110,10 @@ def test_a_roofline_takes_the_slower_of_bytes_and_flops_per_kernel():
     assert step.roofline_s == pytest.approx(step.bytes / 1e9 + 0.0, rel=1e-3)  # every kernel is memory-bound here
     (_, compute_bound), = hlo_cost.while_loops(GPU_STYLE, bandwidth=1e18, peak_flops=1.0)
     assert compute_bound.roofline_s == pytest.approx(step.flops)
+    # A GEMM as slow in flops as in bytes counts once, not twice (its time is the slower, not the sum).
+    gemm = 8 * 64 * 2 + SLICE + 8 * 32 * 2
+    (_, balanced), = hlo_cost.while_loops(GPU_STYLE, bandwidth=1e9, peak_flops=2 * 8 * 32 * 64 / (gemm / 1e9))
+    assert balanced.roofline_s == pytest.approx(step.bytes / 1e9, rel=1e-3)
 
 
 def test_type_bytes_reads_arrays_and_tuples_and_skips_library_scratch():
