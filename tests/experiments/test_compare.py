@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import json
 import os
+import math
 
 import pytest
 
@@ -308,3 +309,14 @@ def test_another_comparison_never_replaces_an_earlier_one_s_summary(tmp_path, ca
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "holds the comparison of grpo, pods over seeds 0, 1, 2" in err, err
     assert sorted(os.listdir(out)) == ["summary.json"] and json.loads((out / "summary.json").read_text()) == summary
+
+
+@pytest.mark.parametrize("methods, baseline", [("pods,grpo", "grpo"), ("pods,grpo-ga", "pods")])
+def test_the_baseline_is_grpo_wherever_it_is_compared(tmp_path, methods, baseline):
+    assert prepare(tmp_path, "--methods", methods, "--max-steps", "3").baseline == baseline
+
+
+def test_a_method_that_never_reaches_the_target_reads_never_in_its_median():
+    line = compare.format_step_speedups({"pods": {"speedups": [0.0], "steps_to_target": [math.inf], "median": 0.0}},
+                                        "grpo")
+    assert "pods: never (median never)" in line
