@@ -582,6 +582,9 @@ def test_filters_keep_exactly_the_top_k_and_the_nucleus():
             order = np.argsort(-probs)
             mass_before = np.cumsum(probs[order]) - probs[order]
             assert set(np.flatnonzero(kept[row])) == set(order[mass_before < top_p]), (row, top_p)
+    # At the boundary: a nucleus whose top token holds exactly top_p is that token alone, as in transformers.
+    boundary = np.asarray(filter_logits(jnp.log(jnp.array([[0.5, 0.25, 0.25]])), 0, 0.5))
+    assert np.isfinite(boundary).tolist() == [[True, False, False]]
 
 
 def test_sampling_at_a_temperature_draws_from_the_tempered_logits():

@@ -87,6 +87,12 @@ def test_tis_weights_match_a_hand_computation_per_token_and_per_sequence():
     products = [np.exp(0.0), np.exp(0.2 - 0.1)]  # row 0: 1 - 1 + 0; row 1: 0.2 - 0.1, padding left out
     np.testing.assert_allclose(np.asarray(seq_w), np.repeat(np.minimum(products, 2.0)[:, None], 3, 1), rtol=1e-6)
     assert not np.asarray(seq_cut).any()
+    # A padded position's values, however large, neither weigh a sequence nor count as cut.
+    for level in ("token", "sequence"):
+        pad_w, pad_cut = grpo.tis_weights(np.array([[0.0, 5.0]]), np.zeros((1, 2)), np.array([[1, 0]]), cap=2.0,
+                                          level=level)
+        np.testing.assert_array_equal(np.asarray(pad_w), [[1.0, 1.0]], err_msg=level)
+        assert not np.asarray(pad_cut).any(), level
     huge, _ = grpo.tis_weights(np.array([[500.0]]), np.array([[0.0]]), np.ones((1, 1)), cap=3.0)
     assert float(huge[0, 0]) == pytest.approx(3.0)  # capped in log space: no overflow to inf
     with pytest.raises(ValueError, match="tis_level must be one of"):
