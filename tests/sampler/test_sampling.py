@@ -216,6 +216,15 @@ def test_each_step_draws_with_a_key_of_its_own(tiny, generator_for):
     assert max(same) < 0.1, same
 
 
+def test_any_nonzero_prompt_mask_value_is_a_real_token(tiny, generator_for):
+    _, model, params = tiny["qwen2_tied_gqa"]
+    ids, mask = left_padded_prompts(6)
+    kwargs = dict(num_samples=2, max_new_tokens=4, temperature=1.0, eos_token_ids=EOS)
+    as_bool = generator_for(model).generate(params, ids, mask.astype(bool), jax.random.key(2), **kwargs)
+    as_half = generator_for(model).generate(params, ids, 0.5 * mask.astype(np.float32), jax.random.key(2), **kwargs)
+    np.testing.assert_array_equal(np.asarray(as_half.tokens), np.asarray(as_bool.tokens))
+
+
 def test_prefill_runs_once_per_prompt_not_per_sample(tiny):
     from podsjax.sampler import decoding
 
