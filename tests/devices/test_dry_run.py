@@ -350,3 +350,10 @@ def test_the_rollout_options_take_one_eos_id_as_the_generator_does():
                                         (2**30 - 2**20, "1023.0 MiB")])
 def test_sizes_print_in_binary_units(n, printed):
     assert dry_run_lib.human_bytes(n) == printed
+
+
+def test_a_full_fine_tune_in_its_own_dtype_counts_its_weights_once():
+    base = {"w": jnp.zeros((8, 8), jnp.float32)}  # 256 bytes
+    assert dry_run_lib._param_bytes(base, base, None) == 256  # trains the weights the sampler reads
+    assert dry_run_lib._param_bytes(jax.tree.map(lambda x: x.astype(jnp.bfloat16), base), base, None) == 128 + 256
+    assert dry_run_lib._param_bytes(base, {"a": jnp.zeros((8, 2), jnp.float32)}, base) == 256 + 64 + 256  # LoRA, KL ref
