@@ -144,28 +144,30 @@ def test_sampler_mismatch_sums_by_hand():
 
 
 @pytest.mark.slow
-def test_mini_batches_equal_steps_taken_one_after_another(model_and_params):
+@pytest.mark.parametrize("steps, iterations", [(2, 2), (1, 2)])
+def test_mini_batches_equal_steps_taken_one_after_another(model_and_params, steps, iterations):
     """steps_per_generation 2 x num_iterations 2 is four optimizer steps on the two halves, each
-    against the start policy's log-probs, as sampler-mode single steps reproduce them."""
+    against the start policy's log-probs, as sampler-mode single steps reproduce them (and two
+    iterations over one batch: the second step's ratios are against the start policy too)."""
     model, params = model_and_params
-    fields = dict(steps_per_generation=2, num_iterations=2)
+    fields = dict(steps_per_generation=steps, num_iterations=iterations)
     batch = batch_with(model, params, {**fields, "log_mismatch": True})
-    assert batch.loss_denominator.shape == (2,)
+    assert batch.loss_denominator.shape == ((steps,) if steps > 1 else ())  # one per mini-batch
     state, metrics = run_step(model, params, batch, **fields, log_mismatch=True)
-    assert int(state.step) == 4
+    assert int(state.step) == steps * iterations
 
-    half = P * N // 2
+    half = P * N // steps
     config = algorithms.AlgorithmConfig(**COMMON, old_logprobs="sampler")
     policy, reference = train_step.full_apply_fn(model)
     optimizer = algorithms.make_optimizer(config)
     one_step = jax.jit(train_step.make_train_step(policy, optimizer, config, reference))
     ref_state, losses = train_step.init_state(params, optimizer), []
-    for _ in range(2):
-        for s in range(2):
+    for _ in range(iterations):
+        for s in range(steps):
             rows = slice(s * half, (s + 1) * half)
             mini = batch.replace(**{name: getattr(batch, name)[rows] for name in
                                     ("input_ids", "attention_mask", "completion_mask", "advantages",
-                                     "sampler_logprobs")}, loss_denominator=batch.loss_denominator[s])
+                                     "sampler_logprobs")}, loss_denominator=jnp.reshape(batch.loss_denominator, (steps,))[s])
             ref_state, m = one_step(ref_state, mini, None)
             losses.append(float(m.loss))
     assert max_diff(state.params, ref_state.params) <= 1e-5
