@@ -197,3 +197,12 @@ def test_lora_alpha_reaches_the_lora_config():
     # The default alpha equals the default rank, so only other values show the scale.
     config = flags.parse("gsm8k", ["--lora-rank", "8", "--lora-alpha", "16"])[1]
     assert (config.lora.rank, config.lora.alpha) == (8, 16)
+
+
+def test_the_tiny_presets_settings_with_a_model_are_refused_in_one_line(tmp_path):
+    with pytest.raises(UsageError, match="belong to the tiny preset; they mean nothing with a model.path"):
+        flags.parse("gsm8k", ["--model", str(tmp_path), "--warmup-steps", "5", "--max-steps", "1"])
+
+
+def test_out_and_run_out_dir_naming_one_directory_are_one_run_directory():
+    assert flags.parse("gsm8k", ["--out", "x/", "--run.out_dir", "x", "--max-steps", "1"])[0].out == "x"
