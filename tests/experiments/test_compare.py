@@ -4,8 +4,8 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import math
+import os
 
 import pytest
 
@@ -320,3 +320,16 @@ def test_a_method_that_never_reaches_the_target_reads_never_in_its_median():
     line = compare.format_step_speedups({"pods": {"speedups": [0.0], "steps_to_target": [math.inf], "median": 0.0}},
                                         "grpo")
     assert "pods: never (median never)" in line
+
+
+@pytest.mark.parametrize("change", [["--n", "32"], ["--m", "8"], ["--lr", "0.001"]])
+def test_a_stopped_run_of_another_setting_is_not_continued(tmp_path, change):
+    out = tmp_path / "run"
+    out.mkdir()
+    _, started = flags_lib.parse("gsm8k", ["--out", str(out), "--max-steps", "2", "--n", "16", "--m", "4"])
+    (out / "config.json").write_text(json.dumps(config_decoding.as_json(started)))
+    _, same = flags_lib.parse("gsm8k", ["--out", str(out), "--max-steps", "4", "--n", "16", "--m", "4"])
+    compare.check_resumable(same, str(out))  # a larger budget only: continued
+    _, other = flags_lib.parse("gsm8k", ["--out", str(out), "--max-steps", "2", "--n", "16", "--m", "4", *change])
+    with pytest.raises(UsageError, match="was started with --algorithm"):
+        compare.check_resumable(other, str(out))
