@@ -333,3 +333,9 @@ def test_a_stopped_run_of_another_setting_is_not_continued(tmp_path, change):
     _, other = flags_lib.parse("gsm8k", ["--out", str(out), "--max-steps", "2", "--n", "16", "--m", "4", *change])
     with pytest.raises(UsageError, match="was started with --algorithm"):
         compare.check_resumable(other, str(out))
+
+
+def test_a_complete_runs_evaluation_at_its_last_step_is_within_the_budget(tmp_path, capsys):
+    _, config = flags_lib.parse("gsm8k", ["--out", str(tmp_path), "--max-steps", "10"])
+    history = [{"step": 5, "accuracy": 0.5}, {"step": 10, "accuracy": 0.7}, {"step": 12, "accuracy": 0.9}]
+    assert compare._within_budget(history, config, str(tmp_path)) == history[:2]
