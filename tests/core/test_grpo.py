@@ -136,6 +136,12 @@ def test_entropy_of_filtered_logits_is_the_kept_tokens_entropy_with_finite_gradi
     assert np.all(np.asarray(grad[:, 3:]) == 0.0)
 
 
+def test_a_token_beside_an_infinite_logit_has_log_prob_minus_infinity():
+    # Its limit: the infinite logit takes all the mass (unshifted, inf - inf had made it NaN).
+    out = logprobs.token_logprobs(jnp.array([[jnp.inf, 0.0, -1.0]]), jnp.array([1]))
+    assert float(out[0]) == -math.inf
+
+
 def test_token_logprobs_does_not_materialize_a_log_softmax():
     b, l, v = 4, 64, 8192
     logits_bytes = b * l * v * 4
